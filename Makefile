@@ -1,0 +1,41 @@
+# Every target that needs the virtual environment depends on its stamp, so `make test` alone works
+# on a fresh machine. GPU users: `make setup TORCH_SPEC='torch==2.13.0' PIP_EXTRA='--index-url ...'`
+# or bring their own torch into an existing environment (VENV=path).
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PIP_EXTRA ?=
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+DRILL_ARGS ?=
+
+.PHONY: setup test test-fast drill lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(PIP_EXTRA) "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not slurm" $(PYTEST_ARGS)
+
+drill: $(STAMP)
+	$(PY) -m supervisor drill $(DRILL_ARGS)
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+bench: $(STAMP)
+	$(PY) bench/verify.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

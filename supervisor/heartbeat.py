@@ -1,0 +1,182 @@
+"""Per-rank heartbeat files: written atomically by the trainer, read as frozen snapshots.
+
+A reader never crashes on a garbage, half-written or missing file: it gets a snapshot whose
+``heartbeat`` is None and whose ``problem`` says why, so the watchdog and ``status`` can show it
+as unknown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from enum import Enum
+from pathlib import Path
+
+from supervisor.fsutil import atomic_write_json, hostname
+from supervisor.layout import HEARTBEATS, RunDir
+
+_FILE_PREFIX = "rank_"
+
+
+class Phase(str, Enum):
+    STARTUP = "startup"
+    LOAD = "load"
+    TRAIN = "train"
+    SAVE = "save"
+    DONE = "done"
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    rank: int
+    local_rank: int
+    host: str
+    pid: int
+    step: int
+    phase: Phase
+    wall_time: float
+    restart_count: int = 0
+    world_size: int = 0
+    last_step_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["phase"] = self.phase.value
+        return d
+
+
+@dataclass(frozen=True)
+class HeartbeatSnapshot:
+    """What one heartbeat file said when it was read; ``heartbeat`` is None when unreadable."""
+
+    rank: int
+    path: str
+    heartbeat: Heartbeat | None
+    problem: str = ""
+
+    @property
+    def known(self) -> bool:
+        return self.heartbeat is not None
+
+
+def write_heartbeat(root: str | Path, hb: Heartbeat) -> None:
+    path = RunDir.of(root).heartbeat(hb.rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, hb.to_dict())
+
+
+def parse_heartbeat(text: str | bytes) -> Heartbeat:
+    """Raise ValueError (with a short reason) unless ``text`` is a complete heartbeat."""
+    try:
+        d = json.loads(text)
+    except (ValueError, UnicodeDecodeError):
+        raise ValueError("not valid JSON") from None
+    if not isinstance(d, dict):
+        raise ValueError("not a JSON object")
+    try:
+        return Heartbeat(
+            rank=_int(d["rank"]),
+            local_rank=_int(d["local_rank"]),
+            host=str(d["host"]),
+            pid=_int(d["pid"]),
+            step=_int(d["step"]),
+            phase=Phase(d["phase"]),
+            wall_time=float(d["wall_time"]),
+            restart_count=_int(d.get("restart_count", 0)),
+            world_size=_int(d.get("world_size", 0)),
+            last_step_s=float(d.get("last_step_s", 0.0)),
+        )
+    except KeyError as e:
+        raise ValueError(f"field {e} missing") from None
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"bad field ({e})") from None
+
+
+def _int(v: object) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{v!r} is not an integer")
+    return v
+
+
+def read_heartbeat(path: str | Path, rank: int) -> HeartbeatSnapshot:
+    try:
+        hb = parse_heartbeat(Path(path).read_bytes())
+    except FileNotFoundError:
+        return HeartbeatSnapshot(rank, str(path), None, "missing")
+    except OSError as e:
+        return HeartbeatSnapshot(rank, str(path), None, f"unreadable ({e.strerror})")
+    except ValueError as e:
+        return HeartbeatSnapshot(rank, str(path), None, str(e))
+    if hb.rank != rank:
+        return HeartbeatSnapshot(rank, str(path), None, f"file of rank {rank} says rank {hb.rank}")
+    return HeartbeatSnapshot(rank, str(path), hb)
+
+
+def read_heartbeats(root: str | Path) -> list[HeartbeatSnapshot]:
+    """Snapshots of every ``rank_NNNNN.json`` under the root's heartbeat folder, by rank."""
+    folder = Path(root) / HEARTBEATS
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        if not (name.startswith(_FILE_PREFIX) and name.endswith(".json")):
+            continue
+        digits = name[len(_FILE_PREFIX) : -len(".json")]
+        if digits.isdigit():
+            out.append(read_heartbeat(folder / name, int(digits)))
+    return sorted(out, key=lambda s: s.rank)
+
+
+class HeartbeatWriter:
+    """Throttled writer for one rank: at most one write per ``interval_s`` within a phase, and
+    always on a phase change, so thousands of ranks do not flood a shared filesystem."""
+
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        rank: int,
+        local_rank: int,
+        world_size: int,
+        restart_count: int = 0,
+        interval_s: float = 1.0,
+    ) -> None:
+        self.root = Path(root)
+        self.rank = rank
+        self.local_rank = local_rank
+        self.world_size = world_size
+        self.restart_count = restart_count
+        self.interval_s = interval_s
+        self._host = hostname()
+        self._pid = os.getpid()
+        self._last_write = float("-inf")
+        self._last_phase: Phase | None = None
+
+    def beat(self, step: int, phase: Phase, last_step_s: float = 0.0, force: bool = False) -> bool:
+        """Write a heartbeat if due; return whether one was written."""
+        now = time.time()
+        due = force or phase != self._last_phase or now - self._last_write >= self.interval_s
+        if not due:
+            return False
+        write_heartbeat(
+            self.root,
+            Heartbeat(
+                rank=self.rank,
+                local_rank=self.local_rank,
+                host=self._host,
+                pid=self._pid,
+                step=step,
+                phase=phase,
+                wall_time=now,
+                restart_count=self.restart_count,
+                world_size=self.world_size,
+                last_step_s=last_step_s,
+            ),
+        )
+        self._last_write = now
+        self._last_phase = phase
+        return True

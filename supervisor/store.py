@@ -1,0 +1,473 @@
+"""The checkpoint store: commit protocol, discovery, validation, walk-back (pick), retention.
+
+Commit: the writer fills ``step_N.tmp.<pid>.<host>/``, then ``commit`` fsyncs every file, writes
+``manifest.json`` last, fsyncs, renames the directory to ``step_N/``, fsyncs the root, and only then
+points ``latest`` at it (tmp file, fsync, ``os.replace``, fsync dir) under the root's lock. A crash
+at any point leaves the old state or the new one: a tmp dir is never listed, and a directory without
+a valid manifest is never picked.
+
+Mutations (pointer update, quarantine, prune) hold the root's file lock; readers take no lock.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock
+
+from supervisor.fsutil import atomic_write_text, fsync_dir, fsync_tree, hostname, pid_alive
+from supervisor.layout import (
+    MANIFEST,
+    REASON,
+    RunDir,
+    parse_committed,
+    parse_tmp,
+    step_dirname,
+    tmp_dirname,
+)
+from supervisor.manifest import (
+    FileEntry,
+    Manifest,
+    ManifestError,
+    ProgressFn,
+    build_manifest,
+    checksum_file,
+    list_files,
+    read_manifest,
+)
+
+DEFAULT_KEEP = 3
+MIN_KEEP = 2
+STALE_TMP_AFTER_S = 3600.0
+LOCK_TIMEOUT_S = 600.0
+
+
+class StoreError(Exception):
+    """Bad input or state the user must fix; ``str(e)`` is one line naming the file and the fix."""
+
+
+class MismatchError(StoreError):
+    """The newest valid checkpoint was made with another model config or data: not corruption."""
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    step: int
+    path: Path
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ref: CheckpointRef
+    ok: bool
+    reason: str = ""
+    manifest: Manifest | None = None
+
+
+@dataclass(frozen=True)
+class PickResult:
+    chosen: Verdict | None
+    quarantined: tuple[tuple[str, str], ...] = ()
+    latest_before: str | None = None
+    latest_after: str | None = None
+    dry_run: bool = False
+
+
+@dataclass(frozen=True)
+class PruneResult:
+    deleted: tuple[str, ...] = ()
+    kept: tuple[str, ...] = ()
+    stale_tmp_removed: tuple[str, ...] = ()
+    dry_run: bool = False
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """What the resuming run is; a checkpoint that differs is refused unless allowed."""
+
+    model_config_hash: str | None = None
+    data_fingerprint: str | None = None
+    allow_config_change: bool = False
+    allow_data_change: bool = False
+
+
+# ---------------------------------------------------------------- root and lock
+
+
+def require_root(root: str | Path) -> Path:
+    """The root as a Path, or a one-line StoreError saying what is wrong with it."""
+    p = Path(root)
+    if not p.exists():
+        raise StoreError(f"{p}: checkpoint root does not exist (check --ckpt-root)")
+    if not p.is_dir():
+        raise StoreError(f"{p}: checkpoint root is not a directory (check --ckpt-root)")
+    if not os.access(p, os.R_OK | os.X_OK):
+        raise StoreError(f"{p}: checkpoint root is not readable (check permissions)")
+    return p
+
+
+@contextmanager
+def root_lock(root: str | Path, timeout: float = LOCK_TIMEOUT_S) -> Iterator[None]:
+    """Exclusive lock on the root for mutations; re-entrant within one process."""
+    lock = FileLock(str(RunDir.of(root).lock), timeout=timeout)
+    with lock:
+        yield
+
+
+# ---------------------------------------------------------------- commit protocol
+
+
+def begin(root: str | Path, step: int) -> Path:
+    """Create and return the tmp dir the writer fills for ``step``."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / tmp_dirname(step, os.getpid(), hostname())
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    fsync_dir(root)
+    return tmp
+
+
+def commit(
+    root: str | Path,
+    tmp_dir: str | Path,
+    *,
+    step: int,
+    world_size: int,
+    model_config_hash: str = "",
+    data_fingerprint: str = "",
+    parallelism: Mapping[str, Any] | None = None,
+    torch_version: str = "",
+    meta: Mapping[str, Any] | None = None,
+    known: Mapping[str, FileEntry] | None = None,
+    on_phase: Callable[[str], None] | None = None,
+) -> CheckpointRef:
+    """Make ``tmp_dir`` the committed checkpoint ``step_N`` and point ``latest`` at it.
+
+    ``on_phase`` is called with "fsync", "manifest", "rename", "latest": crash-injection tests use
+    it to die at every point of the protocol.
+    """
+    root, tmp = Path(root), Path(tmp_dir)
+    phase = on_phase or (lambda _p: None)
+    phase("fsync")
+    fsync_tree(tmp)
+    phase("manifest")
+    manifest = build_manifest(
+        tmp,
+        step=step,
+        world_size=world_size,
+        model_config_hash=model_config_hash,
+        data_fingerprint=data_fingerprint,
+        parallelism=parallelism,
+        torch_version=torch_version,
+        meta=meta,
+        known=known,
+    )
+    with open(tmp / MANIFEST, "w") as f:
+        f.write(manifest.to_json())
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(tmp)
+    final = root / step_dirname(step)
+    with root_lock(root):
+        if final.exists():
+            _quarantine_locked(root, CheckpointRef(step, final), "replaced by a new commit of the same step")
+        phase("rename")
+        os.rename(tmp, final)
+        fsync_dir(root)
+        phase("latest")
+        newest = next(iter(list_checkpoints(root)), None)
+        if newest is None or newest.step <= step:
+            write_latest(root, final.name)
+    return CheckpointRef(step, final)
+
+
+def write_latest(root: str | Path, name: str | None) -> None:
+    """Point ``latest`` at ``name`` atomically, or remove it when there is nothing to point at."""
+    path = RunDir.of(root).latest
+    if name is None:
+        if path.exists():
+            path.unlink()
+            fsync_dir(path.parent)
+        return
+    atomic_write_text(path, name + "\n")
+
+
+def read_latest(root: str | Path) -> str | None:
+    """What ``latest`` says (a hint, never trusted alone), or None when missing or garbage."""
+    try:
+        text = RunDir.of(root).latest.read_text(errors="replace").strip()
+    except OSError:
+        return None
+    return text if parse_committed(text) is not None else None
+
+
+# ---------------------------------------------------------------- discovery and validation
+
+
+def list_checkpoints(root: str | Path) -> list[CheckpointRef]:
+    """Committed checkpoint directories, newest first. Tmp dirs are never checkpoints."""
+    root = Path(root)
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    refs = []
+    for name in names:
+        step = parse_committed(name)
+        if step is not None and (root / name).is_dir():
+            refs.append(CheckpointRef(step, root / name))
+    return sorted(refs, key=lambda r: r.step, reverse=True)
+
+
+def validate(ref: CheckpointRef, deep: bool = False, progress: ProgressFn | None = None) -> Verdict:
+    """Quick: manifest parses, known schema, right step, every file present at its size, nothing
+    unlisted. Deep: also every checksum. The reason names the file and what is wrong."""
+
+    def bad(why: str) -> Verdict:
+        return Verdict(ref, False, f"{ref.name}: {why}")
+
+    try:
+        m = read_manifest(ref.path)
+    except ManifestError as e:
+        return bad(str(e))
+    if m.step != ref.step:
+        return bad(f"{MANIFEST} is for step {m.step}, not {ref.step}")
+    try:
+        present = set(list_files(ref.path)) - {MANIFEST}
+    except OSError as e:
+        return bad(f"unreadable ({e.strerror})")
+    for name, entry in sorted(m.files.items()):
+        if name not in present:
+            return bad(f"{name} is missing")
+        size = (ref.path / name).stat().st_size
+        if size != entry.size:
+            return bad(f"{name} is {size} bytes, manifest says {entry.size}")
+    unlisted = sorted(present - set(m.files))
+    if unlisted:
+        return bad(f"{unlisted[0]} is not listed in {MANIFEST}")
+    if deep:
+        for name, entry in sorted(m.files.items()):
+            try:
+                actual = checksum_file(ref.path / name, progress)
+            except OSError as e:
+                return bad(f"{name} is unreadable ({e.strerror})")
+            if actual != entry.checksum:
+                return bad(f"{name} checksum {actual[:12]}.. differs from manifest {entry.checksum[:12]}..")
+    return Verdict(ref, True, "", m)
+
+
+def check_compatible(v: Verdict, expect: Expectation) -> None:
+    """Raise MismatchError when the checkpoint was made for another model config or data."""
+    m = v.manifest
+    if m is None:
+        return
+    if (
+        expect.model_config_hash is not None
+        and m.model_config_hash != expect.model_config_hash
+        and not expect.allow_config_change
+    ):
+        raise MismatchError(
+            f"{v.ref.name}: model config hash {m.model_config_hash} differs from this run's "
+            f"{expect.model_config_hash}; restore the config or pass --allow-config-change"
+        )
+    if (
+        expect.data_fingerprint is not None
+        and m.data_fingerprint != expect.data_fingerprint
+        and not expect.allow_data_change
+    ):
+        raise MismatchError(
+            f"{v.ref.name}: data fingerprint {m.data_fingerprint} differs from this run's "
+            f"{expect.data_fingerprint}; restore the data or pass --allow-data-change"
+        )
+
+
+# ---------------------------------------------------------------- pick and quarantine
+
+
+def pick(
+    root: str | Path,
+    *,
+    deep: bool = False,
+    expect: Expectation | None = None,
+    dry_run: bool = False,
+    progress: ProgressFn | None = None,
+) -> PickResult:
+    """The checkpoint a resume must use: the newest valid one.
+
+    Walks back past invalid checkpoints, quarantining each with its reason, then repoints
+    ``latest``. A config or data mismatch on the newest valid one raises MismatchError and moves
+    nothing more. ``dry_run`` decides the same but changes nothing.
+    """
+    root = require_root(root)
+    expect = expect or Expectation()
+    with root_lock(root):
+        latest_before = read_latest(root)
+        quarantined: list[tuple[str, str]] = []
+        chosen: Verdict | None = None
+        for ref in list_checkpoints(root):
+            v = validate(ref, deep=deep, progress=progress)
+            if v.ok:
+                chosen = v
+                break
+            quarantined.append((ref.name, v.reason))
+            if not dry_run:
+                _quarantine_locked(root, ref, v.reason)
+        if chosen is not None:
+            check_compatible(chosen, expect)
+        latest_after = chosen.ref.name if chosen else None
+        if not dry_run and latest_after != latest_before:
+            write_latest(root, latest_after)
+    return PickResult(chosen, tuple(quarantined), latest_before, latest_after, dry_run)
+
+
+def quarantine(root: str | Path, ref: CheckpointRef, reason: str) -> Path:
+    """Move a checkpoint to ``quarantine/`` with ``reason.txt``; never deletes anything."""
+    with root_lock(root):
+        return _quarantine_locked(Path(root), ref, reason)
+
+
+def _quarantine_locked(root: Path, ref: CheckpointRef, reason: str) -> Path:
+    qdir = RunDir.of(root).quarantine
+    qdir.mkdir(exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dest = qdir / f"{ref.name}-{stamp}"
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = qdir / f"{ref.name}-{stamp}-{n}"
+    os.rename(ref.path, dest)
+    fsync_dir(root)
+    atomic_write_text(dest / REASON, reason.rstrip("\n") + "\n")
+    fsync_dir(qdir)
+    return dest
+
+
+@dataclass(frozen=True)
+class QuarantinedRef:
+    name: str
+    path: Path
+    reason: str
+
+
+def list_quarantined(root: str | Path) -> list[QuarantinedRef]:
+    qdir = RunDir.of(root).quarantine
+    try:
+        names = sorted(os.listdir(qdir), reverse=True)
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        try:
+            reason = (qdir / name / REASON).read_text(errors="replace").strip()
+        except OSError:
+            reason = "(no reason.txt)"
+        out.append(QuarantinedRef(name, qdir / name, reason))
+    return out
+
+
+# ---------------------------------------------------------------- retention
+
+
+@dataclass(frozen=True)
+class TmpRef:
+    path: Path
+    step: int
+    pid: int
+    host: str
+    age_s: float
+
+
+def list_tmp(root: str | Path, now: float | None = None) -> list[TmpRef]:
+    root = Path(root)
+    now = time.time() if now is None else now
+    out = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    for name in names:
+        t = parse_tmp(name)
+        if t is None:
+            continue
+        try:
+            age = now - (root / name).stat().st_mtime
+        except OSError:
+            continue
+        out.append(TmpRef(root / name, t.step, t.pid, t.host, age))
+    return out
+
+
+def tmp_is_stale(t: TmpRef, this_host: str, alive: Callable[[int], bool], stale_after_s: float) -> bool:
+    """A tmp dir is stale when its writer is gone: dead on this host, or silent for too long."""
+    if t.host == this_host and not alive(t.pid):
+        return True
+    return t.age_s > stale_after_s
+
+
+def plan_retention(steps: list[int], keep: int, milestone_every: int, newest_valid: int | None) -> set[int]:
+    """Steps to keep: the newest ``keep``, every milestone, and always the newest valid one."""
+    if keep < MIN_KEEP:
+        raise StoreError(f"--keep {keep} refused: keep at least {MIN_KEEP} so a corrupt newest has a fallback")
+    ordered = sorted(steps, reverse=True)
+    kept = set(ordered[:keep])
+    if milestone_every > 0:
+        kept |= {s for s in ordered if s % milestone_every == 0}
+    if newest_valid is not None:
+        kept.add(newest_valid)
+    return kept
+
+
+def prune(
+    root: str | Path,
+    *,
+    keep: int = DEFAULT_KEEP,
+    milestone_every: int = 0,
+    dry_run: bool = False,
+    stale_tmp_after_s: float = STALE_TMP_AFTER_S,
+) -> PruneResult:
+    """Delete committed checkpoints beyond retention and stale tmp dirs of dead writers."""
+    root = require_root(root)
+    with root_lock(root):
+        refs = list_checkpoints(root)
+        newest_valid = next((r.step for r in refs if validate(r).ok), None)
+        kept = plan_retention([r.step for r in refs], keep, milestone_every, newest_valid)
+        doomed = [r for r in refs if r.step not in kept]
+        me = hostname()
+        stale = [t for t in list_tmp(root) if tmp_is_stale(t, me, pid_alive, stale_tmp_after_s)]
+        if not dry_run:
+            for r in doomed:
+                shutil.rmtree(r.path)
+            for t in stale:
+                shutil.rmtree(t.path, ignore_errors=True)
+            if doomed or stale:
+                fsync_dir(root)
+    return PruneResult(
+        deleted=tuple(r.name for r in doomed),
+        kept=tuple(r.name for r in refs if r.step in kept),
+        stale_tmp_removed=tuple(t.path.name for t in stale),
+        dry_run=dry_run,
+    )
+
+
+def disk_usage(path: str | Path) -> int:
+    total = 0
+    for dirpath, _dirs, names in os.walk(path):
+        for n in names:
+            try:
+                total += os.lstat(os.path.join(dirpath, n)).st_size
+            except OSError:
+                pass
+    return total
