@@ -18,6 +18,9 @@ from supervisor.fsutil import atomic_write_json, hostname
 from supervisor.layout import HEARTBEATS, RunDir
 
 _FILE_PREFIX = "rank_"
+# Set by the watchdog for each launch, read by the trainer's HeartbeatWriter.
+ENV_LAUNCH_ID = "SUPERVISOR_LAUNCH_ID"
+ENV_RESTART_COUNT = "SUPERVISOR_RESTART_COUNT"
 
 
 class Phase(str, Enum):
@@ -40,6 +43,8 @@ class Heartbeat:
     restart_count: int = 0
     world_size: int = 0
     last_step_s: float = 0.0
+    launch_id: str = ""
+    exit_code: int | None = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -87,6 +92,8 @@ def parse_heartbeat(text: str | bytes) -> Heartbeat:
             restart_count=_int(d.get("restart_count", 0)),
             world_size=_int(d.get("world_size", 0)),
             last_step_s=float(d.get("last_step_s", 0.0)),
+            launch_id=str(d.get("launch_id", "")),
+            exit_code=None if d.get("exit_code") is None else _int(d["exit_code"]),
         )
     except KeyError as e:
         raise ValueError(f"field {e} missing") from None
@@ -142,24 +149,35 @@ class HeartbeatWriter:
         rank: int,
         local_rank: int,
         world_size: int,
-        restart_count: int = 0,
+        restart_count: int | None = None,
         interval_s: float = 1.0,
     ) -> None:
         self.root = Path(root)
         self.rank = rank
         self.local_rank = local_rank
         self.world_size = world_size
-        self.restart_count = restart_count
+        self.restart_count = (
+            int(os.environ.get(ENV_RESTART_COUNT, "0")) if restart_count is None else restart_count
+        )
+        self.launch_id = os.environ.get(ENV_LAUNCH_ID, "")
         self.interval_s = interval_s
         self._host = hostname()
         self._pid = os.getpid()
         self._last_write = float("-inf")
         self._last_phase: Phase | None = None
 
-    def beat(self, step: int, phase: Phase, last_step_s: float = 0.0, force: bool = False) -> bool:
-        """Write a heartbeat if due; return whether one was written."""
+    def beat(
+        self,
+        step: int,
+        phase: Phase,
+        last_step_s: float = 0.0,
+        force: bool = False,
+        exit_code: int | None = None,
+    ) -> bool:
+        """Write a heartbeat if due; return whether one was written. A deliberate exit passes
+        ``exit_code`` (always written) so the watchdog can classify it past torchrun's exit 1."""
         now = time.time()
-        due = force or phase != self._last_phase or now - self._last_write >= self.interval_s
+        due = force or exit_code is not None or phase != self._last_phase or now - self._last_write >= self.interval_s
         if not due:
             return False
         write_heartbeat(
@@ -175,6 +193,8 @@ class HeartbeatWriter:
                 restart_count=self.restart_count,
                 world_size=self.world_size,
                 last_step_s=last_step_s,
+                launch_id=self.launch_id,
+                exit_code=exit_code,
             ),
         )
         self._last_write = now

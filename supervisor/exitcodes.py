@@ -1,0 +1,34 @@
+"""Exit codes shared by the trainer, the watchdog and the login-node commands (see README).
+
+torchrun reports 1 for any failed worker, so the trainer also records its deliberate exit code in
+its last heartbeat (``exit_code``); the watchdog reads it from there to classify a launch.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class Exit(IntEnum):
+    OK = 0
+    # Login-node commands: a check found a problem (verify: an invalid checkpoint; pick: none valid).
+    FOUND_PROBLEM = 1
+    # Any command: bad usage or bad input (missing root, not a run dir, unreadable file).
+    USAGE = 2
+    # Trainer: the checkpoint was made for another model config or data (not corruption).
+    MISMATCH = 65
+    # Trainer: bad configuration (unknown config name, impossible batch split...).
+    BAD_CONFIG = 78
+    # Trainer: preempted; a checkpoint was saved at the step boundary. Relaunch / requeue me.
+    REQUEUE = 75
+    # Watchdog: restart budget (total or windowed rate) exhausted.
+    BUDGET_EXHAUSTED = 10
+    # Watchdog: K launches in a row ended without committing a newer checkpoint.
+    NO_PROGRESS = 11
+    # Watchdog: the child failed with a non-retryable code; the reason is in the event log.
+    CHILD_NONRETRYABLE = 12
+    # Watchdog: preempted and the child checkpointed; the caller (SLURM job) should requeue.
+    REQUEUE_REQUESTED = 13
+
+
+NON_RETRYABLE = frozenset({Exit.USAGE, Exit.MISMATCH, Exit.BAD_CONFIG})
