@@ -1,0 +1,154 @@
+"""The drill's report: a verdict table for the terminal, and a Markdown file with the event timeline
+and a PNG of the loss curves (golden vs drill, faults and resumes marked)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from supervisor.drill.judge import StepRecord, Verdict
+from supervisor.drill.runner import ScenarioRun
+from supervisor.fmt import table
+
+# Watchdog events worth showing between a fault and the first resumed step.
+TIMELINE_EVENTS = (
+    "hang",
+    "stack_dump",
+    "stop",
+    "kill",
+    "launch_end",
+    "preempt",
+    "quarantine",
+    "pick",
+    "launch",
+)
+
+
+def verdict_table(verdicts: Sequence[Verdict]) -> str:
+    rows = []
+    for v in verdicts:
+        for i, c in enumerate(v.checks):
+            rows.append((v.scenario if i == 0 else "", "PASS" if c.ok else "FAIL", c.name, c.detail))
+    return table(("scenario", "result", "check", "detail"), rows)
+
+
+def resume_table(run: ScenarioRun, v: Verdict) -> str:
+    rows = []
+    for res, fault in zip(v.resumes, run.injected, strict=False):
+        picks = [e for e in run.events if e.get("event") == "pick" and e.get("t", 0) <= res.first_seen]
+        used = picks[-1].get("checkpoint") if picks else f"step {res.ckpt_step}"
+        skipped = [
+            f"{e.get('checkpoint')}: {e.get('why')}"
+            for e in run.events
+            if e.get("event") == "quarantine" and e.get("t", 0) <= res.first_seen
+        ]
+        rows.append((fault.kind.value, used, res.reached, res.redone, "; ".join(skipped) or "-"))
+    return _md_table(("fault", "resumed from", "had reached", "steps redone", "skipped (quarantined)"), rows)
+
+
+def timeline(run: ScenarioRun, v: Verdict) -> str:
+    lines = []
+    ends = [r.first_seen for r in v.resumes]
+    for i, (fault, t0) in enumerate(zip(run.injected, run.fault_times, strict=True)):
+        t_end = ends[i] if i < len(ends) else float("inf")
+        lines.append(f"**{fault.describe()}** (t0 = {time.strftime('%H:%M:%S', time.localtime(t0))})")
+        lines.append("")
+        for e in run.events:
+            if e.get("event") in TIMELINE_EVENTS and t0 <= e.get("t", 0) <= t_end:
+                lines.append(f"- +{e['t'] - t0:6.2f}s  {e['event']}: {e.get('msg', '')}")
+        if t_end != float("inf"):
+            lines.append(
+                f"- +{t_end - t0:6.2f}s  first resumed step seen (step {v.resumes[i].ckpt_step + 1})"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _md_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    out += ["| " + " | ".join(str(c).replace("|", "/") for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def plot(
+    path: Path, golden: Sequence[StepRecord], runs: Sequence[ScenarioRun], verdicts: Sequence[Verdict]
+) -> None:
+    """One panel per scenario: golden loss as a thick line, the drill's as dots on top (each launch
+    its own colour), faults as red dashed lines, resumes as green dotted lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = max(len(runs), 1)
+    fig, axes = plt.subplots(n, 1, figsize=(9, 2.6 * n), sharex=True, squeeze=False)
+    gx = [r.step for r in golden]
+    gy = [r.loss for r in golden]
+    for ax, run, v in zip(axes[:, 0], runs, verdicts, strict=True):
+        ax.plot(gx, gy, color="0.75", linewidth=4, label="golden (uninterrupted)")
+        launches: list[str] = []
+        for r in run.records:
+            if r.launch not in launches:
+                launches.append(r.launch)
+        for i, launch in enumerate(launches):
+            pts = [(r.step, r.loss) for r in run.records if r.launch == launch]
+            ax.plot(*zip(*pts, strict=True), ".", markersize=4, label=f"drill launch {i + 1}")
+        for fault, t0 in zip(run.injected, run.fault_times, strict=True):
+            at = max((r.step for r in run.records if r.seen <= t0), default=fault.at_step)
+            ax.axvline(at, color="red", linestyle="--", linewidth=1)
+            ax.text(at, max(gy), f" {fault.kind.value}", color="red", fontsize=7, va="top")
+        for res in v.resumes:
+            ax.axvline(res.ckpt_step, color="green", linestyle=":", linewidth=1.2)
+        ax.set_title(f"{run.scenario}: {'PASS' if v.ok else 'FAIL'}", fontsize=9, loc="left")
+        ax.set_ylabel("loss")
+        ax.legend(fontsize=6, loc="upper right")
+    axes[-1, 0].set_xlabel("step (red dashed: fault, green dotted: checkpoint resumed from)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(
+    path: Path,
+    *,
+    settings: str,
+    golden_digest: str,
+    runs: Sequence[ScenarioRun],
+    verdicts: Sequence[Verdict],
+    plot_name: str,
+) -> None:
+    ok = all(v.ok for v in verdicts)
+    parts = [
+        "# Fault drill report",
+        "",
+        f"**Verdict: {'PASS' if ok else 'FAIL'}** ({sum(v.ok for v in verdicts)} of {len(verdicts)} scenarios)",
+        "",
+        f"Settings: {settings}. Golden digest `{golden_digest[:16]}`.",
+        "",
+        "## Verdicts",
+        "",
+        _md_table(
+            ("scenario", "result", "check", "detail"),
+            [
+                (v.scenario if i == 0 else "", "PASS" if c.ok else "**FAIL**", c.name, c.detail)
+                for v in verdicts
+                for i, c in enumerate(v.checks)
+            ],
+        ),
+        "",
+        f"![loss curves]({plot_name})",
+        "",
+    ]
+    for run, v in zip(runs, verdicts, strict=True):
+        parts += [f"## {run.scenario}", "", resume_table(run, v), "", "### What the drill did", ""]
+        parts += [f"- {n}" for n in run.notes] + [""]
+        parts += [
+            f"`latest` read {run.latest_reads} times while the run went on; watchdog exit codes: "
+            f"{', '.join(map(str, run.exit_codes))}.",
+            "",
+            "### Timeline",
+            "",
+            timeline(run, v),
+        ]
+    path.write_text("\n".join(parts))
