@@ -11,7 +11,13 @@ from supervisor.exitcodes import Exit
 from supervisor.store import StoreError
 
 # One line per command module; each defines register(subparsers) and sets args.func.
-COMMAND_MODULES = ("supervisor.ckpt_cmd",)
+COMMAND_MODULES = (
+    "supervisor.ckpt_cmd",
+    "supervisor.watch_cmd",
+    "supervisor.status_cmd",
+    "supervisor.drill_cmd",
+    "supervisor.slurm_cmd",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

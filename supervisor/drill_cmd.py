@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--seed", type=int, default=0, help="drives fault steps, ranks and chaos; printed for replay"
     )
     p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=80)
     p.add_argument("--save-every", type=int, default=10)
     p.add_argument("--parallel", choices=("fsdp", "ddp"), default="fsdp")
     p.add_argument("--hang-timeout", type=float, default=4.0, help="the watchdog's train-phase timeout")

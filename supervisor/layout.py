@@ -3,12 +3,17 @@
     ROOT/
       step_00000050/                 committed checkpoint: DCP shards, per-rank files, manifest.json
       step_00000100.tmp.<pid>.<host>/ a checkpoint being written; never listed as a checkpoint
+      step_00000020.deleting.<pid>.<host>/  a pruned checkpoint being removed; never listed
       latest                         text pointer to the newest committed checkpoint (a hint only)
       quarantine/step_..-<utc>/      checkpoints found corrupt, with reason.txt; never deleted
       heartbeats/rank_00003.json     per-rank liveness
       heartbeats/stacks_rank_00003.txt  faulthandler stack dumps of that rank
       supervisor/                    the watchdog's state.json and events.jsonl
       .lock                          the root's mutation lock (pointer, quarantine, prune)
+
+A directory is a run directory when it holds only these names (or nothing), or at least one of
+them other than ``supervisor``; anything else (a home directory, a source checkout, a single
+checkpoint, a dataset) is refused by the login-node commands.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from pathlib import Path
 STEP_DIGITS = 8
 STEP_PREFIX = "step_"
 TMP_MARK = ".tmp."
+DELETING_MARK = ".deleting."
 LATEST = "latest"
 QUARANTINE = "quarantine"
 HEARTBEATS = "heartbeats"
@@ -28,8 +34,14 @@ LOCK = ".lock"
 MANIFEST = "manifest.json"
 REASON = "reason.txt"
 
-_COMMITTED_RE = re.compile(rf"^{STEP_PREFIX}(\d{{{STEP_DIGITS}}})$")
-_TMP_RE = re.compile(rf"^{STEP_PREFIX}(\d{{{STEP_DIGITS}}})\.tmp\.(\d+)\.([A-Za-z0-9_-]+)$")
+# ASCII digits only and a full match: "step_00000050\n" or non-ASCII digits are not checkpoints.
+_COMMITTED_RE = re.compile(rf"{STEP_PREFIX}([0-9]{{{STEP_DIGITS}}})")
+_MARKED_RE = r"{prefix}([0-9]{{{digits}}}){mark}([0-9]+)\.([A-Za-z0-9_-]+)"
+_TMP_RE = re.compile(_MARKED_RE.format(prefix=STEP_PREFIX, digits=STEP_DIGITS, mark=re.escape(TMP_MARK)))
+_DELETING_RE = re.compile(
+    _MARKED_RE.format(prefix=STEP_PREFIX, digits=STEP_DIGITS, mark=re.escape(DELETING_MARK))
+)
+_RESERVED = frozenset({LATEST, QUARANTINE, HEARTBEATS, SUPERVISOR, LOCK})
 
 
 def step_dirname(step: int) -> str:
@@ -40,7 +52,7 @@ def step_dirname(step: int) -> str:
 
 def parse_committed(name: str) -> int | None:
     """Step of a committed checkpoint directory name, or None if the name is not one."""
-    m = _COMMITTED_RE.match(name)
+    m = _COMMITTED_RE.fullmatch(name)
     return int(m.group(1)) if m else None
 
 
@@ -51,14 +63,50 @@ class TmpName:
     host: str
 
 
+def safe_host(host: str) -> str:
+    """A host name as it appears in tmp and deleting directory names."""
+    return re.sub(r"[^A-Za-z0-9_-]", "-", host) or "unknown"
+
+
 def tmp_dirname(step: int, pid: int, host: str) -> str:
-    safe_host = re.sub(r"[^A-Za-z0-9_-]", "-", host) or "unknown"
-    return f"{step_dirname(step)}{TMP_MARK}{pid}.{safe_host}"
+    return f"{step_dirname(step)}{TMP_MARK}{pid}.{safe_host(host)}"
+
+
+def deleting_dirname(step: int, pid: int, host: str) -> str:
+    """Where prune renames a checkpoint before removing it, so no reader sees it half deleted."""
+    return f"{step_dirname(step)}{DELETING_MARK}{pid}.{safe_host(host)}"
+
+
+def _parse_marked(regex: re.Pattern[str], name: str) -> TmpName | None:
+    m = regex.fullmatch(name)
+    return TmpName(int(m.group(1)), int(m.group(2)), m.group(3)) if m else None
 
 
 def parse_tmp(name: str) -> TmpName | None:
-    m = _TMP_RE.match(name)
-    return TmpName(int(m.group(1)), int(m.group(2)), m.group(3)) if m else None
+    return _parse_marked(_TMP_RE, name)
+
+
+def parse_deleting(name: str) -> TmpName | None:
+    return _parse_marked(_DELETING_RE, name)
+
+
+def is_run_dir_name(name: str) -> bool:
+    """True for every name this layout puts directly under a root."""
+    return (
+        name in _RESERVED
+        or parse_committed(name) is not None
+        or parse_tmp(name) is not None
+        or parse_deleting(name) is not None
+    )
+
+
+def looks_like_run_dir(names: list[str]) -> bool:
+    """Every visible entry is one of ours, or one of them is a name only a run directory has.
+    ``supervisor`` alone is weak evidence (a source checkout has one); hidden files are ignored."""
+    visible = [n for n in names if not n.startswith(".")]
+    return all(is_run_dir_name(n) for n in visible) or any(
+        is_run_dir_name(n) and n != SUPERVISOR for n in names
+    )
 
 
 def heartbeat_filename(rank: int) -> str:

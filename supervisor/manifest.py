@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,9 @@ from supervisor.layout import MANIFEST
 FORMAT_VERSION = 1
 CHECKSUM_ALGO = "xxh3_128"
 READ_CHUNK = 8 << 20
+# Files hashed at once by checksum_files: reads and xxhash's update both release the GIL, so one
+# thread's read overlaps another's hashing (bench/verify.py, docs/checksum.md).
+VERIFY_THREADS = min(8, os.cpu_count() or 1)
 
 ProgressFn = Callable[[int], None]
 
@@ -80,7 +84,7 @@ def parse_manifest(text: str | bytes) -> Manifest:
     """Parse and schema-check a manifest; raise ManifestError with a reason a person can act on."""
     try:
         d = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: garbage like "[[[[..."
         raise ManifestError(f"{MANIFEST} is not valid JSON ({e.__class__.__name__})") from None
     if not isinstance(d, dict):
         raise ManifestError(f"{MANIFEST} is not a JSON object")
@@ -100,6 +104,7 @@ def parse_manifest(text: str | bytes) -> Manifest:
         ok = (
             isinstance(e, dict)
             and isinstance(e.get("size"), int)
+            and not isinstance(e["size"], bool)
             and e["size"] >= 0
             and isinstance(e.get("checksum"), str)
         )
@@ -133,8 +138,7 @@ def read_manifest(ckpt_dir: str | Path) -> Manifest:
 
 
 def _is_safe_relpath(name: str) -> bool:
-    p = Path(name)
-    return bool(name) and not p.is_absolute() and ".." not in p.parts and "\\" not in name
+    return bool(name) and not name.startswith("/") and ".." not in name.split("/") and "\\" not in name
 
 
 def checksum_file(path: str | Path, progress: ProgressFn | None = None) -> str:
@@ -150,13 +154,49 @@ def checksum_file(path: str | Path, progress: ProgressFn | None = None) -> str:
     return h.hexdigest()
 
 
+def checksum_files(
+    paths: Sequence[str | Path], progress: ProgressFn | None = None, threads: int = VERIFY_THREADS
+) -> list[str]:
+    """Checksums of many files, in order, hashed by up to ``threads`` threads. Raises the OSError
+    of the first unreadable file (in ``paths`` order); ``progress`` is called under a lock."""
+    results: list[str] = [""] * len(paths)
+    errors: dict[int, OSError] = {}
+    lock = threading.Lock()
+    todo = iter(range(len(paths)))
+
+    def tick(n: int) -> None:
+        with lock:
+            progress(n)  # type: ignore[misc]
+
+    def work() -> None:
+        while True:
+            with lock:
+                i = next(todo, None)
+            if i is None:
+                return
+            try:
+                results[i] = checksum_file(paths[i], tick if progress else None)
+            except OSError as e:
+                errors[i] = e
+
+    workers = [threading.Thread(target=work, daemon=True) for _ in range(max(1, min(threads, len(paths))))]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    if errors:
+        raise errors[min(errors)]
+    return results
+
+
 def list_files(ckpt_dir: str | Path) -> list[str]:
     """Every regular file under a checkpoint directory, as sorted relative POSIX paths."""
-    root = Path(ckpt_dir)
+    root = os.fspath(ckpt_dir)
     out = []
-    for dirpath, _dirs, names in os.walk(root):
-        for n in names:
-            out.append((Path(dirpath) / n).relative_to(root).as_posix())
+    for dirpath, _dirs, names in os.walk(root):  # plain strings: `ckpt list` runs this per checkpoint
+        rel = os.path.relpath(dirpath, root)
+        prefix = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+        out.extend(prefix + n for n in names)
     return sorted(out)
 
 
@@ -179,13 +219,10 @@ def build_manifest(
     """
     root = Path(ckpt_dir)
     known = known or {}
-    files = {}
-    for name in list_files(root):
-        if name == MANIFEST:
-            continue
-        size = (root / name).stat().st_size
-        entry = known.get(name)
-        files[name] = entry if entry and entry.size == size else FileEntry(size, checksum_file(root / name))
+    sizes = {n: (root / n).stat().st_size for n in list_files(root) if n != MANIFEST}
+    todo = [n for n, size in sizes.items() if n not in known or known[n].size != size]
+    sums = dict(zip(todo, checksum_files([root / n for n in todo]), strict=True))
+    files = {n: FileEntry(sizes[n], sums[n]) if n in sums else known[n] for n in sizes}
     return Manifest(
         step=step,
         world_size=world_size,

@@ -6,7 +6,11 @@ points ``latest`` at it (tmp file, fsync, ``os.replace``, fsync dir) under the r
 at any point leaves the old state or the new one: a tmp dir is never listed, and a directory without
 a valid manifest is never picked.
 
-Mutations (pointer update, quarantine, prune) hold the root's file lock; readers take no lock.
+Mutations (pointer update, quarantine, prune) hold the root's file lock; readers take no lock, so
+every mutation a reader can see is one rename: commit renames tmp -> final, quarantine moves the
+whole directory, prune renames a checkpoint to ``step_N.deleting.*`` before removing its files.
+Slow work (deep checksums in ``pick``, removing files in ``prune``) runs outside the lock so a
+trainer's commit never waits behind a login-node command.
 """
 
 from __future__ import annotations
@@ -15,20 +19,22 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-from filelock import FileLock
 
 from supervisor.fsutil import atomic_write_text, fsync_dir, fsync_tree, hostname, pid_alive
 from supervisor.layout import (
     MANIFEST,
     REASON,
     RunDir,
+    TmpName,
+    deleting_dirname,
     parse_committed,
+    parse_deleting,
     parse_tmp,
+    safe_host,
     step_dirname,
     tmp_dirname,
 )
@@ -38,7 +44,7 @@ from supervisor.manifest import (
     ManifestError,
     ProgressFn,
     build_manifest,
-    checksum_file,
+    checksum_files,
     list_files,
     read_manifest,
 )
@@ -73,6 +79,8 @@ class Verdict:
     ok: bool
     reason: str = ""
     manifest: Manifest | None = None
+    # The directory vanished while it was read (pruned or quarantined meanwhile): not corruption.
+    gone: bool = False
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,8 @@ class PruneResult:
     kept: tuple[str, ...] = ()
     stale_tmp_removed: tuple[str, ...] = ()
     dry_run: bool = False
+    # Invalid checkpoints older than the newest valid one: moved to quarantine, never deleted.
+    quarantined: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -119,9 +129,13 @@ def require_root(root: str | Path) -> Path:
 
 @contextmanager
 def root_lock(root: str | Path, timeout: float = LOCK_TIMEOUT_S) -> Iterator[None]:
-    """Exclusive lock on the root for mutations; re-entrant within one process."""
-    lock = FileLock(str(RunDir.of(root).lock), timeout=timeout)
-    with lock:
+    """Exclusive lock on the root for mutations; re-entrant within one thread, exclusive between
+    threads and processes. One FileLock object per path (singleton), else a nested acquire in the
+    same process would wait on itself."""
+    from filelock import FileLock  # here: read-only commands (`status`) never pay its import
+
+    lock = FileLock(str(RunDir.of(root).lock), is_singleton=True)
+    with lock.acquire(timeout=timeout):
         yield
 
 
@@ -198,20 +212,37 @@ def write_latest(root: str | Path, name: str | None) -> None:
     """Point ``latest`` at ``name`` atomically, or remove it when there is nothing to point at."""
     path = RunDir.of(root).latest
     if name is None:
-        if path.exists():
+        if os.path.lexists(path):  # lexists: a dangling symlink left by another tool counts too
             path.unlink()
             fsync_dir(path.parent)
         return
     atomic_write_text(path, name + "\n")
 
 
-def read_latest(root: str | Path) -> str | None:
-    """What ``latest`` says (a hint, never trusted alone), or None when missing or garbage."""
+def _latest_raw(root: str | Path) -> str | None:
+    """The pointer's exact content (None when absent); a symlink or unreadable file never equals
+    what ``write_latest`` writes, so ``pick`` rewrites it."""
+    path = RunDir.of(root).latest
+    if not os.path.lexists(path):
+        return None
+    if path.is_symlink():
+        return "<symlink>"
     try:
-        text = RunDir.of(root).latest.read_text(errors="replace").strip()
+        return path.read_text(errors="replace")
+    except OSError:
+        return "<unreadable>"
+
+
+def read_latest(root: str | Path) -> str | None:
+    """What ``latest`` says (a hint, never trusted alone), or None when missing or garbage.
+    A path (``ckpt/step_00000050``) or a symlink, as other tools write it, reads as its last part."""
+    path = RunDir.of(root).latest
+    try:
+        text = os.readlink(path) if path.is_symlink() else path.read_text(errors="replace")
     except OSError:
         return None
-    return text if parse_committed(text) is not None else None
+    name = text.strip().rstrip("/").rsplit("/", 1)[-1]
+    return name if parse_committed(name) is not None else None
 
 
 # ---------------------------------------------------------------- discovery and validation
@@ -237,7 +268,7 @@ def validate(ref: CheckpointRef, deep: bool = False, progress: ProgressFn | None
     unlisted. Deep: also every checksum. The reason names the file and what is wrong."""
 
     def bad(why: str) -> Verdict:
-        return Verdict(ref, False, f"{ref.name}: {why}")
+        return Verdict(ref, False, f"{ref.name}: {why}", gone=not ref.path.is_dir())
 
     try:
         m = read_manifest(ref.path)
@@ -252,20 +283,26 @@ def validate(ref: CheckpointRef, deep: bool = False, progress: ProgressFn | None
     for name, entry in sorted(m.files.items()):
         if name not in present:
             return bad(f"{name} is missing")
-        size = (ref.path / name).stat().st_size
+        try:
+            size = os.stat(os.path.join(ref.path, name)).st_size
+        except OSError as e:
+            return bad(f"{name} is unreadable ({e.strerror})")
         if size != entry.size:
             return bad(f"{name} is {size} bytes, manifest says {entry.size}")
     unlisted = sorted(present - set(m.files))
     if unlisted:
         return bad(f"{unlisted[0]} is not listed in {MANIFEST}")
     if deep:
-        for name, entry in sorted(m.files.items()):
-            try:
-                actual = checksum_file(ref.path / name, progress)
-            except OSError as e:
-                return bad(f"{name} is unreadable ({e.strerror})")
-            if actual != entry.checksum:
-                return bad(f"{name} checksum {actual[:12]}.. differs from manifest {entry.checksum[:12]}..")
+        names = sorted(m.files)
+        try:
+            sums = checksum_files([os.path.join(ref.path, n) for n in names], progress)
+        except OSError as e:
+            name = os.path.relpath(e.filename, ref.path) if e.filename else "a file"
+            return bad(f"{name} is unreadable ({e.strerror})")
+        for name, actual in zip(names, sums, strict=True):
+            expected = m.files[name].checksum
+            if actual != expected:
+                return bad(f"{name} checksum {actual[:12]}.. differs from manifest {expected[:12]}..")
     return Verdict(ref, True, "", m)
 
 
@@ -313,12 +350,32 @@ def pick(
     """
     root = require_root(root)
     expect = expect or Expectation()
+    # Deep checksums take minutes on a large checkpoint: compute them before taking the lock, and
+    # under the lock reuse a verdict only while the checkpoint is still the same directory.
+    earlier: dict[Path, tuple[tuple[int, ...], Verdict]] = {}
+    if deep:
+        for ref in list_checkpoints(root):
+            ident = _identity(ref)
+            v = validate(ref, deep=True, progress=progress)
+            if ident is not None:
+                earlier[ref.path] = (ident, v)
+            if v.ok:
+                break
+
+    def check(ref: CheckpointRef) -> Verdict:
+        hit = earlier.get(ref.path)
+        if hit is not None and hit[0] == _identity(ref):
+            return hit[1]
+        return validate(ref, deep=deep, progress=progress)
+
     with root_lock(root):
+        if not dry_run:
+            _backfill_reasons(root)
         latest_before = read_latest(root)
         quarantined: list[tuple[str, str]] = []
         chosen: Verdict | None = None
         for ref in list_checkpoints(root):
-            v = validate(ref, deep=deep, progress=progress)
+            v = check(ref)
             if v.ok:
                 chosen = v
                 break
@@ -328,9 +385,19 @@ def pick(
         if chosen is not None:
             check_compatible(chosen, expect)
         latest_after = chosen.ref.name if chosen else None
-        if not dry_run and latest_after != latest_before:
+        want = None if latest_after is None else latest_after + "\n"
+        if not dry_run and _latest_raw(root) != want:  # also clears a garbage or dangling pointer
             write_latest(root, latest_after)
     return PickResult(chosen, tuple(quarantined), latest_before, latest_after, dry_run)
+
+
+def _identity(ref: CheckpointRef) -> tuple[int, ...] | None:
+    """Which directory and manifest file a verdict was made on; None when there is no manifest."""
+    try:
+        d, m = os.stat(ref.path), os.stat(ref.path / MANIFEST)
+    except OSError:
+        return None
+    return (d.st_dev, d.st_ino, m.st_ino, m.st_size, m.st_mtime_ns)
 
 
 def quarantine(root: str | Path, ref: CheckpointRef, reason: str) -> Path:
@@ -353,6 +420,17 @@ def _quarantine_locked(root: Path, ref: CheckpointRef, reason: str) -> Path:
     atomic_write_text(dest / REASON, reason.rstrip("\n") + "\n")
     fsync_dir(qdir)
     return dest
+
+
+REASON_LOST = "reason unknown: the process that quarantined this checkpoint stopped before writing it"
+
+
+def _backfill_reasons(root: Path) -> None:
+    """A crash between the move and ``reason.txt`` leaves a quarantined checkpoint without a
+    reason; give it one so every quarantined checkpoint explains itself."""
+    for q in list_quarantined(root):
+        if q.path.is_dir() and not (q.path / REASON).exists():
+            atomic_write_text(q.path / REASON, REASON_LOST + "\n")
 
 
 @dataclass(frozen=True)
@@ -391,36 +469,60 @@ class TmpRef:
 
 
 def list_tmp(root: str | Path, now: float | None = None) -> list[TmpRef]:
+    """Checkpoints being written; ``age_s`` counts from the newest change anywhere inside."""
+    return _list_marked(root, parse_tmp, now)
+
+
+def list_deleting(root: str | Path, now: float | None = None) -> list[TmpRef]:
+    """Checkpoints a prune renamed for removal and has not finished removing."""
+    return _list_marked(root, parse_deleting, now)
+
+
+def _list_marked(root: str | Path, parse: Callable[[str], TmpName | None], now: float | None) -> list[TmpRef]:
     root = Path(root)
     now = time.time() if now is None else now
-    out = []
     try:
         names = os.listdir(root)
     except OSError:
         return []
-    for name in names:
-        t = parse_tmp(name)
-        if t is None:
-            continue
-        try:
-            age = now - (root / name).stat().st_mtime
-        except OSError:
-            continue
-        out.append(TmpRef(root / name, t.step, t.pid, t.host, age))
+    out = []
+    for name in sorted(names):
+        t = parse(name)
+        mtime = _newest_mtime(root / name) if t is not None else None
+        if t is not None and mtime is not None:
+            out.append(TmpRef(root / name, t.step, t.pid, t.host, now - mtime))
     return out
 
 
+def _newest_mtime(path: Path) -> float | None:
+    """Newest mtime of a directory and everything in it: a writer appending to one big shard does
+    not touch the directory's own mtime."""
+    try:
+        newest = path.stat().st_mtime
+    except OSError:
+        return None
+    for dirpath, dirs, names in os.walk(path):
+        for n in dirs + names:
+            with suppress(OSError):
+                newest = max(newest, os.lstat(os.path.join(dirpath, n)).st_mtime)
+    return newest
+
+
 def tmp_is_stale(t: TmpRef, this_host: str, alive: Callable[[int], bool], stale_after_s: float) -> bool:
-    """A tmp dir is stale when its writer is gone: dead on this host, or silent for too long."""
-    if t.host == this_host and not alive(t.pid):
-        return True
-    return t.age_s > stale_after_s
+    """Stale means old and with no live writer: silent for ``stale_after_s`` and, when written on
+    this host, its pid is gone. A live pid is never stale (it may still be writing); on another
+    host only the silence can be seen."""
+    if t.age_s <= stale_after_s:
+        return False
+    return t.host != safe_host(this_host) or not alive(t.pid)
 
 
 def plan_retention(steps: list[int], keep: int, milestone_every: int, newest_valid: int | None) -> set[int]:
     """Steps to keep: the newest ``keep``, every milestone, and always the newest valid one."""
     if keep < MIN_KEEP:
-        raise StoreError(f"--keep {keep} refused: keep at least {MIN_KEEP} so a corrupt newest has a fallback")
+        raise StoreError(
+            f"--keep {keep} refused: keep at least {MIN_KEEP} so a corrupt newest has a fallback"
+        )
     ordered = sorted(steps, reverse=True)
     kept = set(ordered[:keep])
     if milestone_every > 0:
@@ -438,36 +540,66 @@ def prune(
     dry_run: bool = False,
     stale_tmp_after_s: float = STALE_TMP_AFTER_S,
 ) -> PruneResult:
-    """Delete committed checkpoints beyond retention and stale tmp dirs of dead writers."""
+    """Delete valid committed checkpoints beyond retention and stale tmp dirs of dead writers.
+
+    Retention counts valid (quick check) checkpoints only, so K fallbacks really exist. Invalid
+    ones older than the newest valid are quarantined with their reason, never deleted; invalid
+    ones newer than it are left for ``pick``. Under the lock a doomed checkpoint is only renamed
+    to ``step_N.deleting.*`` (no reader sees it half deleted); its files go after the lock is
+    released. A crash mid-removal leaves a deleting dir that a later prune finishes.
+    """
     root = require_root(root)
+    me = hostname()
     with root_lock(root):
-        refs = list_checkpoints(root)
-        newest_valid = next((r.step for r in refs if validate(r).ok), None)
-        kept = plan_retention([r.step for r in refs], keep, milestone_every, newest_valid)
-        doomed = [r for r in refs if r.step not in kept]
-        me = hostname()
-        stale = [t for t in list_tmp(root) if tmp_is_stale(t, me, pid_alive, stale_tmp_after_s)]
+        verdicts = [validate(r) for r in list_checkpoints(root)]
+        valid = [v.ref.step for v in verdicts if v.ok]
+        newest_valid = valid[0] if valid else None
+        kept = plan_retention(valid, keep, milestone_every, newest_valid)
+        doomed = [v.ref for v in verdicts if v.ok and v.ref.step not in kept]
+        bad_old = [v for v in verdicts if not v.ok and newest_valid is not None and v.ref.step < newest_valid]
+        stale = [
+            t
+            for t in list_tmp(root) + list_deleting(root)
+            if tmp_is_stale(t, me, pid_alive, stale_tmp_after_s)
+        ]
+        trash = [t.path for t in stale]
         if not dry_run:
+            for v in bad_old:
+                _quarantine_locked(root, v.ref, v.reason)
             for r in doomed:
-                shutil.rmtree(r.path)
-            for t in stale:
-                shutil.rmtree(t.path, ignore_errors=True)
-            if doomed or stale:
+                dest = root / deleting_dirname(r.step, os.getpid(), me)
+                os.rename(r.path, dest)
+                trash.append(dest)
+            if doomed:
                 fsync_dir(root)
+    if not dry_run:
+        for path in trash:
+            shutil.rmtree(path, ignore_errors=True)
+        if trash:
+            fsync_dir(root)
+    gone = {r.step for r in doomed} | {v.ref.step for v in bad_old}
     return PruneResult(
         deleted=tuple(r.name for r in doomed),
-        kept=tuple(r.name for r in refs if r.step in kept),
+        kept=tuple(v.ref.name for v in verdicts if v.ref.step not in gone),
         stale_tmp_removed=tuple(t.path.name for t in stale),
         dry_run=dry_run,
+        quarantined=tuple((v.ref.name, v.reason) for v in bad_old),
     )
 
 
 def disk_usage(path: str | Path) -> int:
-    total = 0
-    for dirpath, _dirs, names in os.walk(path):
-        for n in names:
-            try:
-                total += os.lstat(os.path.join(dirpath, n)).st_size
-            except OSError:
-                pass
+    """Bytes of every file under ``path`` (links not followed); scandir: `status` walks 10^4 files."""
+    total, todo = 0, [os.fspath(path)]
+    while todo:
+        try:
+            entries = os.scandir(todo.pop())
+        except OSError:
+            continue
+        with entries:
+            for e in entries:
+                with suppress(OSError):
+                    if e.is_dir(follow_symlinks=False):
+                        todo.append(e.path)
+                    else:
+                        total += e.stat(follow_symlinks=False).st_size
     return total

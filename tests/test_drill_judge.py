@@ -106,23 +106,23 @@ def test_preempt_bound_is_zero():
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_plan_is_reproducible_and_in_range(scenario):
-    a = plan(scenario, seed=7, steps=60, save_every=10, ranks=4)
-    assert a == plan(scenario, seed=7, steps=60, save_every=10, ranks=4)
-    assert all(10 <= f.at_step < 60 and 0 <= f.rank < 4 for f in a)
+    a = plan(scenario, seed=7, steps=80, save_every=10, ranks=4)
+    assert a == plan(scenario, seed=7, steps=80, save_every=10, ranks=4)
+    assert all(20 <= f.at_step < 80 and 0 <= f.rank < 4 for f in a)
     gaps = [b.at_step - x.at_step for x, b in itertools.pairwise(a)]
     assert all(g > 10 for g in gaps), gaps
 
 
 def test_plan_shapes():
-    assert [f.corruption for f in plan("corrupt-latest", seed=0, steps=90, save_every=10, ranks=2)] == list(
+    assert [f.corruption for f in plan("corrupt-latest", seed=0, steps=80, save_every=10, ranks=2)] == list(
         CORRUPTIONS
     )
-    chaos = plan(CHAOS, seed=3, steps=90, save_every=10, ranks=2)
+    chaos = plan(CHAOS, seed=3, steps=80, save_every=10, ranks=2)
     assert 3 <= len(chaos) <= 4
     for seed in range(20):
-        (f,) = plan("during-save", seed=seed, steps=60, save_every=10, ranks=2)
+        (f,) = plan("during-save", seed=seed, steps=80, save_every=10, ranks=2)
         assert f.at_step % 10 == 0 and f.at_step >= 20
     with pytest.raises(ValueError, match="unknown scenario"):
-        plan("meteor", seed=0, steps=60, save_every=10, ranks=2)
+        plan("meteor", seed=0, steps=80, save_every=10, ranks=2)
     with pytest.raises(ValueError, match="too few"):
         plan(CHAOS, seed=0, steps=25, save_every=10, ranks=2)

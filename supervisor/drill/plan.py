@@ -60,7 +60,9 @@ def plan(scenario: str, *, seed: int, steps: int, save_every: int, ranks: int) -
     sequence of 3 to 4 faults of mixed kinds. The same seed always gives the same plan.
     """
     rng = random.Random(f"{seed}:{scenario}")
-    lo, hi = save_every + 1, max(save_every + 2, steps - save_every - 2)
+    # Faults land after the second save (so a resume has a checkpoint to come back to, and one to
+    # fall back to) and before the last interval (so the resumed run still has steps to prove).
+    lo, hi = 2 * save_every + 1, max(2 * save_every + 2, steps - save_every - 2)
     if scenario == CHAOS:
         kinds = [Kind(rng.choice([k.value for k in Kind])) for _ in range(rng.randint(3, 4))]
     elif scenario == Kind.CORRUPT_LATEST.value:

@@ -93,7 +93,14 @@ def plot(
                 launches.append(r.launch)
         for i, launch in enumerate(launches):
             pts = [(r.step, r.loss) for r in run.records if r.launch == launch]
-            ax.plot(*zip(*pts, strict=True), ".", markersize=4, label=f"drill launch {i + 1}")
+            # Hollow rings of shrinking size, so redone steps show every launch on the same point.
+            ax.plot(
+                *zip(*pts, strict=True),
+                "o",
+                markersize=max(7 - 2 * i, 2.5),
+                fillstyle="none",
+                label=f"drill launch {i + 1}",
+            )
         for fault, t0 in zip(run.injected, run.fault_times, strict=True):
             at = max((r.step for r in run.records if r.seen <= t0), default=fault.at_step)
             ax.axvline(at, color="red", linestyle="--", linewidth=1)

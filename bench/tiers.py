@@ -1,0 +1,280 @@
+"""The remote tier, measured side by side in one run.
+
+    .venv/bin/python bench/tiers.py [--size-mib 128] [--files 4] [--rounds 3] [--steps 60]
+
+1. Upload: ``RemoteTier.upload`` (hash while reading, manifest last, fsync and rename on a
+   directory) next to a plain copy of the same bytes to the same target (``shutil.copyfile`` per
+   file, also with an fsync per file, for the directory tier; s3fs ``put`` for S3), and the same for
+   a download (``download``: hash while writing, local commit; plain: copytree / s3fs ``get``).
+   Targets: a second directory and a moto S3 server on loopback (a subprocess, so it does not share
+   this process's GIL). Median of ``--rounds`` after a warm-up round, the order alternated.
+   Ratio = tier throughput / plain throughput.
+2. Training-loop stall, synthetic: a numpy loop (a fixed matmul per step) that commits a checkpoint
+   every ``--save-every`` steps through the store, with no remote, then with an Uploader to each
+   target. Ratio = median (and p95) step time with the remote / without. The saves themselves are
+   not timed (they are the same in every variant); what is timed is the steps while uploads run.
+3. Training-loop stall, real trainer: runs only when ``train_ref.train`` accepts ``--remote``
+   (torchrun, 2 ranks, step times from its metrics.jsonl); otherwise it says it was skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from supervisor import store
+from supervisor.fsutil import fsync_file
+from supervisor.tiers.remote import RemoteTier, open_remote
+from supervisor.tiers.uploader import Uploader, UploadPolicy
+
+REPO = Path(__file__).resolve().parents[1]
+MB = 1e6
+CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "bench",
+    "AWS_SECRET_ACCESS_KEY": "bench",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+# ---------------------------------------------------------------- setup
+
+
+def start_moto() -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exe = Path(sys.executable).with_name("moto_server")
+    proc = subprocess.Popen(
+        [str(exe), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc, f"http://127.0.0.1:{port}"
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise SystemExit("moto_server did not start (pip install 'moto[server]')") from None
+            time.sleep(0.1)
+
+
+def write_checkpoint(root: Path, step: int, size: int, files: int) -> store.CheckpointRef:
+    tmp = store.begin(root, step)
+    rng = np.random.default_rng(step)
+    for i in range(files):
+        (tmp / f"__{i}_0.distcp").write_bytes(rng.integers(0, 256, size // files, dtype=np.uint8).tobytes())
+    return store.commit(root, tmp, step=step, world_size=files)
+
+
+class Target:
+    """One remote: a fresh tier root per call, and the plain copy to the same kind of place."""
+
+    def __init__(self, kind: str, base: Path, endpoint: str) -> None:
+        self.kind, self.base, self.endpoint, self.n = kind, base, endpoint, 0
+        if kind == "s3":
+            open_remote("s3://bench-tiers", endpoint=endpoint).backend.fs.mkdir("bench-tiers")
+
+    def fresh(self) -> RemoteTier:
+        self.n += 1
+        if self.kind == "dir":
+            return open_remote(str(self.base / f"tier{self.n}"))
+        return open_remote(f"s3://bench-tiers/tier{self.n}", endpoint=self.endpoint)
+
+    def plain_put(self, ref: store.CheckpointRef, durable: bool) -> Callable[[], None]:
+        tier = self.fresh()
+        if self.kind == "dir":
+            dest = tier.backend.root / ref.name
+
+            def put() -> None:
+                dest.mkdir(parents=True)
+                for p in sorted(ref.path.iterdir()):
+                    shutil.copyfile(p, dest / p.name)
+                    if durable:
+                        fsync_file(dest / p.name)
+
+            return put
+        fs, root = tier.backend.fs, tier.backend.root
+        return lambda: fs.put(str(ref.path), f"{root}/{ref.name}", recursive=True)
+
+    def plain_get(self, tier: RemoteTier, name: str, dest: Path) -> None:
+        if self.kind == "dir":
+            shutil.copytree(tier.backend.root / name, dest)
+        else:
+            tier.backend.fs.get(f"{tier.backend.root}/{name}", str(dest), recursive=True)
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------- 1. transfer throughput
+
+
+def transfer(target: Target, ref: store.CheckpointRef, work: Path, rounds: int) -> dict[str, float]:
+    """MB/s of each way, median of ``rounds`` after one untimed warm-up round."""
+    nbytes = store.validate(ref).manifest.total_bytes
+    ways = ("plain_up", "durable_up", "tier_up", "plain_down", "tier_down")
+    times: dict[str, list[float]] = {k: [] for k in ways}
+    for r in range(rounds + 1):
+        tier = target.fresh()
+        runs = {
+            "plain_up": target.plain_put(ref, durable=False),
+            "durable_up": target.plain_put(ref, durable=True),
+            "tier_up": lambda t=tier: t.upload(ref),
+            "plain_down": lambda t=tier, d=work / "plain-down": target.plain_get(t, ref.name, d),
+            "tier_down": lambda t=tier, d=work / "tier-down": t.download(ref.step, d),
+        }
+        order = ways if r % 2 == 0 else (*ways[2::-1], *ways[:2:-1])  # uploads before downloads
+        for way in order:
+            dt = timed(runs[way])
+            if r > 0:
+                times[way].append(dt)
+        shutil.rmtree(work / "plain-down", ignore_errors=True)
+        shutil.rmtree(work / "tier-down", ignore_errors=True)
+    return {k: nbytes / statistics.median(v) / MB for k, v in times.items()}
+
+
+# ---------------------------------------------------------------- 2. synthetic stall
+
+
+def synthetic_loop(root: Path, steps: int, save_every: int, size: int, files: int, uploader: Uploader | None):
+    a = np.random.default_rng(0).standard_normal((384, 384))
+    step_times = []
+    for step in range(1, steps + 1):
+        t0 = time.perf_counter()
+        for _ in range(8):
+            a = np.tanh(a @ a.T / 384.0)
+        step_times.append(time.perf_counter() - t0)
+        if step % save_every == 0:
+            ref = write_checkpoint(root, step, size, files)
+            if uploader:
+                t0 = time.perf_counter()
+                uploader.submit(ref)
+                step_times[-1] += time.perf_counter() - t0  # a submit that blocked is a stall
+            else:
+                store.prune(root, keep=2)
+    return step_times
+
+
+def p95(xs: list[float]) -> float:
+    return sorted(xs)[max(0, round(0.95 * len(xs)) - 1)]
+
+
+# ---------------------------------------------------------------- 3. real trainer
+
+
+def trainer_has_remote() -> bool:
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "train_ref.train", "--help"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and "--remote" in out.stdout
+
+
+def trainer_step_times(root: Path, steps: int, save_every: int, remote: list[str]) -> list[float]:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        "-m", "train_ref.train", "--ckpt-root", str(root), "--steps", str(steps),
+        "--save-every", str(save_every), *remote,
+    ]  # fmt: skip
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONPATH": str(REPO)}
+    subprocess.run(cmd, cwd=REPO, env=env, check=True, timeout=1800, capture_output=True)
+    lines = (root / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["step_time"] for line in lines]
+
+
+# ---------------------------------------------------------------- main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-mib", type=int, default=128, help="checkpoint size for the transfer test")
+    ap.add_argument("--files", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=60, help="steps of the synthetic loop")
+    ap.add_argument("--save-every", type=int, default=10)
+    ap.add_argument("--stall-size-mib", type=int, default=64, help="checkpoint size in the loop")
+    ap.add_argument("--dir", type=Path, default=None, help="scratch directory (default: a temp dir)")
+    args = ap.parse_args()
+    os.environ.update({k: os.environ.get(k, v) for k, v in CREDENTIALS.items()})
+    work = Path(tempfile.mkdtemp(prefix="bench-tiers-", dir=args.dir))
+    moto, endpoint = start_moto()
+    try:
+        targets = {k: Target(k, work / "shared", endpoint) for k in ("dir", "s3")}
+        ref = write_checkpoint(work / "run", 1, args.size_mib << 20, args.files)
+        print(f"1. transfer of {args.size_mib} MiB in {args.files} files, median of {args.rounds} (MB/s)")
+        print("   plain = copyfile / s3fs put; +fsync = copyfile then fsync each file (an S3 PUT is durable)")
+        print(
+            f"{'target':<7} {'plain up':>9} {'+fsync':>7} {'tier up':>8} "
+            f"{'tier/plain':>10} {'tier/+fsync':>11}   "
+            f"{'plain down':>10} {'tier down':>9} {'tier/plain':>10}"
+        )
+        for kind, target in targets.items():
+            r = transfer(target, ref, work, args.rounds)
+            print(
+                f"{kind:<7} {r['plain_up']:9.0f} {r['durable_up']:7.0f} {r['tier_up']:8.0f} "
+                f"{r['tier_up'] / r['plain_up']:10.2f} {r['tier_up'] / r['durable_up']:11.2f}   "
+                f"{r['plain_down']:10.0f} {r['tier_down']:9.0f} {r['tier_down'] / r['plain_down']:10.2f}"
+            )
+        size = args.stall_size_mib << 20
+        print(
+            f"\n2. synthetic loop: {args.steps} steps, a {args.stall_size_mib} MiB checkpoint every "
+            f"{args.save_every}; step time with the remote / without (median, p95)"
+        )
+        base = synthetic_loop(work / "loop-off", args.steps, args.save_every, size, args.files, None)
+        print(f"{'off':<7} median {statistics.median(base) * 1e3:7.2f} ms  p95 {p95(base) * 1e3:7.2f} ms")
+        for kind, target in targets.items():
+            root = work / f"loop-{kind}"
+            up = Uploader(root, target.fresh(), UploadPolicy(local_keep=2)).start()
+            on = synthetic_loop(root, args.steps, args.save_every, size, args.files, up)
+            synced = up.close(flush_timeout_s=300)
+            print(
+                f"{kind:<7} median {statistics.median(on) * 1e3:7.2f} ms  p95 {p95(on) * 1e3:7.2f} ms  "
+                f"ratio median {statistics.median(on) / statistics.median(base):.2f}  "
+                f"p95 {p95(on) / p95(base):.2f}  (all uploaded at the end: {synced}, "
+                f"skipped while busy: {len(up.status().skipped)})"
+            )
+        print("\n3. real trainer (torchrun, 2 ranks), step time with --remote / without")
+        if not trainer_has_remote():
+            print("skipped: train_ref.train has no --remote option yet (integration: docs/tiers.md)")
+        else:
+            off = trainer_step_times(work / "train-off", 200, 20, [])
+            for kind, target in targets.items():
+                tier = target.fresh()
+                extra = ["--remote", tier.url] + (["--remote-endpoint", endpoint] if kind == "s3" else [])
+                on = trainer_step_times(work / f"train-{kind}", 200, 20, extra)
+                print(
+                    f"{kind:<7} median ratio {statistics.median(on) / statistics.median(off):.2f}  "
+                    f"p95 ratio {p95(on) / p95(off):.2f}"
+                )
+    finally:
+        moto.kill()
+        moto.wait()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

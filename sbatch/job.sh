@@ -1,0 +1,83 @@
+#!/bin/bash
+# Resumable distributed training on SLURM: one watchdog per node, each running torchrun; the job
+# requeues itself after a preemption or time-limit checkpoint. Details: docs/slurm.md.
+#
+#   sbatch sbatch/job.sh [TRAINER ARGS...]
+#   PYTHON=.venv/bin/python sbatch --nodes=4 --time=2-00:00:00 sbatch/job.sh -m train_ref.train --steps 100000
+#
+# The #SBATCH lines below are defaults: edit them, or override any on the sbatch command line.
+# Knobs (environment variables; sbatch hands your environment to the job):
+#   RUN_DIR          checkpoint root, on a filesystem every node sees
+#                    default: $SLURM_SUBMIT_DIR/runs/$SLURM_JOB_NAME
+#   PYTHON           a python with this project and torch installed        default: python3
+#   TRAIN_ARGS       the trainer command when the script gets no arguments, split into words like a
+#                    shell would (never evaluated)                         default: -m train_ref.train
+#   CKPT_FLAG        appended with RUN_DIR to the trainer's arguments; '' appends nothing
+#                                                                          default: --ckpt-root
+#   NPROC_PER_NODE   ranks per node                default: $SLURM_GPUS_ON_NODE if set, else 1
+#   NNODES           torchrun --nnodes: N, or MIN:MAX for an elastic run   default: $SLURM_JOB_NUM_NODES
+#   RDZV_HOST        c10d rendezvous host              default: the first host of the allocation
+#   RDZV_PORT        c10d rendezvous port              default: 20000 + (job id mod 10000)
+#   TORCHRUN_OPTS    more torchrun options (e.g. --max-restarts=3 --local-addr=...)   default: none
+#   WATCH_OPTS       more watchdog options (python -m supervisor watch --help)        default: none
+#   MAX_REQUEUES     requeues this job may do; counted in RUN_DIR/supervisor/slurm.json  default: 10
+#   NOTICE_REPEAT_S  repeat a notice to the nodes every N s until they are done      default: 30
+#   SLURM_KILL_ON_BAD_EXIT  1: a node's watchdog failing ends all nodes' watchdogs   default: 1
+#
+# Preemption and time limit: SLURM sends SIGUSR1 to this shell (--signal=B:USR1@SECONDS before the
+# limit; keep B: and USR1, change the seconds to cover one checkpoint; or scancel --signal=USR1
+# --batch JOBID). The trap only notes it; the loop forwards it to the watchdogs, which tell the
+# ranks; they checkpoint at the next step boundary and exit 75; the watchdogs exit 13; this script
+# then runs `scontrol requeue` once (while MAX_REQUEUES lasts) and exits. A finished run (0) and a
+# non-retryable failure (12) end the job without a requeue.
+#
+#SBATCH --job-name=resumable
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+##SBATCH --gpus-per-node=8
+#SBATCH --exclusive
+#SBATCH --time=04:00:00
+#SBATCH --requeue
+#SBATCH --signal=B:USR1@120
+#SBATCH --open-mode=append
+set -uo pipefail
+
+: "${RUN_DIR:=${SLURM_SUBMIT_DIR:-$PWD}/runs/${SLURM_JOB_NAME:-resumable}}"
+: "${PYTHON:=python3}"
+: "${TRAIN_ARGS=-m train_ref.train}"
+: "${CKPT_FLAG=--ckpt-root}"
+: "${NPROC_PER_NODE:=${SLURM_GPUS_ON_NODE:-1}}"
+: "${NNODES:=${SLURM_JOB_NUM_NODES:-1}}"
+: "${RDZV_HOST:=}" "${RDZV_PORT:=}" "${TORCHRUN_OPTS:=}" "${WATCH_OPTS:=}"
+: "${MAX_REQUEUES:=10}"
+: "${NOTICE_REPEAT_S:=30}"
+: "${SLURM_KILL_ON_BAD_EXIT:=1}"
+export RUN_DIR PYTHON TRAIN_ARGS CKPT_FLAG NPROC_PER_NODE NNODES RDZV_HOST RDZV_PORT TORCHRUN_OPTS \
+  WATCH_OPTS MAX_REQUEUES SLURM_KILL_ON_BAD_EXIT
+
+notice=0
+trap 'notice=1' USR1 # keep it short: the loop below forwards the notice
+
+"$PYTHON" -m supervisor slurm start -- "$@" || exit $?
+
+srun --ntasks-per-node=1 --cpus-per-task="${SLURM_CPUS_ON_NODE:-1}" \
+  "$PYTHON" -m supervisor slurm launch -- "$@" &
+srun_pid=$!
+
+next_forward=0
+while kill -0 "$srun_pid" 2>/dev/null; do
+  sleep 1 &
+  wait $! # a notice interrupts this wait at once
+  if [ "$notice" = 1 ] && [ "$SECONDS" -ge "$next_forward" ]; then
+    # srun hands the signal to every process of the step; a rank still starting up ignores it, so
+    # repeat it until the step ends.
+    [ "$next_forward" = 0 ] && echo "job.sh: SIGUSR1 (preemption or time limit): telling the watchdogs to checkpoint"
+    kill -USR1 "$srun_pid" 2>/dev/null
+    next_forward=$((SECONDS + NOTICE_REPEAT_S))
+  fi
+done
+wait "$srun_pid"
+rc=$?
+
+"$PYTHON" -m supervisor slurm finish --exit-code "$rc" -- "$@"
+exit $?

@@ -1,0 +1,354 @@
+"""``python -m supervisor ckpt list|verify|pick|prune``: the checkpoint store from a login node.
+
+Thin wiring: parse flags, call supervisor.store, print a table or stable JSON (docs/cli.md).
+Exit codes (supervisor/exitcodes.py): 0 ok; 1 verify found an invalid checkpoint or pick found no
+valid one; 2 bad input, with one line on stderr naming the path and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from functools import wraps
+from pathlib import Path
+from typing import Any
+
+from supervisor import fmt
+from supervisor.exitcodes import Exit
+from supervisor.fsutil import hostname, pid_alive
+from supervisor.layout import MANIFEST, looks_like_run_dir
+from supervisor.manifest import list_files
+from supervisor.store import (
+    DEFAULT_KEEP,
+    MIN_KEEP,
+    STALE_TMP_AFTER_S,
+    CheckpointRef,
+    StoreError,
+    TmpRef,
+    Verdict,
+    list_checkpoints,
+    list_deleting,
+    list_quarantined,
+    list_tmp,
+    pick,
+    plan_retention,
+    prune,
+    read_latest,
+    require_root,
+    tmp_is_stale,
+    validate,
+)
+
+JSON_SCHEMA = 1
+Handler = Callable[[argparse.Namespace], int]
+
+
+# ---------------------------------------------------------------- input checks
+
+
+def open_run_dir(root: str) -> Path:
+    """The root, made absolute, if it is a run directory (docs/store.md); else a one-line StoreError."""
+    p = require_root(os.path.abspath(root))
+    try:
+        names = os.listdir(p)
+    except OSError as e:
+        raise StoreError(f"{p}: cannot list the checkpoint root ({e.strerror}); check permissions") from None
+    if MANIFEST in names:
+        raise StoreError(f"{p}: this is one checkpoint, not a run directory; pass its parent as --ckpt-root")
+    if not looks_like_run_dir(names):
+        raise StoreError(
+            f"{p}: not a run directory (no step_*, latest, quarantine/ or heartbeats/ in it); "
+            "point --ckpt-root at the run's checkpoint root"
+        )
+    return p
+
+
+def _one_line_errors(func: Handler) -> Handler:
+    """OS and lock errors become the one-line StoreError that cli.main prints with exit 2."""
+
+    @wraps(func)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return func(args)
+        except TimeoutError:  # filelock.Timeout; before OSError, of which it is a subclass
+            raise StoreError(
+                f"{args.ckpt_root}: another process holds the root's lock (.lock); retry when it is done"
+            ) from None
+        except OSError as e:
+            where = e.filename or args.ckpt_root
+            raise StoreError(f"{where}: {e.strerror or e}; check the path and its permissions") from None
+
+    return run
+
+
+# ---------------------------------------------------------------- rows
+
+
+def _ckpt_row(v: Verdict, latest: str | None, now: float) -> dict[str, Any]:
+    m = v.manifest
+    if m is not None:
+        wall, nbytes, nfiles = m.wall_time, m.total_bytes, len(m.files)
+    else:
+        try:
+            wall = v.ref.path.stat().st_mtime
+        except OSError:
+            wall = now
+        nbytes, nfiles = _on_disk(v.ref.path)
+    return {
+        "name": v.ref.name,
+        "step": v.ref.step,
+        "path": str(v.ref.path),
+        "ok": v.ok,
+        "reason": v.reason,
+        "wall_time": wall,
+        "age_s": round(now - wall, 3),
+        "bytes": nbytes,
+        "files": nfiles,
+        "latest": v.ref.name == latest,
+    }
+
+
+def _on_disk(path: Path) -> tuple[int, int]:
+    """Bytes and count of the files an invalid checkpoint holds, its manifest aside (as for a
+    valid one, whose numbers come from the manifest)."""
+    nbytes = nfiles = 0
+    for name in list_files(path):
+        if name != MANIFEST:
+            with suppress(OSError):
+                nbytes += os.stat(os.path.join(path, name)).st_size
+                nfiles += 1
+    return nbytes, nfiles
+
+
+def _tmp_row(t: TmpRef, kind: str, me: str) -> dict[str, Any]:
+    return {
+        "name": t.path.name,
+        "path": str(t.path),
+        "kind": kind,
+        "step": t.step,
+        "pid": t.pid,
+        "host": t.host,
+        "age_s": round(t.age_s, 3),
+        "stale": tmp_is_stale(t, me, pid_alive, STALE_TMP_AFTER_S),
+    }
+
+
+def _visible(verdicts: list[Verdict]) -> list[Verdict]:
+    """Checkpoints that vanished while being read (pruned or quarantined meanwhile) are not shown."""
+    return [v for v in verdicts if not v.gone]
+
+
+def _ckpt_table(rows: list[dict[str, Any]]) -> str:
+    return fmt.table(
+        ["", "step", "age", "size", "files", "status", "reason"],
+        [
+            [
+                "latest" if r["latest"] else "",
+                r["step"],
+                fmt.human_age(r["age_s"]),
+                fmt.human_bytes(r["bytes"]),
+                r["files"],
+                "ok" if r["ok"] else "INVALID",
+                _why(r),
+            ]
+            for r in rows
+        ],
+    )
+
+
+def _why(row: dict[str, Any]) -> str:
+    """The reason without the ``step_N: `` prefix the step column already shows."""
+    return row["reason"].removeprefix(f"{row['name']}: ")
+
+
+def _emit(args: argparse.Namespace, doc: dict[str, Any], human: str) -> None:
+    if args.json:
+        json.dump({"schema": JSON_SCHEMA, "command": args.ckpt_command, **doc}, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    elif human:
+        print(human)
+
+
+@contextmanager
+def _progress(
+    refs: list[CheckpointRef], label: str, deep: bool, stop_at_valid: bool
+) -> Iterator[Callable[[int], None] | None]:
+    """A bar on stderr for a deep check when stderr is a terminal; None (no callback) otherwise."""
+    if not (deep and sys.stderr.isatty()):
+        yield None
+        return
+    bar = fmt.ProgressBar(_bytes_to_hash(refs, stop_at_valid), label)
+    try:
+        yield bar.advance
+    finally:
+        bar.close()
+
+
+def _bytes_to_hash(refs: list[CheckpointRef], stop_at_valid: bool) -> int:
+    """Bytes a deep check will read: every quick-valid checkpoint, or (pick) up to the first one."""
+    total = 0
+    for v in (validate(r) for r in refs):
+        if v.ok and v.manifest is not None:
+            total += v.manifest.total_bytes
+            if stop_at_valid:
+                break
+    return total
+
+
+# ---------------------------------------------------------------- commands
+
+
+@_one_line_errors
+def cmd_list(args: argparse.Namespace) -> int:
+    root = open_run_dir(args.ckpt_root)
+    now, me = time.time(), hostname()
+    latest = read_latest(root)
+    rows = [_ckpt_row(v, latest, now) for v in _visible([validate(r) for r in list_checkpoints(root)])]
+    quarantined = [{"name": q.name, "path": str(q.path), "reason": q.reason} for q in list_quarantined(root)]
+    tmps = [_tmp_row(t, "tmp", me) for t in list_tmp(root, now)]
+    tmps += [_tmp_row(t, "deleting", me) for t in list_deleting(root, now)]
+    doc = {"root": str(root), "latest": latest, "checkpoints": rows, "quarantined": quarantined, "tmp": tmps}
+    parts = [_ckpt_table(rows) if rows else f"no committed checkpoints in {root}"]
+    if latest is not None and latest not in {r["name"] for r in rows}:
+        parts.append(f"note: latest names {latest}, which is not a committed checkpoint here")
+    if quarantined:
+        parts.append("quarantined (kept for inspection, never deleted by this tool):")
+        parts.append(fmt.table(["name", "reason"], [[q["name"], q["reason"]] for q in quarantined]))
+    if tmps:
+        parts.append("in progress or left behind (stale ones are removed by `ckpt prune`):")
+        parts.append(
+            fmt.table(
+                ["name", "age", "writer", "state"],
+                [
+                    [t["name"], fmt.human_age(t["age_s"]), f"{t['pid']}@{t['host']}", _tmp_state(t)]
+                    for t in tmps
+                ],
+            )
+        )
+    _emit(args, doc, "\n".join(parts))
+    return Exit.OK
+
+
+def _tmp_state(t: dict[str, Any]) -> str:
+    if t["kind"] == "deleting":
+        return "being deleted" + (" (stale)" if t["stale"] else "")
+    return "stale" if t["stale"] else "may be writing"
+
+
+@_one_line_errors
+def cmd_verify(args: argparse.Namespace) -> int:
+    root = open_run_dir(args.ckpt_root)
+    refs = list_checkpoints(root)
+    now, latest = time.time(), read_latest(root)
+    with _progress(refs, "verify", args.deep, stop_at_valid=False) as progress:
+        verdicts = _visible([validate(r, deep=args.deep, progress=progress) for r in refs])
+    rows = [_ckpt_row(v, latest, now) for v in verdicts]
+    ok = all(v.ok for v in verdicts)
+    doc = {"root": str(root), "deep": args.deep, "ok": ok, "checkpoints": rows}
+    depth = "checksums" if args.deep else "sizes; --deep also checks checksums"
+    summary = f"{sum(v.ok for v in verdicts)} of {len(verdicts)} checkpoints valid ({depth})"
+    _emit(
+        args,
+        doc,
+        "\n".join([_ckpt_table(rows), summary] if rows else [f"no committed checkpoints in {root}"]),
+    )
+    return Exit.OK if ok else Exit.FOUND_PROBLEM
+
+
+@_one_line_errors
+def cmd_pick(args: argparse.Namespace) -> int:
+    root = open_run_dir(args.ckpt_root)
+    refs = list_checkpoints(root)
+    with _progress(refs, "pick", args.deep, stop_at_valid=True) as progress:
+        res = pick(root, deep=args.deep, dry_run=args.dry_run, progress=progress)
+    chosen = res.chosen
+    doc = {
+        "root": str(root),
+        "deep": args.deep,
+        "dry_run": res.dry_run,
+        "chosen": None
+        if chosen is None
+        else {"name": chosen.ref.name, "step": chosen.ref.step, "path": str(chosen.ref.path)},
+        "quarantined": [{"name": n, "reason": r} for n, r in res.quarantined],
+        "latest_before": res.latest_before,
+        "latest_after": res.latest_after,
+    }
+    verb = "would quarantine" if res.dry_run else "quarantined"
+    lines = [f"{verb} {n}: {_why({'name': n, 'reason': r})}" for n, r in res.quarantined]
+    if chosen is None:
+        lines.append(f"no valid checkpoint in {root}: a resume starts from scratch")
+    else:
+        lines.append(f"{'would pick' if res.dry_run else 'picked'} {chosen.ref.name}")
+    if res.latest_before != res.latest_after:
+        lines.append(f"latest: {res.latest_before or '(none)'} -> {res.latest_after or '(none)'}")
+    _emit(args, doc, "\n".join(lines))
+    return Exit.OK if chosen is not None else Exit.FOUND_PROBLEM
+
+
+@_one_line_errors
+def cmd_prune(args: argparse.Namespace) -> int:
+    root = open_run_dir(args.ckpt_root)
+    plan_retention([], args.keep, args.milestone_every, None)  # refuse a bad --keep before any work
+    res = prune(root, keep=args.keep, milestone_every=args.milestone_every, dry_run=args.dry_run)
+    doc = {
+        "root": str(root),
+        "dry_run": res.dry_run,
+        "keep": args.keep,
+        "milestone_every": args.milestone_every,
+        "deleted": list(res.deleted),
+        "kept": list(res.kept),
+        "quarantined": [{"name": n, "reason": r} for n, r in res.quarantined],
+        "stale_tmp_removed": list(res.stale_tmp_removed),
+    }
+    would = "would " if res.dry_run else ""
+    lines = [f"{would}delete {n}" for n in res.deleted]
+    lines += [f"{would}quarantine {n}: {_why({'name': n, 'reason': r})}" for n, r in res.quarantined]
+    lines += [f"{would}remove stale {n}" for n in res.stale_tmp_removed]
+    lines.append(f"kept {len(res.kept)}: {', '.join(res.kept) or '(none)'}")
+    _emit(args, doc, "\n".join(lines))
+    return Exit.OK
+
+
+# ---------------------------------------------------------------- argparse
+
+
+def _non_negative(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n} is negative")
+    return n
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    ckpt = subparsers.add_parser("ckpt", help="list, verify, pick or prune checkpoints of a run")
+    sub = ckpt.add_subparsers(dest="ckpt_command", required=True)
+
+    def add(name: str, func: Handler, help_: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.add_argument("--ckpt-root", required=True, help="the run's checkpoint root")
+        p.add_argument("--json", action="store_true", help="print stable JSON (docs/cli.md)")
+        p.set_defaults(func=func)
+        return p
+
+    add("list", cmd_list, "committed checkpoints newest first, quarantined ones and tmp dirs")
+    p = add("verify", cmd_verify, "check every committed checkpoint; exit 1 if one is invalid")
+    p.add_argument("--deep", action="store_true", help="also check every file's checksum")
+    p = add(
+        "pick", cmd_pick, "choose the newest valid checkpoint, quarantine newer invalid ones, repoint latest"
+    )
+    p.add_argument("--deep", action="store_true", help="check checksums too (reads every byte)")
+    p.add_argument("--dry-run", action="store_true", help="decide and report, change nothing")
+    p = add("prune", cmd_prune, "delete checkpoints beyond retention and stale tmp dirs")
+    p.add_argument("--keep", type=int, default=DEFAULT_KEEP, help=f"newest valid ones kept (>= {MIN_KEEP})")
+    p.add_argument(
+        "--milestone-every",
+        type=_non_negative,
+        default=0,
+        help="also keep every step divisible by M (0: none)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="decide and report, change nothing")

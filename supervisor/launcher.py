@@ -1,0 +1,185 @@
+"""Start the command, signal it, dump its stacks, and kill it without leaving an orphan.
+
+torchrun starts each worker in a session of its own, so the launched process group does not hold
+the workers: killing the group would orphan them. The watchdog therefore makes itself a child
+subreaper (Linux ``PR_SET_CHILD_SUBREAPER``): every descendant whose parent dies is re-parented to
+the watchdog, so "the tree" is simply every descendant of the watchdog, found in /proc.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+PR_SET_CHILD_SUBREAPER = 36
+POLL_S = 0.05
+MAX_DUMP_CHARS = 64_000
+
+
+@dataclass(frozen=True)
+class ProcInfo:
+    pid: int
+    ppid: int
+    pgid: int
+    state: str  # R, S, D, T (stopped), t, Z (zombie)...
+
+
+def become_subreaper() -> bool:
+    """Adopt orphaned descendants (Linux); False where the call is unavailable."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def read_proc(pid: int) -> ProcInfo | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            rest = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return ProcInfo(pid, int(rest[1]), int(rest[2]), rest[0])
+
+
+def process_table() -> dict[int, ProcInfo]:
+    out = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            info = read_proc(int(name))
+            if info is not None:
+                out[info.pid] = info
+    return out
+
+
+def descendants(root: int, table: Mapping[int, ProcInfo]) -> list[int]:
+    """Every live (non-zombie) process below ``root`` in the parent tree."""
+    children: dict[int, list[int]] = {}
+    for p in table.values():
+        children.setdefault(p.ppid, []).append(p.pid)
+    out, todo = [], list(children.get(root, ()))
+    while todo:
+        pid = todo.pop()
+        if table[pid].state != "Z":
+            out.append(pid)
+        todo.extend(children.get(pid, ()))
+    return out
+
+
+def send(pids: Iterable[int], sig: int) -> list[int]:
+    """Signal each pid; return those that existed."""
+    hit = []
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+            hit.append(pid)
+    return hit
+
+
+def reap_adopted(keep: int | None = None) -> None:
+    """Collect exit statuses of adopted orphans (never of ``keep``, which Popen waits for)."""
+    for info in process_table().values():
+        if info.ppid == os.getpid() and info.state == "Z" and info.pid != keep:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(info.pid, os.WNOHANG)
+
+
+class Child:
+    """The launched command and everything it started."""
+
+    def __init__(self, argv: list[str], env: Mapping[str, str]) -> None:
+        self.popen = subprocess.Popen(argv, env=dict(env), start_new_session=True)
+        self.pid = self.popen.pid
+        self.started = time.time()
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def tree(self) -> list[int]:
+        """The child and every descendant, adopted orphans included."""
+        return [p for p in descendants(os.getpid(), process_table()) if p != os.getpid()]
+
+    def signal_tree(self, sig: int) -> list[int]:
+        return send(self.tree(), sig)
+
+    def workers(self) -> list[int]:
+        """The processes below the launched one (torchrun's workers), or the launched process
+        itself when it started none (a plain script)."""
+        table = process_table()
+        below = descendants(self.pid, table)
+        return below or ([self.pid] if self.pid in table else [])
+
+    def stopped(self, pids: Iterable[int]) -> list[int]:
+        return [p for p in pids if (info := read_proc(p)) is not None and info.state in ("T", "t")]
+
+    def kill(self, grace_s: float) -> str:
+        """SIGTERM (and SIGCONT, so a stopped process can act on it) to the whole tree; SIGKILL
+        what is left after ``grace_s``. Returns a line saying how it ended."""
+        t0 = time.monotonic()
+        self.signal_tree(signal.SIGTERM)
+        self.signal_tree(signal.SIGCONT)
+        if self._wait_empty(grace_s):
+            return f"tree exited {time.monotonic() - t0:.1f}s after SIGTERM"
+        left = self.signal_tree(signal.SIGKILL)
+        self._wait_empty(None)
+        return f"SIGKILL sent to {len(left)} process(es) still alive {grace_s:g}s after SIGTERM"
+
+    def _wait_empty(self, timeout_s: float | None) -> bool:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            self.poll()
+            reap_adopted(keep=self.pid)
+            left = self.tree()
+            if not left and self.popen.returncode is not None:
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            if deadline is None:
+                send(left, signal.SIGKILL)
+            time.sleep(POLL_S)
+
+    def finish(self) -> None:
+        """After the launched process exited: kill and reap anything it left behind."""
+        if self.tree():
+            self.kill(grace_s=1.0)
+        reap_adopted(keep=self.pid)
+
+
+def dump_stacks(targets: Mapping[int, int], dump_path: Mapping[int, Path], wait_s: float) -> dict[int, str]:
+    """Send SIGUSR2 to each rank's pid (``targets``: rank -> pid) and SIGCONT (a stopped process
+    writes its dump once it runs); return rank -> the text each appended to its dump file."""
+    before = {r: _size(dump_path[r]) for r in targets}
+    send(targets.values(), signal.SIGUSR2)
+    send(targets.values(), signal.SIGCONT)
+    deadline = time.monotonic() + wait_s
+    grown: dict[int, str] = {}
+    while time.monotonic() < deadline and len(grown) < len(targets):
+        time.sleep(POLL_S)
+        for r in targets:
+            if r not in grown and _size(dump_path[r]) > before[r]:
+                time.sleep(POLL_S)  # let the writer finish its dump
+                grown[r] = _read_from(dump_path[r], before[r])
+    return grown
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _read_from(path: Path, offset: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read(MAX_DUMP_CHARS).decode(errors="replace")
+    except OSError:
+        return ""

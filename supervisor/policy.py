@@ -1,0 +1,356 @@
+"""The watchdog's decisions as pure functions over frozen snapshots; time is always passed in.
+
+Nothing here touches a process or a file: classify how a launch ended, find hung ranks in
+heartbeat snapshots, and decide stop / relaunch (budget, no progress, backoff). The loop in
+``watch.py`` gathers the facts and carries out the decision.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from supervisor.exitcodes import NON_RETRYABLE, Exit
+from supervisor.heartbeat import Heartbeat, HeartbeatSnapshot, Phase
+
+# Phase timeouts (seconds without a heartbeat). Train is the tight one; the others cover a cold
+# start (imports, rendezvous), a checkpoint load and a save, which may be 10x a step or more.
+DEFAULT_TRAIN_TIMEOUT_S = 120.0
+DEFAULT_STARTUP_TIMEOUT_S = 600.0
+DEFAULT_LOAD_TIMEOUT_S = 600.0
+DEFAULT_SAVE_TIMEOUT_S = 900.0
+# Learned train timeout (as NVIDIA resiliency-ext): max observed step time x factor, never below
+# the floor (the floor covers the heartbeat writer's own throttle interval).
+DEFAULT_LEARN_FACTOR = 5.0
+DEFAULT_LEARN_FLOOR_S = 10.0
+# Backoff between relaunches after failures (the first relaunch after progress is immediate).
+DEFAULT_BACKOFF_INITIAL_S = 1.0
+DEFAULT_BACKOFF_MAX_S = 300.0
+DEFAULT_BACKOFF_JITTER_S = 1.0
+# Budget: failed launches relaunched in total, and within a sliding window.
+DEFAULT_MAX_RESTARTS = 100
+DEFAULT_MAX_RESTARTS_PER_WINDOW = 20
+DEFAULT_WINDOW_S = 3600.0
+# No progress: this many failed launches in a row without a newer committed checkpoint.
+DEFAULT_NO_PROGRESS_LAUNCHES = 3
+
+
+class Outcome(str, Enum):
+    DONE = "done"
+    REQUEUE = "requeue"
+    NON_RETRYABLE = "non_retryable"
+    CRASH = "crash"
+    HANG = "hang"
+    STOPPED = "stopped"  # the watchdog itself was told to stop (SIGTERM/SIGINT)
+
+
+FAILURES = frozenset({Outcome.CRASH, Outcome.HANG})
+
+
+@dataclass(frozen=True)
+class Classification:
+    outcome: Outcome
+    code: int | None
+    reason: str
+
+
+def describe_returncode(returncode: int) -> str:
+    """'exit 1' or 'killed by SIGKILL' (Popen reports death by signal as a negative code)."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit {returncode}"
+
+
+def classify_exit(returncode: int, rank_exit_codes: Iterable[int | None]) -> Classification:
+    """How a launch ended. torchrun exits 1 for any failed worker, so the ranks' own exit codes
+    (from this launch's heartbeats) decide; a non-retryable code on any rank wins, then requeue."""
+    how = describe_returncode(returncode)
+    if returncode == 0:
+        return Classification(Outcome.DONE, 0, "exit 0: training finished")
+    codes = {c for c in rank_exit_codes if c is not None}
+    if returncode > 0:
+        codes.add(returncode)
+    bad = sorted(c for c in codes if c in NON_RETRYABLE)
+    if bad:
+        name = Exit(bad[0]).name
+        return Classification(
+            Outcome.NON_RETRYABLE, bad[0], f"{how}; a rank exited {bad[0]} ({name}): not retryable"
+        )
+    if Exit.REQUEUE in codes:
+        return Classification(
+            Outcome.REQUEUE, int(Exit.REQUEUE), f"{how}; checkpointed and asked to be relaunched (75)"
+        )
+    return Classification(Outcome.CRASH, returncode, f"{how}: crash")
+
+
+# ---------------------------------------------------------------- hang detection
+
+
+@dataclass(frozen=True)
+class PhaseTimeouts:
+    train: float = DEFAULT_TRAIN_TIMEOUT_S
+    startup: float = DEFAULT_STARTUP_TIMEOUT_S
+    load: float = DEFAULT_LOAD_TIMEOUT_S
+    save: float = DEFAULT_SAVE_TIMEOUT_S
+
+    def for_phase(self, phase: Phase) -> float | None:
+        """Seconds a rank may stay silent in ``phase``; None: never hung (it is done)."""
+        return {
+            Phase.TRAIN: self.train,
+            Phase.STARTUP: self.startup,
+            Phase.LOAD: self.load,
+            Phase.SAVE: self.save,
+        }.get(phase)
+
+
+def learned_train_timeout(step_times: Iterable[float], factor: float, floor: float) -> float | None:
+    """max observed step time x factor, at least ``floor``; None before any step was seen."""
+    seen = [t for t in step_times if t > 0]
+    return max(floor, max(seen) * factor) if seen else None
+
+
+def effective_timeouts(base: PhaseTimeouts, learned_train: float | None) -> PhaseTimeouts:
+    """Use the learned train timeout once there is one."""
+    if learned_train is None:
+        return base
+    return PhaseTimeouts(train=learned_train, startup=base.startup, load=base.load, save=base.save)
+
+
+@dataclass(frozen=True)
+class Hang:
+    rank: int | None  # None: the launch as a whole (no heartbeat at all yet)
+    pid: int | None
+    phase: Phase
+    step: int
+    silent_s: float
+    timeout_s: float
+
+    @property
+    def reason(self) -> str:
+        who = "no rank" if self.rank is None else f"rank {self.rank}"
+        return (
+            f"{who} heartbeat silent {self.silent_s:.1f}s in phase {self.phase.value} at step {self.step} "
+            f"(timeout {self.timeout_s:g}s)"
+        )
+
+
+def launch_heartbeats(snapshots: Iterable[HeartbeatSnapshot], launch_id: str) -> list[Heartbeat]:
+    """Heartbeats written during this launch; older ones are stale and say nothing about it."""
+    return [s.heartbeat for s in snapshots if s.heartbeat is not None and s.heartbeat.launch_id == launch_id]
+
+
+def detect_hangs(
+    snapshots: Sequence[HeartbeatSnapshot],
+    *,
+    launch_id: str,
+    launch_started: float,
+    now: float,
+    timeouts: PhaseTimeouts,
+) -> list[Hang]:
+    """Ranks of this launch silent longer than their phase allows. Before any rank of this launch
+    has beaten, the launch itself is hung once it exceeds the startup timeout (a rendezvous or
+    ``init_process_group`` that never returns)."""
+    beats = launch_heartbeats(snapshots, launch_id)
+    if not beats:
+        silent = now - launch_started
+        if silent > timeouts.startup:
+            return [Hang(None, None, Phase.STARTUP, 0, silent, timeouts.startup)]
+        return []
+    hangs = []
+    for hb in beats:
+        limit = timeouts.for_phase(hb.phase)
+        silent = now - hb.wall_time
+        if limit is not None and silent > limit:
+            hangs.append(Hang(hb.rank, hb.pid, hb.phase, hb.step, silent, limit))
+    return hangs
+
+
+@dataclass(frozen=True)
+class DeadRank:
+    rank: int
+    pid: int
+    step: int
+
+    @property
+    def reason(self) -> str:
+        return f"rank {self.rank} (pid {self.pid}) died at step {self.step} without an exit code"
+
+
+def dead_ranks(beats: Iterable[Heartbeat], host: str, live_pids: Collection[int]) -> list[DeadRank]:
+    """Ranks of this launch on ``host`` whose process is gone without recording an exit code:
+    a crash. Seeing it here, rather than waiting for torchrun to notice and then wait out its
+    own shutdown of the surviving ranks (up to 30 s), is what makes a restart start at once."""
+    return [
+        DeadRank(b.rank, b.pid, b.step)
+        for b in beats
+        if b.host == host and b.exit_code is None and b.phase != Phase.DONE and b.pid not in live_pids
+    ]
+
+
+# ---------------------------------------------------------------- restart decisions
+
+
+@dataclass(frozen=True)
+class LaunchRecord:
+    """What one launch did, as kept in state.json for the budget and no-progress checks."""
+
+    number: int
+    launch_id: str
+    started: float
+    ended: float
+    outcome: Outcome
+    reason: str
+    resumed_from: int | None  # newest committed checkpoint step when it started
+    newest_after: int | None  # newest committed checkpoint step when it ended
+    last_step: int | None  # where it died: lowest step among its unfinished ranks
+
+    @property
+    def progressed(self) -> bool:
+        return self.newest_after is not None and (
+            self.resumed_from is None or self.newest_after > self.resumed_from
+        )
+
+
+@dataclass(frozen=True)
+class Budget:
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+    per_window: int = DEFAULT_MAX_RESTARTS_PER_WINDOW
+    window_s: float = DEFAULT_WINDOW_S
+
+
+@dataclass(frozen=True)
+class Backoff:
+    initial_s: float = DEFAULT_BACKOFF_INITIAL_S
+    max_s: float = DEFAULT_BACKOFF_MAX_S
+    jitter_s: float = DEFAULT_BACKOFF_JITTER_S
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    budget: Budget = field(default_factory=Budget)
+    backoff: Backoff = field(default_factory=Backoff)
+    no_progress_launches: int = DEFAULT_NO_PROGRESS_LAUNCHES
+    requeue_exit: bool = False
+
+
+@dataclass(frozen=True)
+class Decision:
+    relaunch: bool
+    exit_code: int  # the watchdog's exit code when not relaunching
+    wait_s: float
+    reason: str
+    counts_as_restart: bool = False
+
+
+def backoff_s(failures_in_a_row: int, b: Backoff) -> float:
+    """Wait before relaunching after the n-th failure in a row without progress: none after the
+    first (a lone crash costs no time), then exponential with jitter via tenacity."""
+    if failures_in_a_row <= 1:
+        return 0.0
+    import tenacity  # here, not at the top: `supervisor status` imports this module and needs speed
+
+    wait = tenacity.wait_exponential_jitter(initial=b.initial_s, max=b.max_s, jitter=b.jitter_s)
+    state = tenacity.RetryCallState(retry_object=None, fn=None, args=(), kwargs={})  # type: ignore[arg-type]
+    state.attempt_number = failures_in_a_row - 1
+    return float(wait(state))
+
+
+def failures_in_a_row(history: Sequence[LaunchRecord]) -> int:
+    """Failed launches at the end of the history since the last one that made progress."""
+    n = 0
+    for rec in reversed(history):
+        if rec.outcome not in FAILURES or rec.progressed:
+            break
+        n += 1
+    return n
+
+
+def budget_verdict(restart_times: Sequence[float], now: float, b: Budget) -> str | None:
+    """Why one more restart would exceed the budget, or None when it fits."""
+    if len(restart_times) >= b.max_restarts:
+        return (
+            f"restart budget exhausted: {len(restart_times)} restarts done, --max-restarts {b.max_restarts}"
+        )
+    recent = [t for t in restart_times if now - t < b.window_s]
+    if len(recent) >= b.per_window:
+        return (
+            f"restart rate exceeded: {len(recent)} restarts in the last {b.window_s:g}s, "
+            f"limit {b.per_window} (--max-restarts-per-window)"
+        )
+    return None
+
+
+def no_progress_verdict(history: Sequence[LaunchRecord], k: int) -> str | None:
+    """A verdict naming the step when the last ``k`` launches all failed without committing a
+    newer checkpoint, or all died at the same step."""
+    if k <= 0 or len(history) < k:
+        return None
+    tail = history[-k:]
+    if any(r.outcome not in FAILURES for r in tail):
+        return None
+    steps = {r.last_step for r in tail}
+    if len(steps) == 1 and None not in steps:
+        step = tail[-1].last_step
+        return (
+            f"no progress: the last {k} launches each died at step {step} "
+            f"({tail[-1].reason}); the run cannot get past step {step}"
+        )
+    if not any(r.progressed for r in tail):
+        base = tail[-1].resumed_from
+        where = "from scratch" if base is None else f"from step {base}"
+        return (
+            f"no progress: the last {k} launches ended without committing a newer checkpoint "
+            f"(resumed {where}, last died {where_died(tail[-1].last_step)}: {tail[-1].reason})"
+        )
+    return None
+
+
+def where_died(step: int | None) -> str:
+    return "before its first heartbeat" if step is None else f"at step {step}"
+
+
+def decide(
+    last: LaunchRecord,
+    history: Sequence[LaunchRecord],
+    restart_times: Sequence[float],
+    now: float,
+    policy: RestartPolicy,
+    *,
+    preempted: bool = False,
+    stop_signal: int | None = None,
+) -> Decision:
+    """Stop or relaunch after ``last`` ended; ``history`` includes ``last`` as its final item."""
+    code = last.outcome
+    if stop_signal is not None:
+        if code == Outcome.REQUEUE and policy.requeue_exit:
+            return Decision(
+                False, Exit.REQUEUE_REQUESTED, 0, "stopped by signal; child checkpointed: requeue"
+            )
+        name = signal.Signals(stop_signal).name
+        return Decision(False, 128 + stop_signal, 0, f"watchdog received {name}: stopped")
+    if code == Outcome.DONE:
+        return Decision(False, Exit.OK, 0, "training finished")
+    if code == Outcome.NON_RETRYABLE:
+        return Decision(False, Exit.CHILD_NONRETRYABLE, 0, f"not relaunching: {last.reason}")
+    if code == Outcome.REQUEUE:
+        if preempted and policy.requeue_exit:
+            return Decision(
+                False, Exit.REQUEUE_REQUESTED, 0, "preempted and checkpointed: handing over to requeue"
+            )
+        return Decision(True, Exit.OK, 0, "checkpointed on request: relaunching at once")
+    verdict = no_progress_verdict(history, policy.no_progress_launches)
+    if verdict:
+        return Decision(False, Exit.NO_PROGRESS, 0, verdict)
+    verdict = budget_verdict(restart_times, now, policy.budget)
+    if verdict:
+        return Decision(False, Exit.BUDGET_EXHAUSTED, 0, verdict)
+    n = failures_in_a_row(history)
+    wait = backoff_s(n, policy.backoff)
+    return Decision(
+        True, Exit.OK, wait, f"{last.reason}: relaunch #{len(restart_times) + 1} in {wait:.1f}s", True
+    )

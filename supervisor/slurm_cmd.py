@@ -1,0 +1,158 @@
+"""``python -m supervisor slurm start|launch|torchrun|finish``: the steps of ``sbatch/job.sh``.
+
+    start   -- TRAIN...   once per job start: log SLURM_RESTART_COUNT, check knobs, record the start
+    launch  -- TRAIN...   once per node (srun): exec the watchdog, which runs torchrun
+    torchrun ARGS...      exec ``python -m torch.distributed.run ARGS`` with SIGUSR1 ignored
+    finish --exit-code N -- TRAIN...   after srun: requeue (exit 13 and budget left) or end
+
+Knobs come from the environment (sbatch/job.sh documents and defaults them). Lines are printed to
+stdout, which is the job's output file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import sys
+from dataclasses import replace
+
+from supervisor import events, slurm
+from supervisor.exitcodes import Exit
+from supervisor.fsutil import hostname
+from supervisor.slurm import JobEnv, Knobs, SlurmError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("slurm", help="steps of sbatch/job.sh (start, launch, finish)", description=__doc__)
+    verbs = p.add_subparsers(dest="verb", required=True)
+    for name, func, helptext in (
+        ("start", start, "log the start, check the knobs, record it in RUN_DIR/supervisor/slurm.json"),
+        ("launch", launch, "exec this node's watchdog + torchrun (run by srun, one task per node)"),
+    ):
+        v = verbs.add_parser(name, help=helptext)
+        v.add_argument("train", nargs=argparse.REMAINDER, help="-- TRAINER ARGS (default: $TRAIN_ARGS)")
+        v.set_defaults(func=_guarded(func))
+    v = verbs.add_parser("finish", help="requeue the job or end it, from the watchdogs' exit code")
+    v.add_argument("--exit-code", type=int, required=True, help="srun's exit code (the watchdogs' highest)")
+    v.add_argument("train", nargs=argparse.REMAINDER, help="-- TRAINER ARGS (default: $TRAIN_ARGS)")
+    v.set_defaults(func=_guarded(finish))
+    v = verbs.add_parser("torchrun", help="exec torchrun with SIGUSR1 ignored (the watchdog's child)")
+    v.add_argument("args", nargs=argparse.REMAINDER, help="torchrun's arguments")
+    v.set_defaults(func=torchrun)
+
+
+def say(msg: str) -> None:
+    print(f"slurm: {msg}", flush=True)
+
+
+def _guarded(func):  # type: ignore[no-untyped-def]
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return int(func(args))
+        except SlurmError as e:
+            say(f"error: {e}")
+            return Exit.USAGE
+
+    return run
+
+
+def _context(args: argparse.Namespace) -> tuple[JobEnv, Knobs]:
+    train = list(args.train)
+    if train[:1] == ["--"]:
+        train = train[1:]
+    return JobEnv.from_environ(os.environ), Knobs.from_environ(os.environ, train)
+
+
+def start(args: argparse.Namespace) -> int:
+    job, knobs = _context(args)
+    state, note = slurm.load_requeue_state(knobs.run_dir, job, knobs.max_requeues)
+    hosts, host_note = slurm.hostnames(job.nodelist)
+    rdzv = slurm.rendezvous(job, knobs, hosts[0])
+    say(
+        f"job {job.job_id} start, SLURM_RESTART_COUNT={job.restart_count}, {job.num_nodes} node(s): "
+        f"{','.join(hosts)}; run dir {knobs.run_dir}; requeues used {state.requeues} of {knobs.max_requeues}"
+    )
+    for line in (note, host_note):
+        if line:
+            say(line)
+    if job.restart_count > state.requeues:
+        say(
+            f"SLURM restarted this job {job.restart_count} time(s), {state.requeues} of them requeued "
+            "by this script (the others by SLURM's preemption, a node failure or an operator)"
+        )
+    if slurm.scontrol_path() is None:
+        say(
+            "WARNING: scontrol not found on PATH: this job cannot requeue itself; after a preemption or "
+            "time-limit checkpoint it will end, and you resubmit it"
+        )
+    say(f"each node runs: {shlex.join(slurm.launch_command(knobs, rdzv))}")
+    slurm.save_requeue_state(
+        knobs.run_dir, state.with_event("start", restart_count=job.restart_count, nodes=hosts)
+    )
+    return Exit.OK
+
+
+def launch(args: argparse.Namespace) -> int:
+    # A notice reaching this node before the watchdog installs its handler must not kill it; the
+    # job script repeats the notice until the step ends, so ignoring one loses nothing.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    job, knobs = _context(args)
+    hosts, host_note = slurm.hostnames(job.nodelist)
+    if host_note:
+        say(host_note)
+    cmd = slurm.launch_command(knobs, slurm.rendezvous(job, knobs, hosts[0]))
+    say(f"node {hostname()} (SLURM_NODEID={os.environ.get('SLURM_NODEID', '?')}): starting the watchdog")
+    os.execvp(cmd[0], cmd)
+    return Exit.USAGE  # not reached: exec replaced this process or raised
+
+
+def torchrun(args: argparse.Namespace) -> int:
+    # SLURM delivers a step's signals to every process in it; torchrun has no SIGUSR1 handler and
+    # would die of a preemption notice. Ignoring it here is inherited by torchrun and its workers
+    # until the trainer installs its own handler.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    argv = list(args.args)
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    os.execv(sys.executable, [sys.executable, "-m", slurm.TORCHRUN_MODULE, *argv])
+    return Exit.USAGE  # not reached
+
+
+def finish(args: argparse.Namespace) -> int:
+    job, knobs = _context(args)
+    state, note = slurm.load_requeue_state(knobs.run_dir, job, knobs.max_requeues)
+    if note:
+        say(note)
+    d = slurm.decide(args.exit_code, state.requeues, knobs.max_requeues)
+    why = _watchdog_reason(knobs) if args.exit_code not in (Exit.OK, Exit.REQUEUE_REQUESTED) else ""
+    reason = f"{d.reason}: {why}" if why else d.reason
+    if not d.requeue:
+        say(f"job {job.job_id} ends: {reason} (exit {d.exit_code})")
+        slurm.save_requeue_state(
+            knobs.run_dir, state.with_event("end", exit_code=args.exit_code, reason=reason)
+        )
+        return d.exit_code
+    # Count first: SLURM sends SIGTERM right after the requeue, and an uncounted requeue could
+    # repeat forever.
+    state = replace(state, requeues=state.requeues + 1)
+    state = state.with_event("requeue", exit_code=args.exit_code, reason=reason)
+    slurm.save_requeue_state(knobs.run_dir, state)
+    say(f"job {job.job_id}: {reason}; scontrol requeue {job.job_id}")
+    try:
+        slurm.scontrol_requeue(job.job_id)
+    except SlurmError as e:
+        say(f"error: {e}")
+        slurm.save_requeue_state(knobs.run_dir, state.with_event("requeue_failed", reason=str(e)))
+        return Exit.REQUEUE_REQUESTED
+    return d.exit_code
+
+
+def _watchdog_reason(knobs: Knobs) -> str:
+    """The first node's watchdog's last recorded reason, for the job's own last line."""
+    try:
+        st = events.read_state(events.state_path(knobs.run_dir, 0))
+    except ValueError:
+        return ""
+    return st.reason if st is not None else ""

@@ -1,0 +1,144 @@
+"""``python -m supervisor status --ckpt-root DIR [--json] [--watch [SECONDS]]``"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from supervisor.fmt import human_age, human_bytes, human_duration, table
+from supervisor.status import StatusReport, build_report
+
+# Rank tables longer than this show only the ranks that need a look, plus a summary.
+MAX_RANK_ROWS = 16
+CLEAR = "\x1b[H\x1b[2J"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "status", help="where the run stands: state, launches, ranks, checkpoints", description=__doc__
+    )
+    p.add_argument("--ckpt-root", required=True, type=Path, help="the run's checkpoint root")
+    p.add_argument("--json", action="store_true", help="one JSON object (every rank listed)")
+    p.add_argument(
+        "--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS", help="refresh in place"
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.watch is None:
+        _show(build_report(args.ckpt_root), args.json)
+        return 0
+    while True:
+        report = build_report(args.ckpt_root)
+        if not args.json:
+            sys.stdout.write(CLEAR)
+        _show(report, args.json)
+        sys.stdout.flush()
+        time.sleep(max(args.watch, 0.2))
+
+
+def _show(report: StatusReport, as_json: bool) -> None:
+    print(json.dumps(report.to_dict()) if as_json else render(report))
+
+
+def _opt(v: object, fmt: Callable[[Any], str] = str) -> str:
+    return "-" if v is None else fmt(v)
+
+
+def render(r: StatusReport) -> str:
+    out = [f"run {r.root}: {r.state.upper()}" + (f" - {r.why}" if r.why else "")]
+    restarts = sum(n.restarts for n in r.nodes)
+    launches = sum(n.launches for n in r.nodes)
+    rate = "-" if r.steps_per_s is None else f"{r.steps_per_s:.2f}"
+    out.append(
+        f"step {_opt(r.current_step)}  steps/s {rate}  launches {launches}  restarts {restarts}  "
+        f"disk {human_bytes(r.disk_bytes)}"
+    )
+    if len(r.nodes) > 1 or any(n.problem for n in r.nodes):
+        out += ["", "watchdogs:"]
+        rows = [
+            (n.node, n.host, n.watchdog_pid, n.status, n.launches, n.restarts, n.problem or n.reason)
+            for n in r.nodes
+        ]
+        out.append(table(("node", "host", "pid", "status", "launches", "restarts", "reason"), rows))
+    if r.launches:
+        out += ["", "recent launches:"]
+        rows = [
+            (
+                f"{lr.node}:{lr.number}" if len(r.nodes) > 1 else lr.number,
+                human_age(r.time - lr.started),
+                human_duration(lr.duration_s),
+                _opt(lr.resumed_from),
+                _opt(lr.last_step),
+                lr.outcome,
+                lr.reason,
+            )
+            for lr in r.launches
+        ]
+        out.append(table(("#", "started", "ran", "from", "died at", "outcome", "reason"), rows))
+    out += ["", *_rank_lines(r)]
+    out += ["", "checkpoints:"]
+    if r.checkpoints:
+        rows = [
+            (
+                c.name,
+                _opt(c.age_s, human_age),
+                _opt(c.size_bytes, human_bytes),
+                "ok" if c.valid else f"INVALID: {c.reason}",
+                "<- latest" if c.latest else "",
+            )
+            for c in r.checkpoints
+        ]
+        out.append(table(("name", "age", "size", "quick check", ""), rows))
+    else:
+        out.append("  none")
+    if r.in_progress:
+        out.append("being written: " + ", ".join(r.in_progress))
+    if r.quarantined:
+        out += ["", "quarantined:"]
+        out.append(table(("name", "reason"), [(q.name, q.reason) for q in r.quarantined]))
+    return "\n".join(out)
+
+
+def _rank_lines(r: StatusReport) -> list[str]:
+    if not r.ranks:
+        return ["ranks: no heartbeat files"]
+    shown = list(r.ranks)
+    head = f"ranks ({len(r.ranks)}):"
+    if len(shown) > MAX_RANK_ROWS:
+        stale = [x for x in shown if x.stale]
+        phases = Counter(x.phase for x in r.ranks)
+        steps = [x.step for x in r.ranks if x.step is not None]
+        span = f"steps {min(steps)}..{max(steps)}; " if steps else ""
+        head = (
+            f"ranks ({len(r.ranks)}): {span}"
+            + ", ".join(f"{n} {p}" for p, n in sorted(phases.items()))
+            + f"; {len(stale)} stale or unknown"
+            + (" (listed below)" if stale else "")
+        )
+        shown = stale[:MAX_RANK_ROWS]
+    rows = [
+        (
+            x.rank,
+            x.host,
+            _opt(x.pid),
+            _opt(x.step),
+            x.phase,
+            _opt(x.age_s, human_age),
+            "STALE" if x.stale else "",
+            x.note,
+        )
+        for x in shown
+    ]
+    return (
+        [head, table(("rank", "host", "pid", "step", "phase", "heartbeat", "", "note"), rows)]
+        if rows
+        else [head]
+    )

@@ -1,0 +1,291 @@
+"""The remote tier's protocol, the same on every backend.
+
+Upload (the last stage of a save): every file of ``step_N`` first, each hashed as it is read and
+compared with the local manifest (a corrupt local checkpoint is never uploaded), then
+``manifest.json`` last, then ``publish`` (a rename on a shared filesystem, nothing on an object
+store). Until the manifest lands the prefix is INCOMPLETE and nothing uses it.
+
+Download (resume after node loss): the commit marker is checked, every object is hashed as it is
+written into a local tmp dir and compared with the manifest, and the tmp dir is committed into the
+run directory through ``supervisor.store.commit`` (the local commit protocol).
+
+A remote checkpoint whose objects do not match its manifest is moved under ``quarantine/`` with a
+``reason.txt``; nothing is deleted except by retention (``prune``) and leftovers of killed uploads.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+from supervisor.layout import MANIFEST, QUARANTINE, REASON, parse_committed, step_dirname
+from supervisor.manifest import FileEntry, ManifestError, parse_manifest
+from supervisor.store import STALE_TMP_AFTER_S, CheckpointRef, begin, commit
+from supervisor.tiers.backends import CHUNK, Backend, open_backend
+from supervisor.tiers.plan import (
+    RemotePrunePlan,
+    RemoteState,
+    RemoteVerdict,
+    judge_listing,
+    plan_remote_prune,
+    same_content,
+)
+
+OnFile = Callable[[str, int], None]  # (relative path, bytes) after each object is transferred
+
+
+class RemoteUnavailable(Exception):
+    """The remote did not answer or answered with an error: retry later, it is not corruption."""
+
+
+class IntegrityError(Exception):
+    """Bytes that do not match their manifest; the message names the checkpoint and the file."""
+
+
+class LocalSourceError(Exception):
+    """The local checkpoint to upload is gone (pruned) or does not match its own manifest."""
+
+
+@dataclass(frozen=True)
+class Transfer:
+    name: str
+    step: int
+    bytes: int
+    seconds: float
+    already_there: bool = False
+
+
+@dataclass(frozen=True)
+class RemoteQuarantined:
+    name: str
+    reason: str
+
+
+@contextmanager
+def _remote_errors(url: str, what: str) -> Iterator[None]:
+    """Anything a backend raises, other than our own verdicts, means: the remote is unavailable."""
+    try:
+        yield
+    except (IntegrityError, LocalSourceError, RemoteUnavailable):
+        raise
+    except Exception as e:
+        raise RemoteUnavailable(f"{url}: {what} failed ({e.__class__.__name__}: {e})") from e
+
+
+def _hashed(chunks: Iterator[bytes], h: xxhash.xxh3_128, count: list[int]) -> Iterator[bytes]:
+    for c in chunks:
+        h.update(c)
+        count[0] += len(c)
+        yield c
+
+
+def _local_chunks(path: Path, label: str) -> Iterator[bytes]:
+    try:
+        with open(path, "rb", buffering=0) as f:
+            while c := f.read(CHUNK):
+                yield c
+    except OSError as e:
+        raise LocalSourceError(f"{label} is unreadable locally ({e.strerror}); not uploaded") from None
+
+
+class RemoteTier:
+    """One remote tier. Methods raise RemoteUnavailable when the remote cannot be reached."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    @property
+    def url(self) -> str:
+        return self.backend.url
+
+    # ------------------------------------------------------------ discovery
+
+    def check(self, step: int) -> RemoteVerdict | None:
+        """The commit marker applied to ``step_N``; None when nothing of it is there."""
+        name = step_dirname(step)
+        with _remote_errors(self.url, f"checking {name}"):
+            sizes = self.backend.sizes(name)
+            if not sizes:
+                return None
+            raw = self.backend.read(f"{name}/{MANIFEST}") if MANIFEST in sizes else None
+        return judge_listing(name, step, sizes, raw)
+
+    def scan(self) -> list[RemoteVerdict]:
+        """Every checkpoint prefix on the remote (complete, incomplete or corrupt), newest first."""
+        with _remote_errors(self.url, "listing"):
+            names = self.backend.names()
+        out = []
+        for name in names:
+            step = parse_committed(name)
+            v = self.check(step) if step is not None else None
+            if v is not None:
+                out.append(v)
+        return sorted(out, key=lambda v: v.step, reverse=True)
+
+    def list_quarantined(self) -> list[RemoteQuarantined]:
+        with _remote_errors(self.url, "listing the quarantine"):
+            sizes = self.backend.sizes(QUARANTINE)
+            out = []
+            for entry in sorted({rel.split("/", 1)[0] for rel in sizes}, reverse=True):
+                key = f"{QUARANTINE}/{entry}/{REASON}"
+                has_reason = f"{entry}/{REASON}" in sizes
+                reason = self.backend.read(key).decode(errors="replace").strip() if has_reason else ""
+                out.append(RemoteQuarantined(entry, reason or f"(no {REASON})"))
+        return out
+
+    # ------------------------------------------------------------ upload
+
+    def upload(self, ref: CheckpointRef, on_file: OnFile | None = None) -> Transfer:
+        """Copy a committed local checkpoint; the manifest last. Idempotent: a complete remote copy
+        with the same files is left as it is; leftovers of a killed upload are replaced; a complete
+        copy with other content is quarantined first (as the local store does on a re-commit)."""
+        t0 = time.monotonic()
+        name = ref.name
+        try:
+            raw = (ref.path / MANIFEST).read_bytes()
+            manifest = parse_manifest(raw)
+        except (OSError, ManifestError) as e:
+            raise LocalSourceError(f"{name}: local {MANIFEST} unusable ({e}); not uploaded") from None
+        there = self.check(ref.step)
+        if there is not None and there.ok and there.manifest and same_content(there.manifest, manifest):
+            return Transfer(name, ref.step, 0, time.monotonic() - t0, already_there=True)
+        with _remote_errors(self.url, f"uploading {name}"):
+            if there is not None and there.state is RemoteState.INCOMPLETE:
+                self.backend.remove(name)
+            elif there is not None:
+                why = there.reason or "complete copy with other content"
+                self.quarantine(name, f"replaced by a new upload of the same step ({why})")
+            staging = self.backend.staging(name)
+
+            def put(rel: str, entry: FileEntry) -> int:
+                n = self._put_checked(ref.path / rel, f"{staging}/{rel}", f"{name}/{rel}", entry)
+                if on_file:
+                    on_file(rel, n)
+                return n
+
+            try:
+                total = self._each(put, manifest.files)
+            except LocalSourceError:
+                self.backend.remove(staging)
+                raise
+            self.backend.write(f"{staging}/{MANIFEST}", raw)
+            self.backend.publish(staging, name)
+        return Transfer(name, ref.step, total, time.monotonic() - t0)
+
+    def _each(self, fn: Callable[[str, FileEntry], int], files: Mapping[str, FileEntry]) -> int:
+        """``fn`` over every file, ``backend.parallel`` at a time; the sum of what it returns. The
+        first error propagates once the transfers already running have ended."""
+        items = sorted(files.items())
+        if self.backend.parallel <= 1:
+            return sum(fn(rel, entry) for rel, entry in items)
+        with ThreadPoolExecutor(self.backend.parallel, thread_name_prefix="ckpt-transfer") as pool:
+            futures = [pool.submit(fn, rel, entry) for rel, entry in items]
+            try:
+                return sum(f.result() for f in futures)
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+
+    def _put_checked(self, src: Path, key: str, label: str, entry: FileEntry) -> int:
+        h, count = xxhash.xxh3_128(), [0]
+        self.backend.put_stream(key, _hashed(_local_chunks(src, label), h, count))
+        if count[0] != entry.size or h.hexdigest() != entry.checksum:
+            raise LocalSourceError(
+                f"{label}: local bytes ({count[0]} B, {h.hexdigest()[:12]}..) differ from the manifest "
+                f"({entry.size} B, {entry.checksum[:12]}..); not uploaded"
+            )
+        return count[0]
+
+    # ------------------------------------------------------------ download
+
+    def download(self, step: int, local_root: str | Path, on_file: OnFile | None = None) -> CheckpointRef:
+        """Fetch a complete remote checkpoint into ``local_root`` and commit it there.
+
+        Raises IntegrityError (quarantine it and walk back) or RemoteUnavailable (try later).
+        """
+        name = step_dirname(step)
+        v = self.check(step)
+        if v is None or v.state is RemoteState.INCOMPLETE:
+            raise IntegrityError(f"{name}: not a complete checkpoint on {self.url}")
+        if not v.ok or v.manifest is None:
+            raise IntegrityError(v.reason)
+        m = v.manifest
+        tmp = begin(local_root, step)
+
+        def get(rel: str, entry: FileEntry) -> int:
+            self._get_checked(f"{name}/{rel}", tmp / rel, entry)
+            if on_file:
+                on_file(rel, entry.size)
+            return entry.size
+
+        try:
+            self._each(get, m.files)
+            return commit(
+                local_root,
+                tmp,
+                step=m.step,
+                world_size=m.world_size,
+                model_config_hash=m.model_config_hash,
+                data_fingerprint=m.data_fingerprint,
+                parallelism=m.parallelism,
+                torch_version=m.torch_version,
+                meta=m.meta,
+                known=m.files,
+            )
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def _get_checked(self, key: str, dest: Path, entry: FileEntry) -> None:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        h, n = xxhash.xxh3_128(), 0
+        with _remote_errors(self.url, f"downloading {key}"), open(dest, "wb") as f:
+            try:
+                for c in self.backend.get_stream(key):
+                    h.update(c)
+                    n += len(c)
+                    f.write(c)
+            except FileNotFoundError:
+                raise IntegrityError(f"{key} vanished from {self.url} while downloading") from None
+        if n != entry.size or h.hexdigest() != entry.checksum:
+            raise IntegrityError(
+                f"{key}: downloaded {n} B with checksum {h.hexdigest()[:12]}.., manifest says "
+                f"{entry.size} B, {entry.checksum[:12]}.."
+            )
+
+    # ------------------------------------------------------------ quarantine and retention
+
+    def quarantine(self, name: str, reason: str) -> str:
+        """Move a remote checkpoint under ``quarantine/`` with ``reason.txt``; returns the new prefix."""
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        with _remote_errors(self.url, f"quarantining {name}"):
+            dest, n = f"{QUARANTINE}/{name}-{stamp}", 1
+            while self.backend.sizes(dest):
+                n += 1
+                dest = f"{QUARANTINE}/{name}-{stamp}-{n}"
+            self.backend.move(name, dest)
+            self.backend.write(f"{dest}/{REASON}", reason.rstrip("\n").encode() + b"\n")
+        return dest
+
+    def prune(
+        self, keep: int, milestone_every: int = 0, stale_after_s: float = STALE_TMP_AFTER_S
+    ) -> RemotePrunePlan:
+        """Apply the remote retention; also clean leftovers of killed uploads."""
+        plan = plan_remote_prune(self.scan(), keep, milestone_every)
+        with _remote_errors(self.url, "pruning"):
+            for prefix in (*plan.delete, *plan.clean, *self.backend.stale_staging(stale_after_s)):
+                self.backend.remove(prefix)
+        return plan
+
+
+def open_remote(url: str, endpoint: str | None = None) -> RemoteTier:
+    """The remote tier named by ``url`` (directory, file://, s3://...); s3fs only loaded for s3."""
+    return RemoteTier(open_backend(url, endpoint))

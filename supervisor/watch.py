@@ -1,0 +1,372 @@
+"""The watchdog loop: pick -> launch -> monitor heartbeats -> classify -> decide -> back off.
+
+Facts are gathered here (processes, heartbeat files, the store) and handed to the pure functions
+in ``policy.py``; this module only carries out what they decide and records it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+
+from supervisor import events, launcher, policy, store
+from supervisor.events import EventLog, RunState
+from supervisor.exitcodes import Exit
+from supervisor.fsutil import hostname
+from supervisor.heartbeat import (
+    ENV_LAUNCH_ID,
+    ENV_RESTART_COUNT,
+    Heartbeat,
+    HeartbeatSnapshot,
+    Phase,
+    read_heartbeats,
+)
+from supervisor.layout import RunDir
+from supervisor.policy import Hang, LaunchRecord, Outcome, PhaseTimeouts
+from supervisor.watch_config import SHARE_STORE_ENV, WatchConfig
+
+SIGNAL_POLL_S = 0.05
+# A rank died: its peers cannot progress (and may ignore SIGTERM inside a collective), and nothing
+# they write can be committed without it, so the rest of the launch gets SIGKILL almost at once.
+DEAD_RANK_GRACE_S = 0.5
+
+
+@dataclass
+class _Ended:
+    """How one launch ended, as the monitor saw it."""
+
+    returncode: int
+    hangs: list[Hang] = field(default_factory=list)
+    dead: list[policy.DeadRank] = field(default_factory=list)
+    stop_signal: int | None = None
+    preempted: bool = False
+
+
+class Watchdog:
+    def __init__(self, cfg: WatchConfig) -> None:
+        self.cfg = cfg
+        self.host = hostname()
+        self.log = EventLog(cfg.root, cfg.node)
+        self.stop_signal: int | None = None
+        self.preempt_pending = False
+        self.step_times: list[float] = []
+        self.state = self._initial_state()
+
+    # ------------------------------------------------------------ state
+
+    def _initial_state(self) -> RunState:
+        path = events.state_path(self.cfg.root, self.cfg.node)
+        try:
+            prev = events.read_state(path)
+        except ValueError as e:
+            self.log.emit("state_unreadable", f"{e}; starting with a fresh budget (the old file is kept)")
+            os.replace(path, path.with_suffix(".json.bad"))
+            prev = None
+        base = RunState(
+            node=self.cfg.node,
+            host=self.host,
+            watchdog_pid=os.getpid(),
+            command=self.cfg.command,
+            timeouts=_timeouts_dict(self.cfg.timeouts),
+            started=time.time(),
+        )
+        if prev is None or self.cfg.reset_budget:
+            return base
+        return replace(
+            base, restart_times=prev.restart_times, launches=prev.launches, launch_count=prev.launch_count
+        )
+
+    def _save(self, **changes: object) -> None:
+        self.state = replace(self.state, **changes)  # type: ignore[arg-type]
+        events.write_state(self.cfg.root, self.state)
+
+    # ------------------------------------------------------------ signals
+
+    def _install_signals(self) -> None:
+        def stop(signum: int, _frame: object) -> None:
+            if self.stop_signal is None:
+                self.stop_signal = signum
+
+        def preempt(_signum: int, _frame: object) -> None:
+            self.preempt_pending = True
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+        signal.signal(signal.SIGUSR1, preempt)
+
+    # ------------------------------------------------------------ the loop
+
+    def run(self) -> int:
+        self.cfg.root.mkdir(parents=True, exist_ok=True)
+        self._install_signals()
+        subreaper = launcher.become_subreaper()
+        carried = len(self.state.restart_times)
+        self.log.emit(
+            "watchdog_start",
+            f"watchdog pid {os.getpid()} on {self.host} node {self.cfg.node}: {' '.join(self.cfg.command)}"
+            + (f" ({carried} earlier restarts count against the budget)" if carried else ""),
+            pid=os.getpid(),
+            command=list(self.cfg.command),
+            restarts_carried=carried,
+            subreaper=subreaper,
+        )
+        self._save(status=events.RESTARTING, reason="starting")
+        while True:
+            resumed_from, stop = self._pick()
+            if stop is not None:
+                return self._finish(Exit.CHILD_NONRETRYABLE, events.FAILED, stop)
+            if self.stop_signal is not None:
+                return self._finish(128 + self.stop_signal, events.STOPPED, "stopped before launch")
+            rec, ended = self._launch_once(resumed_from)
+            history = self.state.launches
+            now = time.time()
+            d = policy.decide(
+                rec,
+                history,
+                self.state.restart_times,
+                now,
+                self.cfg.policy,
+                preempted=ended.preempted,
+                stop_signal=ended.stop_signal,
+            )
+            restarts = (*self.state.restart_times, now) if d.counts_as_restart else self.state.restart_times
+            self._save(restart_times=restarts)
+            if not d.relaunch:
+                status = {
+                    Exit.OK: events.DONE,
+                    Exit.REQUEUE_REQUESTED: events.REQUEUED,
+                }.get(d.exit_code, events.STOPPED if ended.stop_signal else events.FAILED)
+                return self._finish(d.exit_code, status, d.reason)
+            self.log.emit("relaunch", d.reason, wait_s=round(d.wait_s, 3), restarts=len(restarts))
+            self._save(status=events.RESTARTING, reason=d.reason, child_pid=None)
+            if not self._sleep(d.wait_s):
+                return self._finish(128 + (self.stop_signal or 0), events.STOPPED, "stopped during backoff")
+
+    def _finish(self, code: int, status: str, reason: str) -> int:
+        self.log.emit("exit", f"watchdog exits {code}: {reason}", exit_code=code, status=status)
+        self._save(status=status, reason=reason, exit_code=code, child_pid=None)
+        return code
+
+    def _sleep(self, seconds: float) -> bool:
+        """Back off; False when a stop signal arrived meanwhile."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self.stop_signal is not None:
+                return False
+            time.sleep(min(SIGNAL_POLL_S, max(0.0, deadline - time.monotonic())))
+        return self.stop_signal is None
+
+    def _pick(self) -> tuple[int | None, str | None]:
+        """Step to resume from (None: from scratch); the second item is a reason to stop."""
+        refs = store.list_checkpoints(self.cfg.root)
+        if self.state.launch_count == 0 or not refs:
+            return (refs[0].step if refs else None), None
+        try:
+            res = store.pick(self.cfg.root, deep=self.cfg.deep_verify)
+        except store.MismatchError as e:
+            return None, f"checkpoint does not match this run: {e}"
+        for name, why in res.quarantined:
+            self.log.emit("quarantine", f"quarantined {name}: {why}", checkpoint=name, why=why)
+        chosen = res.chosen.ref if res.chosen else None
+        how = "deep" if self.cfg.deep_verify else "quick"
+        msg = (
+            f"resume from {chosen.name} ({how} check passed)"
+            if chosen
+            else "no valid checkpoint: start from scratch"
+        )
+        self.log.emit("pick", msg, checkpoint=chosen.name if chosen else None, verify=how)
+        return (chosen.step if chosen else None), None
+
+    def _launch_once(self, resumed_from: int | None) -> tuple[LaunchRecord, _Ended]:
+        number = self.state.launch_count + 1
+        launch_id = f"{self.host}-n{self.cfg.node}-{os.getpid()}-{number}-{uuid.uuid4().hex[:6]}"
+        env = dict(os.environ)
+        env[ENV_LAUNCH_ID] = launch_id
+        env[ENV_RESTART_COUNT] = str(number - 1)
+        if self.cfg.share_store_fix:
+            env.setdefault(SHARE_STORE_ENV, "1")
+        child = launcher.Child(list(self.cfg.command), env)
+        self._save(
+            status=events.RUNNING,
+            reason=f"launch {number} running",
+            launch_count=number,
+            launch_id=launch_id,
+            child_pid=child.pid,
+            launch_started=child.started,
+            exit_code=None,
+        )
+        self.log.emit(
+            "launch",
+            f"launch {number} (id {launch_id}) pid {child.pid}, resuming from "
+            + ("scratch" if resumed_from is None else f"step {resumed_from}"),
+            launch=number,
+            launch_id=launch_id,
+            pid=child.pid,
+            resumed_from=resumed_from,
+        )
+        ended = self._monitor(child, launch_id)
+        child.finish()
+        beats = policy.launch_heartbeats(read_heartbeats(self.cfg.root), launch_id)
+        cls = self._classify(ended, beats)
+        refs = store.list_checkpoints(self.cfg.root)
+        rec = LaunchRecord(
+            number=number,
+            launch_id=launch_id,
+            started=child.started,
+            ended=time.time(),
+            outcome=cls.outcome,
+            reason=cls.reason,
+            resumed_from=resumed_from,
+            newest_after=refs[0].step if refs else None,
+            last_step=died_at(beats),
+        )
+        self.log.emit(
+            "launch_end",
+            f"launch {number} ended after {rec.ended - rec.started:.1f}s "
+            f"{policy.where_died(rec.last_step)}: {cls.reason}",
+            launch=number,
+            launch_id=launch_id,
+            outcome=cls.outcome.value,
+            returncode=ended.returncode,
+            rank_exit_codes={b.rank: b.exit_code for b in beats if b.exit_code is not None},
+            last_step=rec.last_step,
+            newest_checkpoint=rec.newest_after,
+        )
+        self._save(launches=self.state.with_launch(rec).launches)
+        return rec, ended
+
+    def _classify(self, ended: _Ended, beats: list[Heartbeat]) -> policy.Classification:
+        if ended.dead:
+            more = f" (+{len(ended.dead) - 1} more ranks)" if len(ended.dead) > 1 else ""
+            return policy.Classification(Outcome.CRASH, ended.returncode, f"{ended.dead[0].reason}{more}")
+        if ended.hangs:
+            h = ended.hangs[0]
+            more = f" (+{len(ended.hangs) - 1} more ranks)" if len(ended.hangs) > 1 else ""
+            return policy.Classification(Outcome.HANG, ended.returncode, f"hang: {h.reason}{more}")
+        cls = policy.classify_exit(ended.returncode, (b.exit_code for b in beats))
+        if ended.stop_signal is not None and cls.outcome != Outcome.REQUEUE:
+            name = signal.Signals(ended.stop_signal).name
+            return policy.Classification(
+                Outcome.STOPPED, ended.returncode, f"stopped by {name} ({cls.reason})"
+            )
+        return cls
+
+    # ------------------------------------------------------------ monitoring one launch
+
+    def _monitor(self, child: launcher.Child, launch_id: str) -> _Ended:
+        ended = _Ended(returncode=0)
+        next_check = time.monotonic() + self.cfg.poll_s
+        while True:
+            rc = child.poll()
+            if rc is not None:
+                ended.returncode = rc
+                return ended
+            if self.stop_signal is not None and ended.stop_signal is None:
+                ended.stop_signal = self.stop_signal
+                name = signal.Signals(self.stop_signal).name
+                self.log.emit(
+                    "stop", f"received {name}: stopping the child (grace {self.cfg.kill_grace_s:g}s)"
+                )
+                note = child.kill(self.cfg.kill_grace_s)
+                self.log.emit("kill", note)
+                continue
+            if self.preempt_pending:
+                self.preempt_pending = False
+                ended.preempted = True
+                self._forward_preemption(child, launch_id)
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + self.cfg.poll_s
+                snaps = read_heartbeats(self.cfg.root)
+                beats = policy.launch_heartbeats(snaps, launch_id)
+                dead = policy.dead_ranks(beats, self.host, set(child.tree()))  # tree after the read
+                if dead and child.poll() is None:
+                    ended.dead = dead
+                    self.log.emit(
+                        "rank_died",
+                        "; ".join(d.reason for d in dead) + ": killing the rest of the launch",
+                        ranks=[d.rank for d in dead],
+                    )
+                    self.log.emit("kill", child.kill(DEAD_RANK_GRACE_S))
+                    ended.returncode = child.poll() or 0
+                    return ended
+                hangs = self._check_hangs(child, launch_id, snaps, beats)
+                if hangs:
+                    ended.hangs = hangs
+                    self._handle_hang(child, hangs)
+                    ended.returncode = child.poll() or 0
+                    return ended
+            time.sleep(SIGNAL_POLL_S)
+
+    def _local_pids(self, child: launcher.Child, launch_id: str) -> dict[int, int]:
+        """rank -> pid of this launch's ranks that run on this host inside the child's tree."""
+        tree = set(child.tree())
+        beats = policy.launch_heartbeats(read_heartbeats(self.cfg.root), launch_id)
+        return {b.rank: b.pid for b in beats if b.host == self.host and b.pid in tree}
+
+    def _forward_preemption(self, child: launcher.Child, launch_id: str) -> None:
+        ranks = self._local_pids(child, launch_id)
+        pids = list(ranks.values()) or child.workers()
+        launcher.send(pids, signal.SIGUSR1)
+        who = f"ranks {sorted(ranks)}" if ranks else f"pids {pids} (no heartbeat yet)"
+        self.log.emit("preempt", f"preemption notice (SIGUSR1) forwarded to {who}", pids=pids)
+
+    def _check_hangs(
+        self, child: launcher.Child, launch_id: str, snaps: list[HeartbeatSnapshot], beats: list[Heartbeat]
+    ) -> list[Hang]:
+        timeouts = self.cfg.timeouts
+        if self.cfg.learn_factor is not None:
+            self.step_times.extend(
+                b.last_step_s for b in beats if b.phase == Phase.TRAIN and b.last_step_s > 0
+            )
+            self.step_times = [max(self.step_times)] if self.step_times else []
+            learned = policy.learned_train_timeout(
+                self.step_times, self.cfg.learn_factor, self.cfg.learn_floor_s
+            )
+            timeouts = policy.effective_timeouts(timeouts, learned)
+        return policy.detect_hangs(
+            snaps, launch_id=launch_id, launch_started=child.started, now=time.time(), timeouts=timeouts
+        )
+
+    def _handle_hang(self, child: launcher.Child, hangs: list[Hang]) -> None:
+        tree = set(child.tree())
+        stopped = set(child.stopped(tree))
+        culprits = [h for h in hangs if h.pid in stopped]
+        self.log.emit(
+            "hang",
+            "; ".join(h.reason for h in hangs)
+            + "".join(f"; rank {h.rank} (pid {h.pid}) is stopped (SIGSTOP?)" for h in culprits),
+            ranks=[h.rank for h in hangs],
+            stopped_ranks=[h.rank for h in culprits],
+            stopped_pids=sorted(stopped),
+        )
+        targets = {h.rank: h.pid for h in hangs if h.rank is not None and h.pid in tree}
+        if targets:
+            run = RunDir.of(self.cfg.root)
+            paths = {r: run.stack_dump(r) for r in targets}
+            dumps = launcher.dump_stacks(targets, paths, self.cfg.dump_wait_s)
+            for rank, pid in sorted(targets.items()):
+                text = dumps.get(rank)
+                msg = f"stack dump of rank {rank} (pid {pid}), from {paths[rank]}"
+                if text is None:
+                    msg = f"rank {rank} (pid {pid}) wrote no stack dump within {self.cfg.dump_wait_s:g}s"
+                self.log.emit("stack_dump", msg, rank=rank, pid=pid, path=str(paths[rank]), stacks=text)
+        note = child.kill(self.cfg.kill_grace_s)
+        self.log.emit("kill", f"hung launch killed: {note}")
+
+
+def died_at(beats: list[Heartbeat]) -> int | None:
+    """The step a launch died at: the lowest step among its unfinished ranks (ranks move in
+    lockstep, so the laggard is where the group stopped; the others may be one step ahead)."""
+    running = [b.step for b in beats if b.phase != Phase.DONE]
+    return min(running) if running else max((b.step for b in beats), default=None)
+
+
+def _timeouts_dict(t: PhaseTimeouts) -> dict[str, float]:
+    return {"train": t.train, "startup": t.startup, "load": t.load, "save": t.save}
+
+
+def watch(cfg: WatchConfig) -> int:
+    return Watchdog(cfg).run()

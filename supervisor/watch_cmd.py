@@ -1,0 +1,117 @@
+"""``python -m supervisor watch --ckpt-root DIR [options] -- COMMAND...``"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from supervisor import policy, watch_config
+from supervisor.policy import Backoff, Budget, PhaseTimeouts, RestartPolicy
+
+EPILOG = """exit codes: 0 done; 10 restart budget exhausted; 11 no progress; 12 non-retryable child
+failure (reason in DIR/supervisor/events.jsonl); 13 preempted and checkpointed, requeue me
+(--requeue-exit); 2 usage; 128+N stopped by signal N."""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "watch",
+        help="run COMMAND, detect crashes and hangs, resume from the newest valid checkpoint",
+        description=__doc__,
+        epilog=EPILOG,
+    )
+    p.add_argument("--ckpt-root", required=True, type=Path, help="the run's checkpoint root")
+    p.add_argument("--verify", choices=("quick", "deep"), default="quick", help="check before each relaunch")
+    g = p.add_argument_group("hang detection (seconds without a heartbeat, per phase)")
+    g.add_argument("--hang-timeout", type=float, default=policy.DEFAULT_TRAIN_TIMEOUT_S, help="train phase")
+    g.add_argument("--startup-timeout", type=float, default=policy.DEFAULT_STARTUP_TIMEOUT_S)
+    g.add_argument("--load-timeout", type=float, default=policy.DEFAULT_LOAD_TIMEOUT_S)
+    g.add_argument("--save-timeout", type=float, default=policy.DEFAULT_SAVE_TIMEOUT_S)
+    g.add_argument(
+        "--learn-hang-timeout",
+        type=float,
+        metavar="FACTOR",
+        default=None,
+        help="train timeout = max observed step time x FACTOR (at least --learn-floor) once steps are seen",
+    )
+    g.add_argument("--learn-floor", type=float, default=policy.DEFAULT_LEARN_FLOOR_S)
+    g.add_argument(
+        "--poll-interval", type=float, default=watch_config.DEFAULT_POLL_S, help="heartbeat check period"
+    )
+    g.add_argument(
+        "--dump-wait", type=float, default=watch_config.DEFAULT_DUMP_WAIT_S, help="wait for stack dumps"
+    )
+    g.add_argument(
+        "--kill-grace", type=float, default=watch_config.DEFAULT_KILL_GRACE_S, help="SIGTERM to SIGKILL"
+    )
+    r = p.add_argument_group("restart policy")
+    r.add_argument(
+        "--max-restarts", type=int, default=policy.DEFAULT_MAX_RESTARTS, help="failed launches, total"
+    )
+    r.add_argument("--max-restarts-per-window", type=int, default=policy.DEFAULT_MAX_RESTARTS_PER_WINDOW)
+    r.add_argument("--window", type=float, default=policy.DEFAULT_WINDOW_S, help="rate window in seconds")
+    r.add_argument(
+        "--no-progress",
+        type=int,
+        default=policy.DEFAULT_NO_PROGRESS_LAUNCHES,
+        metavar="K",
+        help="stop after K failed launches in a row without a newer checkpoint (0: never)",
+    )
+    r.add_argument("--backoff-initial", type=float, default=policy.DEFAULT_BACKOFF_INITIAL_S)
+    r.add_argument("--backoff-max", type=float, default=policy.DEFAULT_BACKOFF_MAX_S)
+    r.add_argument("--backoff-jitter", type=float, default=policy.DEFAULT_BACKOFF_JITTER_S)
+    r.add_argument("--reset-budget", action="store_true", help="forget restarts recorded in state.json")
+    r.add_argument("--requeue-exit", action="store_true", help="after a preemption checkpoint, exit 13")
+    p.add_argument(
+        "--node-rank",
+        type=int,
+        default=int(os.environ.get("SLURM_NODEID", "0") or 0),
+        help="this node's index (default $SLURM_NODEID or 0); node N>0 keeps state.nodeN.json",
+    )
+    p.add_argument(
+        "--no-share-store-fix",
+        action="store_true",
+        help=f"do not set {watch_config.SHARE_STORE_ENV}=1 in the child's environment",
+    )
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+    p.set_defaults(func=run, parser=p)
+
+
+def run(args: argparse.Namespace) -> int:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        args.parser.error("no COMMAND given; usage: watch --ckpt-root DIR [options] -- COMMAND...")
+    for name in ("hang_timeout", "startup_timeout", "load_timeout", "save_timeout", "poll_interval"):
+        if getattr(args, name) <= 0:
+            args.parser.error(f"--{name.replace('_', '-')} must be positive")
+    cfg = watch_config.WatchConfig(
+        root=args.ckpt_root,
+        command=tuple(command),
+        node=args.node_rank,
+        deep_verify=args.verify == "deep",
+        timeouts=PhaseTimeouts(
+            train=args.hang_timeout,
+            startup=args.startup_timeout,
+            load=args.load_timeout,
+            save=args.save_timeout,
+        ),
+        learn_factor=args.learn_hang_timeout,
+        learn_floor_s=args.learn_floor,
+        policy=RestartPolicy(
+            budget=Budget(args.max_restarts, args.max_restarts_per_window, args.window),
+            backoff=Backoff(args.backoff_initial, args.backoff_max, args.backoff_jitter),
+            no_progress_launches=args.no_progress,
+            requeue_exit=args.requeue_exit,
+        ),
+        kill_grace_s=args.kill_grace,
+        dump_wait_s=args.dump_wait,
+        poll_s=args.poll_interval,
+        reset_budget=args.reset_budget,
+        share_store_fix=not args.no_share_store_fix,
+    )
+    from supervisor.watch import watch  # the loop and its process machinery: only when watching
+
+    return watch(cfg)

@@ -1,0 +1,34 @@
+"""The watchdog's configuration and its defaults; light, so the CLI can build its parser without
+importing the loop (``supervisor status`` must start fast)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from supervisor import policy
+from supervisor.policy import PhaseTimeouts, RestartPolicy
+
+# torchrun + gloo: a restarted group that reuses the agent's TCPStore hangs or fails to connect
+# (see docs/watchdog.md); set in the child's environment unless the operator set it.
+SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+DEFAULT_POLL_S = 0.5
+DEFAULT_KILL_GRACE_S = 10.0
+DEFAULT_DUMP_WAIT_S = 2.0
+
+
+@dataclass(frozen=True)
+class WatchConfig:
+    root: Path
+    command: tuple[str, ...]
+    node: int = 0
+    deep_verify: bool = False
+    timeouts: PhaseTimeouts = field(default_factory=PhaseTimeouts)
+    learn_factor: float | None = None  # None: no learned train timeout
+    learn_floor_s: float = policy.DEFAULT_LEARN_FLOOR_S
+    policy: RestartPolicy = field(default_factory=RestartPolicy)
+    kill_grace_s: float = DEFAULT_KILL_GRACE_S
+    dump_wait_s: float = DEFAULT_DUMP_WAIT_S
+    poll_s: float = DEFAULT_POLL_S
+    reset_budget: bool = False
+    share_store_fix: bool = True

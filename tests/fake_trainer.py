@@ -1,0 +1,161 @@
+"""A small stand-in for ``torchrun ... -m train_ref.train`` in watchdog process tests: no torch.
+
+Launcher mode (the default) behaves like torchrun: it starts ``--ranks`` worker processes, each in
+a session of its own, exits 1 when any worker fails (after killing the rest) and 0 when all finish;
+it has no SIGUSR1 handler, like torchrun's agent. Each worker resumes from the newest valid
+checkpoint in ``--root``, steps with ``--step-s`` sleeps, writes heartbeats through
+supervisor.heartbeat, commits a tiny checkpoint through supervisor.store every ``--ckpt-every``
+steps (phase save, lasting ``--save-s``), and can crash, stop itself, or exit with a code, once or
+on every launch. SIGUSR1: checkpoint at the next step boundary and exit 75. SIGUSR2: faulthandler
+dump of every thread to the rank's stack file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from supervisor import store
+from supervisor.exitcodes import Exit
+from supervisor.heartbeat import ENV_RESTART_COUNT, HeartbeatWriter, Phase, read_heartbeat
+from supervisor.layout import RunDir
+
+STATE_FILE = "state.txt"
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--root", required=True, type=Path)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--worker", type=int, default=None, help="(internal) run as this rank")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--step-s", type=float, default=0.05)
+    p.add_argument("--ckpt-every", type=int, default=5)
+    p.add_argument("--save-s", type=float, default=0.0)
+    p.add_argument("--fault", choices=("crash", "stop", "exit", "startup-hang"), default=None)
+    p.add_argument("--fault-step", type=int, default=0)
+    p.add_argument("--fault-rank", type=int, default=0, help="rank 0 saves: its faults follow its commits")
+    p.add_argument("--fault-code", type=int, default=1)
+    p.add_argument("--fault-launches", type=int, default=1, help="fault in the first N launches (0: all)")
+    p.add_argument("--ignore-sigterm", action="store_true")
+    return p.parse_args(argv)
+
+
+def newest_valid_step(root: Path) -> int:
+    for ref in store.list_checkpoints(root):
+        if store.validate(ref).ok:
+            return int((ref.path / STATE_FILE).read_text())
+    return 0
+
+
+def save(root: Path, step: int, world: int, hb: HeartbeatWriter, save_s: float) -> None:
+    hb.beat(step, Phase.SAVE, force=True)
+    time.sleep(save_s)
+    tmp = store.begin(root, step)
+    (tmp / STATE_FILE).write_text(str(step))
+    store.commit(root, tmp, step=step, world_size=world)
+
+
+def wait_for_peers(root: Path, rank: int, world: int, step: int, launch_id: str) -> None:
+    """Lockstep like a collective: wait until every other rank of this launch reached ``step``
+    (so a stopped rank stalls the others, and ranks die within one step of each other)."""
+    run = RunDir.of(root)
+    for r in range(world):
+        while r != rank:
+            hb = read_heartbeat(run.heartbeat(r), r).heartbeat
+            if hb is not None and hb.launch_id == launch_id and hb.step >= step:
+                break
+            time.sleep(0.005)
+
+
+def wait_for_rank0_exit(root: Path, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        hb = read_heartbeat(RunDir.of(root).heartbeat(0), 0).heartbeat
+        if hb is not None and hb.exit_code is not None:
+            return
+        time.sleep(0.02)
+
+
+def worker(a: argparse.Namespace, rank: int) -> int:
+    dump = RunDir.of(a.root).stack_dump(rank)
+    dump.parent.mkdir(parents=True, exist_ok=True)
+    faulthandler.register(signal.SIGUSR2, file=open(dump, "a"), all_threads=True)  # noqa: SIM115
+    if a.ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    preempted = []
+    signal.signal(signal.SIGUSR1, lambda *_: preempted.append(True))
+    launch = int(os.environ.get(ENV_RESTART_COUNT, "0"))
+    faulty = (
+        a.fault is not None and rank == a.fault_rank and (a.fault_launches == 0 or launch < a.fault_launches)
+    )
+    hb = HeartbeatWriter(a.root, rank=rank, local_rank=rank, world_size=a.ranks, interval_s=0.0)
+    hb.beat(0, Phase.STARTUP)
+    if faulty and a.fault == "startup-hang":
+        time.sleep(3600)
+    step = newest_valid_step(a.root)
+    hb.beat(step, Phase.LOAD)
+    while step < a.steps:
+        if faulty and step == a.fault_step:
+            if a.fault == "crash":
+                os._exit(1)
+            if a.fault == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            if a.fault == "exit":
+                hb.beat(step, Phase.TRAIN, exit_code=a.fault_code)
+                return a.fault_code
+        wait_for_peers(a.root, rank, a.ranks, step, hb.launch_id)
+        t0 = time.monotonic()
+        time.sleep(a.step_s)
+        step += 1
+        hb.beat(step, Phase.TRAIN, last_step_s=time.monotonic() - t0)
+        if preempted or step % a.ckpt_every == 0:
+            if rank == 0:
+                save(a.root, step, a.ranks, hb, a.save_s)
+            else:
+                hb.beat(step, Phase.SAVE, force=True)
+                time.sleep(a.save_s)
+            if preempted:
+                if rank != 0:  # the real trainer agrees collectively; here: wait for rank 0's save
+                    wait_for_rank0_exit(a.root)
+                hb.beat(step, Phase.TRAIN, exit_code=Exit.REQUEUE)
+                return Exit.REQUEUE
+    hb.beat(step, Phase.DONE, exit_code=0)
+    return 0
+
+
+def launcher(a: argparse.Namespace, argv: list[str]) -> int:
+    procs = [
+        subprocess.Popen([sys.executable, __file__, *argv, "--worker", str(r)], start_new_session=True)
+        for r in range(a.ranks)
+    ]
+    while True:
+        codes = [p.poll() for p in procs]
+        if any(c not in (None, 0) for c in codes):
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            return 1
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(0.02)
+
+
+def main(argv: list[str]) -> int:
+    a = parse(argv)
+    a.root.mkdir(parents=True, exist_ok=True)
+    if a.worker is not None:
+        return worker(a, a.worker)
+    return launcher(a, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,97 @@
+"""Shared test helpers for the checkpoint store: fake checkpoints (a few small files, the way DCP
+lays them out) and the corruptions the store must catch. No torch."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from supervisor import store
+from supervisor.layout import MANIFEST, REASON, RunDir
+
+SHARD = "__0_0.distcp"
+
+
+def default_files(step: int) -> dict[str, bytes]:
+    """A DCP-like checkpoint: metadata, two shards, one per-rank file; contents depend on step."""
+    seed = step.to_bytes(4, "little")
+    return {
+        ".metadata": b"meta" + seed,
+        SHARD: seed * 64,
+        "__1_0.distcp": seed * 32 + b"\x01",
+        "rank_00000.pt": b"rng" + seed,
+    }
+
+
+def write_tmp(root: Path, step: int, files: dict[str, bytes] | None = None) -> Path:
+    tmp = store.begin(root, step)
+    for name, data in (files or default_files(step)).items():
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / name).write_bytes(data)
+    return tmp
+
+
+def make_ckpt(root: Path, step: int, files: dict[str, bytes] | None = None, **kw) -> store.CheckpointRef:
+    """Write and commit one checkpoint through the real protocol."""
+    tmp = write_tmp(root, step, files)
+    return store.commit(root, tmp, step=step, world_size=kw.pop("world_size", 2), **kw)
+
+
+# ---------------------------------------------------------------- corruptions
+
+CORRUPTIONS = (
+    "truncate",
+    "bitflip",
+    "delete_shard",
+    "garbage_manifest",
+    "other_step_manifest",
+    "delete_manifest",
+    "stray_file",
+)
+
+
+def corrupt(ckpt: Path, kind: str) -> None:
+    """Damage a committed checkpoint so that deep validation must fail (quick too, but bitflip)."""
+    shard = ckpt / SHARD
+    if kind == "truncate":
+        size = shard.stat().st_size
+        os.truncate(shard, size // 2)
+    elif kind == "bitflip":
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        shard.write_bytes(bytes(data))
+    elif kind == "delete_shard":
+        shard.unlink()
+    elif kind == "garbage_manifest":
+        (ckpt / MANIFEST).write_bytes(b'{"format_version": 1, "step": \x00\xff garbage')
+    elif kind == "other_step_manifest":
+        d = json.loads((ckpt / MANIFEST).read_text())
+        d["step"] += 1
+        (ckpt / MANIFEST).write_text(json.dumps(d))
+    elif kind == "delete_manifest":
+        (ckpt / MANIFEST).unlink()
+    elif kind == "stray_file":
+        (ckpt / "stray.bin").write_bytes(b"not in the manifest")
+    else:
+        raise ValueError(kind)
+
+
+def quarantine_dirs(root: Path) -> list[Path]:
+    q = RunDir.of(root).quarantine
+    return sorted(p for p in q.iterdir() if p.is_dir()) if q.is_dir() else []
+
+
+def assert_quarantine_explained(root: Path) -> None:
+    for q in quarantine_dirs(root):
+        assert (q / REASON).is_file(), f"{q} has no {REASON}"
+        assert (q / REASON).read_text().strip(), f"{q}/{REASON} is empty"
+
+
+def committed_names(root: Path) -> set[str]:
+    return {r.name for r in store.list_checkpoints(root)}
+
+
+def latest_text(root: Path) -> str | None:
+    p = RunDir.of(root).latest
+    return p.read_text() if os.path.lexists(p) else None

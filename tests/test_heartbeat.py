@@ -1,0 +1,126 @@
+"""Heartbeats: round trip, throttled writer, and readers that never crash on a bad file."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from supervisor.heartbeat import (
+    ENV_LAUNCH_ID,
+    ENV_RESTART_COUNT,
+    Heartbeat,
+    HeartbeatWriter,
+    Phase,
+    read_heartbeat,
+    read_heartbeats,
+    write_heartbeat,
+)
+from supervisor.layout import RunDir
+
+
+def _hb(rank: int = 3, **kw) -> Heartbeat:
+    base = dict(rank=rank, local_rank=1, host="node7", pid=1234, step=50, phase=Phase.TRAIN, wall_time=1e9)
+    return Heartbeat(**{**base, **kw})
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    hb = _hb(restart_count=2, world_size=8, last_step_s=0.25, launch_id="L1", exit_code=75)
+    write_heartbeat(tmp_path, hb)
+    snap = read_heartbeat(RunDir.of(tmp_path).heartbeat(3), 3)
+    assert snap.known and snap.heartbeat == hb and snap.problem == ""
+
+
+def test_read_heartbeats_sorts_by_rank_and_ignores_other_files(tmp_path: Path) -> None:
+    for r in (2, 0, 1):
+        write_heartbeat(tmp_path, _hb(rank=r))
+    folder = RunDir.of(tmp_path).heartbeats
+    (folder / "stacks_rank_00001.txt").write_text("stack")
+    (folder / ".rank_00000.json.abc.tmp").write_text("{half")  # an interrupted atomic write
+    (folder / "rank_abc.json").write_text("{}")
+    assert [s.rank for s in read_heartbeats(tmp_path)] == [0, 1, 2]
+    assert all(s.known for s in read_heartbeats(tmp_path))
+
+
+def test_missing_folder_reads_as_nothing(tmp_path: Path) -> None:
+    assert read_heartbeats(tmp_path / "nope") == []
+
+
+def _full() -> dict:
+    return _hb().to_dict()
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (b"", "not valid JSON"),
+        (b'{"rank": 3, "local_r', "not valid JSON"),  # half written (a non-atomic writer)
+        (b"\xff\xfe\x00garbage", "not valid JSON"),
+        (b"[" * 100_000, "not valid JSON"),
+        (b"[1, 2]", "not a JSON object"),
+        (json.dumps({k: v for k, v in _full().items() if k != "step"}).encode(), "field 'step' missing"),
+        (json.dumps({**_full(), "phase": "dancing"}).encode(), "bad field"),
+        (json.dumps({**_full(), "step": "50"}).encode(), "bad field"),
+        (json.dumps({**_full(), "rank": True}).encode(), "bad field"),
+        (json.dumps({**_full(), "wall_time": "soon"}).encode(), "bad field"),
+        (json.dumps({**_full(), "wall_time": 10**400}).encode(), "bad field"),
+        (json.dumps({**_full(), "phase": ["train"]}).encode(), "bad field"),
+        (json.dumps({**_full(), "rank": 4}).encode(), "says rank 4"),
+    ],
+)
+def test_bad_files_read_as_unknown_with_a_reason(tmp_path: Path, content: bytes, problem: str) -> None:
+    p = tmp_path / "rank_00003.json"
+    p.write_bytes(content)
+    snap = read_heartbeat(p, 3)
+    assert not snap.known and snap.heartbeat is None and problem in snap.problem
+
+
+def test_missing_and_directory_read_as_unknown(tmp_path: Path) -> None:
+    assert read_heartbeat(tmp_path / "rank_00003.json", 3).problem == "missing"
+    (tmp_path / "rank_00004.json").mkdir()
+    assert "unreadable" in read_heartbeat(tmp_path / "rank_00004.json", 4).problem
+
+
+@settings(derandomize=True, max_examples=300)
+@given(
+    st.binary(max_size=300)
+    | st.dictionaries(
+        st.sampled_from([*list(_full()), "x"]),
+        st.none()
+        | st.booleans()
+        | st.integers()
+        | st.floats()
+        | st.text(max_size=5)
+        | st.lists(st.integers()),
+    ).map(lambda d: json.dumps(d).encode())
+)
+def test_arbitrary_content_never_crashes_a_reader(tmp_path_factory, content: bytes) -> None:
+    p = tmp_path_factory.mktemp("hb") / "rank_00003.json"
+    p.write_bytes(content)
+    snap = read_heartbeat(p, 3)
+    assert snap.known or snap.problem
+
+
+def test_writer_throttles_within_a_phase_and_writes_on_change(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv(ENV_RESTART_COUNT, "4")
+    monkeypatch.setenv(ENV_LAUNCH_ID, "launch-9")
+    w = HeartbeatWriter(tmp_path, rank=0, local_rank=0, world_size=2, interval_s=3600)
+    assert w.beat(1, Phase.TRAIN)
+    assert not w.beat(2, Phase.TRAIN)  # throttled
+    assert w.beat(3, Phase.SAVE)  # phase change
+    assert w.beat(4, Phase.SAVE, force=True)
+    assert w.beat(5, Phase.SAVE, exit_code=75)
+    hb = read_heartbeat(RunDir.of(tmp_path).heartbeat(0), 0).heartbeat
+    assert (hb.step, hb.phase, hb.exit_code, hb.restart_count, hb.launch_id, hb.pid) == (
+        5,
+        Phase.SAVE,
+        75,
+        4,
+        "launch-9",
+        os.getpid(),
+    )
+    assert not [n for n in os.listdir(RunDir.of(tmp_path).heartbeats) if n.startswith(".")]

@@ -1,0 +1,95 @@
+"""Run-directory names: round trips, and names that must not be mistaken for checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from supervisor import layout
+from supervisor.layout import (
+    RunDir,
+    deleting_dirname,
+    looks_like_run_dir,
+    parse_committed,
+    parse_deleting,
+    parse_tmp,
+    step_dirname,
+    tmp_dirname,
+)
+
+
+@settings(derandomize=True, max_examples=200)
+@given(st.integers(0, 10**layout.STEP_DIGITS - 1))
+def test_step_dirname_round_trips(step: int) -> None:
+    assert parse_committed(step_dirname(step)) == step
+    assert parse_tmp(step_dirname(step)) is None
+
+
+@settings(derandomize=True, max_examples=200)
+@given(st.integers(0, 10**8 - 1), st.integers(1, 2**22), st.text(min_size=0, max_size=20))
+def test_tmp_and_deleting_names_round_trip_and_are_never_checkpoints(step: int, pid: int, host: str) -> None:
+    tmp = tmp_dirname(step, pid, host)
+    t = parse_tmp(tmp)
+    assert t is not None and (t.step, t.pid) == (step, pid)
+    assert parse_committed(tmp) is None and parse_deleting(tmp) is None
+    dele = deleting_dirname(step, pid, host)
+    d = parse_deleting(dele)
+    assert d is not None and (d.step, d.pid, d.host) == (step, pid, t.host)
+    assert parse_committed(dele) is None and parse_tmp(dele) is None
+
+
+@pytest.mark.parametrize("step", [-1, 10**8])
+def test_step_out_of_range_is_refused(step: int) -> None:
+    with pytest.raises(ValueError, match="out of range"):
+        step_dirname(step)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "step_00000050\n",  # a trailing newline: `$` alone would accept it
+        "step_0000005",
+        "step_000000500",
+        "step_٠٠٠٠٠٠٥٠",  # non-ASCII digits
+        "step_00000050.tmp",
+        "xstep_00000050",
+        "step_00000050/",
+        "",
+    ],
+)
+def test_near_misses_are_not_committed(name: str) -> None:
+    assert parse_committed(name) is None
+
+
+def test_tmp_host_is_sanitized() -> None:
+    name = tmp_dirname(5, 42, "node.cluster/evil name")
+    assert "/" not in name and " " not in name
+    assert parse_tmp(name) is not None
+
+
+def test_run_dir_paths() -> None:
+    r = RunDir.of("/x")
+    assert str(r.checkpoint(50)) == "/x/step_00000050"
+    assert str(r.heartbeat(3)) == "/x/heartbeats/rank_00003.json"
+    assert str(r.stack_dump(3)) == "/x/heartbeats/stacks_rank_00003.txt"
+    assert (r.latest.name, r.quarantine.name, r.lock.name) == ("latest", "quarantine", ".lock")
+
+
+@pytest.mark.parametrize(
+    ("names", "expected"),
+    [
+        ([], True),
+        ([".lock"], True),
+        (["step_00000050", "notes.txt"], True),
+        (["latest"], True),
+        (["heartbeats", "supervisor"], True),
+        (["supervisor"], True),  # a watchdog that has not launched the trainer yet
+        (["supervisor", "pyproject.toml", "tests"], False),  # a source checkout
+        (["Documents", "Downloads"], False),
+        (["manifest.json", "__0_0.distcp"], False),
+        ([".bashrc", "data"], False),
+    ],
+)
+def test_looks_like_run_dir(names: list[str], expected: bool) -> None:
+    assert looks_like_run_dir(names) is expected

@@ -1,0 +1,165 @@
+"""``supervisor status``: the report over a synthetic run directory, garbage included."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from store_helpers import corrupt, make_ckpt
+
+from supervisor import store
+from supervisor.events import RunState, write_state
+from supervisor.heartbeat import Heartbeat, Phase, write_heartbeat
+from supervisor.layout import RunDir
+from supervisor.policy import LaunchRecord, Outcome
+from supervisor.status import build_report
+from supervisor.status_cmd import render
+
+REPO = Path(__file__).resolve().parent.parent
+LID = "vm-n0-1-2-abc"
+
+
+def beat(root: Path, rank: int, step: int, phase: Phase, age: float, launch: str = LID, last_step_s=0.5):
+    hb = Heartbeat(rank, rank, "vm", 1000 + rank, step, phase, time.time() - age, 1, 4, last_step_s, launch)
+    write_heartbeat(root, hb)
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    root = tmp_path / "run"
+    root.mkdir()
+    for step in (10, 20, 30):
+        make_ckpt(root, step)
+    corrupt(root / "step_00000030", "truncate")
+    store.quarantine(root, store.CheckpointRef(20, root / "step_00000020"), "step_00000020: test reason")
+    store.begin(root, 40)  # a save in progress
+    rec = LaunchRecord(
+        1, "old", time.time() - 100, time.time() - 50, Outcome.CRASH, "exit 1: crash", 10, 30, 31
+    )
+    write_state(
+        root,
+        RunState(
+            host="vm",
+            watchdog_pid=os.getpid(),
+            status="running",
+            reason="launch 2 running",
+            launch_count=2,
+            launch_id=LID,
+            restart_times=(time.time() - 50,),
+            launches=(rec,),
+            timeouts={"train": 10, "startup": 60, "load": 60, "save": 60},
+        ),
+    )
+    beat(root, 0, 35, Phase.TRAIN, 1)
+    beat(root, 1, 35, Phase.TRAIN, 30)  # silent past the train timeout
+    beat(root, 2, 35, Phase.SAVE, 30)  # a long save: fine
+    beat(root, 3, 12, Phase.TRAIN, 1, launch="old")  # from an earlier launch
+    (RunDir.of(root).heartbeats / "rank_00004.json").write_text("{garbage")
+    return root
+
+
+def test_report(run_dir: Path):
+    r = build_report(run_dir)
+    assert (r.state, r.why) == ("running", "launch 2 running")
+    assert r.nodes[0].restarts == 1 and r.nodes[0].launches == 2
+    assert [(lr.number, lr.outcome, lr.last_step) for lr in r.launches] == [(1, "crash", 31)]
+    stale = {x.rank: x for x in r.ranks}
+    assert [x.rank for x in r.ranks] == [0, 1, 2, 3, 4]
+    assert not stale[0].stale and not stale[2].stale
+    assert stale[1].stale and "silent" in stale[1].note
+    assert stale[3].stale and "earlier launch" in stale[3].note
+    assert stale[4].stale and stale[4].phase == "unknown" and "JSON" in stale[4].note
+    assert r.current_step == 35 and r.steps_per_s == pytest.approx(2.0)
+    ck = {c.step: c for c in r.checkpoints}
+    assert set(ck) == {10, 30}
+    assert ck[10].valid and not ck[30].valid and "bytes" in ck[30].reason
+    assert ck[30].latest and not ck[10].latest
+    assert ck[10].size_bytes > 0 and 0 <= ck[10].age_s < 60
+    assert [q.reason for q in r.quarantined] == ["step_00000020: test reason"]
+    assert len(r.in_progress) == 1 and r.in_progress[0].startswith("step_00000040.tmp.")
+    assert r.disk_bytes > 0
+    text = render(r)
+    for needle in (
+        "RUNNING",
+        "STALE",
+        "INVALID",
+        "<- latest",
+        "test reason",
+        "exit 1: crash",
+        "being written",
+    ):
+        assert needle in text, needle
+
+
+def test_dead_watchdog_and_failed_states(tmp_path: Path):
+    root = tmp_path / "run"
+    root.mkdir()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    write_state(
+        root,
+        RunState(host=os.uname().nodename.split(".")[0], watchdog_pid=int(dead.stdout), status="running"),
+    )
+    r = build_report(root)
+    assert r.state == "failed" and "is gone" in r.why
+    write_state(root, RunState(node=1, status="failed", reason="no progress: step 7", exit_code=11))
+    r = build_report(root)
+    node1 = next(n for n in r.nodes if n.node == 1)
+    assert (node1.status, node1.exit_code, node1.reason) == ("failed", 11, "no progress: step 7")
+    assert r.state == "failed" and "(node 0)" in r.why
+    assert "watchdogs:" in render(r)
+
+
+def test_garbage_never_crashes(tmp_path: Path):
+    root = tmp_path / "run"
+    (root / "supervisor").mkdir(parents=True)
+    (root / "supervisor" / "state.json").write_bytes(b"\xff\x00not json")
+    (root / "supervisor" / "state.node1.json").write_text('{"launches": [{"outcome": "zzz"}]}')
+    (root / "supervisor" / "events.jsonl").write_text("garbage\n")
+    (root / "heartbeats").mkdir()
+    (root / "heartbeats" / "rank_00000.json").write_text('{"rank": 0}')
+    (root / "step_00000005").mkdir()
+    (root / "latest").write_text("../../etc/passwd")
+    r = build_report(root)
+    assert r.state == "unknown"
+    assert all(n.status == "unknown" and n.problem for n in r.nodes) and len(r.nodes) == 2
+    assert r.ranks[0].phase == "unknown" and "missing" in r.ranks[0].note
+    assert not r.checkpoints[0].valid and "manifest" in r.checkpoints[0].reason
+    render(r)
+
+
+def test_empty_run_dir(tmp_path: Path):
+    r = build_report(tmp_path)
+    assert r.state == "unknown" and r.checkpoints == () and r.ranks == ()
+    assert "none" in render(r)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "supervisor", "status", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_cli_json_and_table(run_dir: Path):
+    p = cli("--ckpt-root", str(run_dir), "--json")
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert d["state"] == "running" and len(d["ranks"]) == 5 and len(d["checkpoints"]) == 2
+    p = cli("--ckpt-root", str(run_dir))
+    assert p.returncode == 0 and "checkpoints:" in p.stdout
+
+
+def test_cli_missing_root_is_one_line_error(tmp_path: Path):
+    p = cli("--ckpt-root", str(tmp_path / "nope"))
+    assert p.returncode == 2
+    assert "does not exist" in p.stderr and len(p.stderr.strip().splitlines()) == 1

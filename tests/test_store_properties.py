@@ -1,0 +1,214 @@
+"""Property tests: random sequences of commits, crashes at every point of the commit protocol,
+corruptions, picks and prunes, checked against a model that knows which checkpoints are whole.
+
+Invariants: pick never returns an incomplete or corrupt checkpoint; no valid committed checkpoint
+is deleted or quarantined by pick; after pick ``latest`` names the newest valid one (absent when
+none); every quarantined checkpoint has a reason; prune keeps the newest valid one and deletes
+only valid ones beyond retention. A second test kills a real writer with SIGKILL at each phase.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from store_helpers import (
+    CORRUPTIONS,
+    assert_quarantine_explained,
+    committed_names,
+    corrupt,
+    latest_text,
+    write_tmp,
+)
+
+from supervisor import store
+from supervisor.layout import MANIFEST, RunDir, step_dirname
+
+PHASES = ("fsync", "manifest", "rename", "latest")
+# A crash at these phases happens before the rename: the checkpoint never becomes visible.
+BEFORE_RENAME = frozenset({"fsync", "manifest", "rename"})
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Crash(Exception):
+    """Raised from on_phase: the writer dies at that point of the protocol."""
+
+
+def _crash_at(phase: str | None):
+    def hook(p: str) -> None:
+        if p == phase:
+            raise Crash(p)
+
+    return hook
+
+
+class StoreMachine(RuleBasedStateMachine):
+    """A trainer that commits, crashes and resumes from pick, while storage rots underneath it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.root = Path(tempfile.mkdtemp(prefix="store-prop-"))
+        self.valid: set[str] = set()  # committed and untouched, per the model
+        self.invalid: set[str] = set()  # committed, then damaged
+        self.step = 0  # where the trainer is
+
+    def teardown(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    # ------------------------------------------------------------ actions
+
+    @rule(inc=st.integers(1, 3), crash=st.sampled_from((None, *PHASES)), half_manifest=st.booleans())
+    def commit(self, inc: int, crash: str | None, half_manifest: bool) -> None:
+        step = self.step + inc
+        tmp = write_tmp(self.root, step)
+        try:
+            store.commit(self.root, tmp, step=step, world_size=2, on_phase=_crash_at(crash))
+        except Crash:
+            if crash == "rename" and half_manifest:  # died halfway through writing the manifest
+                (tmp / MANIFEST).write_bytes((tmp / MANIFEST).read_bytes()[:40])
+            if crash not in BEFORE_RENAME:
+                self.valid.add(step_dirname(step))
+            else:
+                assert step_dirname(step) not in committed_names(self.root)
+            self.restart()
+            return
+        self.valid.add(step_dirname(step))
+        self.step = step
+
+    @precondition(lambda self: self.valid)
+    @rule(data=st.data(), kind=st.sampled_from(CORRUPTIONS))
+    def rot(self, data: st.DataObject, kind: str) -> None:
+        name = data.draw(st.sampled_from(sorted(self.valid)))
+        corrupt(self.root / name, kind)
+        self.valid.discard(name)
+        self.invalid.add(name)
+
+    @rule(kind=st.sampled_from(("garbage", "dangling", "empty", "missing", "symlink_to_old")))
+    def rot_latest(self, kind: str) -> None:
+        latest = RunDir.of(self.root).latest
+        latest.unlink(missing_ok=True)
+        if kind == "garbage":
+            latest.write_bytes(b"\x00\xffstep_garbage")
+        elif kind == "dangling":
+            latest.write_text("step_99999999\n")
+        elif kind == "empty":
+            latest.write_text("")
+        elif kind == "symlink_to_old":
+            latest.symlink_to("step_00000000")
+
+    @rule()
+    def stray_root_file(self) -> None:
+        (self.root / "notes.txt").write_text("someone's notes")
+
+    @rule()
+    def restart(self) -> None:
+        """The trainer resumes from what pick chooses."""
+        chosen = self.pick()
+        self.step = chosen.ref.step if chosen else 0
+
+    @rule(keep=st.integers(2, 4), milestone=st.sampled_from((0, 2, 5)))
+    def prune(self, keep: int, milestone: int) -> None:
+        valid_before = _steps(self.valid)
+        res = store.prune(self.root, keep=keep, milestone_every=milestone)
+        deleted, quarantined = set(res.deleted), {n for n, _ in res.quarantined}
+        assert deleted <= self.valid, "prune deleted a damaged checkpoint instead of quarantining it"
+        assert quarantined <= self.invalid, "prune quarantined a valid checkpoint"
+        if valid_before:
+            assert step_dirname(max(valid_before)) not in deleted, "prune deleted the newest valid"
+            assert len(self.valid - deleted) >= min(keep, len(self.valid))
+        for n in deleted:
+            assert milestone == 0 or int(n.split("_")[1]) % milestone != 0
+        self.valid -= deleted
+        self.invalid -= quarantined
+        assert_quarantine_explained(self.root)
+
+    # ------------------------------------------------------------ checks
+
+    def pick(self) -> store.Verdict | None:
+        res = store.pick(self.root, deep=True)
+        quarantined = {n for n, _ in res.quarantined}
+        assert not quarantined & self.valid, f"pick quarantined valid {quarantined & self.valid}"
+        newest_valid = max(_steps(self.valid), default=None)
+        if newest_valid is None:
+            assert res.chosen is None
+            assert latest_text(self.root) is None
+        else:
+            assert res.chosen is not None and res.chosen.ref.step == newest_valid
+            assert latest_text(self.root) == step_dirname(newest_valid) + "\n"
+            assert all(_step(n) < newest_valid for n in self.invalid - quarantined)
+        self.invalid -= quarantined
+        assert_quarantine_explained(self.root)
+        return res.chosen
+
+    @invariant()
+    def model_matches_disk(self) -> None:
+        assert committed_names(self.root) == self.valid | self.invalid
+        for name in self.valid:
+            assert store.validate(store.CheckpointRef(_step(name), self.root / name), deep=True).ok
+
+
+def _step(name: str) -> int:
+    return int(name.split("_")[1])
+
+
+def _steps(names: set[str]) -> list[int]:
+    return [_step(n) for n in names]
+
+
+StoreMachine.TestCase.settings = settings(
+    max_examples=40,
+    stateful_step_count=20,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_store_machine = StoreMachine.TestCase
+
+
+# ---------------------------------------------------------------- real SIGKILL at each phase
+
+_WRITER = textwrap.dedent(
+    """
+    import os, signal, sys
+    sys.path.insert(0, sys.argv[3])
+    from store_helpers import make_ckpt, write_tmp
+    from supervisor import store
+    root, phase = sys.argv[1], sys.argv[2]
+    make_ckpt(root, 10)
+    tmp = write_tmp(root, 20)
+    def die(p):
+        if p == phase:
+            os.kill(os.getpid(), signal.SIGKILL)
+    store.commit(root, tmp, step=20, world_size=2, on_phase=die)
+    """
+)
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_sigkill_at_each_phase_leaves_old_or_new_state(tmp_path: Path, phase: str) -> None:
+    root = tmp_path / "run"
+    p = subprocess.run(
+        [sys.executable, "-c", _WRITER, str(root), phase, str(Path(__file__).parent)],
+        cwd=REPO,
+        timeout=60,
+        capture_output=True,
+    )
+    assert p.returncode == -signal.SIGKILL, p.stderr.decode()
+    pointed = store.read_latest(root)
+    assert pointed is not None
+    assert store.validate(store.CheckpointRef(_step(pointed), root / pointed), deep=True).ok
+    expected = 10 if phase in BEFORE_RENAME else 20
+    assert pointed == "step_00000010"  # latest moves only after the rename is durable
+    res = store.pick(root, deep=True)
+    assert res.chosen.ref.step == expected and not res.quarantined
+    assert latest_text(root) == step_dirname(expected) + "\n"
+    assert len(store.list_tmp(root)) == (1 if phase in BEFORE_RENAME else 0)

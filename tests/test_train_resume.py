@@ -1,0 +1,157 @@
+"""End to end: a killed, preempted or refused launch of the reference trainer, then a relaunch.
+
+Each case compares against an uninterrupted run of the same configuration (a golden, shared by the
+session): on CPU a resumed run must end with bit-identical parameters.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from trainer_helpers import (
+    SAVE_EVERY,
+    STEPS,
+    committed,
+    copy_run,
+    digest,
+    finish,
+    heartbeat_exit_codes,
+    kill_group,
+    last_step,
+    launch,
+    metrics,
+    run,
+    run_ok,
+    shared_goldens,
+    train_args,
+    trainer_env,
+    wait_for,
+    worker_pid,
+)
+
+from supervisor.exitcodes import Exit
+from supervisor.manifest import read_manifest
+from supervisor.store import read_latest
+from train_ref.data import build_corpus
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="session")
+def goldens(tmp_path_factory):
+    return shared_goldens(lambda: tmp_path_factory.mktemp("goldens"))
+
+
+def _tree(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file of the run with its size and mtime; heartbeats and the lock file excepted."""
+    out = {}
+    for dirpath, _dirs, names in os.walk(root):
+        if "heartbeats" in Path(dirpath).relative_to(root).parts:
+            continue
+        for n in names:
+            if n == ".lock":
+                continue
+            st = os.stat(os.path.join(dirpath, n))
+            out[os.path.relpath(os.path.join(dirpath, n), root)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+# Every value of each dimension appears, and ranks x parallel is covered fully; num_workers does
+# not change the result by design, so goldens run with 0 workers and half the faulted runs with 2.
+CASES = [("ddp", 2, 0), ("ddp", 4, 2), ("fsdp", 2, 2), ("fsdp", 4, 0)]
+
+
+@pytest.mark.parametrize(("parallel", "nproc", "workers"), CASES)
+def test_kill9_one_worker_then_relaunch_is_bit_exact(goldens, tmp_path, parallel, nproc, workers):
+    golden = goldens.get(parallel, nproc)
+    rng = random.Random(f"{parallel}-{nproc}-{workers}")
+    kill_at, victim = rng.randint(SAVE_EVERY + 1, STEPS - 4), rng.randrange(nproc)
+    root = tmp_path / "run"
+    args = train_args(parallel, "--num-workers", str(workers))
+    t0 = time.time()
+    proc = launch(root, nproc, *args)
+    try:
+        wait_for(lambda: last_step(root) >= kill_at, 180, f"step {kill_at}", proc)
+        os.kill(worker_pid(root, victim, t0), signal.SIGKILL)
+        r = finish(proc)
+    finally:
+        kill_group(proc)
+    assert r.rc != 0, "torchrun should report the killed worker"
+    killed_at = last_step(root)
+    assert killed_at < STEPS, "the kill came too late to interrupt the run"
+    r2 = run_ok(root, nproc, *args)
+    resumed = int(r2.output.split("resumed from step_")[1].split(",")[0])
+    assert resumed <= killed_at and resumed % SAVE_EVERY == 0
+    assert digest(root) == digest(golden), f"killed rank {victim} at step {killed_at}, resumed from {resumed}"
+
+
+def test_kill_during_async_save_never_uses_that_checkpoint(goldens, tmp_path):
+    golden = goldens.get("ddp", 2)
+    root = tmp_path / "run"
+    args = train_args("ddp", "--async-save")
+    t0 = time.time()
+    # Test-only knob: each shard write sleeps 2 s, so the save of step 20 is surely in flight.
+    proc = launch(root, 2, *args, env=trainer_env(TRAIN_REF_SAVE_DELAY_S="2"))
+    try:
+        tmp20 = lambda: any(n.startswith("step_00000020.tmp.") for n in os.listdir(root))  # noqa: E731
+        wait_for(lambda: "step_00000010" in committed(root) and tmp20(), 180, "the save of step 20", proc)
+        os.kill(worker_pid(root, 1, t0), signal.SIGKILL)
+        r = finish(proc)
+    finally:
+        kill_group(proc)
+    assert r.rc != 0
+    assert committed(root) == ["step_00000010"]
+    assert read_latest(root) == "step_00000010"
+    r2 = run_ok(root, 2, *args)
+    assert "resumed from step_00000010, next step 11" in r2.output
+    assert digest(root) == digest(golden)
+    # step 20 was written again by the relaunch; the dead writer's tmp dir is left to the store's
+    # stale-tmp retention and is never read.
+    assert read_manifest(root / "step_00000020").meta["launch"] == metrics(root)[-1]["launch"]
+
+
+def test_sigusr1_checkpoints_at_next_step_and_exits_requeue(goldens, tmp_path):
+    golden = goldens.get("ddp", 2)
+    root = tmp_path / "run"
+    args = train_args("ddp", save_every=1000)  # no periodic save: only the preemption one
+    t0 = time.time()
+    proc = launch(root, 2, *args)
+    try:
+        wait_for(lambda: last_step(root) >= 8, 180, "step 8", proc)
+        os.kill(worker_pid(root, 1, t0), signal.SIGUSR1)  # one rank told: all must agree
+        r = finish(proc)
+    finally:
+        kill_group(proc)
+    assert r.rc != 0  # torchrun reports any non-zero worker as 1; the real code is in heartbeats
+    assert set(heartbeat_exit_codes(root).values()) == {Exit.REQUEUE}
+    stopped = last_step(root)
+    assert stopped < STEPS
+    assert committed(root) == [f"step_{stopped:08d}"], "checkpoint is not at the last completed step"
+    r2 = run_ok(root, 2, *args)
+    assert f"resumed from step_{stopped:08d}, next step {stopped + 1}" in r2.output
+    assert [m["step"] for m in metrics(root)] == list(range(1, STEPS + 1)), "steps lost or repeated"
+    assert digest(root) == digest(golden)
+
+
+@pytest.mark.parametrize("change", ["config", "data"])
+def test_mismatch_is_refused_and_nothing_moves(goldens, tmp_path, change):
+    root = copy_run(goldens.get("ddp", 2), tmp_path / "run")
+    if change == "config":
+        extra, words = ["--config", "bench"], "model config hash"
+    else:
+        text = root.parent / "corpus.txt"  # the same characters in another order
+        text.write_text("\n".join(reversed(build_corpus().splitlines())) + "\n")
+        extra, words = ["--corpus", str(text)], "data fingerprint"
+    before = _tree(root)
+    r = run(root, 2, *train_args("ddp", *extra, steps=STEPS + 10))
+    assert r.rc != 0
+    assert set(heartbeat_exit_codes(root).values()) == {Exit.MISMATCH}
+    line = next(x for x in r.output.splitlines() if "refused" in x)
+    assert words in line and line.count("sha256:") == 2, line
+    assert _tree(root) == before, "a refused launch changed the run directory"
+    assert not (root / "quarantine").exists()

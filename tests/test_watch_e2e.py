@@ -1,0 +1,198 @@
+"""End to end: the real reference trainer under torchrun (tiny config, 2 ranks, gloo on CPU),
+supervised by ``python -m supervisor watch``; real kill -9, SIGSTOP, a corrupted checkpoint and a
+killed "node". Each interrupted run must end with final.json's params_sha256 equal to an
+uninterrupted run's."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from supervisor import store
+from supervisor.events import events_path
+from supervisor.exitcodes import Exit
+from supervisor.heartbeat import Phase, read_heartbeats
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+STEPS, SAVE_EVERY = 60, 10
+TRAIN = ["-m", "train_ref.train", "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--seed", "3"]
+WATCH = ["--hang-timeout", "4", "--poll-interval", "0.2", "--kill-grace", "20", "--dump-wait", "2"]
+WATCH += ["--backoff-initial", "0.5", "--backoff-jitter", "0"]
+LIMIT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def standalone(root: Path) -> list[str]:
+    return [TORCHRUN, "--standalone", "--nproc-per-node=2", *TRAIN, "--ckpt-root", str(root)]
+
+
+def start_watch(root: Path, command: list[str], *extra: str) -> subprocess.Popen:
+    argv = [
+        sys.executable,
+        "-m",
+        "supervisor",
+        "watch",
+        "--ckpt-root",
+        str(root),
+        *WATCH,
+        *extra,
+        "--",
+        *command,
+    ]
+    return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def finish(p: subprocess.Popen) -> tuple[int, str]:
+    try:
+        out, _ = p.communicate(timeout=LIMIT_S)
+    except subprocess.TimeoutExpired:
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=60)
+        pytest.fail(f"watchdog did not finish in {LIMIT_S}s:\n{out.decode(errors='replace')[-5000:]}")
+    return p.returncode, out.decode(errors="replace")
+
+
+def digest(root: Path) -> str:
+    return json.loads((root / "final.json").read_text())["params_sha256"]
+
+
+def events(root: Path, node: int = 0) -> list[dict]:
+    return [json.loads(line) for line in events_path(root, node).read_text().splitlines()]
+
+
+def train_pid(root: Path, rank: int, min_step: int, timeout: float = 120) -> int:
+    """pid of ``rank`` once its heartbeat shows the train phase at ``min_step`` or later."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for s in read_heartbeats(root):
+            hb = s.heartbeat
+            if hb and hb.rank == rank and hb.phase == Phase.TRAIN and hb.step >= min_step:
+                return hb.pid
+        time.sleep(0.05)
+    pytest.fail(f"rank {rank} never reached step {min_step}")
+
+
+def no_leftovers(root: Path) -> bool:
+    needle = str(root).encode()
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if needle in Path(f"/proc/{name}/cmdline").read_bytes():
+                    return False
+            except OSError:
+                pass
+    return True
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("reference") / "run"
+    rc, out = finish(start_watch(root, standalone(root)))
+    assert rc == Exit.OK, out[-3000:]
+    return digest(root)
+
+
+def test_kill9_worker_resumes_digest_equal(tmp_path, reference):
+    root = tmp_path / "run"
+    p = start_watch(root, standalone(root))
+    os.kill(train_pid(root, 1, 25), signal.SIGKILL)
+    rc, out = finish(p)
+    assert rc == Exit.OK, out[-3000:]
+    ends = [e for e in events(root) if e["event"] == "launch_end"]
+    assert [e["outcome"] for e in ends] == ["crash", "done"], out[-3000:]
+    assert digest(root) == reference
+    assert no_leftovers(root)
+
+
+def test_sigstop_worker_detected_dumped_resumed(tmp_path, reference):
+    root = tmp_path / "run"
+    p = start_watch(root, standalone(root))
+    pid = train_pid(root, 1, 25)
+    os.kill(pid, signal.SIGSTOP)
+    rc, out = finish(p)
+    assert rc == Exit.OK, out[-3000:]
+    evs = events(root)
+    hang = [e for e in evs if e["event"] == "hang"]
+    assert len(hang) == 1 and 1 in hang[0]["stopped_ranks"], hang
+    dumps = [e for e in evs if e["event"] == "stack_dump" and e["rank"] == 1]
+    assert dumps and "train_ref" in (dumps[0]["stacks"] or ""), dumps
+    assert digest(root) == reference
+    assert no_leftovers(root)
+
+
+def test_corrupt_newest_while_down_then_resume(tmp_path, reference):
+    """Stop the run (SIGTERM: the trainer checkpoints and exits), flip a byte in the newest
+    checkpoint, start the watchdog again: --verify deep quarantines it and the run resumes from
+    the one before."""
+    root = tmp_path / "run"
+    p = start_watch(root, standalone(root))
+    train_pid(root, 0, 25)
+    p.send_signal(signal.SIGTERM)
+    rc, out = finish(p)
+    assert rc == 128 + signal.SIGTERM, out[-3000:]
+    newest = store.list_checkpoints(root)[0]
+    shard = max((f for f in newest.path.rglob("*.distcp")), key=lambda f: f.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    shard.write_bytes(bytes(data))
+    rc, out = finish(start_watch(root, standalone(root), "--verify", "deep"))
+    assert rc == Exit.OK, out[-3000:]
+    quarantined = [e for e in events(root) if e["event"] == "quarantine"]
+    assert [e["checkpoint"] for e in quarantined] == [newest.name]
+    assert "checksum" in quarantined[0]["why"]
+    assert digest(root) == reference
+
+
+def test_two_nodes_kill_one_node_tree(tmp_path, reference):
+    """Two watchdogs, each with a torchrun --nnodes=2 --nproc-per-node=1 on one c10d endpoint;
+    node 1's torchrun and its worker are SIGKILLed; both watchdogs relaunch and the job ends
+    digest-equal."""
+    root = tmp_path / "run"
+    port = free_port()
+
+    def node_cmd() -> list[str]:
+        return [
+            TORCHRUN,
+            "--nnodes=2",
+            "--nproc-per-node=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=e2e",
+            "--max-restarts=0",
+            *TRAIN,
+            "--ckpt-root",
+            str(root),
+        ]
+
+    nodes = [start_watch(root, node_cmd(), "--node-rank", str(n)) for n in (0, 1)]
+    try:
+        victim = train_pid(root, 1, 25)
+        agent = int(Path(f"/proc/{victim}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        os.kill(agent, signal.SIGKILL)
+        os.kill(victim, signal.SIGKILL)
+        results = [finish(p) for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+    for rc, out in results:
+        assert rc == Exit.OK, out[-3000:]
+    assert any(e["event"] == "relaunch" for e in events(root, 1))
+    assert digest(root) == reference
+    assert no_leftovers(root)

@@ -1,0 +1,188 @@
+"""Shared helpers for the end-to-end trainer tests: real torchrun, real files, real signals."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from supervisor.heartbeat import read_heartbeats
+
+REPO = Path(__file__).resolve().parent.parent
+# Small enough for CI (2 cores): ~0.05-0.2 s per step, 30 steps cross three saves.
+STEPS = 30
+SAVE_EVERY = 10
+SEED = 7
+LAUNCH_TIMEOUT_S = 240.0
+
+
+def trainer_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # torchrun restarts with gloo (torch-cpu.md)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("SUPERVISOR_LAUNCH_ID", None)
+    env.update(extra)
+    return env
+
+
+def torchrun_cmd(root: Path, nproc: int, *args: str) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        "-m", "train_ref.train", "--ckpt-root", str(root), "--seed", str(SEED), *args,
+    ]  # fmt: skip
+
+
+def launch(root: Path, nproc: int, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """Start torchrun in its own session (so cleanup can kill the whole group)."""
+    return subprocess.Popen(
+        torchrun_cmd(root, nproc, *args),
+        cwd=REPO,
+        env=env or trainer_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+@dataclass(frozen=True)
+class Result:
+    rc: int
+    output: str
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = LAUNCH_TIMEOUT_S) -> Result:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        out, _ = proc.communicate()
+        raise AssertionError(f"torchrun did not finish in {timeout}s:\n{out[-4000:]}") from None
+    return Result(proc.returncode, out)
+
+
+def run(root: Path, nproc: int, *args: str, env: dict[str, str] | None = None) -> Result:
+    return finish(launch(root, nproc, *args, env=env))
+
+
+def run_ok(root: Path, nproc: int, *args: str, env: dict[str, str] | None = None) -> Result:
+    r = run(root, nproc, *args, env=env)
+    assert r.rc == 0, f"torchrun exited {r.rc}:\n{r.output[-4000:]}"
+    return r
+
+
+def kill_group(proc: subprocess.Popen[str]) -> None:
+    """Kill a launch we started (its own session) and everything under it."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def wait_for(
+    pred: Callable[[], bool], timeout: float, what: str, proc: subprocess.Popen[str] | None = None
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(
+                f"launch ended (rc {proc.returncode}) before {what}:\n{proc.communicate()[0][-4000:]}"
+            )
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Complete JSON lines (a kill can leave the last one partial)."""
+    out = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(line))
+    return out
+
+
+def metrics(root: Path) -> list[dict]:
+    return read_jsonl(root / "metrics.jsonl")
+
+
+def last_step(root: Path) -> int:
+    m = metrics(root)
+    return m[-1]["step"] if m else 0
+
+
+def losses_by_step(root: Path) -> dict[int, float]:
+    """The loss of each step as the surviving trajectory saw it (a later launch overrides)."""
+    return {m["step"]: m["loss"] for m in metrics(root)}
+
+
+def final(root: Path) -> dict:
+    return json.loads((root / "final.json").read_text())
+
+
+def digest(root: Path) -> str:
+    return final(root)["params_sha256"]
+
+
+def worker_pid(root: Path, rank: int, launched_after: float) -> int:
+    """The pid of ``rank`` in the current launch, from its heartbeat (written at startup)."""
+    for s in read_heartbeats(root):
+        hb = s.heartbeat
+        if hb and hb.rank == rank and hb.wall_time >= launched_after:
+            return hb.pid
+    raise AssertionError(f"no heartbeat of rank {rank} since the launch")
+
+
+def heartbeat_exit_codes(root: Path) -> dict[int, int | None]:
+    return {s.rank: s.heartbeat.exit_code for s in read_heartbeats(root) if s.heartbeat}
+
+
+def committed(root: Path) -> list[str]:
+    names = os.listdir(root) if root.exists() else []
+    return sorted(n for n in names if n.startswith("step_") and ".tmp." not in n)
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    """A private copy of a run directory (checkpoints, metrics) without its heartbeats."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("heartbeats", ".lock"))
+    return dst
+
+
+def train_args(parallel: str, *extra: str, steps: int = STEPS, save_every: int = SAVE_EVERY) -> list[str]:
+    return ["--parallel", parallel, "--steps", str(steps), "--save-every", str(save_every), *extra]
+
+
+class Goldens:
+    """Uninterrupted runs, one per (parallel, nproc), made on first use and shared by the session."""
+
+    def __init__(self, base: Path):
+        self.base = base
+        self.runs: dict[tuple[str, int], Path] = {}
+
+    def get(self, parallel: str, nproc: int) -> Path:
+        key = (parallel, nproc)
+        if key not in self.runs:
+            root = self.base / f"golden_{parallel}_{nproc}"
+            run_ok(root, nproc, *train_args(parallel, "--log-samples"))
+            self.runs[key] = root
+        return self.runs[key]
+
+
+_GOLDENS: Goldens | None = None
+
+
+def shared_goldens(make_base: Callable[[], Path]) -> Goldens:
+    """One Goldens for the whole pytest process, whichever test module asks first."""
+    global _GOLDENS
+    if _GOLDENS is None:
+        _GOLDENS = Goldens(make_base())
+    return _GOLDENS

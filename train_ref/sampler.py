@@ -1,0 +1,80 @@
+"""Resumable distributed batch sampler: a position in a world-size-free global stream.
+
+The stream is epochs of a seeded permutation cut into global batches of ``global_batch`` samples
+(the tail that does not fill a batch is dropped). The position is (epoch, batch index) of the next
+global batch to consume; rank r of W takes slice r of that batch (``global_batch / W`` samples).
+So the global batch stays constant when W changes, and a checkpoint from W ranks resumes on W'
+ranks at the same global position: no sample skipped or seen twice. Resuming jumps straight to the
+position; nothing is replayed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import Sampler
+
+from train_ref.data import SampleKey, mix_seed
+
+
+def epoch_permutation(num_samples: int, seed: int, epoch: int) -> list[int]:
+    g = torch.Generator().manual_seed(mix_seed(seed, epoch))
+    return torch.randperm(num_samples, generator=g).tolist()
+
+
+class ResumableBatchSampler(Sampler[list[SampleKey]]):
+    """Yields this rank's share of each global batch, forever, from the position at ``iter``.
+
+    The DataLoader runs ahead of training (prefetch), so the consumed position is advanced by the
+    trainer (``advance``) once a batch has been used, not by iteration.
+    """
+
+    def __init__(self, num_samples: int, global_batch: int, rank: int, world_size: int, seed: int):
+        if global_batch % world_size:
+            raise ValueError(f"global batch {global_batch} does not split over {world_size} ranks")
+        if num_samples < global_batch:
+            raise ValueError(f"{num_samples} samples cannot fill one global batch of {global_batch}")
+        self.num_samples, self.global_batch = num_samples, global_batch
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.per_rank = global_batch // world_size
+        self.batches_per_epoch = num_samples // global_batch
+        self.epoch, self.batch = 0, 0
+
+    def __iter__(self) -> Iterator[list[SampleKey]]:
+        epoch, batch = self.epoch, self.batch
+        while True:
+            perm = epoch_permutation(self.num_samples, self.seed, epoch)
+            while batch < self.batches_per_epoch:
+                lo = batch * self.global_batch + self.rank * self.per_rank
+                yield [SampleKey(epoch, batch, s) for s in perm[lo : lo + self.per_rank]]
+                batch += 1
+            epoch, batch = epoch + 1, 0
+
+    def advance(self) -> None:
+        """One global batch consumed."""
+        self.batch += 1
+        if self.batch == self.batches_per_epoch:
+            self.epoch, self.batch = self.epoch + 1, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "batch": self.batch,
+            "num_samples": self.num_samples,
+            "global_batch": self.global_batch,
+            "seed": self.seed,
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore the position. A different dataset size (an allowed data change) cannot map a
+        mid-epoch position, so it starts the next epoch; a different global batch is refused."""
+        if int(sd["global_batch"]) != self.global_batch:
+            raise ValueError(
+                f"checkpoint global batch {sd['global_batch']} != this run's {self.global_batch}"
+            )
+        if int(sd["num_samples"]) != self.num_samples:
+            self.epoch, self.batch = int(sd["epoch"]) + 1, 0
+            return
+        self.epoch, self.batch = int(sd["epoch"]), int(sd["batch"])

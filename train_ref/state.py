@@ -1,0 +1,157 @@
+"""The training state: what is saved, where, and how it comes back.
+
+``TrainState`` (a DCP ``Stateful``) holds the state every rank shares or shards: model and optimizer
+(through ``get_state_dict``/``set_state_dict``, so DCP reshards them), LR scheduler, grad scaler,
+step, sampler position and the recent loss window. ``RankState`` is what differs per rank: python
+``random``, numpy and torch CPU/CUDA RNG; it goes to a small per-rank file beside the shards, saved
+as plain tensors and numbers and loaded with ``torch.load(weights_only=True)`` (no arbitrary pickle).
+
+``ablate`` (test-only) names items a resume deliberately skips, to prove each one matters.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from train_ref.data import mix_seed
+from train_ref.sampler import ResumableBatchSampler
+
+SHARED_ITEMS = ("optimizer", "scheduler", "sampler")
+RANK_ITEMS = ("python_rng", "numpy_rng", "torch_rng")
+ABLATABLE = SHARED_ITEMS + RANK_ITEMS
+
+
+def rank_state_filename(rank: int) -> str:
+    return f"rank_{rank:05d}.state.pt"
+
+
+class TrainState(Stateful):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        scaler: torch.amp.GradScaler,
+        sampler: ResumableBatchSampler,
+        loss_window: int,
+        ablate: frozenset[str] = frozenset(),
+    ):
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.scaler, self.sampler = scaler, sampler
+        self.step = 0  # steps completed
+        self.losses: deque[float] = deque(maxlen=loss_window)
+        self.ablate = ablate
+
+    def state_dict(self) -> dict[str, Any]:
+        if "optimizer" in self.ablate:
+            model_sd, optim_sd = get_model_state_dict(self.model), None
+        else:
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        sd: dict[str, Any] = {
+            "model": model_sd,
+            "optim": optim_sd,
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "step": self.step,
+            "loss_window": torch.tensor(
+                list(self.losses) + [float("nan")] * (self.losses.maxlen - len(self.losses)),
+                dtype=torch.float64,
+            ),
+        }
+        return {k: v for k, v in sd.items() if v is not None and _item_of(k) not in self.ablate}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if "optim" in sd:
+            set_state_dict(
+                self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
+            )
+        else:
+            set_model_state_dict(self.model, sd["model"])
+        if "scheduler" in sd:
+            self.scheduler.load_state_dict(sd["scheduler"])
+        if sd["scaler"]:
+            self.scaler.load_state_dict(sd["scaler"])
+        if "sampler" in sd:
+            self.sampler.load_state_dict(sd["sampler"])
+        self.step = int(sd["step"])
+        window = sd["loss_window"]
+        self.losses.clear()
+        self.losses.extend(float(v) for v in window.tolist() if v == v)
+
+
+def _item_of(key: str) -> str:
+    return {"optim": "optimizer"}.get(key, key)
+
+
+class RankState:
+    """Per-rank RNG streams as a dict of tensors and numbers (safe to load with weights_only)."""
+
+    @staticmethod
+    def capture() -> dict[str, Any]:
+        py_version, py_state, py_gauss = random.getstate()
+        np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+        sd: dict[str, Any] = {
+            "python_rng": {
+                "version": py_version,
+                "state": torch.tensor(py_state, dtype=torch.int64),
+                "gauss": py_gauss,
+            },
+            "numpy_rng": {
+                "keys": torch.from_numpy(np_keys.astype(np.int64)),
+                "pos": int(np_pos),
+                "has_gauss": int(np_has_gauss),
+                "gauss": float(np_gauss),
+            },
+            "torch_rng": {"cpu": torch.get_rng_state()},
+        }
+        if torch.cuda.is_available():
+            sd["torch_rng"]["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
+        assert np_name == "MT19937"
+        return sd
+
+    @staticmethod
+    def restore(sd: dict[str, Any], skip: frozenset[str] = frozenset()) -> None:
+        if "python_rng" not in skip:
+            p = sd["python_rng"]
+            random.setstate((p["version"], tuple(p["state"].tolist()), p["gauss"]))
+        if "numpy_rng" not in skip:
+            n = sd["numpy_rng"]
+            np.random.set_state(
+                ("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"])
+            )
+        if "torch_rng" not in skip:
+            t = sd["torch_rng"]
+            torch.set_rng_state(t["cpu"])
+            if "cuda" in t and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(list(t["cuda"]))
+
+    @staticmethod
+    def save(path: Path) -> None:
+        torch.save(RankState.capture(), path)
+
+    @staticmethod
+    def load(path: Path, skip: frozenset[str] = frozenset()) -> None:
+        RankState.restore(torch.load(path, weights_only=True), skip)
+
+
+def seed_rank_rng(seed: int, rank: int, step: int) -> None:
+    """Derive every RNG of one rank from (seed, rank, step): a fresh run (step 0), or a resume on
+    a new world size where the saved per-rank streams do not map onto the new ranks."""
+    s = mix_seed(seed, rank, step)
+    random.seed(s)
+    np.random.seed(s % 2**32)
+    torch.manual_seed(s)
