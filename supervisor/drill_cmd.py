@@ -40,13 +40,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _progress(msg: str, run: ScenarioRun) -> None:
-    step = run.records[-1].step if run.records else "-"
-    print(
-        f"[drill] {run.scenario}: {msg} (faults {len(run.injected)}, step {step})",
-        file=sys.stderr,
-        flush=True,
-    )
+class _Progress:
+    """Status lines for a CI log: every event, plus "still running" at most every 15 s."""
+
+    EVERY_S = 15.0
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self._last = time.monotonic()
+
+    def __call__(self, msg: str, run: ScenarioRun) -> None:
+        now = time.monotonic()
+        if not msg and now - self._last < self.EVERY_S:
+            return
+        self._last = now
+        step = run.records[-1].step if run.records else 0
+        launches = len({r.launch for r in run.records})
+        print(
+            f"[drill] {run.scenario}: {msg or 'running'}: step {step}/{self.steps}, "
+            f"faults {len(run.injected)}, restarts {max(launches - 1, 0)}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -95,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     verdicts: list[Verdict] = []
     for s, faults in plans.items():
         print(f"[drill] {s}: starting under the watchdog", file=sys.stderr, flush=True)
-        r = run_scenario(cfg, s, faults, log, _progress)
+        r = run_scenario(cfg, s, faults, log, _Progress(args.steps))
         v = judge(
             s,
             faults=faults,

@@ -39,7 +39,7 @@ def resume_table(run: ScenarioRun, v: Verdict) -> str:
         picks = [e for e in run.events if e.get("event") == "pick" and e.get("t", 0) <= res.first_seen]
         used = picks[-1].get("checkpoint") if picks else f"step {res.ckpt_step}"
         skipped = [
-            f"{e.get('checkpoint')}: {e.get('why')}"
+            str(e.get("why"))  # the reason already names the checkpoint
             for e in run.events
             if e.get("event") == "quarantine" and e.get("t", 0) <= res.first_seen
         ]

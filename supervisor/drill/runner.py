@@ -231,7 +231,8 @@ def run_scenario(
     try:
         for fault in faults:
             dog = _inject(cfg, run, fault, dog, tail, log, progress, slow_saves)
-        run.exit_codes.append(dog.wait(timeout=cfg.fault_timeout_s * 2))
+        _wait_for(lambda: dog.proc.poll() is not None, tail, cfg.fault_timeout_s * 2, dog, run, progress)
+        run.exit_codes.append(dog.wait(timeout=5))
         tail.poll()
     finally:
         if dog.proc.poll() is None:
@@ -245,10 +246,18 @@ def run_scenario(
     return run
 
 
-def _wait_for(cond: Callable[[], bool], tail: MetricsTail, timeout: float, dog: Watchdog) -> bool:
+def _wait_for(
+    cond: Callable[[], bool],
+    tail: MetricsTail,
+    timeout: float,
+    dog: Watchdog,
+    run: ScenarioRun,
+    progress: Callable[[str, ScenarioRun], None],
+) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         tail.poll()
+        progress("", run)  # a periodic status line; the callback throttles it
         if cond():
             return True
         if dog.proc.poll() is not None:
@@ -274,11 +283,16 @@ def _inject(
     def reached(step: int) -> Callable[[], bool]:
         return lambda: tail.last is not None and tail.last.step >= step
 
-    if not _wait_for(reached(fault.at_step), tail, cfg.fault_timeout_s, dog):
+    if not _wait_for(reached(fault.at_step), tail, cfg.fault_timeout_s, dog, run, progress):
         run.notes.append(f"not injected: the run never reached step {fault.at_step}")
         return dog
     if fault.kind == Kind.DURING_SAVE and not _wait_for(
-        lambda: inject.tmp_save_in_flight(run.root, fault.at_step), tail, cfg.fault_timeout_s, dog
+        lambda: inject.tmp_save_in_flight(run.root, fault.at_step),
+        tail,
+        cfg.fault_timeout_s,
+        dog,
+        run,
+        progress,
     ):
         run.notes.append(f"not injected: no async save of step >= {fault.at_step} was seen in flight")
         return dog
@@ -307,7 +321,12 @@ def _inject(
     run.save_in_flight.append(in_flight)
     progress(f"injected {fault.kind.value}", run)
     if not _wait_for(
-        lambda: tail.last is not None and tail.last.launch != launch, tail, cfg.fault_timeout_s, dog
+        lambda: tail.last is not None and tail.last.launch != launch,
+        tail,
+        cfg.fault_timeout_s,
+        dog,
+        run,
+        progress,
     ):
         run.notes.append(f"no resumed step seen within {cfg.fault_timeout_s:.0f}s after {fault.kind.value}")
     else:
