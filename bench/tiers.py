@@ -4,15 +4,17 @@
 
 1. Upload: ``RemoteTier.upload`` (hash while reading, manifest last, fsync and rename on a
    directory) next to a plain copy of the same bytes to the same target (``shutil.copyfile`` per
-   file, also with an fsync per file, for the directory tier; s3fs ``put`` for S3), and the same for
-   a download (``download``: hash while writing, local commit; plain: copytree / s3fs ``get``).
+   file for the directory tier, s3fs ``put`` for S3), and the same for a download (``download``:
+   hash while writing, local commit; plain: copytree / s3fs ``get``). Each plain copy is also
+   timed with an fsync of what it wrote (+fsync), the fair baseline for a durable tier.
    Targets: a second directory and a moto S3 server on loopback (a subprocess, so it does not share
    this process's GIL). Median of ``--rounds`` after a warm-up round, the order alternated.
    Ratio = tier throughput / plain throughput.
 2. Training-loop stall, synthetic: a numpy loop (a fixed matmul per step) that commits a checkpoint
    every ``--save-every`` steps through the store, with no remote, then with an Uploader to each
-   target. Ratio = median (and p95) step time with the remote / without. The saves themselves are
-   not timed (they are the same in every variant); what is timed is the steps while uploads run.
+   target, the variants interleaved over ``--rounds``. Ratio = median (and p95) step time with the
+   remote / without. The saves themselves are not timed (they are the same in every variant); what
+   is timed is the steps while uploads run, plus any time ``submit`` blocked.
 3. Training-loop stall, real trainer: runs only when ``train_ref.train`` accepts ``--remote``
    (torchrun, 2 ranks, step times from its metrics.jsonl); otherwise it says it was skipped.
 """
@@ -37,7 +39,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from supervisor import store
-from supervisor.fsutil import fsync_file
+from supervisor.fsutil import fsync_file, fsync_tree
 from supervisor.tiers.remote import RemoteTier, open_remote
 from supervisor.tiers.uploader import Uploader, UploadPolicy
 
@@ -108,14 +110,16 @@ class Target:
                         fsync_file(dest / p.name)
 
             return put
-        fs, root = tier.backend.fs, tier.backend.root
+        fs, root = tier.backend.fs, tier.backend.root  # an S3 PUT is durable when it returns
         return lambda: fs.put(str(ref.path), f"{root}/{ref.name}", recursive=True)
 
-    def plain_get(self, tier: RemoteTier, name: str, dest: Path) -> None:
+    def plain_get(self, tier: RemoteTier, name: str, dest: Path, durable: bool) -> None:
         if self.kind == "dir":
             shutil.copytree(tier.backend.root / name, dest)
         else:
             tier.backend.fs.get(f"{tier.backend.root}/{name}", str(dest), recursive=True)
+        if durable:
+            fsync_tree(dest)
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -130,7 +134,7 @@ def timed(fn: Callable[[], object]) -> float:
 def transfer(target: Target, ref: store.CheckpointRef, work: Path, rounds: int) -> dict[str, float]:
     """MB/s of each way, median of ``rounds`` after one untimed warm-up round."""
     nbytes = store.validate(ref).manifest.total_bytes
-    ways = ("plain_up", "durable_up", "tier_up", "plain_down", "tier_down")
+    ways = ("plain_up", "durable_up", "tier_up", "plain_down", "durable_down", "tier_down")
     times: dict[str, list[float]] = {k: [] for k in ways}
     for r in range(rounds + 1):
         tier = target.fresh()
@@ -138,16 +142,17 @@ def transfer(target: Target, ref: store.CheckpointRef, work: Path, rounds: int) 
             "plain_up": target.plain_put(ref, durable=False),
             "durable_up": target.plain_put(ref, durable=True),
             "tier_up": lambda t=tier: t.upload(ref),
-            "plain_down": lambda t=tier, d=work / "plain-down": target.plain_get(t, ref.name, d),
-            "tier_down": lambda t=tier, d=work / "tier-down": t.download(ref.step, d),
+            "plain_down": lambda t=tier, d=work / "down-plain": target.plain_get(t, ref.name, d, False),
+            "durable_down": lambda t=tier, d=work / "down-durable": target.plain_get(t, ref.name, d, True),
+            "tier_down": lambda t=tier, d=work / "down-tier": t.download(ref.step, d),
         }
         order = ways if r % 2 == 0 else (*ways[2::-1], *ways[:2:-1])  # uploads before downloads
         for way in order:
             dt = timed(runs[way])
             if r > 0:
                 times[way].append(dt)
-        shutil.rmtree(work / "plain-down", ignore_errors=True)
-        shutil.rmtree(work / "tier-down", ignore_errors=True)
+        for way in ("plain", "durable", "tier"):
+            shutil.rmtree(work / f"down-{way}", ignore_errors=True)
     return {k: nbytes / statistics.median(v) / MB for k, v in times.items()}
 
 
@@ -226,36 +231,47 @@ def main() -> None:
         targets = {k: Target(k, work / "shared", endpoint) for k in ("dir", "s3")}
         ref = write_checkpoint(work / "run", 1, args.size_mib << 20, args.files)
         print(f"1. transfer of {args.size_mib} MiB in {args.files} files, median of {args.rounds} (MB/s)")
-        print("   plain = copyfile / s3fs put; +fsync = copyfile then fsync each file (an S3 PUT is durable)")
-        print(
-            f"{'target':<7} {'plain up':>9} {'+fsync':>7} {'tier up':>8} "
-            f"{'tier/plain':>10} {'tier/+fsync':>11}   "
-            f"{'plain down':>10} {'tier down':>9} {'tier/plain':>10}"
-        )
+        print("   plain: copyfile / copytree / s3fs put / get; +fsync: the same, then fsync what was written")
+        print("   (an S3 PUT is durable when it returns: its +fsync up is the plain put again)")
+        head = f"{'plain':>7} {'+fsync':>7} {'tier':>7} {'tier/plain':>10} {'tier/+fsync':>11}"
+        print(f"{'':<7} {'upload':^46}   {'download':^46}")
+        print(f"{'target':<7} {head}   {head}")
         for kind, target in targets.items():
             r = transfer(target, ref, work, args.rounds)
-            print(
-                f"{kind:<7} {r['plain_up']:9.0f} {r['durable_up']:7.0f} {r['tier_up']:8.0f} "
-                f"{r['tier_up'] / r['plain_up']:10.2f} {r['tier_up'] / r['durable_up']:11.2f}   "
-                f"{r['plain_down']:10.0f} {r['tier_down']:9.0f} {r['tier_down'] / r['plain_down']:10.2f}"
-            )
+            cells = []
+            for way in ("up", "down"):
+                plain, durable, tier = r[f"plain_{way}"], r[f"durable_{way}"], r[f"tier_{way}"]
+                cells.append(
+                    f"{plain:7.0f} {durable:7.0f} {tier:7.0f} {tier / plain:10.2f} {tier / durable:11.2f}"
+                )
+            print(f"{kind:<7} {cells[0]}   {cells[1]}")
         size = args.stall_size_mib << 20
         print(
             f"\n2. synthetic loop: {args.steps} steps, a {args.stall_size_mib} MiB checkpoint every "
-            f"{args.save_every}; step time with the remote / without (median, p95)"
+            f"{args.save_every}, {args.rounds} interleaved rounds; step time with the remote / without"
         )
-        base = synthetic_loop(work / "loop-off", args.steps, args.save_every, size, args.files, None)
-        print(f"{'off':<7} median {statistics.median(base) * 1e3:7.2f} ms  p95 {p95(base) * 1e3:7.2f} ms")
-        for kind, target in targets.items():
-            root = work / f"loop-{kind}"
-            up = Uploader(root, target.fresh(), UploadPolicy(local_keep=2)).start()
-            on = synthetic_loop(root, args.steps, args.save_every, size, args.files, up)
-            synced = up.close(flush_timeout_s=300)
+        variants = ("off", *targets)
+        times: dict[str, list[float]] = {v: [] for v in variants}
+        notes: dict[str, list[str]] = {v: [] for v in variants}
+        for r in range(args.rounds):  # interleaved, so a change in the machine's load hits all alike
+            for kind in variants[r % 3 :] + variants[: r % 3]:
+                root = work / f"loop-{kind}-{r}"
+                if kind == "off":
+                    times[kind] += synthetic_loop(root, args.steps, args.save_every, size, args.files, None)
+                    continue
+                up = Uploader(root, targets[kind].fresh(), UploadPolicy(local_keep=2)).start()
+                times[kind] += synthetic_loop(root, args.steps, args.save_every, size, args.files, up)
+                synced = up.close(flush_timeout_s=300)
+                notes[kind].append(
+                    f"{'synced' if synced else 'NOT synced'}/{len(up.status().skipped)} skipped"
+                )
+        base = times["off"]
+        for kind in variants:
+            on = times[kind]
             print(
                 f"{kind:<7} median {statistics.median(on) * 1e3:7.2f} ms  p95 {p95(on) * 1e3:7.2f} ms  "
                 f"ratio median {statistics.median(on) / statistics.median(base):.2f}  "
-                f"p95 {p95(on) / p95(base):.2f}  (all uploaded at the end: {synced}, "
-                f"skipped while busy: {len(up.status().skipped)})"
+                f"p95 {p95(on) / p95(base):.2f}  {' '.join(notes[kind])}"
             )
         print("\n3. real trainer (torchrun, 2 ranks), step time with --remote / without")
         if not trainer_has_remote():

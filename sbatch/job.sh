@@ -22,7 +22,6 @@
 #   WATCH_OPTS       more watchdog options (python -m supervisor watch --help)        default: none
 #   MAX_REQUEUES     requeues this job may do; counted in RUN_DIR/supervisor/slurm.json  default: 10
 #   NOTICE_REPEAT_S  repeat a notice to the nodes every N s until they are done      default: 30
-#   SLURM_KILL_ON_BAD_EXIT  1: a node's watchdog failing ends all nodes' watchdogs   default: 1
 #
 # Preemption and time limit: SLURM sends SIGUSR1 to this shell (--signal=B:USR1@SECONDS before the
 # limit; keep B: and USR1, change the seconds to cover one checkpoint; or scancel --signal=USR1
@@ -51,27 +50,37 @@ set -uo pipefail
 : "${RDZV_HOST:=}" "${RDZV_PORT:=}" "${TORCHRUN_OPTS:=}" "${WATCH_OPTS:=}"
 : "${MAX_REQUEUES:=10}"
 : "${NOTICE_REPEAT_S:=30}"
-: "${SLURM_KILL_ON_BAD_EXIT:=1}"
 export RUN_DIR PYTHON TRAIN_ARGS CKPT_FLAG NPROC_PER_NODE NNODES RDZV_HOST RDZV_PORT TORCHRUN_OPTS \
-  WATCH_OPTS MAX_REQUEUES SLURM_KILL_ON_BAD_EXIT
+  WATCH_OPTS MAX_REQUEUES
+
+case "$NOTICE_REPEAT_S" in '' | *[!0-9]*)
+  echo "job.sh: NOTICE_REPEAT_S='$NOTICE_REPEAT_S': set a whole number of seconds" >&2
+  exit 2
+  ;;
+esac
+STEP_START_S=5
 
 notice=0
 trap 'notice=1' USR1 # keep it short: the loop below forwards the notice
 
 "$PYTHON" -m supervisor slurm start -- "$@" || exit $?
 
-srun --ntasks-per-node=1 --cpus-per-task="${SLURM_CPUS_ON_NODE:-1}" \
+srun --ntasks-per-node=1 --cpus-per-task="${SLURM_CPUS_ON_NODE:-1}" --kill-on-bad-exit=0 \
   "$PYTHON" -m supervisor slurm launch -- "$@" &
 srun_pid=$!
 
-next_forward=0
+told=0
+next_forward=$((SECONDS + STEP_START_S)) # until the step's python has set SIGUSR1 to ignored
 while kill -0 "$srun_pid" 2>/dev/null; do
   sleep 1 &
   wait $! # a notice interrupts this wait at once
   if [ "$notice" = 1 ] && [ "$SECONDS" -ge "$next_forward" ]; then
     # srun hands the signal to every process of the step; a rank still starting up ignores it, so
     # repeat it until the step ends.
-    [ "$next_forward" = 0 ] && echo "job.sh: SIGUSR1 (preemption or time limit): telling the watchdogs to checkpoint"
+    if [ "$told" = 0 ]; then
+      echo "[job.sh $(date -u +%FT%TZ)] SIGUSR1 (preemption or time limit): telling the watchdogs to checkpoint"
+      told=1
+    fi
     kill -USR1 "$srun_pid" 2>/dev/null
     next_forward=$((SECONDS + NOTICE_REPEAT_S))
   fi

@@ -73,6 +73,11 @@ def descendants(root: int, table: Mapping[int, ProcInfo]) -> list[int]:
     return out
 
 
+def stopped(pids: Iterable[int]) -> list[int]:
+    """Those of ``pids`` that are stopped (SIGSTOP, or traced)."""
+    return [p for p in pids if (info := read_proc(p)) is not None and info.state in ("T", "t")]
+
+
 def send(pids: Iterable[int], sig: int) -> list[int]:
     """Signal each pid; return those that existed."""
     hit = []
@@ -104,7 +109,7 @@ class Child:
 
     def tree(self) -> list[int]:
         """The child and every descendant, adopted orphans included."""
-        return [p for p in descendants(os.getpid(), process_table()) if p != os.getpid()]
+        return descendants(os.getpid(), process_table())
 
     def signal_tree(self, sig: int) -> list[int]:
         return send(self.tree(), sig)
@@ -115,9 +120,6 @@ class Child:
         table = process_table()
         below = descendants(self.pid, table)
         return below or ([self.pid] if self.pid in table else [])
-
-    def stopped(self, pids: Iterable[int]) -> list[int]:
-        return [p for p in pids if (info := read_proc(p)) is not None and info.state in ("T", "t")]
 
     def kill(self, grace_s: float) -> str:
         """SIGTERM (and SIGCONT, so a stopped process can act on it) to the whole tree; SIGKILL

@@ -100,12 +100,7 @@ class PhaseTimeouts:
 
     def for_phase(self, phase: Phase) -> float | None:
         """Seconds a rank may stay silent in ``phase``; None: never hung (it is done)."""
-        return {
-            Phase.TRAIN: self.train,
-            Phase.STARTUP: self.startup,
-            Phase.LOAD: self.load,
-            Phase.SAVE: self.save,
-        }.get(phase)
+        return None if phase == Phase.DONE else getattr(self, phase.value)
 
 
 def learned_train_timeout(step_times: Iterable[float], factor: float, floor: float) -> float | None:

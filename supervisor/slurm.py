@@ -14,6 +14,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -108,7 +109,7 @@ class Knobs:
             )
         knobs = cls(
             run_dir=Path(run_dir),
-            python=env.get("PYTHON", "") or "python3",
+            python=env.get("PYTHON", "") or sys.executable,
             train_args=train,
             ckpt_flag=env.get("CKPT_FLAG", ""),
             nproc_per_node=env.get("NPROC_PER_NODE", "") or "1",
@@ -211,9 +212,8 @@ def hostnames(nodelist: str) -> tuple[list[str], str]:
     not available and the built-in one was used."""
     scontrol = scontrol_path()
     if scontrol is None:
-        return expand_hostlist(
-            nodelist
-        ), "scontrol not found on PATH; expanded the host list with the built-in parser"
+        note = "scontrol not found on PATH; expanded the host list with the built-in parser"
+        return expand_hostlist(nodelist), note
     out = subprocess.run(
         [scontrol, "show", "hostnames", nodelist],
         capture_output=True,
@@ -287,7 +287,7 @@ class Decision:
     reason: str
 
 
-_NO_REQUEUE = {
+_NO_REQUEUE: dict[int, str] = {
     Exit.CHILD_NONRETRYABLE: "non-retryable failure: a rerun would fail the same way",
     Exit.BUDGET_EXHAUSTED: "the watchdog's restart budget ran out inside this allocation",
     Exit.NO_PROGRESS: "launches kept failing without a newer checkpoint",
@@ -314,7 +314,7 @@ def decide(exit_code: int, requeues_used: int, max_requeues: int) -> Decision:
             f"checkpointed, but the requeue budget is used up ({requeues_used} of {max_requeues}); "
             "resubmit, or raise MAX_REQUEUES",
         )
-    known = _NO_REQUEUE.get(exit_code)  # type: ignore[call-overload]
+    known = _NO_REQUEUE.get(exit_code)
     what = f"{known} (watchdog exit {exit_code})" if known else f"failed with exit code {exit_code}"
     return Decision(False, exit_code, f"{what}; not requeueing")
 

@@ -16,12 +16,16 @@ import os
 import shlex
 import signal
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import replace
 
 from supervisor import events, slurm
 from supervisor.exitcodes import Exit
 from supervisor.fsutil import hostname
 from supervisor.slurm import JobEnv, Knobs, SlurmError
+
+Handler = Callable[[argparse.Namespace], int]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -44,10 +48,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def say(msg: str) -> None:
-    print(f"slurm: {msg}", flush=True)
+    """One line in the job's output, stamped like the watchdog's lines."""
+    print(f"[slurm {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}] {msg}", flush=True)
 
 
-def _guarded(func):  # type: ignore[no-untyped-def]
+def _guarded(func: Handler) -> Handler:
+    """SlurmError -> one line in the job's output and exit 2 (no traceback)."""
+
     def run(args: argparse.Namespace) -> int:
         try:
             return int(func(args))

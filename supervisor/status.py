@@ -7,7 +7,6 @@ with the reason.
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -202,6 +201,13 @@ def _overall(nodes: list[NodeRow], ranks: list[RankRow]) -> tuple[str, str]:
     return UNKNOWN, "no watchdog state and no live heartbeat"
 
 
+def _median(xs: list[float]) -> float:
+    """Here rather than ``statistics.median``: importing statistics costs `status` 12 ms."""
+    s = sorted(xs)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
 def build_report(root: str | Path, now: float | None = None) -> StatusReport:
     root = store.require_root(root)
     now = time.time() if now is None else now
@@ -222,7 +228,7 @@ def build_report(root: str | Path, now: float | None = None) -> StatusReport:
         launches=tuple(launches),
         ranks=tuple(ranks),
         current_step=max((r.step for r in live), default=None),  # type: ignore[type-var]
-        steps_per_s=1.0 / statistics.median(step_times) if step_times else None,
+        steps_per_s=1.0 / _median(step_times) if step_times else None,
         checkpoints=tuple(_checkpoints(root, now)),
         in_progress=tuple(sorted(t.path.name for t in store.list_tmp(root, now))),
         quarantined=tuple(QuarantineRow(q.name, q.reason) for q in store.list_quarantined(root)),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections import Counter
@@ -32,9 +33,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        _run(args)
+    except BrokenPipeError:  # `status | head`: the reader left; not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+def _run(args: argparse.Namespace) -> None:
     if args.watch is None:
         _show(build_report(args.ckpt_root), args.json)
-        return 0
+        return
     while True:
         report = build_report(args.ckpt_root)
         if not args.json:

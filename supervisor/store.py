@@ -134,7 +134,7 @@ def root_lock(root: str | Path, timeout: float = LOCK_TIMEOUT_S) -> Iterator[Non
     same process would wait on itself."""
     from filelock import FileLock  # here: read-only commands (`status`) never pay its import
 
-    lock = FileLock(str(RunDir.of(root).lock), is_singleton=True)
+    lock = FileLock(os.path.abspath(RunDir.of(root).lock), is_singleton=True)
     with lock.acquire(timeout=timeout):
         yield
 
@@ -379,6 +379,8 @@ def pick(
             if v.ok:
                 chosen = v
                 break
+            if v.gone:  # removed by hand meanwhile: nothing to quarantine
+                continue
             quarantined.append((ref.name, v.reason))
             if not dry_run:
                 _quarantine_locked(root, ref, v.reason)

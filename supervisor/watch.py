@@ -11,6 +11,7 @@ import signal
 import time
 import uuid
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from supervisor import events, launcher, policy, store
 from supervisor.events import EventLog, RunState
@@ -22,6 +23,7 @@ from supervisor.heartbeat import (
     Heartbeat,
     HeartbeatSnapshot,
     Phase,
+    read_heartbeat,
     read_heartbeats,
 )
 from supervisor.layout import RunDir
@@ -30,8 +32,11 @@ from supervisor.watch_config import SHARE_STORE_ENV, WatchConfig
 
 SIGNAL_POLL_S = 0.05
 # A rank died: its peers cannot progress (and may ignore SIGTERM inside a collective), and nothing
-# they write can be committed without it, so the rest of the launch gets SIGKILL almost at once.
-DEAD_RANK_GRACE_S = 0.5
+# they write can be committed without it, so the rest of the launch gets SIGKILL at once.
+DEAD_RANK_GRACE_S = 0.0
+FULL_SCAN_S = 10.0
+# A preemption notice waits this long for ranks' heartbeats before going to the whole tree.
+PREEMPT_FALLBACK_S = 10.0
 
 
 @dataclass
@@ -143,7 +148,10 @@ class Watchdog:
             self.log.emit("relaunch", d.reason, wait_s=round(d.wait_s, 3), restarts=len(restarts))
             self._save(status=events.RESTARTING, reason=d.reason, child_pid=None)
             if not self._sleep(d.wait_s):
-                return self._finish(128 + (self.stop_signal or 0), events.STOPPED, "stopped during backoff")
+                if self.stop_signal is None:  # a preemption notice with --requeue-exit
+                    why = "preemption notice between launches: the newest checkpoint stands; requeue"
+                    return self._finish(Exit.REQUEUE_REQUESTED, events.REQUEUED, why)
+                return self._finish(128 + self.stop_signal, events.STOPPED, "stopped during backoff")
 
     def _finish(self, code: int, status: str, reason: str) -> int:
         self.log.emit("exit", f"watchdog exits {code}: {reason}", exit_code=code, status=status)
@@ -151,13 +159,15 @@ class Watchdog:
         return code
 
     def _sleep(self, seconds: float) -> bool:
-        """Back off; False when a stop signal arrived meanwhile."""
+        """Back off; False when a stop signal, or with --requeue-exit a preemption notice, arrived
+        meanwhile (without --requeue-exit the notice waits for the next launch's ranks)."""
         deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            if self.stop_signal is not None:
+        while True:
+            if self.stop_signal is not None or (self.preempt_pending and self.cfg.policy.requeue_exit):
                 return False
+            if time.monotonic() >= deadline:
+                return True
             time.sleep(min(SIGNAL_POLL_S, max(0.0, deadline - time.monotonic())))
-        return self.stop_signal is None
 
     def _pick(self) -> tuple[int | None, str | None]:
         """Step to resume from (None: from scratch); the second item is a reason to stop."""
@@ -239,6 +249,16 @@ class Watchdog:
         return rec, ended
 
     def _classify(self, ended: _Ended, beats: list[Heartbeat]) -> policy.Classification:
+        """A rank's deliberate exit code (non-retryable, requeue) wins: the deaths and hangs of
+        the others may just be the fallout of it."""
+        cls = policy.classify_exit(ended.returncode, (b.exit_code for b in beats))
+        if cls.outcome in (Outcome.NON_RETRYABLE, Outcome.REQUEUE, Outcome.DONE):
+            return cls
+        if ended.stop_signal is not None:
+            name = signal.Signals(ended.stop_signal).name
+            return policy.Classification(
+                Outcome.STOPPED, ended.returncode, f"stopped by {name} ({cls.reason})"
+            )
         if ended.dead:
             more = f" (+{len(ended.dead) - 1} more ranks)" if len(ended.dead) > 1 else ""
             return policy.Classification(Outcome.CRASH, ended.returncode, f"{ended.dead[0].reason}{more}")
@@ -246,18 +266,13 @@ class Watchdog:
             h = ended.hangs[0]
             more = f" (+{len(ended.hangs) - 1} more ranks)" if len(ended.hangs) > 1 else ""
             return policy.Classification(Outcome.HANG, ended.returncode, f"hang: {h.reason}{more}")
-        cls = policy.classify_exit(ended.returncode, (b.exit_code for b in beats))
-        if ended.stop_signal is not None and cls.outcome != Outcome.REQUEUE:
-            name = signal.Signals(ended.stop_signal).name
-            return policy.Classification(
-                Outcome.STOPPED, ended.returncode, f"stopped by {name} ({cls.reason})"
-            )
         return cls
 
     # ------------------------------------------------------------ monitoring one launch
 
     def _monitor(self, child: launcher.Child, launch_id: str) -> _Ended:
         ended = _Ended(returncode=0)
+        reader = _LaunchBeats(self.cfg.root, launch_id)
         next_check = time.monotonic() + self.cfg.poll_s
         while True:
             rc = child.poll()
@@ -274,12 +289,11 @@ class Watchdog:
                 self.log.emit("kill", note)
                 continue
             if self.preempt_pending:
-                self.preempt_pending = False
                 ended.preempted = True
-                self._forward_preemption(child, launch_id)
+                self.preempt_pending = not self._forward_preemption(child, launch_id)
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + self.cfg.poll_s
-                snaps = read_heartbeats(self.cfg.root)
+                snaps = reader.read()
                 beats = policy.launch_heartbeats(snaps, launch_id)
                 dead = policy.dead_ranks(beats, self.host, set(child.tree()))  # tree after the read
                 if dead and child.poll() is None:
@@ -295,23 +309,32 @@ class Watchdog:
                 hangs = self._check_hangs(child, launch_id, snaps, beats)
                 if hangs:
                     ended.hangs = hangs
-                    self._handle_hang(child, hangs)
+                    self._handle_hang(child, hangs, launch_id)
                     ended.returncode = child.poll() or 0
                     return ended
             time.sleep(SIGNAL_POLL_S)
 
-    def _local_pids(self, child: launcher.Child, launch_id: str) -> dict[int, int]:
-        """rank -> pid of this launch's ranks that run on this host inside the child's tree."""
-        tree = set(child.tree())
+    def _forward_preemption(self, child: launcher.Child, launch_id: str) -> bool:
+        """Send SIGUSR1 to this launch's ranks on this host; True once delivered. Ranks still in
+        startup may not handle it yet (its default action kills), so the notice waits for them;
+        a command that writes no heartbeat gets it, after PREEMPT_FALLBACK_S, on the processes
+        under the launched one (never torchrun's agent, which SIGUSR1 would kill)."""
         beats = policy.launch_heartbeats(read_heartbeats(self.cfg.root), launch_id)
-        return {b.rank: b.pid for b in beats if b.host == self.host and b.pid in tree}
-
-    def _forward_preemption(self, child: launcher.Child, launch_id: str) -> None:
-        ranks = self._local_pids(child, launch_id)
-        pids = list(ranks.values()) or child.workers()
+        tree = set(child.tree())
+        local = [b for b in beats if b.host == self.host and b.pid in tree]
+        if any(b.phase == Phase.STARTUP for b in local):
+            return False
+        if local:
+            pids = [b.pid for b in local]
+            who = f"ranks {sorted(b.rank for b in local)}"
+        elif time.time() - child.started >= PREEMPT_FALLBACK_S:
+            pids = child.workers()
+            who = f"pids {pids} (this launch wrote no heartbeat)"
+        else:
+            return False
         launcher.send(pids, signal.SIGUSR1)
-        who = f"ranks {sorted(ranks)}" if ranks else f"pids {pids} (no heartbeat yet)"
         self.log.emit("preempt", f"preemption notice (SIGUSR1) forwarded to {who}", pids=pids)
+        return True
 
     def _check_hangs(
         self, child: launcher.Child, launch_id: str, snaps: list[HeartbeatSnapshot], beats: list[Heartbeat]
@@ -330,19 +353,22 @@ class Watchdog:
             snaps, launch_id=launch_id, launch_started=child.started, now=time.time(), timeouts=timeouts
         )
 
-    def _handle_hang(self, child: launcher.Child, hangs: list[Hang]) -> None:
+    def _handle_hang(self, child: launcher.Child, hangs: list[Hang], launch_id: str) -> None:
+        """Name the stopped ranks (the likely culprits: the others wait for them in a collective),
+        dump every local rank's stacks into the event log, then kill the launch."""
+        beats = policy.launch_heartbeats(read_heartbeats(self.cfg.root), launch_id)  # every rank
         tree = set(child.tree())
-        stopped = set(child.stopped(tree))
-        culprits = [h for h in hangs if h.pid in stopped]
+        stopped = set(launcher.stopped(tree))
+        targets = {b.rank: b.pid for b in beats if b.host == self.host and b.pid in tree}
+        culprits = sorted(r for r, pid in targets.items() if pid in stopped)
         self.log.emit(
             "hang",
             "; ".join(h.reason for h in hangs)
-            + "".join(f"; rank {h.rank} (pid {h.pid}) is stopped (SIGSTOP?)" for h in culprits),
+            + "".join(f"; rank {r} (pid {targets[r]}) is stopped (SIGSTOP?)" for r in culprits),
             ranks=[h.rank for h in hangs],
-            stopped_ranks=[h.rank for h in culprits],
+            stopped_ranks=culprits,
             stopped_pids=sorted(stopped),
         )
-        targets = {h.rank: h.pid for h in hangs if h.rank is not None and h.pid in tree}
         if targets:
             run = RunDir.of(self.cfg.root)
             paths = {r: run.stack_dump(r) for r in targets}
@@ -355,6 +381,40 @@ class Watchdog:
                 self.log.emit("stack_dump", msg, rank=rank, pid=pid, path=str(paths[rank]), stacks=text)
         note = child.kill(self.cfg.kill_grace_s)
         self.log.emit("kill", f"hung launch killed: {note}")
+
+
+class _LaunchBeats:
+    """Reads this launch's heartbeats: every file while its ranks are still assembling (the first
+    FULL_SCAN_S, or while one is in startup or load), then only theirs, with a full rescan every
+    FULL_SCAN_S. Thousands of ranks on a shared filesystem, polled by every node's watchdog twice
+    a second, would otherwise be millions of reads a second."""
+
+    def __init__(self, root: Path, launch_id: str) -> None:
+        self.run = RunDir.of(root)
+        self.launch_id = launch_id
+        self.started = time.monotonic()
+        self.next_full = self.started + FULL_SCAN_S
+        self.ranks: list[int] = []
+        self.assembling = True
+
+    def read(self) -> list[HeartbeatSnapshot]:
+        now = time.monotonic()
+        full = self.assembling or now >= self.next_full
+        if full:
+            snaps = read_heartbeats(self.run.root)
+        else:
+            snaps = [read_heartbeat(self.run.heartbeat(r), r) for r in self.ranks]
+        if now >= self.next_full:
+            self.next_full = now + FULL_SCAN_S
+        beats = policy.launch_heartbeats(snaps, self.launch_id)
+        if full:
+            self.ranks = [b.rank for b in beats]
+        self.assembling = (
+            now - self.started < FULL_SCAN_S
+            or not beats
+            or any(b.phase in (Phase.STARTUP, Phase.LOAD) for b in beats)
+        )
+        return snaps
 
 
 def died_at(beats: list[Heartbeat]) -> int | None:

@@ -104,6 +104,7 @@ def worker(a: argparse.Namespace, rank: int) -> int:
     step = newest_valid_step(a.root)
     hb.beat(step, Phase.LOAD)
     while step < a.steps:
+        wait_for_peers(a.root, rank, a.ranks, step, hb.launch_id)
         if faulty and step == a.fault_step:
             if a.fault == "crash":
                 os._exit(1)
@@ -112,7 +113,6 @@ def worker(a: argparse.Namespace, rank: int) -> int:
             if a.fault == "exit":
                 hb.beat(step, Phase.TRAIN, exit_code=a.fault_code)
                 return a.fault_code
-        wait_for_peers(a.root, rank, a.ranks, step, hb.launch_id)
         t0 = time.monotonic()
         time.sleep(a.step_s)
         step += 1

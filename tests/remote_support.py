@@ -10,6 +10,8 @@ import socket
 import uuid
 from pathlib import Path
 
+import pytest
+
 from supervisor import store
 from supervisor.tiers.remote import RemoteTier, open_remote
 
@@ -87,7 +89,10 @@ def payload(path: Path) -> dict[str, bytes]:
 
 
 def serve_moto():
-    """Generator behind each test module's ``moto`` fixture: fake credentials, a running server."""
+    """Generator behind each test module's ``moto`` fixture: fake credentials, a running server.
+    Skips (visibly, with -rs) where the ``dev`` extra's moto[server] and s3fs are not installed."""
+    pytest.importorskip("moto.server", reason="moto[server] not installed: pip install -e '.[dev]'")
+    pytest.importorskip("s3fs", reason="s3fs not installed: pip install -e '.[dev]'")
     saved = {k: os.environ.get(k) for k in FAKE_CREDENTIALS}
     os.environ.update(FAKE_CREDENTIALS)
     server = MotoServer()

@@ -85,6 +85,11 @@ def test_missing_and_directory_read_as_unknown(tmp_path: Path) -> None:
     assert "unreadable" in read_heartbeat(tmp_path / "rank_00004.json", 4).problem
 
 
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("hb")
+
+
 @settings(derandomize=True, max_examples=300)
 @given(
     st.binary(max_size=300)
@@ -98,8 +103,8 @@ def test_missing_and_directory_read_as_unknown(tmp_path: Path) -> None:
         | st.lists(st.integers()),
     ).map(lambda d: json.dumps(d).encode())
 )
-def test_arbitrary_content_never_crashes_a_reader(tmp_path_factory, content: bytes) -> None:
-    p = tmp_path_factory.mktemp("hb") / "rank_00003.json"
+def test_arbitrary_content_never_crashes_a_reader(scratch: Path, content: bytes) -> None:
+    p = scratch / "rank_00003.json"
     p.write_bytes(content)
     snap = read_heartbeat(p, 3)
     assert snap.known or snap.problem

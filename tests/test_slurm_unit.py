@@ -260,3 +260,21 @@ def test_start_outside_a_job_is_a_usage_error(tmp_path: Path) -> None:
     )
     assert r.returncode == Exit.USAGE
     assert "not inside a SLURM job" in r.stdout
+
+
+def test_start_without_scontrol_warns_and_expands_the_host_list_itself(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "empty-bin"
+    bin_dir.mkdir()
+    r = subprocess.run(
+        [sys.executable, "-m", "supervisor", "slurm", "start"],
+        env={"PATH": str(bin_dir), **JOB, **knob_env(tmp_path / "run")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "2 node(s): gpu07,gpu08" in r.stdout
+    assert "built-in parser" in r.stdout
+    assert "WARNING: scontrol not found on PATH: this job cannot requeue itself" in r.stdout
+    assert "--rdzv-endpoint=gpu07:24242" in r.stdout

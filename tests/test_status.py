@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -163,3 +164,16 @@ def test_cli_missing_root_is_one_line_error(tmp_path: Path):
     p = cli("--ckpt-root", str(tmp_path / "nope"))
     assert p.returncode == 2
     assert "does not exist" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_cli_watch_refreshes_until_interrupted(run_dir: Path):
+    argv = [sys.executable, "-m", "supervisor", "status", "--ckpt-root", str(run_dir), "--watch", "0.2"]
+    p = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    out = ""
+    while out.count("checkpoints:") < 2 and time.monotonic() < deadline:
+        out += p.stdout.readline()
+    p.send_signal(signal.SIGINT)
+    p.communicate(timeout=30)
+    assert out.count("checkpoints:") >= 2 and "\x1b[2J" in out
+    assert p.returncode == 130

@@ -35,6 +35,7 @@ from trainer_helpers import (
 )
 
 from supervisor.exitcodes import Exit
+from supervisor.layout import RunDir
 from supervisor.manifest import read_manifest
 from supervisor.store import read_latest
 from train_ref.data import build_corpus
@@ -115,14 +116,19 @@ def test_kill_during_async_save_never_uses_that_checkpoint(goldens, tmp_path):
     assert read_manifest(root / "step_00000020").meta["launch"] == metrics(root)[-1]["launch"]
 
 
-def test_sigusr1_checkpoints_at_next_step_and_exits_requeue(goldens, tmp_path):
+def test_sigusr2_dumps_stacks_and_sigusr1_checkpoints_then_exits_requeue(goldens, tmp_path):
     golden = goldens.get("ddp", 2)
     root = tmp_path / "run"
     args = train_args("ddp", save_every=1000)  # no periodic save: only the preemption one
     t0 = time.time()
     proc = launch(root, 2, *args)
     try:
-        wait_for(lambda: last_step(root) >= 8, 180, "step 8", proc)
+        wait_for(lambda: last_step(root) >= 5, 180, "step 5", proc)
+        stacks = RunDir.of(root).stack_dump(0)
+        os.kill(worker_pid(root, 0, t0), signal.SIGUSR2)  # a stack dump, and training goes on
+        wait_for(lambda: stacks.exists() and "train_ref/train.py" in stacks.read_text(), 60, "a stack dump")
+        at = last_step(root)
+        wait_for(lambda: last_step(root) >= at + 2, 180, "steps after the stack dump", proc)
         os.kill(worker_pid(root, 1, t0), signal.SIGUSR1)  # one rank told: all must agree
         r = finish(proc)
     finally:
@@ -155,3 +161,12 @@ def test_mismatch_is_refused_and_nothing_moves(goldens, tmp_path, change):
     assert words in line and line.count("sha256:") == 2, line
     assert _tree(root) == before, "a refused launch changed the run directory"
     assert not (root / "quarantine").exists()
+
+
+def test_global_batch_that_does_not_split_is_a_bad_config(tmp_path):
+    root = tmp_path / "run"
+    r = run(root, 3, *train_args("ddp"))  # tiny's global batch of 8 over 3 ranks
+    assert r.rc != 0
+    assert set(heartbeat_exit_codes(root).values()) == {Exit.BAD_CONFIG}
+    assert "does not split over 3 ranks" in r.output
+    assert not any(n.startswith("step_") for n in os.listdir(root))

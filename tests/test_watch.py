@@ -223,3 +223,54 @@ def test_sigterm_leaves_no_orphans(tmp_path):
     ev = events(root)
     assert "SIGKILL" in of(ev, "kill")[0]["msg"]
     assert read_state(state_path(root)).status == "stopped"
+
+
+def test_descendants_walks_the_tree_and_skips_zombies():
+    from supervisor.launcher import ProcInfo, descendants
+
+    table = {
+        p.pid: p
+        for p in [
+            ProcInfo(1, 0, 1, "S"),
+            ProcInfo(10, 1, 10, "S"),  # the watchdog
+            ProcInfo(11, 10, 11, "S"),  # torchrun
+            ProcInfo(12, 11, 12, "T"),  # a worker in its own session, stopped
+            ProcInfo(13, 11, 13, "Z"),  # a dead worker
+            ProcInfo(14, 13, 14, "R"),  # ... whose child lives on
+            ProcInfo(20, 1, 20, "S"),  # unrelated
+        ]
+    }
+    assert sorted(descendants(10, table)) == [11, 12, 14]
+
+
+def test_state_round_trip_and_garbage(tmp_path):
+    from supervisor.events import RunState, parse_state, write_state
+    from supervisor.policy import LaunchRecord, Outcome
+
+    rec = LaunchRecord(1, "id", 1.0, 2.0, Outcome.HANG, "hang: rank 1", 5, 10, 12)
+    st = RunState(status="running", restart_times=(1.5,), launches=(rec,), command=("a", "b"))
+    write_state(tmp_path, st)
+    back = read_state(state_path(tmp_path))
+    assert back.launches == (rec,) and back.restart_times == (1.5,) and back.command == ("a", "b")
+    for bad in ([], {"launches": [{"outcome": "nope"}]}, {"restart_times": ["x"]}):
+        with pytest.raises(ValueError):
+            parse_state(bad)
+
+
+def test_preemption_during_backoff_requests_requeue(tmp_path):
+    root = tmp_path / "run"
+    watch = ["--requeue-exit", "--backoff-initial", "30", "--no-progress", "0"]
+    p = start(root, watch, ["--fault", "crash", "--fault-step", "1", "--fault-launches", "0"])
+
+    def backing_off() -> bool:
+        try:
+            return any(e["event"] == "relaunch" and e["wait_s"] > 0 for e in events(root))
+        except (OSError, ValueError):
+            return False
+
+    wait_for(backing_off, "a relaunch with a backoff wait")
+    p.send_signal(signal.SIGUSR1)
+    rc, out = finish(p)
+    assert rc == Exit.REQUEUE_REQUESTED, out
+    assert "between launches" in of(events(root), "exit")[-1]["msg"]
+    assert not leftovers(root)

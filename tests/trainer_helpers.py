@@ -157,6 +157,18 @@ def copy_run(src: Path, dst: Path) -> Path:
     return dst
 
 
+def rewind(src: Path, dst: Path, step: int) -> Path:
+    """A copy of a finished run as it was when ``step`` was its newest checkpoint: later
+    checkpoints and final.json removed (metrics and sample logs kept; a relaunch appends)."""
+    copy_run(src, dst)
+    for name in committed(dst):
+        if int(name.split("_")[1]) > step:
+            shutil.rmtree(dst / name)
+    (dst / "final.json").unlink()
+    assert f"step_{step:08d}" in committed(dst), f"{src} has no checkpoint at step {step}"
+    return dst
+
+
 def train_args(parallel: str, *extra: str, steps: int = STEPS, save_every: int = SAVE_EVERY) -> list[str]:
     return ["--parallel", parallel, "--steps", str(steps), "--save-every", str(save_every), *extra]
 

@@ -97,6 +97,7 @@ class Checkpointer:
             self.stager = DefaultStager(GPU_STAGING if torch.cuda.is_available() else CPU_STAGING)
         self.in_flight: _InFlight | None = None
         self.last_blocking_s = 0.0  # time the training loop was blocked by the last save call
+        self.last_staging_wait_s = 0.0  # ... and then waiting for its staging before a step
 
     # ------------------------------------------------------------ saving
 
@@ -127,8 +128,10 @@ class Checkpointer:
     def before_optimizer_step(self) -> None:
         """Wait until the in-flight save has staged its copy; parameters may change after this."""
         if self.in_flight is not None and self.in_flight.staging is not None:
+            t0 = time.monotonic()
             self.in_flight.staging.result()
             self.in_flight.staging = None
+            self.last_staging_wait_s = time.monotonic() - t0
 
     def step_boundary(self, preempt_requested: bool) -> bool:
         """One small collective per step: do all ranks agree the upload is done (then commit), and

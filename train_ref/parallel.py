@@ -1,8 +1,10 @@
 """Data parallelism whose gradient sum has one fixed order, so a resumed run is bit-identical.
 
-``ddp``: parameters replicated; after backward every gradient is all-reduced one parameter at a
-time in registration order. torch's DDP regroups its buckets after the first iteration, which
-changes the summation order and made 4-rank resumes differ in the last bits (torch-cpu.md).
+``ddp``: parameters replicated; after backward all gradients are packed into one flat buffer in
+registration order and all-reduced at once: the same layout every step, so the same summation
+order. torch's DDP regroups its buckets after the first iteration (and again after a resume, at
+another step), which changed the order and made 4-rank resumes differ in the last bits
+(torch-cpu.md). One buffer also means one collective per step, not one per parameter.
 ``fsdp``: FSDP2 ``fully_shard`` per block and on the root (reduce-scatter order is fixed).
 """
 
@@ -32,14 +34,21 @@ def parallelize(model: nn.Module, mode: str, device: torch.device) -> nn.Module:
 
 
 def sync_grads(model: nn.Module, mode: str) -> None:
-    """ddp: average gradients across ranks, one parameter at a time, always in the same order."""
+    """ddp: average gradients across ranks through one flat buffer with a fixed layout."""
     if mode != "ddp":
         return
-    world = dist.get_world_size()
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-            p.grad.div_(world)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:  # every rank must contribute the same layout
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    flat.div_(dist.get_world_size())
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+        offset += n
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

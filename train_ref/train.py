@@ -357,7 +357,6 @@ class Trainer:
                 },
             )
             log.info("done at step %d, params_sha256 %s", self.state.step, digest)
-        self.exit(Exit.OK, Phase.DONE)
 
 
 @dataclass(frozen=True)
@@ -436,8 +435,10 @@ def main(argv: list[str] | None = None) -> int:
     trainer.resume(choice)
     trainer.run()
     trainer.finish()
+    code = deliberate_exit(hb, d.rank, trainer.state.step, Phase.DONE, Exit.OK)
+    dist.destroy_process_group()
     stacks.close()
-    return 0
+    return code
 
 
 def config_problem(args: argparse.Namespace, cfg: TrainConfig, world: int) -> str:

@@ -5,6 +5,7 @@
     plan.py       pure decisions: the remote commit marker, what to upload next, lag
     remote.py     the protocol over a backend: check, upload (manifest last), download, quarantine, prune
     uploader.py   the trainer side: one upload in flight, busy policy, retries, remote.json
+    events.py     the uploader's event log (the watchdog's format, a file of its own)
     resume.py     the watchdog side: newest valid checkpoint across both tiers
     listing.py    both tiers side by side for ``status`` and ``ckpt list``
 

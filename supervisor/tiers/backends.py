@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from supervisor.fsutil import atomic_write_bytes, fsync_dir, fsync_tree, hostname, pid_alive
+from supervisor.fsutil import atomic_write_bytes, fsync_dir, fsync_file, fsync_tree, hostname, pid_alive
 from supervisor.layout import MANIFEST, deleting_dirname, parse_committed, tmp_dirname
 from supervisor.store import StoreError, list_deleting, list_tmp, root_lock, tmp_is_stale
 
-CHUNK = 8 << 20
 ENV_ENDPOINT = "AWS_ENDPOINT_URL"
 # One request each; retries and backoff belong to the caller (tenacity), so a dead endpoint is
 # reported in seconds instead of botocore's and s3fs's nested retry loops.
@@ -53,9 +51,9 @@ class Backend(Protocol):
         """Store a small object so a reader sees all of it or nothing."""
         ...
 
-    def put_stream(self, key: str, chunks: Iterable[bytes]) -> None: ...
+    def put_file(self, src: Path, key: str) -> None: ...
 
-    def get_stream(self, key: str) -> Iterator[bytes]: ...
+    def get_file(self, key: str, dest: Path) -> None: ...
 
     def staging(self, name: str) -> str:
         """Prefix an upload of checkpoint ``name`` is written under before ``publish``."""
@@ -120,19 +118,14 @@ class DirBackend:
         p.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(p, data)
 
-    def put_stream(self, key: str, chunks: Iterable[bytes]) -> None:
+    def put_file(self, src: Path, key: str) -> None:
         p = self._p(key)
         p.parent.mkdir(parents=True, exist_ok=True)
-        with open(p, "wb") as f:
-            for c in chunks:
-                f.write(c)
-            f.flush()
-            os.fsync(f.fileno())
+        shutil.copyfile(src, p)  # the kernel's copy path (copy_file_range / sendfile)
+        fsync_file(p)
 
-    def get_stream(self, key: str) -> Iterator[bytes]:
-        with open(self._p(key), "rb", buffering=0) as f:
-            while c := f.read(CHUNK):
-                yield c
+    def get_file(self, key: str, dest: Path) -> None:
+        shutil.copyfile(self._p(key), dest)  # made durable by the local commit
 
     def staging(self, name: str) -> str:
         step = parse_committed(name)
@@ -220,15 +213,11 @@ class FsspecBackend:
     def write(self, key: str, data: bytes) -> None:
         self.fs.pipe_file(self._p(key), data)
 
-    def put_stream(self, key: str, chunks: Iterable[bytes]) -> None:
-        with self.fs.open(self._p(key), "wb") as f:
-            for c in chunks:
-                f.write(c)
+    def put_file(self, src: Path, key: str) -> None:
+        self.fs.put_file(str(src), self._p(key))
 
-    def get_stream(self, key: str) -> Iterator[bytes]:
-        with self.fs.open(self._p(key), "rb", block_size=CHUNK, cache_type="none") as f:
-            while c := f.read(CHUNK):
-                yield c
+    def get_file(self, key: str, dest: Path) -> None:
+        self.fs.get_file(self._p(key), str(dest))
 
     def staging(self, name: str) -> str:
         return name
@@ -269,11 +258,13 @@ def open_backend(url: str, endpoint: str | None = None) -> Backend:
     if is_dir_url(url):
         path = url[len("file://") :] if url.startswith("file://") else url
         return DirBackend(Path(path).absolute())
+    protocol, rest = url.split("://", 1)
+    if not rest.strip("/"):
+        raise RemoteConfigError(f"{url}: name a bucket (and a prefix), e.g. {protocol}://bucket/run1")
     try:
         import fsspec
     except ImportError:
         raise RemoteConfigError(f"{url}: remote URLs need fsspec (pip install fsspec)") from None
-    protocol = url.split("://", 1)[0]
     options: dict[str, Any] = {"skip_instance_cache": True, "use_listings_cache": False}
     if protocol in ("s3", "s3a"):
         options.update(_s3_options(endpoint or os.environ.get(ENV_ENDPOINT)))
@@ -289,10 +280,7 @@ def open_backend(url: str, endpoint: str | None = None) -> Backend:
         raise RemoteConfigError(f"{url}: {e}") from None
     if protocol in ("s3", "s3a"):
         fs.retries = 1
-    root = root.rstrip("/")
-    if not root:
-        raise RemoteConfigError(f"{url}: name a bucket (and a prefix), e.g. s3://bucket/run1")
-    return FsspecBackend(url, fs, root)
+    return FsspecBackend(url, fs, root.rstrip("/"))
 
 
 def _s3_options(endpoint: str | None) -> dict[str, Any]:

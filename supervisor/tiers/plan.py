@@ -2,8 +2,8 @@
 
 The remote commit marker: ``manifest.json`` present, parseable, for this step, and every listed
 object present at its listed size with nothing unlisted beside it. Object stores give no xxh3, so
-checksums are verified where the bytes are read anyway: while uploading (the local source against
-its manifest) and while downloading (the remote copy against the manifest).
+checksums are verified at both ends instead: before uploading (the local source against its
+manifest) and after downloading (what landed against the manifest).
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """The remote tier's protocol, the same on every backend.
 
-Upload (the last stage of a save): every file of ``step_N`` first, each hashed as it is read and
-compared with the local manifest (a corrupt local checkpoint is never uploaded), then
-``manifest.json`` last, then ``publish`` (a rename on a shared filesystem, nothing on an object
-store). Until the manifest lands the prefix is INCOMPLETE and nothing uses it.
+Upload (the last stage of a save): every file of ``step_N`` first, each checked against the local
+manifest just before it goes (a corrupt local checkpoint is never uploaded), then ``manifest.json``
+last, then ``publish`` (a rename on a shared filesystem, nothing on an object store), then the
+commit marker is read back. Until the manifest lands the prefix is INCOMPLETE and nothing uses it.
 
-Download (resume after node loss): the commit marker is checked, every object is hashed as it is
-written into a local tmp dir and compared with the manifest, and the tmp dir is committed into the
-run directory through ``supervisor.store.commit`` (the local commit protocol).
+Download (resume after node loss): the commit marker is checked, every object is downloaded into a
+local tmp dir and what landed is hashed against the manifest, and the tmp dir is committed into
+the run directory through ``supervisor.store.commit`` (the local commit protocol).
 
 A remote checkpoint whose objects do not match its manifest is moved under ``quarantine/`` with a
 ``reason.txt``; nothing is deleted except by retention (``prune``) and leftovers of killed uploads.
@@ -23,12 +23,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import xxhash
-
 from supervisor.layout import MANIFEST, QUARANTINE, REASON, parse_committed, step_dirname
-from supervisor.manifest import FileEntry, ManifestError, parse_manifest
+from supervisor.manifest import FileEntry, ManifestError, checksum_file, parse_manifest
 from supervisor.store import STALE_TMP_AFTER_S, CheckpointRef, begin, commit
-from supervisor.tiers.backends import CHUNK, Backend, open_backend
+from supervisor.tiers.backends import Backend, open_backend
 from supervisor.tiers.plan import (
     RemotePrunePlan,
     RemoteState,
@@ -77,22 +75,6 @@ def _remote_errors(url: str, what: str) -> Iterator[None]:
         raise
     except Exception as e:
         raise RemoteUnavailable(f"{url}: {what} failed ({e.__class__.__name__}: {e})") from e
-
-
-def _hashed(chunks: Iterator[bytes], h: xxhash.xxh3_128, count: list[int]) -> Iterator[bytes]:
-    for c in chunks:
-        h.update(c)
-        count[0] += len(c)
-        yield c
-
-
-def _local_chunks(path: Path, label: str) -> Iterator[bytes]:
-    try:
-        with open(path, "rb", buffering=0) as f:
-            while c := f.read(CHUNK):
-                yield c
-    except OSError as e:
-        raise LocalSourceError(f"{label} is unreadable locally ({e.strerror}); not uploaded") from None
 
 
 class RemoteTier:
@@ -177,6 +159,10 @@ class RemoteTier:
                 raise
             self.backend.write(f"{staging}/{MANIFEST}", raw)
             self.backend.publish(staging, name)
+        landed = self.check(ref.step)  # one LIST + GET: what a resume will see
+        if landed is None or not landed.ok:
+            why = landed.reason if landed else "nothing there"
+            raise RemoteUnavailable(f"{self.url}: {name} not complete after its upload ({why})")
         return Transfer(name, ref.step, total, time.monotonic() - t0)
 
     def _each(self, fn: Callable[[str, FileEntry], int], files: Mapping[str, FileEntry]) -> int:
@@ -195,14 +181,19 @@ class RemoteTier:
                 raise
 
     def _put_checked(self, src: Path, key: str, label: str, entry: FileEntry) -> int:
-        h, count = xxhash.xxh3_128(), [0]
-        self.backend.put_stream(key, _hashed(_local_chunks(src, label), h, count))
-        if count[0] != entry.size or h.hexdigest() != entry.checksum:
+        """Verify the local file against its manifest entry (a committed checkpoint does not
+        change, and it is usually still in the page cache), then upload it."""
+        try:
+            size, actual = src.stat().st_size, checksum_file(src)
+        except OSError as e:
+            raise LocalSourceError(f"{label} is unreadable locally ({e.strerror}); not uploaded") from None
+        if size != entry.size or actual != entry.checksum:
             raise LocalSourceError(
-                f"{label}: local bytes ({count[0]} B, {h.hexdigest()[:12]}..) differ from the manifest "
+                f"{label}: local bytes ({size} B, {actual[:12]}..) differ from the manifest "
                 f"({entry.size} B, {entry.checksum[:12]}..); not uploaded"
             )
-        return count[0]
+        self.backend.put_file(src, key)
+        return size
 
     # ------------------------------------------------------------ download
 
@@ -245,19 +236,17 @@ class RemoteTier:
             raise
 
     def _get_checked(self, key: str, dest: Path, entry: FileEntry) -> None:
+        """Download, then hash what landed (from the page cache) against the manifest."""
         dest.parent.mkdir(parents=True, exist_ok=True)
-        h, n = xxhash.xxh3_128(), 0
-        with _remote_errors(self.url, f"downloading {key}"), open(dest, "wb") as f:
+        with _remote_errors(self.url, f"downloading {key}"):
             try:
-                for c in self.backend.get_stream(key):
-                    h.update(c)
-                    n += len(c)
-                    f.write(c)
+                self.backend.get_file(key, dest)
             except FileNotFoundError:
                 raise IntegrityError(f"{key} vanished from {self.url} while downloading") from None
-        if n != entry.size or h.hexdigest() != entry.checksum:
+        size, actual = dest.stat().st_size, checksum_file(dest)
+        if size != entry.size or actual != entry.checksum:
             raise IntegrityError(
-                f"{key}: downloaded {n} B with checksum {h.hexdigest()[:12]}.., manifest says "
+                f"{key}: downloaded {size} B with checksum {actual[:12]}.., manifest says "
                 f"{entry.size} B, {entry.checksum[:12]}.."
             )
 

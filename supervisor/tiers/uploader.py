@@ -176,7 +176,8 @@ class Uploader:
         synced = self.flush(flush_timeout_s) if flush_timeout_s > 0 and self._thread.is_alive() else False
         self._stop.set()
         self._request()
-        self._thread.join(timeout=1.0)
+        if self._thread.is_alive():
+            self._thread.join(timeout=1.0)
         return synced
 
     def status(self) -> RemoteStatus:

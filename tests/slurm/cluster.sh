@@ -118,7 +118,8 @@ start_munged() {
   local dir=$1
   # munged wants every directory above its socket searchable by all, and a key owned by its user.
   chmod 755 "$dir"
-  mkdir -p -m 755 "$dir/munge"
+  mkdir -p "$dir/munge"
+  chmod 755 "$dir/munge"
   [ -f "$dir/munge/munge.key" ] || mungekey --create --keyfile="$dir/munge/munge.key"
   munged --socket="$dir/munge/munge.socket" --key-file="$dir/munge/munge.key" \
     --pid-file="$dir/munged.pid" --log-file="$dir/munged.log" --seed-file="$dir/munge/munged.seed" \

@@ -1,0 +1,224 @@
+"""Hang detection latency and mean time to recovery, side by side in one run.
+
+1. Hang detection: SIGSTOP one rank of the fake trainer (no torch) under the watchdog; latency =
+   the `hang` event's time minus the SIGSTOP. Target: at most the configured timeout + 2 s.
+2. MTTR with the real trainer (torchrun, 2 ranks, tiny config, gloo on CPU): `kill -9` of rank 1,
+   then the time until a rank reports its first step of the resumed run, for
+   - the watchdog (torchrun --max-restarts=0 under `supervisor watch`),
+   - plain `torchrun --max-restarts=1` (with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, without which
+     its restart hangs here),
+   - the floor: a cold torchrun resuming from the same kind of checkpoint, from exec to its first
+     step (process start, torch import, rendezvous, state load). Target: watchdog <= floor + 1 s.
+
+    .venv/bin/python bench/mttr.py [--trials 1] [--hang-timeout 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from supervisor.events import events_path
+from supervisor.heartbeat import Heartbeat, Phase, read_heartbeats
+
+REPO = Path(__file__).resolve().parent.parent
+PY = sys.executable
+TORCHRUN = str(Path(PY).parent / "torchrun")
+FAKE = str(REPO / "tests" / "fake_trainer.py")
+KILL_AT_STEP = 15
+TRAIN = ["-m", "train_ref.train", "--steps", "400", "--save-every", "10", "--seed", "1"]
+
+
+def beats(root: Path) -> list[Heartbeat]:
+    return [s.heartbeat for s in read_heartbeats(root) if s.heartbeat is not None]
+
+
+def wait_for(cond: Callable[[], object], timeout: float = 300.0) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.02)
+    raise TimeoutError("condition not met")
+
+
+def rank_at(root: Path, rank: int, step: int) -> Heartbeat | None:
+    return next(
+        (b for b in beats(root) if b.rank == rank and b.phase == Phase.TRAIN and b.step >= step), None
+    )
+
+
+def first_new_step(root: Path, old_pids: set[int]) -> Heartbeat | None:
+    """The first train heartbeat of a process that did not exist before the kill."""
+    new = [b for b in beats(root) if b.pid not in old_pids and b.phase == Phase.TRAIN and b.last_step_s > 0]
+    return min(new, key=lambda b: b.wall_time) if new else None
+
+
+def stop(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def spawn(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True
+    )
+
+
+def hang_latency(tmp: Path, timeout_s: float) -> float:
+    root = tmp / "hang"
+    watch = [PY, "-m", "supervisor", "watch", "--ckpt-root", str(root), "--hang-timeout", str(timeout_s)]
+    watch += ["--kill-grace", "1", "--dump-wait", "1", "--no-progress", "0", "--"]
+    p = spawn([*watch, PY, FAKE, "--root", str(root), "--steps", "100000", "--step-s", "0.05"])
+    try:
+        hb = wait_for(lambda: rank_at(root, 1, 5))
+        t_stop = time.time()
+        os.kill(hb.pid, signal.SIGSTOP)
+
+        def hang_event() -> float | None:
+            try:
+                lines = events_path(root).read_text().splitlines()
+            except OSError:
+                return None
+            return next((json.loads(x)["t"] for x in lines if '"event": "hang"' in x), None)
+
+        return float(wait_for(hang_event, 60)) - t_stop
+    finally:
+        stop(p)
+
+
+def mttr(
+    tmp: Path, name: str, argv_for: Callable[[Path], list[str]], env: dict[str, str] | None = None
+) -> float:
+    root = tmp / name
+    p = spawn(argv_for(root), env)
+    try:
+        victim = wait_for(lambda: rank_at(root, 1, KILL_AT_STEP))
+        old = {b.pid for b in beats(root)}
+        t_kill = time.time()
+        os.kill(victim.pid, signal.SIGKILL)
+        first = wait_for(lambda: first_new_step(root, old))
+        return first.wall_time - t_kill
+    finally:
+        stop(p)
+
+
+def floor(tmp: Path) -> float:
+    """A cold torchrun that resumes from a checkpoint: exec -> first step done."""
+    root = tmp / "floor"
+    prep = spawn(
+        [
+            TORCHRUN,
+            "--standalone",
+            "--nproc-per-node=2",
+            *TRAIN[:2],
+            "--steps",
+            "20",
+            "--save-every",
+            "10",
+            "--seed",
+            "1",
+            "--ckpt-root",
+            str(root),
+        ]
+    )
+    prep.wait()
+    old = {b.pid for b in beats(root)}
+    t0 = time.time()
+    p = spawn([TORCHRUN, "--standalone", "--nproc-per-node=2", *TRAIN, "--ckpt-root", str(root)])
+    try:
+        first = wait_for(lambda: first_new_step(root, old))
+        return first.wall_time - t0
+    finally:
+        stop(p)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trials", type=int, default=1)
+    ap.add_argument("--hang-timeout", type=float, default=2.0)
+    ap.add_argument("--hang-trials", type=int, default=3)
+    a = ap.parse_args()
+    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+
+    def watchdog(root: Path) -> list[str]:
+        return [
+            PY,
+            "-m",
+            "supervisor",
+            "watch",
+            "--ckpt-root",
+            str(root),
+            "--",
+            TORCHRUN,
+            "--standalone",
+            "--nproc-per-node=2",
+            "--max-restarts=0",
+            *TRAIN,
+            "--ckpt-root",
+            str(root),
+        ]
+
+    def plain(root: Path) -> list[str]:
+        return [
+            TORCHRUN,
+            "--standalone",
+            "--nproc-per-node=2",
+            "--max-restarts=1",
+            *TRAIN,
+            "--ckpt-root",
+            str(root),
+        ]
+
+    rows: dict[str, list[float]] = {"hang": [], "watchdog": [], "torchrun": [], "floor": []}
+    with tempfile.TemporaryDirectory() as t:
+        tmp = Path(t)
+        for i in range(a.hang_trials):
+            rows["hang"].append(hang_latency(tmp / f"h{i}", a.hang_timeout))
+        for i in range(a.trials):
+            rows["floor"].append(floor(tmp / f"f{i}"))
+            rows["watchdog"].append(mttr(tmp / f"w{i}", "run", watchdog))
+            rows["torchrun"].append(mttr(tmp / f"t{i}", "run", plain, env))
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    print(f"{'measure':<48}{'median':>8}{'min':>8}{'max':>8}")
+    labels = {
+        "hang": f"hang detection, SIGSTOP -> hang event (timeout {a.hang_timeout:g}s)",
+        "floor": "floor: cold torchrun resume -> first step",
+        "watchdog": "MTTR watchdog: kill -9 -> first resumed step",
+        "torchrun": "MTTR torchrun --max-restarts=1: same",
+    }
+    for k, label in labels.items():
+        v = rows[k]
+        print(f"{label:<48}{med[k]:>7.2f}s{min(v):>7.2f}s{max(v):>7.2f}s")
+    hang_ok = max(rows["hang"]) <= a.hang_timeout + 2
+    print(
+        f"hang detection: worst {max(rows['hang']):.2f}s vs target timeout + 2 s = {a.hang_timeout + 2:g}s: "
+        f"{'meets' if hang_ok else 'MISSES'}"
+    )
+    over = med["watchdog"] - med["floor"]
+    print(
+        f"MTTR watchdog - floor: {over:+.2f}s (target <= +1 s: {'meets' if over <= 1 else 'MISSES'}); "
+        f"watchdog / torchrun: {med['watchdog'] / med['torchrun']:.2f}x"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
