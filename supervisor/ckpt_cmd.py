@@ -230,8 +230,45 @@ def cmd_list(args: argparse.Namespace) -> int:
                 ],
             )
         )
+    if args.remote:
+        tiers = _tier_rows(root, args.remote, args.remote_endpoint)
+        doc["tiers"] = tiers
+        parts += ["", _tier_table(tiers)]
     _emit(args, doc, "\n".join(parts))
     return Exit.OK
+
+
+def _tier_rows(root: Path, url: str, endpoint: str | None) -> dict[str, Any]:
+    """Both tiers side by side (supervisor/tiers/listing.py); the remote is reached only here."""
+    from supervisor.tiers.listing import list_tiers
+    from supervisor.tiers.remote import open_remote
+
+    listing = list_tiers(root, open_remote(url, endpoint))
+    st = listing.status
+    return {
+        "url": listing.url,
+        "remote_error": listing.remote_error,
+        "lag_steps": listing.lag_steps,
+        "uploader": dict(st.__dict__, skipped=list(st.skipped)) if st else None,
+        "rows": [
+            {
+                "step": r.step,
+                "name": r.name,
+                "where": r.where,
+                "local": r.local,
+                "remote": r.remote,
+                "bytes": r.bytes,
+            }
+            for r in listing.rows
+        ],
+    }
+
+
+def _tier_table(t: dict[str, Any]) -> str:
+    head = f"tiers (remote {t['url']}"
+    head += f": unreachable, {t['remote_error']})" if t["remote_error"] else f", lag {t['lag_steps']} steps)"
+    rows = [[r["name"], r["where"], r["local"], r["remote"], fmt.human_bytes(r["bytes"])] for r in t["rows"]]
+    return head + "\n" + fmt.table(["name", "where", "local", "remote", "size"], rows)
 
 
 def _tmp_state(t: dict[str, Any]) -> str:
@@ -335,7 +372,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         p.set_defaults(func=func)
         return p
 
-    add("list", cmd_list, "committed checkpoints newest first, quarantined ones and tmp dirs")
+    p = add("list", cmd_list, "committed checkpoints newest first, quarantined ones and tmp dirs")
+    p.add_argument("--remote", help="also list the remote tier at this URL (docs/tiers.md)")
+    p.add_argument("--remote-endpoint", help="S3 endpoint URL (default: AWS_ENDPOINT_URL or AWS)")
     p = add("verify", cmd_verify, "check every committed checkpoint; exit 1 if one is invalid")
     p.add_argument("--deep", action="store_true", help="also check every file's checksum")
     p = add(

@@ -36,5 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     except StoreError as e:
         print(f"error: {e}", file=sys.stderr)
         return Exit.USAGE
+    except OSError as e:  # an unreadable or unwritable path: one line naming it, not a traceback
+        print(f"error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        return Exit.USAGE
     except KeyboardInterrupt:
         return 130

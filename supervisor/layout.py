@@ -33,6 +33,8 @@ SUPERVISOR = "supervisor"
 LOCK = ".lock"
 MANIFEST = "manifest.json"
 REASON = "reason.txt"
+# The remote-tier uploader's status, under SUPERVISOR (written by supervisor/tiers/uploader.py).
+REMOTE_STATUS = "remote.json"
 
 # ASCII digits only and a full match: "step_00000050\n" or non-ASCII digits are not checkpoints.
 _COMMITTED_RE = re.compile(rf"{STEP_PREFIX}([0-9]{{{STEP_DIGITS}}})")

@@ -10,13 +10,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from supervisor import events, store
 from supervisor.fsutil import hostname, pid_alive
 from supervisor.heartbeat import Phase, read_heartbeats
-from supervisor.layout import RunDir
+from supervisor.layout import REMOTE_STATUS, RunDir
 from supervisor.policy import PhaseTimeouts
+
+if TYPE_CHECKING:
+    from supervisor.tiers.uploader import RemoteStatus
 
 UNKNOWN = "unknown"
 # Worst first: the run's state is the worst of its nodes' states.
@@ -95,6 +98,7 @@ class StatusReport:
     in_progress: tuple[str, ...]
     quarantined: tuple[QuarantineRow, ...]
     disk_bytes: int
+    remote: RemoteStatus | None = None  # the uploader's last word (remote.json); no network call
 
     def to_dict(self) -> dict[str, Any]:
         """Shallow per row: ``dataclasses.asdict`` deep-copies and costs 10x on 4096 ranks."""
@@ -102,6 +106,7 @@ class StatusReport:
         for key in ("nodes", "launches", "ranks", "checkpoints", "quarantined"):
             d[key] = [row.__dict__ for row in d[key]]
         d["in_progress"] = list(self.in_progress)
+        d["remote"] = dict(self.remote.__dict__, skipped=list(self.remote.skipped)) if self.remote else None
         return d
 
 
@@ -233,4 +238,15 @@ def build_report(root: str | Path, now: float | None = None) -> StatusReport:
         in_progress=tuple(sorted(t.path.name for t in store.list_tmp(root, now))),
         quarantined=tuple(QuarantineRow(q.name, q.reason) for q in store.list_quarantined(root)),
         disk_bytes=store.disk_usage(root),
+        remote=_remote_status(root),
     )
+
+
+def _remote_status(root: Path) -> RemoteStatus | None:
+    """The uploader's status file, when this run has a remote tier; its reader (and tenacity,
+    which the uploader needs) is imported only then, so a local-only status stays fast."""
+    if not (RunDir.of(root).supervisor / REMOTE_STATUS).exists():
+        return None
+    from supervisor.tiers.uploader import read_remote_status
+
+    return read_remote_status(root)

@@ -113,7 +113,24 @@ def render(r: StatusReport) -> str:
     if r.quarantined:
         out += ["", "quarantined:"]
         out.append(table(("name", "reason"), [(q.name, q.reason) for q in r.quarantined]))
+    if r.remote:
+        out += ["", _remote_line(r)]
     return "\n".join(out)
+
+
+def _remote_line(r: StatusReport) -> str:
+    """One line on the remote tier, from the uploader's status file (no network call)."""
+    s = r.remote
+    assert s is not None
+    line = (
+        f"remote {s.url}: {s.state}, newest remote step {_opt(s.newest_remote)}, "
+        f"lag {s.lag_steps} steps / {human_duration(s.lag_s)}"
+    )
+    if s.last_success_time:
+        line += f", last upload {human_age(r.time - s.last_success_time)}"
+    if s.last_error:
+        line += f"; last error: {s.last_error}"
+    return line
 
 
 def _rank_lines(r: StatusReport) -> list[str]:

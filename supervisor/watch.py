@@ -121,10 +121,13 @@ class Watchdog:
         self._save(status=events.RESTARTING, reason="starting")
         while True:
             resumed_from, stop = self._pick()
-            if stop is not None:
-                return self._finish(Exit.CHILD_NONRETRYABLE, events.FAILED, stop)
             if self.stop_signal is not None:
                 return self._finish(128 + self.stop_signal, events.STOPPED, "stopped before launch")
+            if self.preempt_pending and self.cfg.policy.requeue_exit:
+                why = "preemption notice before a launch: the newest checkpoint stands; requeue"
+                return self._finish(Exit.REQUEUE_REQUESTED, events.REQUEUED, why)
+            if stop is not None:
+                return self._finish(Exit.CHILD_NONRETRYABLE, events.FAILED, stop)
             rec, ended = self._launch_once(resumed_from)
             history = self.state.launches
             now = time.time()
@@ -171,6 +174,8 @@ class Watchdog:
 
     def _pick(self) -> tuple[int | None, str | None]:
         """Step to resume from (None: from scratch); the second item is a reason to stop."""
+        if self.cfg.remote:
+            return self._pick_across_tiers()
         refs = store.list_checkpoints(self.cfg.root)
         if self.state.launch_count == 0 or not refs:
             return (refs[0].step if refs else None), None
@@ -189,6 +194,44 @@ class Watchdog:
         )
         self.log.emit("pick", msg, checkpoint=chosen.name if chosen else None, verify=how)
         return (chosen.step if chosen else None), None
+
+    def _pick_across_tiers(self) -> tuple[int | None, str | None]:
+        """Before every launch, the first included (after node loss nothing is local): the newest
+        valid checkpoint of either tier, downloaded when only the remote has it. An unreachable
+        remote with nothing valid locally is waited for (backing off), never silently skipped."""
+        from supervisor.tiers.remote import RemoteUnavailable, open_remote
+        from supervisor.tiers.resume import prepare_resume
+
+        how = "deep" if self.cfg.deep_verify else "quick"
+        deadline = time.monotonic() + self.cfg.remote_wait_s
+        wait = self.cfg.policy.backoff.initial_s or 1.0
+        while True:
+            try:
+                remote = open_remote(self.cfg.remote, self.cfg.remote_endpoint)
+                res = prepare_resume(self.cfg.root, remote, deep=self.cfg.deep_verify, on_event=self.log.emit)
+            except store.MismatchError as e:
+                return None, f"checkpoint does not match this run: {e}"
+            except RemoteUnavailable as e:
+                if time.monotonic() >= deadline:
+                    return (
+                        None,
+                        f"remote {self.cfg.remote} unreachable for {self.cfg.remote_wait_s:.0f}s and no valid local checkpoint: {e}",
+                    )
+                self.log.emit("remote_unavailable", f"{e}; nothing valid locally: retrying in {wait:.0f}s")
+                if not self._sleep(wait):
+                    return None, None  # a stop signal or a preemption notice: run() decides
+                wait = min(wait * 2, self.cfg.policy.backoff.max_s)
+                continue
+            chosen = res.chosen
+            msg = (
+                f"resume from {chosen.name} ({res.source}, {how} check passed)"
+                if chosen
+                else "no valid checkpoint on either tier: start from scratch"
+            )
+            self.log.emit(
+                "pick", msg, checkpoint=chosen.name if chosen else None, verify=how, source=res.source
+            )
+            return (chosen.step if chosen else None), None
 
     def _launch_once(self, resumed_from: int | None) -> tuple[LaunchRecord, _Ended]:
         number = self.state.launch_count + 1

@@ -74,6 +74,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help=f"do not set {watch_config.SHARE_STORE_ENV}=1 in the child's environment",
     )
+    t = p.add_argument_group("remote tier (docs/tiers.md); pass the same --remote to the trainer")
+    t.add_argument("--remote", help="shared directory or s3://bucket/prefix to resume from after node loss")
+    t.add_argument("--remote-endpoint", help="S3 endpoint URL (default: AWS_ENDPOINT_URL or AWS)")
+    t.add_argument(
+        "--remote-wait",
+        type=float,
+        default=watch_config.DEFAULT_REMOTE_WAIT_S,
+        help="seconds to retry an unreachable remote when nothing local is valid, then stop",
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     p.set_defaults(func=run, parser=p)
 
@@ -111,6 +120,9 @@ def run(args: argparse.Namespace) -> int:
         poll_s=args.poll_interval,
         reset_budget=args.reset_budget,
         share_store_fix=not args.no_share_store_fix,
+        remote=args.remote,
+        remote_endpoint=args.remote_endpoint,
+        remote_wait_s=args.remote_wait,
     )
     from supervisor.watch import watch  # the loop and its process machinery: only when watching
 

@@ -15,6 +15,8 @@ SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 DEFAULT_POLL_S = 0.5
 DEFAULT_KILL_GRACE_S = 10.0
 DEFAULT_DUMP_WAIT_S = 2.0
+# With --remote and nothing valid locally, how long to wait for an unreachable remote before giving up.
+DEFAULT_REMOTE_WAIT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -32,3 +34,6 @@ class WatchConfig:
     poll_s: float = DEFAULT_POLL_S
     reset_budget: bool = False
     share_store_fix: bool = True
+    remote: str | None = None  # URL of the remote tier (docs/tiers.md); None: local only
+    remote_endpoint: str | None = None
+    remote_wait_s: float = DEFAULT_REMOTE_WAIT_S
