@@ -10,26 +10,29 @@ import sys
 from supervisor.exitcodes import Exit
 from supervisor.store import StoreError
 
-# One line per command module; each defines register(subparsers) and sets args.func.
-COMMAND_MODULES = (
-    "supervisor.ckpt_cmd",
-    "supervisor.watch_cmd",
-    "supervisor.status_cmd",
-    "supervisor.drill_cmd",
-    "supervisor.slurm_cmd",
-)
+# One line per command: its module defines register(subparsers) and sets args.func. Only the
+# module of the command asked for is imported, so `status` and `ckpt list` stay fast.
+COMMANDS = {
+    "ckpt": "supervisor.ckpt_cmd",
+    "watch": "supervisor.watch_cmd",
+    "status": "supervisor.status_cmd",
+    "drill": "supervisor.drill_cmd",
+    "slurm": "supervisor.slurm_cmd",
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m supervisor", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
+    for name, module in COMMANDS.items():
+        if only in (None, name):
+            importlib.import_module(module).register(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
