@@ -311,24 +311,22 @@ def check_compatible(v: Verdict, expect: Expectation) -> None:
     m = v.manifest
     if m is None:
         return
-    if (
-        expect.model_config_hash is not None
-        and m.model_config_hash != expect.model_config_hash
-        and not expect.allow_config_change
-    ):
-        raise MismatchError(
-            f"{v.ref.name}: model config hash {m.model_config_hash} differs from this run's "
-            f"{expect.model_config_hash}; restore the config or pass --allow-config-change"
-        )
-    if (
-        expect.data_fingerprint is not None
-        and m.data_fingerprint != expect.data_fingerprint
-        and not expect.allow_data_change
-    ):
-        raise MismatchError(
-            f"{v.ref.name}: data fingerprint {m.data_fingerprint} differs from this run's "
-            f"{expect.data_fingerprint}; restore the data or pass --allow-data-change"
-        )
+    checks = (
+        (
+            "model config hash",
+            m.model_config_hash,
+            expect.model_config_hash,
+            expect.allow_config_change,
+            "config",
+        ),
+        ("data fingerprint", m.data_fingerprint, expect.data_fingerprint, expect.allow_data_change, "data"),
+    )
+    for what, saved, wanted, allowed, kind in checks:
+        if wanted is not None and saved != wanted and not allowed:
+            raise MismatchError(
+                f"{v.ref.name}: {what} {saved} differs from this run's {wanted}; "
+                f"restore the {kind} or pass --allow-{kind}-change"
+            )
 
 
 # ---------------------------------------------------------------- pick and quarantine
