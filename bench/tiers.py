@@ -1,6 +1,7 @@
 """The remote tier, measured side by side in one run.
 
     .venv/bin/python bench/tiers.py [--size-mib 128] [--files 4] [--rounds 3] [--steps 60]
+        [--sections 1,2,3] [--trainer-steps 100] [--trainer-save-every 5]
 
 1. Upload: ``RemoteTier.upload`` (hash while reading, manifest last, fsync and rename on a
    directory) next to a plain copy of the same bytes to the same target (``shutil.copyfile`` per
@@ -15,8 +16,10 @@
    target, the variants interleaved over ``--rounds``. Ratio = median (and p95) step time with the
    remote / without. The saves themselves are not timed (they are the same in every variant); what
    is timed is the steps while uploads run, plus any time ``submit`` blocked.
-3. Training-loop stall, real trainer: runs only when ``train_ref.train`` accepts ``--remote``
-   (torchrun, 2 ranks, step times from its metrics.jsonl); otherwise it says it was skipped.
+3. Training-loop stall, real trainer: torchrun, 2 ranks, the tiny config, a checkpoint every
+   ``--trainer-save-every`` steps, without a remote, then with ``--remote`` to each target, the
+   variants interleaved over ``--rounds``; step times from its metrics.jsonl (the first
+   ``WARMUP_STEPS`` of each run dropped). Ratio = median (and p95) step time with / without.
 """
 
 from __future__ import annotations
@@ -185,18 +188,7 @@ def p95(xs: list[float]) -> float:
 # ---------------------------------------------------------------- 3. real trainer
 
 
-def trainer_has_remote() -> bool:
-    try:
-        out = subprocess.run(
-            [sys.executable, "-m", "train_ref.train", "--help"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return out.returncode == 0 and "--remote" in out.stdout
+WARMUP_STEPS = 5
 
 
 def trainer_step_times(root: Path, steps: int, save_every: int, remote: list[str]) -> list[float]:
@@ -208,7 +200,7 @@ def trainer_step_times(root: Path, steps: int, save_every: int, remote: list[str
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONPATH": str(REPO)}
     subprocess.run(cmd, cwd=REPO, env=env, check=True, timeout=1800, capture_output=True)
     lines = (root / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["step_time"] for line in lines]
+    return [json.loads(line)["step_time"] for line in lines][WARMUP_STEPS:]
 
 
 # ---------------------------------------------------------------- main
@@ -222,74 +214,98 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60, help="steps of the synthetic loop")
     ap.add_argument("--save-every", type=int, default=10)
     ap.add_argument("--stall-size-mib", type=int, default=64, help="checkpoint size in the loop")
+    ap.add_argument("--trainer-steps", type=int, default=100, help="steps of each real-trainer run")
+    ap.add_argument("--trainer-save-every", type=int, default=5)
+    ap.add_argument("--sections", default="1,2,3", help="which of the three measurements to run")
     ap.add_argument("--dir", type=Path, default=None, help="scratch directory (default: a temp dir)")
     args = ap.parse_args()
+    sections = {int(x) for x in args.sections.split(",")}
     os.environ.update({k: os.environ.get(k, v) for k, v in CREDENTIALS.items()})
     work = Path(tempfile.mkdtemp(prefix="bench-tiers-", dir=args.dir))
     moto, endpoint = start_moto()
     try:
         targets = {k: Target(k, work / "shared", endpoint) for k in ("dir", "s3")}
-        ref = write_checkpoint(work / "run", 1, args.size_mib << 20, args.files)
-        print(f"1. transfer of {args.size_mib} MiB in {args.files} files, median of {args.rounds} (MB/s)")
-        print("   plain: copyfile / copytree / s3fs put / get; +fsync: the same, then fsync what was written")
-        print("   (an S3 PUT is durable when it returns: its +fsync up is the plain put again)")
-        head = f"{'plain':>7} {'+fsync':>7} {'tier':>7} {'tier/plain':>10} {'tier/+fsync':>11}"
-        print(f"{'':<7} {'upload':^46}   {'download':^46}")
-        print(f"{'target':<7} {head}   {head}")
-        for kind, target in targets.items():
-            r = transfer(target, ref, work, args.rounds)
-            cells = []
-            for way in ("up", "down"):
-                plain, durable, tier = r[f"plain_{way}"], r[f"durable_{way}"], r[f"tier_{way}"]
-                cells.append(
-                    f"{plain:7.0f} {durable:7.0f} {tier:7.0f} {tier / plain:10.2f} {tier / durable:11.2f}"
-                )
-            print(f"{kind:<7} {cells[0]}   {cells[1]}")
-        size = args.stall_size_mib << 20
-        print(
-            f"\n2. synthetic loop: {args.steps} steps, a {args.stall_size_mib} MiB checkpoint every "
-            f"{args.save_every}, {args.rounds} interleaved rounds; step time with the remote / without"
-        )
-        variants = ("off", *targets)
-        times: dict[str, list[float]] = {v: [] for v in variants}
-        notes: dict[str, list[str]] = {v: [] for v in variants}
-        for r in range(args.rounds):  # interleaved, so a change in the machine's load hits all alike
-            for kind in variants[r % 3 :] + variants[: r % 3]:
-                root = work / f"loop-{kind}-{r}"
-                if kind == "off":
-                    times[kind] += synthetic_loop(root, args.steps, args.save_every, size, args.files, None)
-                    continue
-                up = Uploader(root, targets[kind].fresh(), UploadPolicy(local_keep=2)).start()
-                times[kind] += synthetic_loop(root, args.steps, args.save_every, size, args.files, up)
-                synced = up.close(flush_timeout_s=300)
-                notes[kind].append(
-                    f"{'synced' if synced else 'NOT synced'}/{len(up.status().skipped)} skipped"
-                )
-        base = times["off"]
-        for kind in variants:
-            on = times[kind]
-            print(
-                f"{kind:<7} median {statistics.median(on) * 1e3:7.2f} ms  p95 {p95(on) * 1e3:7.2f} ms  "
-                f"ratio median {statistics.median(on) / statistics.median(base):.2f}  "
-                f"p95 {p95(on) / p95(base):.2f}  {' '.join(notes[kind])}"
-            )
-        print("\n3. real trainer (torchrun, 2 ranks), step time with --remote / without")
-        if not trainer_has_remote():
-            print("skipped: train_ref.train has no --remote option yet (integration: docs/tiers.md)")
-        else:
-            off = trainer_step_times(work / "train-off", 200, 20, [])
-            for kind, target in targets.items():
-                tier = target.fresh()
-                extra = ["--remote", tier.url] + (["--remote-endpoint", endpoint] if kind == "s3" else [])
-                on = trainer_step_times(work / f"train-{kind}", 200, 20, extra)
-                print(
-                    f"{kind:<7} median ratio {statistics.median(on) / statistics.median(off):.2f}  "
-                    f"p95 ratio {p95(on) / p95(off):.2f}"
-                )
+        if 1 in sections:
+            transfers(args, targets, work)
+        if 2 in sections:
+            synthetic(args, targets, work)
+        if 3 in sections:
+            trainer(args, targets, work, endpoint)
     finally:
         moto.kill()
         moto.wait()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def transfers(args: argparse.Namespace, targets: dict[str, Target], work: Path) -> None:
+    ref = write_checkpoint(work / "run", 1, args.size_mib << 20, args.files)
+    print(f"1. transfer of {args.size_mib} MiB in {args.files} files, median of {args.rounds} (MB/s)")
+    print("   plain: copyfile / copytree / s3fs put / get; +fsync: the same, then fsync what was written")
+    print("   (an S3 PUT is durable when it returns: its +fsync up is the plain put again)")
+    head = f"{'plain':>7} {'+fsync':>7} {'tier':>7} {'tier/plain':>10} {'tier/+fsync':>11}"
+    print(f"{'':<7} {'upload':^46}   {'download':^46}")
+    print(f"{'target':<7} {head}   {head}")
+    for kind, target in targets.items():
+        r = transfer(target, ref, work, args.rounds)
+        cells = []
+        for way in ("up", "down"):
+            plain, durable, tier = r[f"plain_{way}"], r[f"durable_{way}"], r[f"tier_{way}"]
+            cells.append(
+                f"{plain:7.0f} {durable:7.0f} {tier:7.0f} {tier / plain:10.2f} {tier / durable:11.2f}"
+            )
+        print(f"{kind:<7} {cells[0]}   {cells[1]}")
+
+
+def synthetic(args: argparse.Namespace, targets: dict[str, Target], work: Path) -> None:
+    size = args.stall_size_mib << 20
+    print(
+        f"\n2. synthetic loop: {args.steps} steps, a {args.stall_size_mib} MiB checkpoint every "
+        f"{args.save_every}, {args.rounds} interleaved rounds; step time with the remote / without"
+    )
+    variants = ("off", *targets)
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    notes: dict[str, list[str]] = {v: [] for v in variants}
+    for r in range(args.rounds):  # interleaved, so a change in the machine's load hits all alike
+        for kind in variants[r % 3 :] + variants[: r % 3]:
+            root = work / f"loop-{kind}-{r}"
+            if kind == "off":
+                times[kind] += synthetic_loop(root, args.steps, args.save_every, size, args.files, None)
+                continue
+            up = Uploader(root, targets[kind].fresh(), UploadPolicy(local_keep=2)).start()
+            times[kind] += synthetic_loop(root, args.steps, args.save_every, size, args.files, up)
+            synced = up.close(flush_timeout_s=300)
+            notes[kind].append(f"{'synced' if synced else 'NOT synced'}/{len(up.status().skipped)} skipped")
+    report(variants, times, notes)
+
+
+def trainer(args: argparse.Namespace, targets: dict[str, Target], work: Path, endpoint: str) -> None:
+    print(
+        f"\n3. real trainer: torchrun, 2 ranks, tiny config, {args.trainer_steps} steps, a checkpoint "
+        f"every {args.trainer_save_every}, {args.rounds} interleaved rounds; step time with --remote / without"
+    )
+    variants = ("off", *targets)
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    for r in range(args.rounds):
+        for kind in variants[r % 3 :] + variants[: r % 3]:
+            extra = []
+            if kind != "off":
+                extra = ["--remote", targets[kind].fresh().url]
+                extra += ["--remote-endpoint", endpoint] if kind == "s3" else []
+            times[kind] += trainer_step_times(
+                work / f"train-{kind}-{r}", args.trainer_steps, args.trainer_save_every, extra
+            )
+    report(variants, times, {v: [] for v in variants})
+
+
+def report(variants: tuple[str, ...], times: dict[str, list[float]], notes: dict[str, list[str]]) -> None:
+    base = times["off"]
+    for kind in variants:
+        on = times[kind]
+        print(
+            f"{kind:<7} median {statistics.median(on) * 1e3:7.2f} ms  p95 {p95(on) * 1e3:7.2f} ms  "
+            f"ratio median {statistics.median(on) / statistics.median(base):.2f}  "
+            f"p95 {p95(on) / p95(base):.2f}  {' '.join(notes[kind])}".rstrip()
+        )
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ RESTORE_NOTHING = ("optimizer", "scheduler", "sampler", "python_rng", "numpy_rng
 def test_short_drill_passes_and_writes_report(tmp_path):
     work = tmp_path / "drill"
     cmd = [sys.executable, "-m", "supervisor", "drill", "--scenario", "kill9", "--ranks", "2"]
-    cmd += ["--steps", "40", "--workdir", str(work)]
+    cmd += ["--steps", "50", "--workdir", str(work)]
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     assert "PASS: 1 of 1 scenarios" in p.stdout

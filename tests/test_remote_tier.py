@@ -4,6 +4,7 @@ loopback): the commit marker, killed uploads, node loss, corrupt remote checkpoi
 from __future__ import annotations
 
 import os
+import random
 import select
 import shutil
 import signal
@@ -231,3 +232,13 @@ def test_an_unreachable_remote(tmp_path, moto, local):
     res = prepare_resume(local, dead)
     assert (res.source, res.chosen.step) == ("local", 10)
     assert "127.0.0.1" in res.remote_error
+
+
+def test_a_failing_remote_call_draws_nothing_from_the_global_random(moto, tmp_path):
+    """The uploader thread shares `random` with the training loop: a draw there (botocore's retry
+    jitter did) changes the trainer's next random numbers, and the run is no longer exact."""
+    tier = open_remote(rs.new_bucket(moto), endpoint=f"http://127.0.0.1:{rs.free_port()}")  # nobody there
+    before = random.getstate()
+    with pytest.raises(RemoteUnavailable):
+        tier.scan()
+    assert random.getstate() == before

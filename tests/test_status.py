@@ -168,7 +168,16 @@ def test_cli_missing_root_is_one_line_error(tmp_path: Path):
 
 def test_cli_watch_refreshes_until_interrupted(run_dir: Path):
     argv = [sys.executable, "-m", "supervisor", "status", "--ckpt-root", str(run_dir), "--watch", "0.2"]
-    p = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A shell that starts jobs in the background (as CI may) leaves SIGINT ignored in its children;
+    # restore it so this test sees what a person's Ctrl-C does.
+    p = subprocess.Popen(
+        argv,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.monotonic() + 30
     out = ""
     while out.count("checkpoints:") < 2 and time.monotonic() < deadline:

@@ -6,6 +6,7 @@ session): on CPU a resumed run must end with bit-identical parameters.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -25,6 +26,7 @@ from trainer_helpers import (
     last_step,
     launch,
     metrics,
+    rewind,
     run,
     run_ok,
     shared_goldens,
@@ -35,7 +37,9 @@ from trainer_helpers import (
 )
 
 from supervisor.exitcodes import Exit
-from supervisor.layout import RunDir
+from supervisor.fsutil import atomic_write_json
+from supervisor.heartbeat import Phase, read_heartbeats
+from supervisor.layout import MANIFEST, RunDir
 from supervisor.manifest import read_manifest
 from supervisor.store import read_latest
 from train_ref.data import build_corpus
@@ -170,3 +174,51 @@ def test_global_batch_that_does_not_split_is_a_bad_config(tmp_path):
     assert set(heartbeat_exit_codes(root).values()) == {Exit.BAD_CONFIG}
     assert "does not split over 3 ranks" in r.output
     assert not any(n.startswith("step_") for n in os.listdir(root))
+
+
+def test_a_same_size_bit_flip_is_caught_by_the_deep_check_and_resume_walks_back(goldens, tmp_path):
+    """DCP has no checksums: without --verify deep (the default) this checkpoint loads silently."""
+    golden = goldens.get("ddp", 2)
+    root = rewind(golden, tmp_path / "run", 20)
+    shard = max((root / "step_00000020").glob("__*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    r = run_ok(root, 2, *train_args("ddp"))
+    assert "resumed from step_00000010, next step 11" in r.output
+    assert [p.name.split("-")[0] for p in (root / "quarantine").iterdir()] == ["step_00000020"]
+    assert digest(root) == digest(golden)
+
+
+def test_another_global_batch_is_a_one_line_refusal_even_with_allow_config_change(goldens, tmp_path):
+    root = rewind(goldens.get("ddp", 2), tmp_path / "run", 20)
+    path = root / "step_00000020" / MANIFEST
+    m = json.loads(path.read_text())
+    m["parallelism"]["global_batch"] = 16  # as if saved by a config with another global batch
+    atomic_write_json(path, m)
+    r = run(root, 2, *train_args("ddp", "--allow-config-change"))
+    assert set(heartbeat_exit_codes(root).values()) == {Exit.BAD_CONFIG}
+    assert "train_ref/" not in r.output, "a worker traceback (torchrun's own one names no file of ours)"
+    line = next(x for x in r.output.splitlines() if "refused" in x)
+    assert "global batch 16" in line and "global batch 8" in line, line
+
+
+def test_a_preemption_notice_at_the_last_step_finishes_normally(goldens, tmp_path):
+    root = rewind(goldens.get("ddp", 2), tmp_path / "run", 20)
+    t0 = time.time()
+    proc = launch(root, 2, *train_args("ddp", steps=21))  # one step left
+    try:
+        loading = lambda: any(  # noqa: E731 - the flag is installed; step 21 is the first and last
+            s.heartbeat and s.heartbeat.phase == Phase.LOAD and s.heartbeat.wall_time >= t0
+            for s in read_heartbeats(root)
+        )
+        wait_for(loading, 180, "the load phase", proc)
+        os.kill(worker_pid(root, 0, t0), signal.SIGUSR1)
+        r = finish(proc)
+    finally:
+        kill_group(proc)
+    assert r.rc == 0, r.output[-3000:]
+    assert "preemption signal at the last step 21: finishing normally" in r.output
+    assert set(heartbeat_exit_codes(root).values()) == {Exit.OK}
+    assert json.loads((root / "final.json").read_text())["step"] == 21
+    assert committed(root)[-1] == "step_00000021"

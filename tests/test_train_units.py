@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from train_ref.config import config_hash, get_config
 from train_ref.data import Corpus, SampleKey, WindowDataset, collate
 from train_ref.sampler import ResumableBatchSampler
 from train_ref.schedule import WarmupCosine
+from train_ref.signals import PREEMPT_SIGNALS, PreemptionFlag
 from train_ref.state import RankState, seed_rank_rng
 
 
@@ -90,3 +93,19 @@ def test_schedule_warms_up_then_decays_to_the_floor():
     s = WarmupCosine(warmup=5, decay=105, floor=0.1)
     assert s(0) == pytest.approx(0.2) and s(4) == 1.0 and s(5) == 1.0
     assert s(55) == pytest.approx(0.55) and s(105) == pytest.approx(0.1) and s(500) == pytest.approx(0.1)
+
+
+def test_after_the_exit_is_decided_a_repeated_notice_is_ignored():
+    saved = {s: signal.getsignal(s) for s in PREEMPT_SIGNALS}
+    try:
+        flag = PreemptionFlag().install()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert flag.set
+        flag.signum = None
+        flag.ignore_further()
+        for s in PREEMPT_SIGNALS:
+            os.kill(os.getpid(), s)  # would kill the process with the default action
+        assert not flag.set
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)

@@ -6,7 +6,8 @@ Protocol of one save (every rank calls ``save`` at the same step boundary):
 3. each rank writes its per-rank state file, then DCP writes the shards (async: staged in the
    background and uploaded by a thread; sync: before returning);
 4. once every rank's writes have finished, ranks send rank 0 the checksums of the files they wrote
-   and rank 0 commits (manifest, rename, ``latest``) and prunes.
+   and rank 0 commits (manifest, rename, ``latest``), then hands the commit to ``on_commit`` (the
+   remote tier's uploader, which also does retention between uploads) or else prunes itself.
 
 Async: training continues while staging runs, but ``before_optimizer_step`` waits for staging to
 complete, because an optimizer step during staging would tear the checkpoint. Whether the upload is
@@ -22,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,8 +89,19 @@ def _writer(path: Path) -> FileSystemWriter:
 
 
 class Checkpointer:
-    def __init__(self, root: Path, *, async_save: bool, keep: int, info: CommitInfo):
+    def __init__(
+        self,
+        root: Path,
+        *,
+        async_save: bool,
+        keep: int,
+        info: CommitInfo,
+        on_commit: Callable[[store.CheckpointRef], None] | None = None,
+    ):
+        """``on_commit`` (rank 0) takes over retention: pruning here could delete a checkpoint
+        while a background upload reads it."""
         self.root, self.async_save, self.keep, self.info = root, async_save, keep, info
+        self.on_commit = on_commit
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dcp_group = dist.new_group(backend="gloo")
         self.ctl_group = dist.new_group(backend="gloo")
@@ -182,10 +195,16 @@ class Checkpointer:
                 meta=meta,
                 known=known,
             )
-            pruned = store.prune(self.root, keep=self.keep)
-            log.info(
-                "committed %s%s", ref.name, f" (pruned {', '.join(pruned.deleted)})" if pruned.deleted else ""
-            )
+            if self.on_commit is not None:
+                log.info("committed %s", ref.name)
+                self.on_commit(ref)
+            else:
+                pruned = store.prune(self.root, keep=self.keep)
+                log.info(
+                    "committed %s%s",
+                    ref.name,
+                    f" (pruned {', '.join(pruned.deleted)})" if pruned.deleted else "",
+                )
         dist.barrier(group=self.ctl_group)
 
     # ------------------------------------------------------------ loading

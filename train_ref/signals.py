@@ -26,6 +26,12 @@ class PreemptionFlag:
             signal.signal(s, self._handle)
         return self
 
+    def ignore_further(self) -> None:
+        """The exit is decided: a repeated notice (SLURM and torchrun both forward signals) must not
+        reach a half-torn-down interpreter and kill the rank before it exits with its code."""
+        for s in PREEMPT_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+
     def _handle(self, signum: int, _frame: object) -> None:
         self.signum = signum
 

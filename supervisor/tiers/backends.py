@@ -286,7 +286,10 @@ def open_backend(url: str, endpoint: str | None = None) -> Backend:
 def _s3_options(endpoint: str | None) -> dict[str, Any]:
     opts: dict[str, Any] = {
         "config_kwargs": {
-            "retries": {"max_attempts": 1, "mode": "standard"},
+            # One attempt in total ("max_attempts" would mean one *retry*): botocore's retry
+            # jitter draws from the process-wide `random`, which the uploader thread shares with the
+            # training loop; a draw there made a run with an outage end with other parameters.
+            "retries": {"total_max_attempts": 1, "mode": "standard"},
             "connect_timeout": S3_CONNECT_TIMEOUT_S,
             "read_timeout": S3_READ_TIMEOUT_S,
         },
