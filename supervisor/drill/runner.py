@@ -142,7 +142,8 @@ class LatestMonitor(threading.Thread):
         if parse_committed(name) is None:
             return f"latest named '{name}', not a committed checkpoint name"
         d = self.root / name
-        # A directory moved to quarantine meanwhile is gone, not incomplete.
+        # Checked in this order on purpose: a directory moved to quarantine between the first two
+        # checks is gone by the third, and gone is not incomplete.
         if d.is_dir() and not (d / MANIFEST).exists() and d.exists():
             return f"latest named {name}, which had no {MANIFEST}"
         return ""
