@@ -34,8 +34,10 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
+# Every benchmark prints ratios measured side by side in one run; results are recorded in README.md.
+BENCHES ?= verify status mttr checkpoint tiers
 bench: $(STAMP)
-	$(PY) bench/verify.py
+	for b in $(BENCHES); do echo "== bench/$$b.py"; $(PY) bench/$$b.py || exit 1; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
