@@ -10,6 +10,8 @@ from pathlib import Path
 from supervisor.drill.judge import StepRecord, Verdict
 from supervisor.drill.runner import ScenarioRun
 from supervisor.fmt import table
+from supervisor.layout import step_dirname
+from supervisor.store import list_tmp
 
 # Watchdog events worth showing between a fault and the first resumed step.
 TIMELINE_EVENTS = (
@@ -34,6 +36,7 @@ def verdict_table(verdicts: Sequence[Verdict]) -> str:
 
 
 def resume_table(run: ScenarioRun, v: Verdict) -> str:
+    in_flight = list_tmp(run.root)  # saves a fault interrupted: their writer died, so they stay
     rows = []
     for res, fault in zip(v.resumes, run.injected, strict=False):
         picks = [e for e in run.events if e.get("event") == "pick" and e.get("t", 0) <= res.first_seen]
@@ -43,8 +46,13 @@ def resume_table(run: ScenarioRun, v: Verdict) -> str:
             for e in run.events
             if e.get("event") == "quarantine" and e.get("t", 0) <= res.first_seen
         ]
+        skipped += [
+            f"{step_dirname(t.step)}: save in flight at the fault, left as {t.path.name} (never listed)"
+            for t in in_flight
+            if res.ckpt_step < t.step <= res.reached
+        ]
         rows.append((fault.kind.value, used, res.reached, res.redone, "; ".join(skipped) or "-"))
-    return _md_table(("fault", "resumed from", "had reached", "steps redone", "skipped (quarantined)"), rows)
+    return _md_table(("fault", "resumed from", "had reached", "steps redone", "skipped, and why"), rows)
 
 
 def timeline(run: ScenarioRun, v: Verdict) -> str:
