@@ -33,6 +33,9 @@ SUPERVISOR = "supervisor"
 LOCK = ".lock"
 MANIFEST = "manifest.json"
 REASON = "reason.txt"
+# The trainer's outputs in the root: per-step metrics (rank 0, appended across launches), final digest.
+METRICS = "metrics.jsonl"
+FINAL = "final.json"
 # The remote-tier uploader's status, under SUPERVISOR (written by supervisor/tiers/uploader.py).
 REMOTE_STATUS = "remote.json"
 

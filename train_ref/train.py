@@ -39,7 +39,7 @@ from supervisor import store
 from supervisor.exitcodes import Exit
 from supervisor.fsutil import atomic_write_json
 from supervisor.heartbeat import ENV_LAUNCH_ID, HeartbeatWriter, Phase
-from supervisor.layout import RunDir
+from supervisor.layout import FINAL, METRICS, RunDir
 from supervisor.tiers.remote import RemoteUnavailable
 from supervisor.tiers.uploader import Uploader
 from train_ref import tiering
@@ -55,8 +55,6 @@ from train_ref.state import ABLATABLE, RANK_ITEMS, TrainState, seed_rank_rng
 
 log = logging.getLogger("train_ref")
 
-METRICS = "metrics.jsonl"
-FINAL = "final.json"
 SAMPLES = "samples"
 # Resume sanity: warn when the first losses after a resume leave the saved window's range by more
 # than this many standard deviations (plus a small absolute slack for flat windows).

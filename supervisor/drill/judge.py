@@ -8,9 +8,9 @@ from __future__ import annotations
 import itertools
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from supervisor.drill.plan import Fault, Kind, steps_redone_bound
+from supervisor.drill.plan import Fault, steps_redone_bound
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,6 @@ class Verdict:
     scenario: str
     checks: tuple[Check, ...]
     resumes: tuple[Resume, ...] = ()
-    notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
     def ok(self) -> bool:
@@ -180,10 +179,3 @@ def judge(
 
 def _lr_at(records: Sequence[StepRecord], step: int) -> float:
     return next(r.lr for r in records if r.step == step)
-
-
-def fault_kinds(injected: Sequence[Fault]) -> str:
-    return ", ".join(sorted({f.kind.value for f in injected})) or "none"
-
-
-__all__ = ["Check", "Kind", "Resume", "StepRecord", "Verdict", "find_resumes", "judge"]

@@ -18,10 +18,8 @@ from supervisor.drill import inject
 from supervisor.drill.judge import StepRecord
 from supervisor.drill.plan import Fault, Kind
 from supervisor.events import events_path, read_events
-from supervisor.layout import MANIFEST, RunDir, parse_committed
+from supervisor.layout import FINAL, MANIFEST, METRICS, RunDir, parse_committed
 
-METRICS = "metrics.jsonl"
-FINAL = "final.json"
 POLL_S = 0.02
 # Test-only knob of the reference trainer: widens the async write so a kill lands inside it.
 ENV_SAVE_DELAY = "TRAIN_REF_SAVE_DELAY_S"
