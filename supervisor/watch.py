@@ -212,12 +212,16 @@ class Watchdog:
             except store.MismatchError as e:
                 return None, f"checkpoint does not match this run: {e}"
             except RemoteUnavailable as e:
-                if time.monotonic() >= deadline:
+                # Every failed attempt is logged, the last one too: a slow refusal (client retries)
+                # can use up the whole wait in one attempt.
+                giving_up = time.monotonic() >= deadline
+                then = "giving up" if giving_up else f"retrying in {wait:.0f}s"
+                self.log.emit("remote_unavailable", f"{e}; nothing valid locally: {then}")
+                if giving_up:
                     return (
                         None,
                         f"remote {self.cfg.remote} unreachable for {self.cfg.remote_wait_s:.0f}s and no valid local checkpoint: {e}",
                     )
-                self.log.emit("remote_unavailable", f"{e}; nothing valid locally: retrying in {wait:.0f}s")
                 if not self._sleep(wait):
                     return None, None  # a stop signal or a preemption notice: run() decides
                 wait = min(wait * 2, self.cfg.policy.backoff.max_s)

@@ -5,6 +5,7 @@ start from scratch."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,9 @@ NEEDS_STEP_20 = (
 )
 
 
-def watch(root: Path, remote: str, *extra: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def watch(
+    root: Path, remote: str, *extra: str, env: dict | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "supervisor", "watch", "--ckpt-root", str(root), "--remote", remote]
     cmd += [
         "--verify",
@@ -36,7 +39,7 @@ def watch(root: Path, remote: str, *extra: str, timeout: float = 120) -> subproc
         NEEDS_STEP_20,
         str(root),
     ]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def test_node_loss_resumes_from_the_remote_tier(tmp_path):
@@ -54,11 +57,16 @@ def test_node_loss_resumes_from_the_remote_tier(tmp_path):
 
 def test_unreachable_remote_is_waited_for_then_a_clear_stop(tmp_path):
     root = tmp_path / "run"
-    p = watch(root, "s3://bucket/run", "--remote-endpoint", "http://127.0.0.1:9", "--remote-wait", "1")
+    # Credentials present, so what fails is the connection (port 9 refuses), not the sign-in.
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
+    args = ("--remote-endpoint", "http://127.0.0.1:9", "--remote-wait", "1")
+    p = watch(root, "s3://bucket/run", *args, env=env)
     assert p.returncode == Exit.CHILD_NONRETRYABLE, p.stderr[-2000:]
-    kinds = [e["event"] for e in read_events(events_path(root))]
-    assert "remote_unavailable" in kinds and "launch" not in kinds  # never started from scratch
-    assert "unreachable" in read_events(events_path(root))[-1]["msg"]
+    log = read_events(events_path(root))
+    unavailable = [e["msg"] for e in log if e["event"] == "remote_unavailable"]
+    assert unavailable and "EndpointConnectionError" in unavailable[0], unavailable
+    assert "launch" not in [e["event"] for e in log]  # never started from scratch
+    assert "unreachable" in log[-1]["msg"]
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
