@@ -19,7 +19,7 @@ from supervisor.heartbeat import read_heartbeats
 
 REPO = Path(__file__).resolve().parent.parent
 FAKE = str(REPO / "tests" / "fake_trainer.py")
-FAST = ["--hang-timeout", "1", "--poll-interval", "0.1", "--kill-grace", "1", "--dump-wait", "1"]
+FAST = ["--hang-timeout", "2", "--poll-interval", "0.1", "--kill-grace", "1", "--dump-wait", "1"]
 FAST += ["--backoff-initial", "0.05", "--backoff-jitter", "0"]
 LIMIT_S = 60
 
