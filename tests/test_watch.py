@@ -155,7 +155,7 @@ def test_long_save_is_no_false_alarm(tmp_path):
 def test_startup_hang_caught_by_startup_timeout(tmp_path):
     root = tmp_path / "run"
     rc, evs = run(
-        root, ["--startup-timeout", "1.5", "--hang-timeout", "5"], ["--steps", "5", "--fault", "startup-hang"]
+        root, ["--startup-timeout", "3", "--hang-timeout", "5"], ["--steps", "5", "--fault", "startup-hang"]
     )
     assert rc == Exit.OK
     hang = of(evs, "hang")
