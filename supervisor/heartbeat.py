@@ -2,16 +2,23 @@
 
 A reader never crashes on a garbage, half-written or missing file: it gets a snapshot whose
 ``heartbeat`` is None and whose ``problem`` says why, so the watchdog and ``status`` can show it
-as unknown.
+as unknown. A writer never crashes its rank either: a failed write (a full disk, EIO) is counted
+and retried at the next beat.
+
+Beats are driven by progress: a step done, or bytes read or written in a long I/O phase (verify,
+load, commit...). Silence therefore means *no progress*, whatever the size of the checkpoint, and
+that is what the watchdog calls a hang.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import asdict, dataclass
 from enum import Enum
+from functools import cache
 from pathlib import Path
 
 from supervisor.fsutil import atomic_write_json, hostname
@@ -23,12 +30,31 @@ ENV_LAUNCH_ID = "SUPERVISOR_LAUNCH_ID"
 ENV_RESTART_COUNT = "SUPERVISOR_RESTART_COUNT"
 
 
+log = logging.getLogger(__name__)
+
+
 class Phase(str, Enum):
-    STARTUP = "startup"
-    LOAD = "load"
+    """What a rank is doing; each phase has its own no-progress timeout (policy.PhaseTimeouts)."""
+
+    STARTUP = "startup"  # imports, rendezvous, process group, choosing a checkpoint
+    VERIFY = "verify"  # checking a checkpoint's files (deep: every checksum)
+    DOWNLOAD = "download"  # fetching a checkpoint from the remote tier
+    LOAD = "load"  # reading a checkpoint into memory
     TRAIN = "train"
-    SAVE = "save"
+    SAVE = "save"  # writing a checkpoint (the part the training loop waits for)
+    COMMIT = "commit"  # fsync, manifest, rename, latest
+    DIGEST = "digest"  # the final parameter digest
     DONE = "done"
+
+
+@cache
+def boot_id() -> str:
+    """This boot of this host: monotonic times are comparable only between equal boot ids."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 @dataclass(frozen=True)
@@ -45,6 +71,17 @@ class Heartbeat:
     last_step_s: float = 0.0
     launch_id: str = ""
     exit_code: int | None = None
+    # Progress inside the phase (bytes or units; total 0 when unknown) and the file being read or
+    # written, so a rank stuck on one file is named with it.
+    progress: int = 0
+    progress_total: int = 0
+    io_path: str = ""
+    # time.monotonic() of the writer, and its host's boot: ages on one host use this clock.
+    mono_time: float = 0.0
+    boot_id: str = ""
+    # Consecutive failed saves and the last error, for the watchdog's events and `status`.
+    save_failures: int = 0
+    last_error: str = ""
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -94,6 +131,13 @@ def parse_heartbeat(text: str | bytes) -> Heartbeat:
             last_step_s=_float(d.get("last_step_s", 0.0)),
             launch_id=str(d.get("launch_id", "")),
             exit_code=None if d.get("exit_code") is None else _int(d["exit_code"]),
+            progress=_int(d.get("progress", 0)),
+            progress_total=_int(d.get("progress_total", 0)),
+            io_path=str(d.get("io_path", "")),
+            mono_time=_float(d.get("mono_time", 0.0)),
+            boot_id=str(d.get("boot_id", "")),
+            save_failures=_int(d.get("save_failures", 0)),
+            last_error=str(d.get("last_error", "")),
         )
     except KeyError as e:
         raise ValueError(f"field {e} missing") from None
@@ -159,7 +203,8 @@ def read_heartbeats(root: str | Path) -> list[HeartbeatSnapshot]:
 
 class HeartbeatWriter:
     """Throttled writer for one rank: at most one write per ``interval_s`` within a phase, and
-    always on a phase change, so thousands of ranks do not flood a shared filesystem."""
+    always on a phase change, so thousands of ranks do not flood a shared filesystem. Never raises
+    for a failed write: the rank keeps training and the next beat tries again."""
 
     def __init__(
         self,
@@ -180,6 +225,10 @@ class HeartbeatWriter:
         )
         self.launch_id = os.environ.get(ENV_LAUNCH_ID, "")
         self.interval_s = interval_s
+        # Shown in every beat; the trainer sets them when a save fails or succeeds.
+        self.save_failures = 0
+        self.last_error = ""
+        self.write_errors = 0  # failed writes in the current streak (0: the last write landed)
         self._host = hostname()
         self._pid = os.getpid()
         self._last_write = float("-inf")
@@ -192,35 +241,84 @@ class HeartbeatWriter:
         last_step_s: float = 0.0,
         force: bool = False,
         exit_code: int | None = None,
+        *,
+        progress: int = 0,
+        total: int = 0,
+        io_path: str = "",
     ) -> bool:
         """Write a heartbeat if due; return whether one was written. A deliberate exit passes
         ``exit_code`` (always written) so the watchdog can classify it past torchrun's exit 1."""
-        now = time.time()
+        now, mono = time.time(), time.monotonic()
         due = (
             force
             or exit_code is not None
             or phase != self._last_phase
-            or now - self._last_write >= self.interval_s
+            or mono - self._last_write >= self.interval_s
         )
         if not due:
             return False
-        write_heartbeat(
-            self.root,
-            Heartbeat(
-                rank=self.rank,
-                local_rank=self.local_rank,
-                host=self._host,
-                pid=self._pid,
-                step=step,
-                phase=phase,
-                wall_time=now,
-                restart_count=self.restart_count,
-                world_size=self.world_size,
-                last_step_s=last_step_s,
-                launch_id=self.launch_id,
-                exit_code=exit_code,
-            ),
+        hb = Heartbeat(
+            rank=self.rank,
+            local_rank=self.local_rank,
+            host=self._host,
+            pid=self._pid,
+            step=step,
+            phase=phase,
+            wall_time=now,
+            restart_count=self.restart_count,
+            world_size=self.world_size,
+            last_step_s=last_step_s,
+            launch_id=self.launch_id,
+            exit_code=exit_code,
+            progress=progress,
+            progress_total=total,
+            io_path=io_path,
+            mono_time=mono,
+            boot_id=boot_id(),
+            save_failures=self.save_failures,
+            last_error=self.last_error,
         )
-        self._last_write = now
         self._last_phase = phase
+        try:
+            write_heartbeat(self.root, hb)
+        except OSError as e:
+            if self.write_errors == 0:
+                log.warning("rank %d: heartbeat not written (%s); retrying at the next beat", self.rank, e)
+            self.write_errors += 1
+            return False
+        if self.write_errors:
+            log.warning(
+                "rank %d: heartbeat written again after %d failed writes", self.rank, self.write_errors
+            )
+            self.write_errors = 0
+        self._last_write = mono
         return True
+
+    def tracker(self, phase: Phase, step: int, total: int = 0) -> Progress:
+        """Progress of one long phase: call it with the bytes (or units) just done; it beats when
+        due, so the watchdog sees progress, and goes silent when progress stops."""
+        return Progress(self, phase, step, total)
+
+
+class Progress:
+    """A ``ProgressFn`` (``(n) -> None``, as supervisor.manifest uses) that beats a heartbeat."""
+
+    def __init__(self, writer: HeartbeatWriter, phase: Phase, step: int, total: int) -> None:
+        self.writer, self.phase, self.step, self.total = writer, phase, step, total
+        self.done = 0
+        self.path = ""
+        self._beat(force=True)
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        self._beat()
+
+    def set_path(self, path: str) -> None:
+        """The file now being read or written (named in a hang verdict if it never returns)."""
+        self.path = path
+        self._beat()
+
+    def _beat(self, force: bool = False) -> None:
+        self.writer.beat(
+            self.step, self.phase, force=force, progress=self.done, total=self.total, io_path=self.path
+        )

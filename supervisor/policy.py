@@ -8,19 +8,25 @@ heartbeat snapshots, and decide stop / relaunch (budget, no progress, backoff). 
 from __future__ import annotations
 
 import signal
-from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
 from enum import Enum
 
 from supervisor.exitcodes import NON_RETRYABLE, Exit
 from supervisor.heartbeat import Heartbeat, HeartbeatSnapshot, Phase
 
-# Phase timeouts (seconds without a heartbeat). Train is the tight one; the others cover a cold
-# start (imports, rendezvous), a checkpoint load and a save, which may be 10x a step or more.
+# Phase timeouts: seconds a rank may go without a heartbeat, i.e. without progress (beats are
+# driven by progress: steps, or bytes in the long I/O phases). Train is the tight one; startup
+# covers a cold start (imports, rendezvous); the I/O phases beat per chunk of bytes, so their
+# timeouts bound a stall, not the size of a checkpoint.
 DEFAULT_TRAIN_TIMEOUT_S = 120.0
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
+DEFAULT_VERIFY_TIMEOUT_S = 300.0
+DEFAULT_DOWNLOAD_TIMEOUT_S = 300.0
 DEFAULT_LOAD_TIMEOUT_S = 600.0
 DEFAULT_SAVE_TIMEOUT_S = 900.0
+DEFAULT_COMMIT_TIMEOUT_S = 300.0
+DEFAULT_DIGEST_TIMEOUT_S = 300.0
 # Learned train timeout (as NVIDIA resiliency-ext): max observed step time x factor, never below
 # the floor (the floor covers the heartbeat writer's own throttle interval).
 DEFAULT_LEARN_FACTOR = 5.0
@@ -93,14 +99,36 @@ def classify_exit(returncode: int, rank_exit_codes: Iterable[int | None]) -> Cla
 
 @dataclass(frozen=True)
 class PhaseTimeouts:
+    """Seconds without progress allowed in each phase (field names are Phase values)."""
+
     train: float = DEFAULT_TRAIN_TIMEOUT_S
     startup: float = DEFAULT_STARTUP_TIMEOUT_S
+    verify: float = DEFAULT_VERIFY_TIMEOUT_S
+    download: float = DEFAULT_DOWNLOAD_TIMEOUT_S
     load: float = DEFAULT_LOAD_TIMEOUT_S
     save: float = DEFAULT_SAVE_TIMEOUT_S
+    commit: float = DEFAULT_COMMIT_TIMEOUT_S
+    digest: float = DEFAULT_DIGEST_TIMEOUT_S
 
     def for_phase(self, phase: Phase) -> float | None:
         """Seconds a rank may stay silent in ``phase``; None: never hung (it is done)."""
         return None if phase == Phase.DONE else getattr(self, phase.value)
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, object]) -> PhaseTimeouts:
+        """Timeouts as a state file recorded them; unknown names are ignored, missing ones default,
+        a value that is not a positive number is a ValueError."""
+        known = {f.name for f in fields(cls)}
+        out: dict[str, float] = {}
+        for k, v in d.items():
+            if k in known:
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                    raise ValueError(f"timeout '{k}' is {v!r}, not a positive number")
+                out[k] = float(v)
+        return cls(**out)
 
 
 def learned_train_timeout(step_times: Iterable[float], factor: float, floor: float) -> float | None:
@@ -113,7 +141,7 @@ def effective_timeouts(base: PhaseTimeouts, learned_train: float | None) -> Phas
     """Use the learned train timeout once there is one."""
     if learned_train is None:
         return base
-    return PhaseTimeouts(train=learned_train, startup=base.startup, load=base.load, save=base.save)
+    return replace(base, train=learned_train)
 
 
 @dataclass(frozen=True)

@@ -217,9 +217,10 @@ def build_report(root: str | Path, now: float | None = None) -> StatusReport:
     root = store.require_root(root)
     now = time.time() if now is None else now
     nodes, launches, tdict, current = _nodes(root)
-    timeouts = (
-        PhaseTimeouts(**tdict) if set(tdict) == {"train", "startup", "load", "save"} else PhaseTimeouts()
-    )
+    try:
+        timeouts = PhaseTimeouts.from_dict(tdict)
+    except ValueError:
+        timeouts = PhaseTimeouts()
     ranks = _ranks(root, now, timeouts, current)
     state, why = _overall(nodes, ranks)
     live = [r for r in ranks if not r.stale and r.step is not None]

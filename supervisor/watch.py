@@ -27,7 +27,7 @@ from supervisor.heartbeat import (
     read_heartbeats,
 )
 from supervisor.layout import RunDir
-from supervisor.policy import Hang, LaunchRecord, Outcome, PhaseTimeouts
+from supervisor.policy import Hang, LaunchRecord, Outcome
 from supervisor.watch_config import SHARE_STORE_ENV, WatchConfig
 
 SIGNAL_POLL_S = 0.05
@@ -75,7 +75,7 @@ class Watchdog:
             host=self.host,
             watchdog_pid=os.getpid(),
             command=self.cfg.command,
-            timeouts=_timeouts_dict(self.cfg.timeouts),
+            timeouts=self.cfg.timeouts.to_dict(),
             started=time.time(),
         )
         if prev is None or self.cfg.reset_budget:
@@ -469,10 +469,6 @@ def died_at(beats: list[Heartbeat]) -> int | None:
     lockstep, so the laggard is where the group stopped; the others may be one step ahead)."""
     running = [b.step for b in beats if b.phase != Phase.DONE]
     return min(running) if running else max((b.step for b in beats), default=None)
-
-
-def _timeouts_dict(t: PhaseTimeouts) -> dict[str, float]:
-    return {"train": t.train, "startup": t.startup, "load": t.load, "save": t.save}
 
 
 def watch(cfg: WatchConfig) -> int:

@@ -129,3 +129,41 @@ def test_writer_throttles_within_a_phase_and_writes_on_change(tmp_path: Path, mo
         os.getpid(),
     )
     assert not [n for n in os.listdir(RunDir.of(tmp_path).heartbeats) if n.startswith(".")]
+
+
+def test_a_heartbeat_without_the_newer_fields_still_reads(tmp_path: Path) -> None:
+    """Heartbeats written before progress, monotonic time and save failures were recorded."""
+    old = {k: v for k, v in _hb().to_dict().items() if k in ("rank", "local_rank", "host", "pid", "step")}
+    path = RunDir.of(tmp_path).heartbeat(3)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({**old, "phase": "train", "wall_time": 1e9}))
+    hb = read_heartbeat(path, 3).heartbeat
+    assert hb is not None and (hb.progress, hb.io_path, hb.mono_time, hb.save_failures) == (0, "", 0.0, 0)
+
+
+def test_a_failed_write_never_raises_and_the_next_beat_retries(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    root.write_text("a file where the run directory should be: every heartbeat write fails")
+    w = HeartbeatWriter(root, rank=1, local_rank=1, world_size=2, interval_s=3600)
+    assert not w.beat(1, Phase.TRAIN)
+    assert not w.beat(2, Phase.TRAIN)
+    assert w.write_errors == 2
+    root.unlink()
+    root.mkdir()
+    assert w.beat(3, Phase.TRAIN)  # not throttled: nothing has landed since the failures
+    assert w.write_errors == 0
+    assert read_heartbeat(RunDir.of(root).heartbeat(1), 1).heartbeat.step == 3
+
+
+def test_progress_tracker_beats_with_progress_path_and_save_failures(tmp_path: Path) -> None:
+    w = HeartbeatWriter(tmp_path, rank=0, local_rank=0, world_size=1, interval_s=0.0)
+    w.save_failures, w.last_error = 2, "step_00000010: No space left on device"
+    track = w.tracker(Phase.VERIFY, step=10, total=300)
+    track.set_path("step_00000010/__0_0.distcp")
+    track(100)
+    track(50)
+    hb = read_heartbeat(RunDir.of(tmp_path).heartbeat(0), 0).heartbeat
+    assert (hb.phase, hb.step, hb.progress, hb.progress_total) == (Phase.VERIFY, 10, 150, 300)
+    assert hb.io_path == "step_00000010/__0_0.distcp"
+    assert (hb.save_failures, hb.last_error) == (2, "step_00000010: No space left on device")
+    assert hb.boot_id and hb.mono_time > 0

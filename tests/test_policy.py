@@ -236,3 +236,12 @@ def test_dead_ranks_are_gone_without_exit_code():
     dead = dead_ranks(beats, "h", {100})
     assert [(d.rank, d.pid, d.step) for d in dead] == [(1, 101, 7)]
     assert "rank 1 (pid 101) died at step 7" in dead[0].reason
+
+
+def test_phase_timeouts_from_a_state_file_round_trip_and_refuse_garbage() -> None:
+    t = PhaseTimeouts(train=3, verify=40)
+    assert PhaseTimeouts.from_dict(t.to_dict()) == t
+    assert PhaseTimeouts.from_dict({"train": 7, "retired_phase": 1}) == PhaseTimeouts(train=7)
+    for bad in ({"train": "x"}, {"load": 0}, {"save": True}):
+        with pytest.raises(ValueError):
+            PhaseTimeouts.from_dict(bad)
