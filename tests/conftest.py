@@ -12,6 +12,7 @@ Both skip, with the reason printed, only where FUSE or mount cannot be used (not
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,9 +35,11 @@ def _skip_unless_available(config: pytest.Config, what: str, reason: str | None)
         return
     line = f"{what} tests skipped: {reason}"
     terminal = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
     if terminal is not None and line not in _told:
         _told.add(line)
-        terminal.write_line(line, yellow=True)
+        with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+            terminal.write_line(line, yellow=True)  # past the capture, which holds it during setup
     pytest.skip(line)
 
 
