@@ -41,6 +41,7 @@ STOP_GRACE_S = 10.0  # after a lazy unmount: for files still open to be closed, 
 KILL_WAIT_S = 10.0
 CALL_MARGIN_S = 10.0  # a control call may take this much longer than the wait it asks for
 APT_LOCK_TIMEOUT_S = 300  # other jobs on the machine may hold dpkg's lock
+REPO = Path(__file__).resolve().parents[2]  # for the filesystem process, also when not installed
 
 
 class FaultFSError(RuntimeError):
@@ -225,10 +226,14 @@ class FaultFS(Controller):
         control = str(control)
         rfd, wfd = os.pipe()
         cmd = [sys.executable, "-m", "supervisor.drill.faultfs", str(backing), str(mountpoint)]
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        }
         with open(Path(control).with_suffix(".log"), "ab") as log:
             proc = subprocess.Popen(
                 [*cmd, "--control", control, "--ready-fd", str(wfd)],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=log, pass_fds=(wfd,), cwd="/",
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log, pass_fds=(wfd,), cwd="/", env=env,
                 start_new_session=True,  # a Ctrl-C to the test run must not kill it before teardown
             )  # fmt: skip
         os.close(wfd)
@@ -252,9 +257,12 @@ class FaultFS(Controller):
             os.close(rfd)
         return fs
 
-    def _log_tail(self) -> str:
+    def _log_tail(self, lines: int = 5) -> str:
         try:
-            return " | ".join(self.log.read_text(errors="replace").strip().splitlines()[-5:]) or "(no output)"
+            return (
+                " | ".join(self.log.read_text(errors="replace").strip().splitlines()[-lines:])
+                or "(no output)"
+            )
         except OSError:
             return "(no log)"
 
@@ -276,6 +284,8 @@ class FaultFS(Controller):
             except subprocess.TimeoutExpired:
                 continue
         unmount(self.mountpoint, ("fusermount3", "-u"))  # a process killed while mounted leaves it
+        if self.log.exists() and self.log.stat().st_size:  # silent when all went well
+            print(f"faultfs on {self.mountpoint} said: {self._log_tail()}", file=sys.stderr)
         if self._own_dir is not None:
             shutil.rmtree(self._own_dir, ignore_errors=True)
 
