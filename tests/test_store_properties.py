@@ -147,7 +147,9 @@ class StoreMachine(RuleBasedStateMachine):
         q_after = {p.name for p in quarantine_dirs(self.root)}
         assert set(res.quarantine_removed) <= q_before and not set(res.quarantine_removed) & q_after
         must_stay = {_step(n) for n in q_before if _step(n) > floor}
-        assert must_stay <= {_step(n) for n in q_after}, "removed the last copy of a step newer than every valid"
+        assert must_stay <= {_step(n) for n in q_after}, (
+            "removed the last copy of a step newer than every valid"
+        )
         if q_keep is not None:
             assert len(q_before - set(res.quarantine_removed)) <= max(q_keep, len(must_stay))
         deleted, quarantined = set(res.deleted), {n for n, _ in res.quarantined}
