@@ -1,8 +1,70 @@
-"""Hypothesis without wall-clock checks: CI runs on 2 shared cores, where one stall of a second or
-more (seen: a 1.6 s draw) fails a per-example deadline or the too-slow health check. Such a failure
-says the machine was busy, not that the code is wrong; everything else Hypothesis checks stays on."""
+"""Shared fixtures.
 
+Hypothesis without wall-clock checks: CI runs on 2 shared cores, where one stall of a second or
+more (seen: a 1.6 s draw) fails a per-example deadline or the too-slow health check. Such a failure
+says the machine was busy, not that the code is wrong; everything else Hypothesis checks stays on.
+
+Storage faults (docs/storage-faults.md): ``faultfs`` mounts the fault-injecting filesystem over a
+temp dir and yields its controller; ``small_tmpfs`` a 64 MiB tmpfs that can be filled to ENOSPC.
+Both skip, with the reason printed, only where FUSE or mount cannot be used (not root, no
+/dev/fuse, fuse3 not installable); anything else that fails is a test failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
 from hypothesis import HealthCheck, settings
+
+from supervisor.drill.faultctl import FaultFS, fuse_unavailable
+from supervisor.drill.mounts import SmallTmpfs, mount_unavailable
 
 settings.register_profile("ci", deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci")
+
+SMALL_TMPFS_BYTES = 64 << 20
+_told: set[str] = set()
+
+
+def _skip_unless_available(config: pytest.Config, what: str, reason: str | None) -> None:
+    """Skip when ``reason`` is set, saying why on the terminal once (visible without -rs)."""
+    if reason is None:
+        return
+    line = f"{what} tests skipped: {reason}"
+    terminal = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if terminal is not None and line not in _told:
+        _told.add(line)
+        with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+            terminal.write_line(line, yellow=True)  # past the capture, which holds it during setup
+    pytest.skip(line)
+
+
+@pytest.fixture
+def need_fuse(pytestconfig: pytest.Config) -> None:
+    """Skips the test where a FUSE mount cannot be made (installs fuse3 first where it can)."""
+    _skip_unless_available(pytestconfig, "FUSE", fuse_unavailable())
+
+
+@pytest.fixture
+def need_mount(pytestconfig: pytest.Config) -> None:
+    """Skips the test where mount(8) cannot be used."""
+    _skip_unless_available(pytestconfig, "mount", mount_unavailable())
+
+
+@pytest.fixture
+def faultfs(tmp_path: Path, need_fuse: None) -> Iterator[FaultFS]:
+    """The fault filesystem mounted on tmp_path/"mnt" (backing: tmp_path/"backing"); put the run
+    dir under ``faultfs.mountpoint``. Unmounted in teardown, also while an operation is blocked."""
+    with FaultFS.start(tmp_path / "backing", tmp_path / "mnt") as fs:
+        yield fs
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path, need_mount: None) -> Iterator[SmallTmpfs]:
+    """A 64 MiB tmpfs on tmp_path/"tmpfs": ``fill()`` makes it full (ENOSPC), ``free()`` frees it."""
+    with SmallTmpfs(tmp_path / "tmpfs", SMALL_TMPFS_BYTES) as fs:
+        yield fs
