@@ -108,13 +108,19 @@ def test_pick_goes_on_when_the_fault_clears_during_its_retries(faultfs, run):
     assert len(said) == 1 and "ESTALE" in said[0]
 
 
-def test_an_unreadable_root_is_never_an_empty_one(faultfs, run):
+def test_an_unreadable_root_is_never_an_empty_one(faultfs, run, capsys):
     """A listing that fails must not read as 'no checkpoints' (that would start from step 0)."""
     rid = faultfs.fail("/run", "EIO", ops=["readdir"])
     with pytest.raises(OSError, match="Input/output error"):
         store.list_checkpoints(run)
     with pytest.raises(store.StorageUnavailable, match=r"/run: EIO"):
         store.pick(run, io_retry_s=0, allow_fresh_start=True)
+    assert main(["ckpt", "list", "--ckpt-root", str(run)]) == Exit.UNREADABLE
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and f"error: {run}: EIO (Input/output error); check" in err
+    report = build_report(run)  # status never stops: it says what it could not list
+    assert report.checkpoints == () and "cannot be listed: EIO" in report.storage_problem
+    assert "STORAGE: checkpoints of" in render(report)
     faultfs.clear(rid)
     assert store.pick(run).chosen.ref.step == 20
 
