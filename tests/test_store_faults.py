@@ -1,7 +1,8 @@
 """The store on storage that fails for real (the FUSE fault filesystem, docs/storage-faults.md):
 an I/O error is never taken for corruption, a pick waits out a burst and gives up with a one-line
-verdict on a lasting fault, a commit refuses a file the committing process cannot see, and nodes
-that share a run dir download a remote checkpoint once.
+verdict on a lasting fault, a commit refuses a file the committing process cannot see, nodes
+that share a run dir download a remote checkpoint once, and an upload that cannot read a local
+file is deferred, never refused.
 
 Every fault is injected by the filesystem; no os function is replaced. Tests skip (saying why)
 only where FUSE cannot be used."""
@@ -22,13 +23,16 @@ from store_helpers import SHARD, committed_names, latest_text, make_ckpt, quaran
 
 from supervisor import store
 from supervisor.cli import main
+from supervisor.events import read_events
 from supervisor.exitcodes import Exit
 from supervisor.ioerrors import Evidence
 from supervisor.layout import RunDir, step_dirname
 from supervisor.status import build_report
 from supervisor.status_cmd import render
-from supervisor.tiers.remote import open_remote
+from supervisor.tiers.events import REMOTE_EVENTS
+from supervisor.tiers.remote import LocalUnreadable, open_remote
 from supervisor.tiers.resume import prepare_resume
+from supervisor.tiers.uploader import Uploader, UploadPolicy
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -243,7 +247,30 @@ def test_two_processes_resuming_from_the_remote_download_once(faultfs, tmp_path)
     (res,) = results
     assert not isinstance(res, BaseException), res
     assert (res.source, res.chosen.step, res.downloaded_bytes) == ("local", 20, 0)
-    events = (RunDir.of(root).supervisor / "events.remote.jsonl").read_text().splitlines()
-    assert [json.loads(e)["event"] for e in events].count("downloaded") == 1
+    events = read_events(RunDir.of(root).supervisor / REMOTE_EVENTS)
+    assert [e["event"] for e in events].count("downloaded") == 1
     assert not quarantine_dirs(root)  # no second commit replaced the first
     assert store.validate(res.chosen, deep=True).ok and not store.list_tmp(root)
+
+
+def test_a_local_read_error_defers_an_upload_and_never_refuses_it(faultfs, tmp_path):
+    """The uploader reads the local checkpoint: an EIO there is retried, not "does not match its
+    manifest" (which would never upload that checkpoint)."""
+    local = faultfs.mountpoint / "run"
+    remote = open_remote(str(tmp_path / "remote"))
+    ref = rs.fake_checkpoint(local, 10)
+    rid = faultfs.fail("/run/step_00000010/__1_0.distcp", "EIO", ops=["read"])
+    with pytest.raises(LocalUnreadable, match=r"step_00000010/__1_0\.distcp is unreadable locally \(EIO"):
+        remote.upload(ref)
+    assert remote.scan() == [] and not store.list_tmp(remote.backend.root)  # staging removed
+    faultfs.clear(rid)
+    rid = faultfs.fail("/run/step_00000010/__1_0.distcp", "EIO", ops=["read"], count=1)
+    policy = UploadPolicy(attempts=3, backoff_initial_s=0.01, backoff_max_s=0.01, local_keep=None)
+    up = Uploader(local, remote, policy).start()
+    try:
+        assert up.flush(60)
+    finally:
+        up.close()
+    assert faultfs.hits(rid) == 1 and [v.step for v in remote.scan()] == [10]
+    names = [e["event"] for e in read_events(RunDir.of(local).supervisor / REMOTE_EVENTS)]
+    assert "upload_refused" not in names and "upload_ok" in names
