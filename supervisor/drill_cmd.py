@@ -21,7 +21,9 @@ DEFAULT_SCENARIOS = (*tuple(k.value for k in planning.Kind), planning.CHAOS)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("drill", help="kill, hang, corrupt and preempt a real run, then judge the resume")
+    p = sub.add_parser(
+        "drill", help="kill, stop, hang, corrupt and preempt a real run, then judge the resume"
+    )
     p.add_argument(
         "--scenario",
         action="append",
@@ -123,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
             golden_digest=golden_digest,
             drill_digest=r.digest,
             latest_violations=r.latest_violations,
+            events=r.events,
+            fault_times=r.fault_times,
         )
         print(f"[drill] {s}: {'PASS' if v.ok else 'FAIL'}", file=sys.stderr, flush=True)
         runs.append(r)
