@@ -235,6 +235,14 @@ def test_a_hang_judged_wrong_fails_with_its_reason(events, failing, says):
     assert says in {c.name: c.detail for c in v.checks}[failing]
 
 
+def test_a_culprit_without_its_stack_fails():
+    events = hang_events()
+    events[1]["culprits"][0]["frames"] = []
+    v = hang_verdict(events)
+    assert failed(v) == {"hang verdict names the culprit and its stack"}
+    assert "named without its stack" in v.failures()[0]
+
+
 def test_a_sigstop_needs_the_culprit_named_but_may_be_cured():
     """SIGCONT + SIGTERM cure a stopped rank: it checkpoints and exits 75, which is fine there; its
     stack is wherever it was stopped."""

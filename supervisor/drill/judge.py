@@ -247,7 +247,9 @@ def _culprit_named(fault: Fault, window: Sequence[dict[str, Any]]) -> tuple[bool
     c = culprits[0]
     funcs = [str(f.get("func")) for f in c.get("frames") or []]
     stack = " <- ".join(funcs) or "no frames"
-    if not funcs or (fault.kind in SELF_INFLICTED and BLOCKING_FUNCTION not in funcs):
+    if not funcs:
+        return False, f"{kind}: culprit rank {fault.rank} named without its stack"
+    if fault.kind in SELF_INFLICTED and BLOCKING_FUNCTION not in funcs:
         return (
             False,
             f"{kind}: culprit rank {fault.rank} named, but its stack ({stack}) lacks {BLOCKING_FUNCTION}",
