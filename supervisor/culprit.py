@@ -11,8 +11,8 @@ the same step, so silence cannot name the culprit. Where each rank waits can:
 - a rank that wrote no dump cannot be placed (in uninterruptible sleep, D, not even faulthandler's
   SIGUSR2 handler runs): a *suspect*, said so with its state and kernel wait channel.
 
-Each watchdog judges its own node's ranks: if all of them wait in a collective, the culprit is
-elsewhere (another node).
+Each watchdog judges its own node's ranks: if all of them wait in a collective, the culprit is on
+another node (or the ranks called different collectives, which their dumps show).
 """
 
 from __future__ import annotations
@@ -158,7 +158,10 @@ class Diagnosis:
         parts += [f"suspect {f.describe()}" for f in self.suspects]
         waiting = self.waiting
         if waiting and len(waiting) == len(self.findings):
-            parts.append("every rank here waits in a collective: the culprit is on another node")
+            parts.append(
+                "every rank here waits in a collective: the culprit is on another node, or the ranks "
+                "wait in different collectives (compare their stack dumps)"
+            )
         elif waiting:
             parts.append(f"{_ranks(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in a collective")
         elif not self.culprits and not self.suspects:

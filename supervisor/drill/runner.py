@@ -299,19 +299,12 @@ def _inject(
     def wait(cond: Callable[[], bool]) -> bool:
         return _wait_for(cond, tail, cfg.fault_timeout_s, dog, run, progress)
 
-    if fault.kind in SELF_INFLICTED and hangs is not None:
-        marker = hangs.marker(switch_hang(fault))
-        if not wait(marker.exists) or (m := switch.read_marker(marker)) is None:
-            run.notes.append(
-                f"not injected: rank {fault.rank} never blocked at step {fault.at_step} ({marker})"
-            )
+    if fault.kind in SELF_INFLICTED:
+        assert hangs is not None, "hang_switch() makes a switch for every self-inflicted hang"
+        blocked = _await_self_inflicted(run, fault, hangs, wait)
+        if blocked is None:
             return dog
-        launch, t0 = str(m.get("launch", "")), float(m.get("t", time.time()))
-        in_flight = inject.tmp_save_in_flight(run.root, 0)  # never committed while the rank is stuck
-        run.notes.append(
-            f"{fault.describe()}: rank {fault.rank} (pid {m.get('pid')}) blocked at step {m.get('step')} "
-            f"({'an async save in flight' if in_flight else 'no save in flight'})"
-        )
+        launch, t0, in_flight = blocked
     else:
         if not wait(lambda: tail.last is not None and tail.last.step >= fault.at_step):
             run.notes.append(f"not injected: the run never reached step {fault.at_step}")
@@ -353,3 +346,20 @@ def _inject(
     else:
         progress(f"resumed at step {tail.last.step}", run)
     return dog
+
+
+def _await_self_inflicted(
+    run: ScenarioRun, fault: Fault, hangs: switch.Switch, wait: Callable[[Callable[[], bool]], bool]
+) -> tuple[str, float, bool] | None:
+    """Wait for the trainer's marker: the launch it hung, when, and whether an async save was in
+    flight then (it stays so: nothing commits while the rank is stuck). None: it never blocked."""
+    marker = hangs.marker(switch_hang(fault))
+    if not wait(marker.exists) or (m := switch.read_marker(marker)) is None:
+        run.notes.append(f"not injected: rank {fault.rank} never blocked at step {fault.at_step} ({marker})")
+        return None
+    in_flight = inject.tmp_save_in_flight(run.root, 0)
+    run.notes.append(
+        f"{fault.describe()}: rank {fault.rank} (pid {m.get('pid')}) blocked at step {m.get('step')} "
+        f"({'an async save in flight' if in_flight else 'no save in flight'})"
+    )
+    return str(m.get("launch", "")), float(m.get("t", time.time())), in_flight
