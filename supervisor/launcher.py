@@ -78,6 +78,16 @@ def stopped(pids: Iterable[int]) -> list[int]:
     return [p for p in pids if (info := read_proc(p)) is not None and info.state in ("T", "t")]
 
 
+def proc_state(pid: int) -> tuple[str, str]:
+    """``pid``'s state letter and the kernel function it sleeps in (wchan); '' where unknown."""
+    info = read_proc(pid)
+    try:
+        wchan = Path(f"/proc/{pid}/wchan").read_text().strip()
+    except OSError:
+        wchan = ""
+    return (info.state if info else ""), ("" if wchan == "0" else wchan)
+
+
 def send(pids: Iterable[int], sig: int) -> list[int]:
     """Signal each pid; return those that existed."""
     hit = []
@@ -103,6 +113,7 @@ class Child:
         self.popen = subprocess.Popen(argv, env=dict(env), start_new_session=True)
         self.pid = self.popen.pid
         self.started = time.time()
+        self.sigkilled = 0  # processes the last kill() had to SIGKILL: SIGTERM did not end them
 
     def poll(self) -> int | None:
         return self.popen.poll()
@@ -125,11 +136,13 @@ class Child:
         """SIGTERM (and SIGCONT, so a stopped process can act on it) to the whole tree; SIGKILL
         what is left after ``grace_s``. Returns a line saying how it ended."""
         t0 = time.monotonic()
+        self.sigkilled = 0
         self.signal_tree(signal.SIGTERM)
         self.signal_tree(signal.SIGCONT)
         if self._wait_empty(grace_s):
             return f"tree exited {time.monotonic() - t0:.1f}s after SIGTERM"
         left = self.signal_tree(signal.SIGKILL)
+        self.sigkilled = len(left)
         self._wait_empty(None)
         return f"SIGKILL sent to {len(left)} process(es) still alive {grace_s:g}s after SIGTERM"
 
