@@ -11,7 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +28,7 @@ from supervisor.layout import (
     quarantined_dirname,
 )
 from supervisor.manifest import (
+    READ_CHUNK,
     Manifest,
     ManifestError,
     ProgressFn,
@@ -197,56 +198,71 @@ def validate(ref: CheckpointRef, deep: bool = False, progress: ProgressFn | None
     """Quick: manifest parses, known schema, right step, every file present at its size, nothing
     unlisted, every rank of a format-2 manifest covered. Deep: also every checksum. The reason
     names the file and what is wrong. Never raises OSError: what cannot be read is UNKNOWN."""
-
-    def corrupt(why: str) -> Verdict:
-        return Verdict(ref, Evidence.CORRUPT, f"{ref.name}: {why}")
-
-    def unreadable(e: OSError, name: str) -> Verdict:
-        e.filename = e.filename or os.path.join(ref.path, name)  # a failed read() names no file
-        if e.errno == errno.ENOENT and _vanished(ref):
-            return Verdict(ref, Evidence.UNKNOWN, f"{ref.name}: vanished while it was read", gone=True)
-        if e.errno == errno.ENOENT:
-            return corrupt(f"{name} is missing")
-        ev = evidence_of(e)
-        return Verdict(ref, ev, f"{ref.name}: {name} is unreadable ({describe(e)})", error=e)
-
     try:
         raw = (ref.path / MANIFEST).read_bytes()
     except OSError as e:
-        return unreadable(e, MANIFEST)
+        return _unreadable(ref, e, MANIFEST)
     try:
         m = parse_manifest(raw)
     except ManifestError as e:
-        return corrupt(str(e))
+        return _corrupt(ref, str(e))
     if m.step != ref.step:
-        return corrupt(f"{MANIFEST} is for step {m.step}, not {ref.step}")
+        return _corrupt(ref, f"{MANIFEST} is for step {m.step}, not {ref.step}")
     try:
         present = set(list_files(ref.path)) - {MANIFEST}
     except OSError as e:
-        return unreadable(e, _rel(ref, e.filename, "the directory"))
+        return _unreadable(ref, e, _rel(ref, e.filename, "the directory"))
     for name, entry in sorted(m.files.items()):
         if name not in present:
-            return corrupt(f"{name} is missing")
+            return _corrupt(ref, f"{name} is missing")
         try:
             size = os.stat(os.path.join(ref.path, name)).st_size
         except OSError as e:
-            return unreadable(e, name)
+            return _unreadable(ref, e, name)
         if size != entry.size:
-            return corrupt(f"{name} is {size} bytes, manifest says {entry.size}")
+            return _corrupt(ref, f"{name} is {size} bytes, manifest says {entry.size}")
     unlisted = sorted(present - set(m.files))
     if unlisted:
-        return corrupt(f"{unlisted[0]} is not listed in {MANIFEST}")
+        return _corrupt(ref, f"{unlisted[0]} is not listed in {MANIFEST}")
     if deep:
-        names = sorted(m.files)
-        try:
-            sums = checksum_files([os.path.join(ref.path, n) for n in names], progress)
-        except OSError as e:
-            return unreadable(e, _rel(ref, e.filename, "a file"))
-        for name, actual in zip(names, sums, strict=True):
-            expected = m.files[name].checksum
-            if actual != expected:
-                return corrupt(f"{name} checksum {actual[:12]}.. differs from manifest {expected[:12]}..")
+        return check_files(ref, m, sorted(m.files), progress)
     return Verdict(ref, Evidence.OK, "", m)
+
+
+def check_files(
+    ref: CheckpointRef,
+    m: Manifest,
+    names: Sequence[str],
+    progress: ProgressFn | None = None,
+    chunk: int = READ_CHUNK,
+) -> Verdict:
+    """The deep part of ``validate`` for some of the files of ``m`` (each rank of a trainer checks
+    its share of a checkpoint this way): OK, CORRUPT naming the first file whose checksum differs,
+    or UNKNOWN naming one that cannot be read. Never raises OSError."""
+    try:
+        sums = checksum_files([os.path.join(ref.path, n) for n in names], progress, chunk=chunk)
+    except OSError as e:
+        return _unreadable(ref, e, _rel(ref, e.filename, "a file"))
+    for name, actual in zip(names, sums, strict=True):
+        expected = m.files[name].checksum
+        if actual != expected:
+            return _corrupt(ref, f"{name} checksum {actual[:12]}.. differs from manifest {expected[:12]}..")
+    return Verdict(ref, Evidence.OK, "", m)
+
+
+def _corrupt(ref: CheckpointRef, why: str) -> Verdict:
+    return Verdict(ref, Evidence.CORRUPT, f"{ref.name}: {why}")
+
+
+def _unreadable(ref: CheckpointRef, e: OSError, name: str) -> Verdict:
+    """What an OSError met on ``name`` proves: a whole checkpoint gone meanwhile is ``gone``, a
+    missing file corrupt, anything else (EIO, ESTALE...) unknown."""
+    e.filename = e.filename or os.path.join(ref.path, name)  # a failed read() names no file
+    if e.errno == errno.ENOENT and _vanished(ref):
+        return Verdict(ref, Evidence.UNKNOWN, f"{ref.name}: vanished while it was read", gone=True)
+    if e.errno == errno.ENOENT:
+        return _corrupt(ref, f"{name} is missing")
+    return Verdict(ref, evidence_of(e), f"{ref.name}: {name} is unreadable ({describe(e)})", error=e)
 
 
 def _rel(ref: CheckpointRef, filename: object, default: str) -> str:

@@ -208,10 +208,12 @@ def _is_safe_relpath(name: str) -> bool:
     return bool(name) and not name.startswith("/") and ".." not in name.split("/") and "\\" not in name
 
 
-def checksum_file(path: str | Path, progress: ProgressFn | None = None) -> str:
-    """xxh3-128 of a file, read in large chunks into one reused buffer."""
+def checksum_file(path: str | Path, progress: ProgressFn | None = None, chunk: int = READ_CHUNK) -> str:
+    """xxh3-128 of a file, read in chunks of ``chunk`` bytes into one reused buffer (``progress``
+    hears of each: a caller that beats a heartbeat per chunk picks a chunk small enough for a
+    slow file system)."""
     h = xxhash.xxh3_128()
-    buf = bytearray(READ_CHUNK)
+    buf = bytearray(chunk)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buf):
@@ -222,7 +224,10 @@ def checksum_file(path: str | Path, progress: ProgressFn | None = None) -> str:
 
 
 def checksum_files(
-    paths: Sequence[str | Path], progress: ProgressFn | None = None, threads: int = VERIFY_THREADS
+    paths: Sequence[str | Path],
+    progress: ProgressFn | None = None,
+    threads: int = VERIFY_THREADS,
+    chunk: int = READ_CHUNK,
 ) -> list[str]:
     """Checksums of many files, in order, hashed by up to ``threads`` threads. Raises the OSError
     of the first unreadable file (in ``paths`` order); ``progress`` is called under a lock."""
@@ -242,7 +247,7 @@ def checksum_files(
             if i is None:
                 return
             try:
-                results[i] = checksum_file(paths[i], tick if progress else None)
+                results[i] = checksum_file(paths[i], tick if progress else None, chunk)
             except OSError as e:
                 e.filename = e.filename or os.fspath(paths[i])  # a failed read() names no file
                 errors[i] = e
