@@ -1,0 +1,182 @@
+"""End to end: the reference trainer (torchrun, 2 ranks) on storage that fails for real (the fault
+filesystem, docs/storage-faults.md). A failed save commits nothing, leaves ``latest`` alone and
+training goes on; too many in a row end the launch with exit 74 and nothing lost; a commit that
+misses a rank's file is refused; a resume waits out an EIO burst and never quarantines for it;
+the deep verify spread over the ranks quarantines on content evidence only.
+
+Every case ends digest-equal to an uninterrupted run (a golden, shared by the session): a failed
+save must not change training. Faults are sequenced by the filesystem's own events (a blocked
+operation names its process), never by time."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from trainer_helpers import (
+    committed,
+    digest,
+    finish,
+    heartbeat_exit_codes,
+    kill_group,
+    launch,
+    metrics,
+    rewind,
+    run,
+    run_ok,
+    shared_goldens,
+    train_args,
+)
+
+from supervisor import store
+from supervisor.exitcodes import Exit
+from supervisor.heartbeat import read_heartbeats
+from supervisor.layout import MANIFEST
+from supervisor.manifest import read_manifest
+from train_ref.resume import split_by_size
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="session")
+def goldens(tmp_path_factory):
+    return shared_goldens(lambda: tmp_path_factory.mktemp("goldens"))
+
+
+def leftovers(root: Path) -> list[str]:
+    """Tmp and half-deleted dirs: a failed save must leave none behind."""
+    return sorted(n for n in os.listdir(root) if ".tmp." in n or ".deleting." in n)
+
+
+def quarantined(root: Path) -> list[str]:
+    q = root / "quarantine"
+    return sorted(p.name.split("-")[0] for p in q.iterdir()) if q.exists() else []
+
+
+def test_a_save_that_hits_enospc_commits_nothing_and_training_goes_on(goldens, faultfs):
+    golden = goldens.get("ddp", 2)
+    root = faultfs.mountpoint / "run"
+    rid = faultfs.fail("/run/step_00000020.tmp.*/*", "ENOSPC", ops=["write"])  # the save of step 20
+    r = run_ok(root, 2, *train_args("ddp"))
+    assert faultfs.hits(rid) >= 2  # both ranks' writes failed
+    line = next(x for x in r.output.splitlines() if "SAVE FAILED at step 20" in x)
+    assert "rank 0: step_00000020.tmp." in line and "ENOSPC (No space left on device)" in line, line
+    assert "latest is still step_00000010" in line
+    assert (
+        committed(root) == ["step_00000010", "step_00000030"] and store.read_latest(root) == "step_00000030"
+    )
+    assert leftovers(root) == []
+    assert [m["step"] for m in metrics(root)] == list(range(1, 31))
+    assert {s.heartbeat.save_failures for s in read_heartbeats(root)} == {0}  # reset by step 30
+    assert digest(root) == digest(golden)
+
+
+def test_failed_saves_in_a_row_exit_74_and_lose_nothing(goldens, faultfs):
+    golden = goldens.get("ddp", 2)
+    root = rewind(golden, faultfs.mountpoint / "run", 10)
+    rid = faultfs.fail("/run/step_*.tmp.*/*", "ENOSPC", ops=["write"])
+    args = train_args("ddp", "--save-every", "5", "--max-failed-saves", "2")
+    r = run(root, 2, *args)
+    assert r.rc != 0 and faultfs.hits(rid) > 0
+    assert set(heartbeat_exit_codes(root).values()) == {Exit.STORAGE}
+    assert "SAVE FAILED at step 15" in r.output
+    line = next(x for x in r.output.splitlines() if "giving up" in x)
+    assert "giving up at step 20: 2 saves failed in a row (--max-failed-saves 2)" in line, line
+    assert "newest: step_00000010" in line
+    assert {
+        (s.heartbeat.save_failures, "ENOSPC" in s.heartbeat.last_error) for s in read_heartbeats(root)
+    } == {(2, True)}
+    assert committed(root) == ["step_00000010"] and store.read_latest(root) == "step_00000010"
+    assert (
+        leftovers(root) == []
+        and store.validate(store.CheckpointRef(10, root / "step_00000010"), deep=True).ok
+    )
+    faultfs.clear(rid)  # space again: the relaunch resumes from what was kept and finishes
+    r2 = run_ok(root, 2, *args)
+    assert "resumed from step_00000010, next step 11" in r2.output
+    assert digest(root) == digest(golden)
+
+
+def test_a_rank_file_missing_from_rank_0s_view_is_refused_like_a_failed_save(goldens, faultfs):
+    golden = goldens.get("ddp", 2)
+    root = faultfs.mountpoint / "run"
+    hold = faultfs.block("/run", ops=["readdir"])  # rank 0's pick lists the run dir: held there
+    proc = launch(root, 2, *train_args("ddp"))
+    try:
+        (held,) = faultfs.wait_blocked(hold, timeout=180)
+        rank0 = held.pid  # rank 1's shard of step 20 is there for everyone but rank 0
+        hide = faultfs.hide("/run/step_00000020.tmp.*/__1_0.distcp", pids=[rank0])
+        faultfs.clear(hold)
+        r = finish(proc)
+    finally:
+        kill_group(proc)
+    assert r.rc == 0, r.output[-3000:]
+    assert faultfs.hits(hide) > 0
+    line = next(x for x in r.output.splitlines() if "SAVE FAILED at step 20" in x)
+    assert "__1_0.distcp written by rank 1 is missing" in line and f"pid {rank0}" in line, line
+    assert committed(root) == ["step_00000010", "step_00000030"] and leftovers(root) == []
+    assert read_manifest(root / "step_00000030").writers[1] == ("__1_0.distcp", "rank_00001.state.pt")
+    assert digest(root) == digest(golden)
+
+
+def test_an_eio_burst_during_the_resume_pick_quarantines_nothing(goldens, faultfs):
+    golden = goldens.get("ddp", 2)
+    root = rewind(golden, faultfs.mountpoint / "run", 20)
+    rid = faultfs.fail("/run/step_00000020/manifest.json", "EIO", ops=["read"], count=3)
+    r = run_ok(root, 2, *train_args("ddp"))
+    assert faultfs.hits(rid) == 3
+    retries = [x for x in r.output.splitlines() if "step_00000020/manifest.json: EIO" in x]
+    assert len(retries) == 3 and all("not proof of corruption; retrying" in x for x in retries)
+    assert "resumed from step_00000020, next step 21" in r.output
+    assert quarantined(root) == []
+    assert digest(root) == digest(golden)
+
+
+def _share_of_rank_1(root: Path, step: int) -> str:
+    """The largest file rank 1 checks in the spread deep verify (the split every rank computes)."""
+    m = read_manifest(root / f"step_{step:08d}")
+    sizes = {n: e.size for n, e in m.files.items()}
+    return max(split_by_size(sizes, 2)[1], key=lambda n: sizes[n])
+
+
+def test_a_bit_flip_found_by_rank_1_is_confirmed_by_rank_0_then_quarantined(goldens, tmp_path):
+    golden = goldens.get("ddp", 2)
+    root = rewind(golden, tmp_path / "run", 20)
+    name = _share_of_rank_1(root, 20)
+    path = root / "step_00000020" / name
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01  # same size: only a checksum sees it
+    path.write_bytes(bytes(data))
+    r = run_ok(root, 2, *train_args("ddp"))
+    line = next(x for x in r.output.splitlines() if "deep verify: step_00000020 quarantined" in x)
+    assert f"{name} checksum" in line, line
+    assert "resumed from step_00000010, next step 11" in r.output
+    assert quarantined(root) == ["step_00000020"]
+    assert digest(root) == digest(golden)
+
+
+def test_an_eio_in_a_share_of_the_deep_verify_is_retried_never_quarantined(goldens, faultfs):
+    golden = goldens.get("ddp", 2)
+    root = rewind(golden, faultfs.mountpoint / "run", 20)
+    name = _share_of_rank_1(root, 20)
+    rid = faultfs.fail(f"/run/step_00000020/{name}", "EIO", ops=["read"], count=1)  # rank 1's read
+    r = run_ok(root, 2, *train_args("ddp"))
+    assert faultfs.hits(rid) == 1
+    line = next(x for x in r.output.splitlines() if "retrying the choice" in x)
+    assert f"rank 1: step_00000020: {name} is unreadable (EIO" in line, line
+    assert "resumed from step_00000020, next step 21" in r.output and quarantined(root) == []
+    assert digest(root) == digest(golden)
+
+
+def test_a_lasting_eio_in_the_deep_verify_exits_74_and_moves_nothing(goldens, faultfs):
+    root = rewind(goldens.get("ddp", 2), faultfs.mountpoint / "run", 20)
+    name = _share_of_rank_1(root, 20)
+    faultfs.fail(f"/run/step_00000020/{name}", "EIO", ops=["read"])
+    r = run(root, 2, *train_args("ddp", "--io-retry", "1"))
+    assert set(heartbeat_exit_codes(root).values()) == {Exit.STORAGE}
+    line = next(x for x in r.output.splitlines() if "cannot resume" in x)
+    assert f"rank 1: step_00000020: {name} is unreadable (EIO" in line and "of retries (deep verify)" in line
+    assert "ckpt quarantine" in line, line
+    assert quarantined(root) == [] and committed(root) == ["step_00000010", "step_00000020"]
+    assert (root / "step_00000020" / MANIFEST).exists()
