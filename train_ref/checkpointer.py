@@ -32,6 +32,7 @@ collectives on the default group deadlocked against training collectives (torch-
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -96,6 +97,7 @@ class SaveOutcome:
     failures: int = 0  # failed saves in a row, this one included
     latest: str | None = None  # the newest committed checkpoint now
     stop: str = ""  # the save policy's reason to stop the launch ('' : go on)
+    tmp_left: bool = False  # rank 0 could not remove the tmp dir (a file it cannot see)
 
 
 class StorageGaveUp(Exception):
@@ -294,8 +296,31 @@ class Checkpointer:
         if self.rank == 0:
             outcome = self._decide(step, tmp, meta, gathered, progress)
         outcome = agree.broadcast(outcome, self.ctl_group, lambda: progress(0))
+        if outcome.tmp_left:
+            self._remove_own_files(tmp)
         self._apply(outcome, progress)
         return outcome
+
+    def _remove_own_files(self, tmp: Path) -> None:
+        """Rank 0 could not remove the tmp dir of a failed save: a file it cannot see is in it
+        (a rank's view that differs: the case IncompleteCommit refuses). Every rank removes the
+        files it wrote, in its own view; then rank 0 tries again (and again before the next
+        save)."""
+        with contextlib.suppress(OSError):
+            for name in os.listdir(tmp):
+                if self._is_own(name):
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp / name)
+        dist.barrier(group=self.ctl_group)
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not os.path.lexists(tmp):
+                self.leftovers.remove(tmp)
+
+    def _is_own(self, name: str) -> bool:
+        """A file this rank writes into a checkpoint (DCP's ``.metadata``: its coordinator, rank 0)."""
+        own = {rank_state_filename(self.rank)} | ({DCP_METADATA} if self.rank == 0 else set())
+        return name.startswith(f"__{self.rank}_") or name in own
 
     def _decide(
         self,
@@ -360,10 +385,12 @@ class Checkpointer:
 
     def _failed(self, step: int, errors: list[SaveError], tmp: Path | None) -> SaveOutcome:
         """Rank 0: nothing is committed; the tmp dir goes (a full disk gets that space back)."""
+        left = False
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
             if os.path.lexists(tmp):
                 self.leftovers.append(tmp)
+                left = True
         self.failures += 1
         unsaved = time.monotonic() - self.last_durable
         first = min(errors, key=lambda e: e.rank)
@@ -374,6 +401,7 @@ class Checkpointer:
             failures=self.failures,
             latest=store.read_latest(self.root),
             stop=give_up(self.policy, self.failures, unsaved),
+            tmp_left=left,
         )
 
     def _apply(self, outcome: SaveOutcome, progress: Progress | None = None) -> None:
@@ -387,7 +415,14 @@ class Checkpointer:
             return
         if self.rank == 0 and not outcome.stop:
             log.warning(
-                failure_line(outcome.step, outcome.error, outcome.failures, outcome.latest, self.policy)
+                failure_line(
+                    outcome.step,
+                    outcome.error,
+                    outcome.failures,
+                    outcome.latest,
+                    self.policy,
+                    not self.leftovers,
+                )
             )
         if outcome.stop:
             raise StorageGaveUp(
@@ -398,8 +433,7 @@ class Checkpointer:
     def _local_entries(self, tmp: Path, progress: Progress) -> dict[str, FileEntry]:
         """Checksums of the files this rank wrote, so rank 0 does not re-read every shard. DCP's
         ``.metadata`` is written by its coordinator, rank 0."""
-        own = {rank_state_filename(self.rank)} | ({DCP_METADATA} if self.rank == 0 else set())
-        mine = [n for n in sorted(os.listdir(tmp)) if n.startswith(f"__{self.rank}_") or n in own]
+        mine = [n for n in sorted(os.listdir(tmp)) if self._is_own(n)]
         sizes = {n: (tmp / n).stat().st_size for n in mine}
         # Bytes hashed, and for rank 0 one unit per step of the store's commit (on_phase).
         progress.total = sum(sizes.values()) + (len(COMMIT_STEPS) if self.rank == 0 else 0)

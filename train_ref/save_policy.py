@@ -108,11 +108,14 @@ def _os_error_line(e: OSError, root: Path) -> str:
     return f"{name if rel.startswith('..') else rel}: {describe(e)}"
 
 
-def failure_line(step: int, error: str, failures: int, latest: str | None, policy: SavePolicy) -> str:
+def failure_line(
+    step: int, error: str, failures: int, latest: str | None, policy: SavePolicy, tmp_removed: bool = True
+) -> str:
     """The loud warning of a failed save that does not stop the launch: step, rank, file, errno,
     and what happens now."""
     kept = f"latest is still {latest}" if latest else "nothing committed in this run yet"
+    tmp = "tmp dir removed" if tmp_removed else "tmp dir not removed yet (tried again before the next save)"
     return (
-        f"SAVE FAILED at step {step}: {error}; nothing committed, tmp dir removed, {kept}; training "
+        f"SAVE FAILED at step {step}: {error}; nothing committed, {tmp}, {kept}; training "
         f"goes on ({failures} failed in a row; the launch stops at {policy.max_failed_saves})"
     )
