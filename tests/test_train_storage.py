@@ -11,6 +11,7 @@ operation names its process), never by time."""
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -180,3 +181,22 @@ def test_a_lasting_eio_in_the_deep_verify_exits_74_and_moves_nothing(goldens, fa
     assert "ckpt quarantine" in line, line
     assert quarantined(root) == [] and committed(root) == ["step_00000010", "step_00000020"]
     assert (root / "step_00000020" / MANIFEST).exists()
+
+
+def test_a_preemption_checkpoint_that_fails_exits_74_not_75(goldens, faultfs):
+    root = rewind(goldens.get("ddp", 2), faultfs.mountpoint / "run", 10)
+    faultfs.fail("/run/step_*.tmp.*/*", "ENOSPC", ops=["write"])
+    hold = faultfs.block("/run", ops=["readdir"])  # rank 0's pick: the notice lands before step 11
+    proc = launch(root, 2, *train_args("ddp", save_every=1000))
+    try:
+        (held,) = faultfs.wait_blocked(hold, timeout=180)
+        os.kill(held.pid, signal.SIGUSR1)
+        faultfs.clear(hold)
+        r = finish(proc)
+    finally:
+        kill_group(proc)
+    assert r.rc != 0
+    assert set(heartbeat_exit_codes(root).values()) == {Exit.STORAGE}  # not 75: nothing was saved
+    line = next(x for x in r.output.splitlines() if "preemption checkpoint of step 11 failed" in x)
+    assert "ENOSPC" in line and "the relaunch resumes from step_00000010" in line, line
+    assert committed(root) == ["step_00000010"] and leftovers(root) == []
