@@ -75,6 +75,21 @@ def test_a_save_that_hits_enospc_commits_nothing_and_training_goes_on(goldens, f
     assert digest(root) == digest(golden)
 
 
+def test_a_final_save_that_fails_is_retried_and_commits(goldens, faultfs):
+    golden = goldens.get("ddp", 2)
+    root = faultfs.mountpoint / "run"
+    # The first two writes into step 30's tmp dir: the two per-rank state files of the first try
+    # (DCP writes only after a collective that both ranks reach once their state file is written).
+    rid = faultfs.fail("/run/step_00000030.tmp.*/*", "ENOSPC", ops=["write"], count=2)
+    r = run_ok(root, 2, *train_args("ddp"))
+    assert faultfs.hits(rid) == 2
+    failed = [x for x in r.output.splitlines() if "SAVE FAILED" in x]
+    assert len(failed) == 1 and "SAVE FAILED at step 30: rank 0: " in failed[0] and "ENOSPC" in failed[0]
+    assert "save recovered: step_00000030 committed after 1 failed save(s)" in r.output
+    assert committed(root) == ["step_00000010", "step_00000020", "step_00000030"] and leftovers(root) == []
+    assert digest(root) == digest(golden)
+
+
 def test_failed_saves_in_a_row_exit_74_and_lose_nothing(goldens, faultfs):
     golden = goldens.get("ddp", 2)
     root = rewind(golden, faultfs.mountpoint / "run", 10)

@@ -3,7 +3,8 @@
     torchrun --nproc-per-node=N -m train_ref.train --ckpt-root DIR --steps S --save-every K --seed X
         [--parallel ddp|fsdp] [--async-save|--sync-save] [--keep K] [--num-workers W]
         [--config tiny|bench] [--allow-config-change] [--allow-data-change] [--corpus FILE]
-        [--log-samples] [--verify quick|deep]
+        [--log-samples] [--verify quick|deep] [--io-retry S] [--allow-fresh-start]
+        [--max-failed-saves N] [--max-unsaved-s S]
         [--remote URL [--remote-endpoint URL] [--remote-keep N] [--milestone-every M]
          [--remote-busy skip|wait] [--remote-wait-timeout S] [--remote-flush-timeout S]
          [--remote-attempts N]]
@@ -12,6 +13,7 @@ Outputs in the checkpoint root: ``metrics.jsonl`` (rank 0, appended across launc
 ``final.json`` (at the end), ``samples/rank_NNNNN.jsonl`` (with --log-samples), heartbeats and
 checkpoints in the store's layout; with --remote also ``supervisor/remote.json`` and
 ``supervisor/events.remote.jsonl``. Exit codes: supervisor.exitcodes.Exit (0 done, 65 mismatch,
+66 no usable checkpoint, 74 storage (unreadable at resume, or failed saves past the save policy),
 75 preempted and checkpointed, 78 bad config, 1 remote unreachable with nothing local to resume).
 """
 
@@ -222,7 +224,7 @@ class Trainer:
             self.state,
             saved_world_size=choice.world_size,
             skip=ablate & frozenset(RANK_ITEMS),
-            progress=self.hb.tracker(Phase.LOAD, 0),
+            progress=self.hb.tracker(Phase.LOAD, choice.manifest.step if choice.manifest else 0),
         )
         self.state.ablate = frozenset()
         if not restored:
