@@ -1,8 +1,10 @@
-"""``python -m supervisor ckpt list|verify|pick|prune``: the checkpoint store from a login node.
+"""``python -m supervisor ckpt list|verify|pick|prune|quarantine``: the checkpoint store from a
+login node.
 
 Thin wiring: parse flags, call supervisor.store, print a table or stable JSON (docs/cli.md).
 Exit codes (supervisor/exitcodes.py): 0 ok; 1 verify found an invalid checkpoint or pick found no
-valid one; 2 bad input, with one line on stderr naming the path and the fix.
+valid one; 2 bad input, with one line on stderr naming the path and the fix; 3 storage could not
+be read (a transient I/O error, not proof of corruption), one line on stderr.
 """
 
 from __future__ import annotations
@@ -21,13 +23,20 @@ from typing import Any
 from supervisor import fmt
 from supervisor.exitcodes import Exit
 from supervisor.fsutil import hostname, pid_alive
-from supervisor.layout import MANIFEST, looks_like_run_dir
+from supervisor.ioerrors import describe, is_transient
+from supervisor.layout import MANIFEST, looks_like_run_dir, step_dirname
 from supervisor.manifest import list_files
 from supervisor.store import (
     DEFAULT_KEEP,
+    IO_RETRY_S,
     MIN_KEEP,
+    QUARANTINE_KEEP,
     STALE_TMP_AFTER_S,
     CheckpointRef,
+    Evidence,
+    NoUsableCheckpoint,
+    PickResult,
+    StorageUnavailable,
     StoreError,
     TmpRef,
     Verdict,
@@ -38,9 +47,11 @@ from supervisor.store import (
     pick,
     plan_retention,
     prune,
+    quarantine_step,
     read_latest,
     require_root,
     tmp_is_stale,
+    unreadable_fix,
     validate,
 )
 
@@ -69,21 +80,34 @@ def open_run_dir(root: str) -> Path:
 
 
 def _one_line_errors(func: Handler) -> Handler:
-    """OS and lock errors become the one-line StoreError that cli.main prints with exit 2."""
+    """Storage that did not answer: one line on stderr and exit 3. Other OS and lock errors become
+    the one-line StoreError that cli.main prints with exit 2."""
 
     @wraps(func)
     def run(args: argparse.Namespace) -> int:
         try:
             return func(args)
-        except TimeoutError:  # filelock.Timeout; before OSError, of which it is a subclass
-            raise StoreError(
-                f"{args.ckpt_root}: another process holds the root's lock (.lock); retry when it is done"
-            ) from None
+        except StorageUnavailable as e:
+            return _unreadable(str(e))
         except OSError as e:
+            # Checked first: ETIMEDOUT is a TimeoutError too. A permission error outside a
+            # checkpoint (.lock, the root) is the user's to fix: bad input, exit 2.
+            if is_transient(e) and not isinstance(e, PermissionError):
+                where = e.filename or args.ckpt_root
+                return _unreadable(f"{where}: {describe(e)}; {unreadable_fix(args.ckpt_root, e.filename)}")
+            if isinstance(e, TimeoutError):  # filelock.Timeout (no errno)
+                raise StoreError(
+                    f"{args.ckpt_root}: another process holds the root's lock (.lock); retry when it is done"
+                ) from None
             where = e.filename or args.ckpt_root
             raise StoreError(f"{where}: {e.strerror or e}; check the path and its permissions") from None
 
     return run
+
+
+def _unreadable(line: str) -> int:
+    print(f"error: {line}", file=sys.stderr)
+    return Exit.UNREADABLE
 
 
 # ---------------------------------------------------------------- rows
@@ -104,6 +128,7 @@ def _ckpt_row(v: Verdict, latest: str | None, now: float) -> dict[str, Any]:
         "step": v.ref.step,
         "path": str(v.ref.path),
         "ok": v.ok,
+        "evidence": v.evidence.value,
         "reason": v.reason,
         "wall_time": wall,
         "age_s": round(now - wall, 3),
@@ -115,9 +140,13 @@ def _ckpt_row(v: Verdict, latest: str | None, now: float) -> dict[str, Any]:
 
 def _on_disk(path: Path) -> tuple[int, int]:
     """Bytes and count of the files an invalid checkpoint holds, its manifest aside (as for a
-    valid one, whose numbers come from the manifest)."""
+    valid one, whose numbers come from the manifest); 0, 0 when it cannot be listed."""
     nbytes = nfiles = 0
-    for name in list_files(path):
+    try:
+        names = list_files(path)
+    except OSError:
+        names = []
+    for name in names:
         if name != MANIFEST:
             with suppress(OSError):
                 nbytes += os.stat(os.path.join(path, name)).st_size
@@ -153,12 +182,15 @@ def _ckpt_table(rows: list[dict[str, Any]]) -> str:
                 fmt.human_age(r["age_s"]),
                 fmt.human_bytes(r["bytes"]),
                 r["files"],
-                "ok" if r["ok"] else "INVALID",
+                _STATUS[r["evidence"]],
                 _why(r),
             ]
             for r in rows
         ],
     )
+
+
+_STATUS = {Evidence.OK.value: "ok", Evidence.CORRUPT.value: "INVALID", Evidence.UNKNOWN.value: "UNKNOWN"}
 
 
 def _why(row: dict[str, Any]) -> str:
@@ -217,7 +249,9 @@ def cmd_list(args: argparse.Namespace) -> int:
     if latest is not None and latest not in {r["name"] for r in rows}:
         parts.append(f"note: latest names {latest}, which is not a committed checkpoint here")
     if quarantined:
-        parts.append("quarantined (kept for inspection, never deleted by this tool):")
+        parts.append(
+            "quarantined (kept for inspection; `ckpt prune` keeps the newest, see --quarantine-keep):"
+        )
         parts.append(fmt.table(["name", "reason"], [[q["name"], q["reason"]] for q in quarantined]))
     if tmps:
         parts.append("in progress or left behind (stale ones are removed by `ckpt prune`):")
@@ -286,23 +320,46 @@ def cmd_verify(args: argparse.Namespace) -> int:
         verdicts = _visible([validate(r, deep=args.deep, progress=progress) for r in refs])
     rows = [_ckpt_row(v, latest, now) for v in verdicts]
     ok = all(v.ok for v in verdicts)
-    doc = {"root": str(root), "deep": args.deep, "ok": ok, "checkpoints": rows}
+    unknown = sum(v.unknown for v in verdicts)
+    doc = {"root": str(root), "deep": args.deep, "ok": ok, "unknown": unknown, "checkpoints": rows}
     depth = "checksums" if args.deep else "sizes; --deep also checks checksums"
     summary = f"{sum(v.ok for v in verdicts)} of {len(verdicts)} checkpoints valid ({depth})"
+    if unknown:
+        summary += f"; {unknown} could not be read (not proof of corruption: retry later)"
     _emit(
         args,
         doc,
         "\n".join([_ckpt_table(rows), summary] if rows else [f"no committed checkpoints in {root}"]),
     )
-    return Exit.OK if ok else Exit.FOUND_PROBLEM
+    return verify_exit(verdicts)
+
+
+def verify_exit(verdicts: list[Verdict]) -> Exit:
+    """1 when a checkpoint is corrupt (a problem was found, whatever else could not be read);
+    else 3 when one could not be read; else 0."""
+    if any(v.evidence is Evidence.CORRUPT for v in verdicts):
+        return Exit.FOUND_PROBLEM
+    return Exit.UNREADABLE if any(v.unknown for v in verdicts) else Exit.OK
 
 
 @_one_line_errors
 def cmd_pick(args: argparse.Namespace) -> int:
     root = open_run_dir(args.ckpt_root)
     refs = list_checkpoints(root)
+    no_usable = ""
     with _progress(refs, "pick", args.deep, stop_at_valid=True) as progress:
-        res = pick(root, deep=args.deep, dry_run=args.dry_run, progress=progress)
+        try:
+            res = pick(
+                root,
+                deep=args.deep,
+                dry_run=args.dry_run,
+                progress=progress,
+                io_retry_s=args.io_retry,
+                on_retry=lambda msg: print(f"warning: {msg}", file=sys.stderr, flush=True),
+                allow_fresh_start=args.allow_fresh_start,
+            )
+        except NoUsableCheckpoint as e:
+            res, no_usable = e.result, str(e)
     chosen = res.chosen
     doc = {
         "root": str(root),
@@ -314,40 +371,78 @@ def cmd_pick(args: argparse.Namespace) -> int:
         "quarantined": [{"name": n, "reason": r} for n, r in res.quarantined],
         "latest_before": res.latest_before,
         "latest_after": res.latest_after,
+        "no_usable": no_usable or None,
     }
+    _emit(args, doc, "\n".join(_pick_lines(root, res, no_usable)))
+    return Exit.OK if chosen is not None else Exit.FOUND_PROBLEM
+
+
+def _pick_lines(root: Path, res: PickResult, no_usable: str) -> list[str]:
+    chosen = res.chosen
     verb = "would quarantine" if res.dry_run else "quarantined"
     lines = [f"{verb} {n}: {_why({'name': n, 'reason': r})}" for n, r in res.quarantined]
-    if chosen is None:
+    if no_usable:
+        lines.append(no_usable)
+    elif chosen is None:
         lines.append(f"no valid checkpoint in {root}: a resume starts from scratch")
     else:
         lines.append(f"{'would pick' if res.dry_run else 'picked'} {chosen.ref.name}")
     if res.latest_before != res.latest_after:
         lines.append(f"latest: {res.latest_before or '(none)'} -> {res.latest_after or '(none)'}")
-    _emit(args, doc, "\n".join(lines))
-    return Exit.OK if chosen is not None else Exit.FOUND_PROBLEM
+    return lines
 
 
 @_one_line_errors
 def cmd_prune(args: argparse.Namespace) -> int:
     root = open_run_dir(args.ckpt_root)
     plan_retention([], args.keep, args.milestone_every, None)  # refuse a bad --keep before any work
-    res = prune(root, keep=args.keep, milestone_every=args.milestone_every, dry_run=args.dry_run)
+    res = prune(
+        root,
+        keep=args.keep,
+        milestone_every=args.milestone_every,
+        dry_run=args.dry_run,
+        quarantine_keep=args.quarantine_keep,
+        quarantine_max_bytes=args.quarantine_max_bytes,
+    )
     doc = {
         "root": str(root),
         "dry_run": res.dry_run,
         "keep": args.keep,
         "milestone_every": args.milestone_every,
+        "quarantine_keep": args.quarantine_keep,
+        "quarantine_max_bytes": args.quarantine_max_bytes,
         "deleted": list(res.deleted),
         "kept": list(res.kept),
         "quarantined": [{"name": n, "reason": r} for n, r in res.quarantined],
         "stale_tmp_removed": list(res.stale_tmp_removed),
+        "quarantine_removed": list(res.quarantine_removed),
+        "unknown": [{"name": n, "reason": r} for n, r in res.unknown],
     }
     would = "would " if res.dry_run else ""
-    lines = [f"{would}delete {n}" for n in res.deleted]
+    lines = [f"{would}remove stale {n}" for n in res.stale_tmp_removed]
+    lines += [f"{would}remove quarantined {n}" for n in res.quarantine_removed]
+    lines += [f"{would}delete {n}" for n in res.deleted]
     lines += [f"{would}quarantine {n}: {_why({'name': n, 'reason': r})}" for n, r in res.quarantined]
-    lines += [f"{would}remove stale {n}" for n in res.stale_tmp_removed]
+    lines += [f"left alone {n}: {_why({'name': n, 'reason': r})}" for n, r in res.unknown]
     lines.append(f"kept {len(res.kept)}: {', '.join(res.kept) or '(none)'}")
     _emit(args, doc, "\n".join(lines))
+    return Exit.OK
+
+
+@_one_line_errors
+def cmd_quarantine(args: argparse.Namespace) -> int:
+    root = open_run_dir(args.ckpt_root)
+    try:
+        name = step_dirname(args.step)
+    except ValueError as e:
+        raise StoreError(f"step {args.step}: {e}") from None
+    reason = f"{name}: moved aside by hand (`ckpt quarantine`)" + (f": {args.reason}" if args.reason else "")
+    dest = quarantine_step(root, args.step, reason)
+    _emit(
+        args,
+        {"root": str(root), "name": name, "moved_to": str(dest), "reason": reason},
+        f"quarantined {name} to {dest}",
+    )
     return Exit.OK
 
 
@@ -359,6 +454,27 @@ def _non_negative(text: str) -> int:
     if n < 0:
         raise argparse.ArgumentTypeError(f"{n} is negative")
     return n
+
+
+def _count_or_all(text: str) -> int | None:
+    """N >= 0, or ``all`` (no limit)."""
+    return None if text == "all" else _non_negative(text)
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _byte_count(text: str) -> int:
+    """``500M``, ``20G``, ``1T`` (binary units) or plain bytes."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = t[-1:] if t[-1:] in _UNITS else ""
+    try:
+        n = float(t[: len(t) - len(unit)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 500M, 20G)") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text} is negative")
+    return int(n * _UNITS[unit])
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -375,14 +491,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = add("list", cmd_list, "committed checkpoints newest first, quarantined ones and tmp dirs")
     p.add_argument("--remote", help="also list the remote tier at this URL (docs/tiers.md)")
     p.add_argument("--remote-endpoint", help="S3 endpoint URL (default: AWS_ENDPOINT_URL or AWS)")
-    p = add("verify", cmd_verify, "check every committed checkpoint; exit 1 if one is invalid")
+    p = add(
+        "verify",
+        cmd_verify,
+        "check every committed checkpoint; exit 1 if one is invalid, 3 if one could not be read",
+    )
     p.add_argument("--deep", action="store_true", help="also check every file's checksum")
     p = add(
         "pick", cmd_pick, "choose the newest valid checkpoint, quarantine newer invalid ones, repoint latest"
     )
     p.add_argument("--deep", action="store_true", help="check checksums too (reads every byte)")
     p.add_argument("--dry-run", action="store_true", help="decide and report, change nothing")
-    p = add("prune", cmd_prune, "delete checkpoints beyond retention and stale tmp dirs")
+    p.add_argument(
+        "--io-retry",
+        type=float,
+        default=IO_RETRY_S,
+        metavar="SECONDS",
+        help=f"retry unreadable checkpoints this long before exit 3 (default {IO_RETRY_S:g})",
+    )
+    p.add_argument(
+        "--allow-fresh-start",
+        action="store_true",
+        help="with nothing valid but checkpoints quarantined, report 'start from scratch' instead of refusing",
+    )
+    p = add("prune", cmd_prune, "delete checkpoints beyond retention, stale tmp dirs, old quarantined ones")
     p.add_argument("--keep", type=int, default=DEFAULT_KEEP, help=f"newest valid ones kept (>= {MIN_KEEP})")
     p.add_argument(
         "--milestone-every",
@@ -390,4 +522,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=0,
         help="also keep every step divisible by M (0: none)",
     )
+    p.add_argument(
+        "--quarantine-keep",
+        type=_count_or_all,
+        default=QUARANTINE_KEEP,
+        metavar="N|all",
+        help=f"newest quarantined checkpoints kept (default {QUARANTINE_KEEP})",
+    )
+    p.add_argument(
+        "--quarantine-max-bytes",
+        type=_byte_count,
+        default=None,
+        metavar="BYTES",
+        help="also remove the oldest quarantined ones until they take at most this much (e.g. 200G)",
+    )
     p.add_argument("--dry-run", action="store_true", help="decide and report, change nothing")
+    p = add("quarantine", cmd_quarantine, "move one committed checkpoint aside by hand, with a reason")
+    p.add_argument("step", type=_non_negative, help="the checkpoint's step")
+    p.add_argument("--reason", default="", help="why (written to its reason.txt)")

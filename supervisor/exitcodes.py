@@ -15,8 +15,18 @@ class Exit(IntEnum):
     FOUND_PROBLEM = 1
     # Any command: bad usage or bad input (missing root, not a run dir, unreadable file).
     USAGE = 2
+    # Login-node commands: storage could not be read (a transient I/O error, not proof of
+    # corruption: verify found a checkpoint unknown; pick's retries ran out). Nothing was moved for
+    # it; retry later, or move the checkpoint aside with `ckpt quarantine` if it stays unreadable.
+    UNREADABLE = 3
     # Trainer: the checkpoint was made for another model config or data (not corruption).
     MISMATCH = 65
+    # Trainer (sysexits EX_NOINPUT): no usable checkpoint, but the run has history (quarantined
+    # checkpoints); starting from step 0 needs --allow-fresh-start. Not retryable.
+    NO_USABLE_CHECKPOINT = 66
+    # Trainer (sysexits EX_IOERR): storage failed beyond the trainer's policy (e.g. the resume's
+    # pick met unreadable checkpoints past --io-retry). Committed checkpoints are intact; retryable.
+    STORAGE = 74
     # Trainer: bad configuration (unknown config name, impossible batch split...).
     BAD_CONFIG = 78
     # Trainer: preempted; a checkpoint was saved at the step boundary. Relaunch / requeue me.
@@ -31,4 +41,4 @@ class Exit(IntEnum):
     REQUEUE_REQUESTED = 13
 
 
-NON_RETRYABLE = frozenset({Exit.USAGE, Exit.MISMATCH, Exit.BAD_CONFIG})
+NON_RETRYABLE = frozenset({Exit.USAGE, Exit.MISMATCH, Exit.NO_USABLE_CHECKPOINT, Exit.BAD_CONFIG})

@@ -5,11 +5,13 @@
       step_00000100.tmp.<pid>.<host>/ a checkpoint being written; never listed as a checkpoint
       step_00000020.deleting.<pid>.<host>/  a pruned checkpoint being removed; never listed
       latest                         text pointer to the newest committed checkpoint (a hint only)
-      quarantine/step_..-<utc>/      checkpoints found corrupt, with reason.txt; never deleted
+      quarantine/step_..-<utc>/      checkpoints found corrupt, with reason.txt; kept for inspection
+                                     (``prune``'s quarantine retention removes the oldest)
       heartbeats/rank_00003.json     per-rank liveness
       heartbeats/stacks_rank_00003.txt  faulthandler stack dumps of that rank
       supervisor/                    the watchdog's state.json and events.jsonl
       .lock                          the root's mutation lock (pointer, quarantine, prune)
+      .download.lock                 one download from the remote tier at a time per run dir
 
 A directory is a run directory when it holds only these names (or nothing), or at least one of
 them other than ``supervisor``; anything else (a home directory, a source checkout, a single
@@ -31,8 +33,11 @@ QUARANTINE = "quarantine"
 HEARTBEATS = "heartbeats"
 SUPERVISOR = "supervisor"
 LOCK = ".lock"
+DOWNLOAD_LOCK = ".download.lock"
 MANIFEST = "manifest.json"
 REASON = "reason.txt"
+# A quarantined entry being removed by retention (hidden: never listed as quarantined).
+QUARANTINE_DELETING_PREFIX = ".deleting."
 # The trainer's outputs in the root: per-step metrics (rank 0, appended across launches), final digest.
 METRICS = "metrics.jsonl"
 FINAL = "final.json"
@@ -46,7 +51,9 @@ _TMP_RE = re.compile(_MARKED_RE.format(prefix=STEP_PREFIX, digits=STEP_DIGITS, m
 _DELETING_RE = re.compile(
     _MARKED_RE.format(prefix=STEP_PREFIX, digits=STEP_DIGITS, mark=re.escape(DELETING_MARK))
 )
-_RESERVED = frozenset({LATEST, QUARANTINE, HEARTBEATS, SUPERVISOR, LOCK})
+# quarantine/step_00000100-20261129T090320Z[-2]: the checkpoint's name, when it was moved (UTC).
+_QUARANTINED_RE = re.compile(rf"({STEP_PREFIX}[0-9]{{{STEP_DIGITS}}})-([0-9]{{8}}T[0-9]{{6}}Z)(?:-([0-9]+))?")
+_RESERVED = frozenset({LATEST, QUARANTINE, HEARTBEATS, SUPERVISOR, LOCK, DOWNLOAD_LOCK})
 
 
 def step_dirname(step: int) -> str:
@@ -93,6 +100,33 @@ def parse_tmp(name: str) -> TmpName | None:
 
 def parse_deleting(name: str) -> TmpName | None:
     return _parse_marked(_DELETING_RE, name)
+
+
+def quarantined_dirname(name: str, stamp: str, n: int = 1) -> str:
+    """``step_00000100-20261129T090320Z``; ``-2``, ``-3``... when that name is taken."""
+    return f"{name}-{stamp}" if n == 1 else f"{name}-{stamp}-{n}"
+
+
+@dataclass(frozen=True)
+class QuarantinedName:
+    step: int
+    stamp: str  # %Y%m%dT%H%M%SZ, UTC: sorts in time order
+    n: int
+
+    @property
+    def order(self) -> tuple[str, int]:
+        """When it was moved: oldest first when sorted."""
+        return (self.stamp, self.n)
+
+
+def parse_quarantined(name: str) -> QuarantinedName | None:
+    """The parts of a quarantine entry's name, or None for a name this layout did not make."""
+    m = _QUARANTINED_RE.fullmatch(name)
+    if m is None:
+        return None
+    step = parse_committed(m.group(1))
+    assert step is not None
+    return QuarantinedName(step, m.group(2), int(m.group(3) or 1))
 
 
 def is_run_dir_name(name: str) -> bool:
@@ -151,6 +185,10 @@ class RunDir:
     @property
     def lock(self) -> Path:
         return self.root / LOCK
+
+    @property
+    def download_lock(self) -> Path:
+        return self.root / DOWNLOAD_LOCK
 
     def checkpoint(self, step: int) -> Path:
         return self.root / step_dirname(step)

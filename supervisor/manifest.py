@@ -1,7 +1,9 @@
 """manifest.json: what a committed checkpoint must contain, and the checksum that proves it.
 
 The manifest is the last file written into a checkpoint; its presence with every listed file at
-the listed size is the commit marker. Checksum: xxh3-128. Measured here on 256 MiB in memory
+the listed size is the commit marker. Format 2 adds ``writers`` (which rank wrote which files), so
+a checkpoint one rank's files never reached is refused at commit and caught by validation; format
+1 manifests stay readable (without that check). Checksum: xxh3-128. Measured here on 256 MiB in memory
 (see docs/checksum.md): xxh3-128 14.3 GB/s, crc32c 12.1, zlib.crc32 2.2, sha256 1.2, blake2b 0.9.
 At >10x a disk's read speed, verifying costs little more than reading.
 """
@@ -12,7 +14,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,8 @@ import xxhash
 
 from supervisor.layout import MANIFEST
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = frozenset({1, 2})
 CHECKSUM_ALGO = "xxh3_128"
 READ_CHUNK = 8 << 20
 # Files hashed at once by checksum_files: reads and xxhash's update both release the GIL, so one
@@ -52,6 +55,9 @@ class Manifest:
     torch_version: str = ""
     meta: Mapping[str, Any] = field(default_factory=dict)
     wall_time: float = 0.0
+    # rank -> the files it wrote (format 2); empty: not recorded (format 1, or a commit that did
+    # not report them), so rank coverage is not checked.
+    writers: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
     checksum_algo: str = CHECKSUM_ALGO
 
@@ -62,6 +68,9 @@ class Manifest:
     def to_json(self) -> str:
         d = asdict(self)
         d["files"] = {k: asdict(v) for k, v in sorted(self.files.items())}
+        d["writers"] = {str(r): sorted(names) for r, names in sorted(self.writers.items())}
+        if self.format_version == 1:
+            del d["writers"]
         return json.dumps(d, indent=1, sort_keys=True) + "\n"
 
 
@@ -93,9 +102,10 @@ def parse_manifest(text: str | bytes) -> Manifest:
             raise ManifestError(f"{MANIFEST} lacks field '{key}'")
         if not isinstance(d[key], typ) or isinstance(d[key], bool):
             raise ManifestError(f"{MANIFEST} field '{key}' has the wrong type")
-    if d["format_version"] != FORMAT_VERSION:
+    if d["format_version"] not in READABLE_VERSIONS:
         raise ManifestError(
-            f"{MANIFEST} format_version {d['format_version']} is unknown (this tool reads {FORMAT_VERSION})"
+            f"{MANIFEST} format_version {d['format_version']} is unknown "
+            f"(this tool reads {', '.join(map(str, sorted(READABLE_VERSIONS)))})"
         )
     if d["checksum_algo"] != CHECKSUM_ALGO:
         raise ManifestError(f"{MANIFEST} checksum '{d['checksum_algo']}' is unknown")
@@ -111,6 +121,10 @@ def parse_manifest(text: str | bytes) -> Manifest:
         if not ok or not _is_safe_relpath(name) or name == MANIFEST:
             raise ManifestError(f"{MANIFEST} entry '{name}' is malformed")
         files[name] = FileEntry(e["size"], e["checksum"])
+    writers = _parse_writers(d) if d["format_version"] >= 2 else {}
+    problem = writers_problem(writers, d["world_size"], {n: e.size for n, e in files.items()})
+    if problem:
+        raise ManifestError(f"{MANIFEST}: {problem}")
     return Manifest(
         step=d["step"],
         world_size=d["world_size"],
@@ -121,9 +135,62 @@ def parse_manifest(text: str | bytes) -> Manifest:
         torch_version=d["torch_version"],
         meta=d["meta"],
         wall_time=float(d["wall_time"]),
+        writers=writers,
         format_version=d["format_version"],
         checksum_algo=d["checksum_algo"],
     )
+
+
+def _parse_writers(d: Mapping[str, Any]) -> dict[int, tuple[str, ...]]:
+    """Format 2's ``writers``: ``{"<rank>": [relative paths]}``, schema only (coverage is
+    ``writers_problem``'s)."""
+    raw = d.get("writers")
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{MANIFEST} field 'writers' is missing or has the wrong type")
+    out: dict[int, tuple[str, ...]] = {}
+    for key, names in raw.items():
+        ok = (
+            isinstance(key, str)
+            and key.isascii()
+            and key.isdigit()
+            and str(int(key)) == key
+            and isinstance(names, list)
+            and all(isinstance(n, str) for n in names)
+        )
+        if not ok:
+            raise ManifestError(f"{MANIFEST} writers entry '{key}' is malformed")
+        out[int(key)] = tuple(names)
+    return out
+
+
+def writers_problem(
+    writers: Mapping[int, Collection[str]],
+    world_size: int,
+    present: Mapping[str, int],
+    reported: Mapping[str, FileEntry] | None = None,
+) -> str:
+    """Why ``writers`` does not describe a complete checkpoint, or '' when it does (or is empty:
+    not recorded). Complete: every rank of ``world_size`` wrote at least one file, no other rank
+    is named, and every file a rank wrote is ``present`` (name -> size), at the size the rank
+    ``reported`` when it reported one."""
+    if not writers:
+        return ""
+    outside = sorted(r for r in writers if not 0 <= r < world_size)
+    if outside:
+        return f"rank {outside[0]} is outside world size {world_size}"
+    for rank in range(world_size):
+        if not writers.get(rank):
+            return f"rank {rank} of world size {world_size} wrote no files"
+    for rank, names in sorted(writers.items()):
+        for name in sorted(names):
+            if name not in present:
+                return f"{name} written by rank {rank} is missing"
+            entry = (reported or {}).get(name)
+            if entry is not None and entry.size != present[name]:
+                return (
+                    f"{name} written by rank {rank} is {present[name]} bytes, rank {rank} wrote {entry.size}"
+                )
+    return ""
 
 
 def read_manifest(ckpt_dir: str | Path) -> Manifest:
@@ -189,15 +256,28 @@ def checksum_files(
     return results
 
 
+def _raise(e: OSError) -> None:
+    raise e
+
+
 def list_files(ckpt_dir: str | Path) -> list[str]:
-    """Every regular file under a checkpoint directory, as sorted relative POSIX paths."""
+    """Every regular file under a checkpoint directory, as sorted relative POSIX paths. A directory
+    that cannot be read raises its OSError: a listing that silently skipped it would report its
+    files as missing, which is evidence of corruption it does not have."""
     root = os.fspath(ckpt_dir)
     out = []
-    for dirpath, _dirs, names in os.walk(root):  # plain strings: `ckpt list` runs this per checkpoint
+    # plain strings: `ckpt list` runs this per checkpoint
+    for dirpath, _dirs, names in os.walk(root, onerror=_raise):
         rel = os.path.relpath(dirpath, root)
         prefix = "" if rel == "." else rel.replace(os.sep, "/") + "/"
         out.extend(prefix + n for n in names)
     return sorted(out)
+
+
+def file_sizes(ckpt_dir: str | Path) -> dict[str, int]:
+    """Size of every file now in ``ckpt_dir``, the manifest aside."""
+    root = Path(ckpt_dir)
+    return {n: (root / n).stat().st_size for n in list_files(root) if n != MANIFEST}
 
 
 def build_manifest(
@@ -211,15 +291,18 @@ def build_manifest(
     torch_version: str = "",
     meta: Mapping[str, Any] | None = None,
     known: Mapping[str, FileEntry] | None = None,
+    writers: Mapping[int, Collection[str]] | None = None,
+    sizes: Mapping[str, int] | None = None,
 ) -> Manifest:
     """Describe every file now in ``ckpt_dir``; the manifest itself excluded.
 
     ``known`` holds entries already computed by the ranks that wrote those files (so the checksum
     work is spread over ranks); a known entry whose size no longer matches is recomputed.
+    ``sizes``: ``file_sizes(ckpt_dir)`` when the caller has it already.
     """
     root = Path(ckpt_dir)
     known = known or {}
-    sizes = {n: (root / n).stat().st_size for n in list_files(root) if n != MANIFEST}
+    sizes = file_sizes(root) if sizes is None else sizes
     todo = [n for n, size in sizes.items() if n not in known or known[n].size != size]
     sums = dict(zip(todo, checksum_files([root / n for n in todo]), strict=True))
     files = {n: FileEntry(sizes[n], sums[n]) if n in sums else known[n] for n in sizes}
@@ -233,4 +316,5 @@ def build_manifest(
         torch_version=torch_version,
         meta=dict(meta or {}),
         wall_time=time.time(),
+        writers={r: tuple(sorted(names)) for r, names in sorted((writers or {}).items())},
     )

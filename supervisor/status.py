@@ -2,7 +2,8 @@
 
 Only reads (no lock, no torch): the watchdogs' state files, heartbeats, checkpoints (quick check:
 manifest and file sizes), quarantine, disk use. A garbage file never stops it; it shows as unknown
-with the reason.
+with the reason. So does storage that does not answer: a checkpoint that cannot be read is
+"unknown" (not invalid), a directory that cannot be listed is named in ``storage_problem``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from supervisor import events, store
 from supervisor.fsutil import hostname, pid_alive
 from supervisor.heartbeat import Phase, read_heartbeats
+from supervisor.ioerrors import describe
 from supervisor.layout import REMOTE_STATUS, RunDir
 from supervisor.policy import PhaseTimeouts
 
@@ -75,6 +77,7 @@ class CheckpointRow:
     valid: bool
     reason: str
     latest: bool
+    evidence: str = "ok"  # ok, corrupt or unknown (could not be read: not proof of corruption)
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,7 @@ class StatusReport:
     quarantined: tuple[QuarantineRow, ...]
     disk_bytes: int
     remote: RemoteStatus | None = None  # the uploader's last word (remote.json); no network call
+    storage_problem: str = ""  # the checkpoints or the quarantine could not be listed, and why
 
     def to_dict(self) -> dict[str, Any]:
         """Shallow per row: ``dataclasses.asdict`` deep-copies and costs 10x on 4096 ranks."""
@@ -182,15 +186,36 @@ def _ranks(root: Path, now: float, timeouts: PhaseTimeouts, current: set[str]) -
 
 
 def _checkpoints(root: Path, now: float) -> list[CheckpointRow]:
+    """Raises OSError when the root cannot be listed."""
     latest = store.read_latest(root)
     rows = []
     for ref in store.list_checkpoints(root):
         v = store.validate(ref)
+        if v.gone:
+            continue
         m = v.manifest
         age, size = (now - m.wall_time, m.total_bytes) if m is not None else (None, None)
         reason = v.reason.split(": ", 1)[-1] if not v.ok else ""
-        rows.append(CheckpointRow(ref.name, ref.step, age, size, v.ok, reason, ref.name == latest))
+        rows.append(
+            CheckpointRow(ref.name, ref.step, age, size, v.ok, reason, ref.name == latest, v.evidence.value)
+        )
     return rows
+
+
+def _stored(root: Path, now: float) -> tuple[list[CheckpointRow], list[QuarantineRow], str]:
+    """Checkpoints and quarantine; what could not be listed is said in one line, never raised."""
+    problems = []
+    try:
+        ckpts = _checkpoints(root, now)
+    except OSError as e:
+        ckpts = []
+        problems.append(f"checkpoints of {root} cannot be listed: {describe(e)}")
+    try:
+        quarantined = [QuarantineRow(q.name, q.reason) for q in store.list_quarantined(root)]
+    except OSError as e:
+        quarantined = []
+        problems.append(f"{RunDir.of(root).quarantine} cannot be listed: {describe(e)}")
+    return ckpts, quarantined, "; ".join(problems)
 
 
 def _overall(nodes: list[NodeRow], ranks: list[RankRow]) -> tuple[str, str]:
@@ -224,6 +249,7 @@ def build_report(root: str | Path, now: float | None = None) -> StatusReport:
     ranks = _ranks(root, now, timeouts, current)
     state, why = _overall(nodes, ranks)
     live = [r for r in ranks if not r.stale and r.step is not None]
+    checkpoints, quarantined, storage_problem = _stored(root, now)
     step_times = [r.last_step_s for r in live if r.phase == Phase.TRAIN.value and r.last_step_s]
     return StatusReport(
         root=str(root),
@@ -235,11 +261,12 @@ def build_report(root: str | Path, now: float | None = None) -> StatusReport:
         ranks=tuple(ranks),
         current_step=max((r.step for r in live), default=None),  # type: ignore[type-var]
         steps_per_s=1.0 / _median(step_times) if step_times else None,
-        checkpoints=tuple(_checkpoints(root, now)),
+        checkpoints=tuple(checkpoints),
         in_progress=tuple(sorted(t.path.name for t in store.list_tmp(root, now))),
-        quarantined=tuple(QuarantineRow(q.name, q.reason) for q in store.list_quarantined(root)),
+        quarantined=tuple(quarantined),
         disk_bytes=store.disk_usage(root),
         remote=_remote_status(root),
+        storage_problem=storage_problem,
     )
 
 

@@ -100,7 +100,7 @@ def render(r: StatusReport) -> str:
                 c.name,
                 _opt(c.age_s, human_age),
                 _opt(c.size_bytes, human_bytes),
-                "ok" if c.valid else f"INVALID: {c.reason}",
+                _CHECK.get(c.evidence, "INVALID") + ("" if c.valid else f": {c.reason}"),
                 "<- latest" if c.latest else "",
             )
             for c in r.checkpoints
@@ -108,6 +108,8 @@ def render(r: StatusReport) -> str:
         out.append(table(("name", "age", "size", "quick check", ""), rows))
     else:
         out.append("  none")
+    if r.storage_problem:
+        out.append(f"STORAGE: {r.storage_problem}")
     if r.in_progress:
         out.append("being written: " + ", ".join(r.in_progress))
     if r.quarantined:
@@ -116,6 +118,10 @@ def render(r: StatusReport) -> str:
     if r.remote:
         out += ["", _remote_line(r)]
     return "\n".join(out)
+
+
+# Quick check column: "unknown" could not be read, which is not proof of corruption.
+_CHECK = {"ok": "ok", "corrupt": "INVALID", "unknown": "UNKNOWN"}
 
 
 def _remote_line(r: StatusReport) -> str:

@@ -61,6 +61,7 @@ def test_list_json_is_stable(root: Path, capsys) -> None:
         "step",
         "path",
         "ok",
+        "evidence",
         "reason",
         "wall_time",
         "age_s",
@@ -69,6 +70,7 @@ def test_list_json_is_stable(root: Path, capsys) -> None:
         "latest",
     }
     assert (c["name"], c["step"], c["ok"], c["latest"], c["files"]) == ("step_00000020", 20, True, True, 4)
+    assert c["evidence"] == "ok"
     (q,) = doc["quarantined"]
     assert q["name"].startswith("step_00000030-") and "manifest.json is missing" in q["reason"]
 
@@ -114,7 +116,11 @@ def test_pick_with_none_valid_exits_1(tmp_path: Path, capsys) -> None:
     make_ckpt(tmp_path, 10)
     corrupt(tmp_path / "step_00000010", "delete_shard")
     rc, out, _ = run(capsys, "pick", "--ckpt-root", str(tmp_path), "--deep")
-    assert rc == Exit.FOUND_PROBLEM and "no valid checkpoint" in out
+    assert rc == Exit.FOUND_PROBLEM and "quarantined step_00000010: __0_0.distcp is missing" in out
+    assert "no usable checkpoint, but 1 checkpoint is quarantined" in out and "--allow-fresh-start" in out
+    rc, out, _ = run(capsys, "pick", "--ckpt-root", str(tmp_path), "--allow-fresh-start", "--json")
+    doc = json.loads(out)
+    assert rc == Exit.FOUND_PROBLEM and doc["chosen"] is None and doc["no_usable"] is None
 
 
 def test_prune(root: Path, capsys) -> None:

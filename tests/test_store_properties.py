@@ -3,8 +3,11 @@ corruptions, picks and prunes, checked against a model that knows which checkpoi
 
 Invariants: pick never returns an incomplete or corrupt checkpoint; no valid committed checkpoint
 is deleted or quarantined by pick; after pick ``latest`` names the newest valid one (absent when
-none); every quarantined checkpoint has a reason; prune keeps the newest valid one and deletes
-only valid ones beyond retention. A second test kills a real writer with SIGKILL at each phase.
+none); with nothing valid, pick refuses a fresh start exactly when something is quarantined; every
+quarantined checkpoint has a reason; prune keeps the newest valid one, deletes only valid ones
+beyond retention, and its quarantine retention never removes the last copy of a step newer than
+every valid one. A second test kills a real writer with SIGKILL at each phase; a third checks the
+quarantine retention's plan on its own.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from store_helpers import (
     committed_names,
     corrupt,
     latest_text,
+    quarantine_dirs,
     write_tmp,
 )
 
@@ -92,6 +96,13 @@ class StoreMachine(RuleBasedStateMachine):
         self.valid.discard(name)
         self.invalid.add(name)
 
+    @precondition(lambda self: self.valid)
+    @rule(data=st.data(), kind=st.sampled_from(CORRUPTIONS))
+    def rot_then_restart(self, data: st.DataObject, kind: str) -> None:
+        """Rot found by the next resume: fills the quarantine that prune's retention works on."""
+        self.rot(data, kind)
+        self.restart()
+
     @rule(kind=st.sampled_from(("garbage", "dangling", "empty", "missing", "symlink_to_old")))
     def rot_latest(self, kind: str) -> None:
         latest = RunDir.of(self.root).latest
@@ -115,10 +126,32 @@ class StoreMachine(RuleBasedStateMachine):
         chosen = self.pick()
         self.step = chosen.ref.step if chosen else 0
 
-    @rule(keep=st.integers(2, 4), milestone=st.sampled_from((0, 2, 5)))
-    def prune(self, keep: int, milestone: int) -> None:
+    @rule(
+        keep=st.integers(2, 4),
+        milestone=st.sampled_from((0, 2, 5)),
+        q_keep=st.sampled_from((None, 0, 1, 3)),
+        q_bytes=st.sampled_from((None, 0, 600)),
+    )
+    def prune(self, keep: int, milestone: int, q_keep: int | None, q_bytes: int | None) -> None:
         valid_before = _steps(self.valid)
-        res = store.prune(self.root, keep=keep, milestone_every=milestone)
+        q_before = {p.name for p in quarantine_dirs(self.root)}
+        # prune's check is quick: a bit-flipped checkpoint counts as valid there
+        floor = max((r.step for r in store.list_checkpoints(self.root) if store.validate(r).ok), default=-1)
+        res = store.prune(
+            self.root,
+            keep=keep,
+            milestone_every=milestone,
+            quarantine_keep=q_keep,
+            quarantine_max_bytes=q_bytes,
+        )
+        q_after = {p.name for p in quarantine_dirs(self.root)}
+        assert set(res.quarantine_removed) <= q_before and not set(res.quarantine_removed) & q_after
+        must_stay = {_step(n) for n in q_before if _step(n) > floor}
+        assert must_stay <= {_step(n) for n in q_after}, (
+            "removed the last copy of a step newer than every valid"
+        )
+        if q_keep is not None:
+            assert len(q_before - set(res.quarantine_removed)) <= max(q_keep, len(must_stay))
         deleted, quarantined = set(res.deleted), {n for n, _ in res.quarantined}
         assert deleted <= self.valid, "prune deleted a damaged checkpoint instead of quarantining it"
         assert quarantined <= self.invalid, "prune quarantined a valid checkpoint"
@@ -134,10 +167,17 @@ class StoreMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------ checks
 
     def pick(self) -> store.Verdict | None:
-        res = store.pick(self.root, deep=True)
+        newest_valid = max(_steps(self.valid), default=None)
+        try:
+            res = store.pick(self.root, deep=True)
+        except store.NoUsableCheckpoint as e:
+            assert newest_valid is None, "refused a resume while a valid checkpoint exists"
+            assert quarantine_dirs(self.root), "refused a fresh start with nothing quarantined"
+            res = e.result
+        else:
+            assert newest_valid is not None or not quarantine_dirs(self.root), "silent fresh start"
         quarantined = {n for n, _ in res.quarantined}
         assert not quarantined & self.valid, f"pick quarantined valid {quarantined & self.valid}"
-        newest_valid = max(_steps(self.valid), default=None)
         if newest_valid is None:
             assert res.chosen is None
             assert latest_text(self.root) is None
@@ -157,7 +197,8 @@ class StoreMachine(RuleBasedStateMachine):
 
 
 def _step(name: str) -> int:
-    return int(name.split("_")[1])
+    """step_00000010, or a quarantined step_00000010-<utc>."""
+    return int(name[5:13])
 
 
 def _steps(names: set[str]) -> list[int]:

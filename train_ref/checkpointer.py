@@ -41,6 +41,8 @@ from train_ref.state import RankState, TrainState, rank_state_filename
 
 log = logging.getLogger(__name__)
 
+DCP_METADATA = ".metadata"  # written by DCP's coordinator (rank 0)
+
 # Test-only fault injection: seconds every checkpoint write sleeps before writing its shards, to
 # widen the window between "save started" and "commit" so a test can kill a rank inside it.
 ENV_SAVE_DELAY = "TRAIN_REF_SAVE_DELAY_S"
@@ -183,6 +185,8 @@ class Checkpointer:
         dist.all_gather_object(gathered, mine, group=self.ctl_group)
         if self.rank == 0:
             known = {k: v for d in gathered if d for k, v in d.items()}
+            # Every rank's files must be in rank 0's view, else nothing is committed.
+            writers = {r: sorted(d or ()) for r, d in enumerate(gathered)}
             ref = store.commit(
                 self.root,
                 tmp,
@@ -194,6 +198,7 @@ class Checkpointer:
                 torch_version=self.info.torch_version,
                 meta=meta,
                 known=known,
+                writers=writers,
             )
             if self.on_commit is not None:
                 log.info("committed %s", ref.name)
@@ -221,10 +226,12 @@ class Checkpointer:
 
 
 def _local_entries(tmp: Path, rank: int) -> dict[str, FileEntry]:
-    """Checksums of the files this rank wrote, so rank 0 does not re-read every shard."""
+    """Checksums of the files this rank wrote, so rank 0 does not re-read every shard. DCP's
+    ``.metadata`` is written by its coordinator, rank 0."""
     out = {}
     for name in sorted(os.listdir(tmp)):
-        if name == rank_state_filename(rank) or name.startswith(f"__{rank}_"):
+        mine = name.startswith(f"__{rank}_") or name == rank_state_filename(rank)
+        if mine or (rank == 0 and name == DCP_METADATA):
             p = tmp / name
             out[name] = FileEntry(p.stat().st_size, checksum_file(p))
     return out

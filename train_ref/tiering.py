@@ -57,8 +57,17 @@ def policy(args: argparse.Namespace) -> UploadPolicy:
 def resume(root: Path, args: argparse.Namespace, expect: store.Expectation, deep: bool) -> ResumeResult:
     """Make the newest valid checkpoint of either tier the local ``latest`` (downloading and
     verifying it when only the remote has it). Raises RemoteUnavailable when nothing local is valid
-    and the remote cannot be reached, MismatchError as ``store.pick`` does."""
-    return prepare_resume(root, open_remote(args.remote, args.remote_endpoint), deep=deep, expect=expect)
+    and the remote cannot be reached; MismatchError, StorageUnavailable and NoUsableCheckpoint as
+    ``store.pick`` does."""
+    return prepare_resume(
+        root,
+        open_remote(args.remote, args.remote_endpoint),
+        deep=deep,
+        expect=expect,
+        io_retry_s=args.io_retry,
+        on_retry=lambda msg: log.warning("resume: %s", msg),
+        allow_fresh_start=args.allow_fresh_start,
+    )
 
 
 def start_uploader(root: Path, args: argparse.Namespace) -> Uploader:

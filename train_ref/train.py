@@ -84,6 +84,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--corpus", default=None, help="UTF-8 text file (default: the built-in corpus)")
     p.add_argument("--allow-config-change", action="store_true")
     p.add_argument("--allow-data-change", action="store_true")
+    p.add_argument(
+        "--allow-fresh-start",
+        action="store_true",
+        help="start from step 0 when no checkpoint is usable even though some are quarantined",
+    )
+    p.add_argument(
+        "--io-retry",
+        type=float,
+        default=store.IO_RETRY_S,
+        metavar="SECONDS",
+        help="retry checkpoints that cannot be read this long at resume, then exit 74",
+    )
     p.add_argument("--log-samples", action="store_true", help="per-rank sample ids of every step")
     p.add_argument("--amp", choices=("off", "fp16", "bf16"), default="off", help="autocast (CUDA only)")
     p.add_argument(
@@ -427,9 +439,20 @@ def _choose(args: argparse.Namespace, expect: store.Expectation, cfg: TrainConfi
             # only reads the choice back.
             tiering.resume(root, args, expect, deep)
             deep = False
-        v = store.pick(root, deep=deep, expect=expect).chosen
+        v = store.pick(
+            root,
+            deep=deep,
+            expect=expect,
+            io_retry_s=args.io_retry,
+            on_retry=lambda msg: log.warning("resume: %s", msg),
+            allow_fresh_start=args.allow_fresh_start,
+        ).chosen
     except store.MismatchError as e:
         return Choice(launch, error=str(e), code=Exit.MISMATCH)
+    except store.NoUsableCheckpoint as e:
+        return Choice(launch, error=str(e), code=Exit.NO_USABLE_CHECKPOINT)
+    except store.StorageUnavailable as e:
+        return Choice(launch, error=str(e), code=Exit.STORAGE)
     except store.StoreError as e:
         return Choice(launch, error=str(e), code=Exit.BAD_CONFIG)
     except RemoteUnavailable as e:
@@ -496,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg,
     )
     if choice.error:
-        why = "cannot resume" if choice.code == RETRY_LATER else "refused"
+        why = "cannot resume" if choice.code in (RETRY_LATER, Exit.STORAGE) else "refused"
         code = deliberate_exit(hb, d.rank, 0, Phase.STARTUP, choice.code, f"{why}: {choice.error}")
         dist.destroy_process_group()
         return code

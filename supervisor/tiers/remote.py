@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from supervisor.layout import MANIFEST, QUARANTINE, REASON, parse_committed, step_dirname
+from supervisor.layout import MANIFEST, QUARANTINE, REASON, parse_committed, quarantined_dirname, step_dirname
 from supervisor.manifest import FileEntry, ManifestError, checksum_file, parse_manifest
 from supervisor.store import STALE_TMP_AFTER_S, CheckpointRef, begin, commit
 from supervisor.tiers.backends import Backend, open_backend
@@ -230,6 +230,7 @@ class RemoteTier:
                 torch_version=m.torch_version,
                 meta=m.meta,
                 known=m.files,
+                writers=m.writers or None,  # a format-1 remote manifest records none
             )
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -256,10 +257,9 @@ class RemoteTier:
         """Move a remote checkpoint under ``quarantine/`` with ``reason.txt``; returns the new prefix."""
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         with _remote_errors(self.url, f"quarantining {name}"):
-            dest, n = f"{QUARANTINE}/{name}-{stamp}", 1
-            while self.backend.sizes(dest):
+            n = 1
+            while self.backend.sizes(dest := f"{QUARANTINE}/{quarantined_dirname(name, stamp, n)}"):
                 n += 1
-                dest = f"{QUARANTINE}/{name}-{stamp}-{n}"
             self.backend.move(name, dest)
             self.backend.write(f"{dest}/{REASON}", reason.rstrip("\n").encode() + b"\n")
         return dest

@@ -1,30 +1,58 @@
 """The watchdog's side of the remote tier: before each launch, make the newest valid checkpoint of
 either tier the local ``latest``.
 
-Local first (``store.pick``: walk back, quarantine). Then every remote checkpoint newer than the
-local choice, newest first: a corrupt one (objects do not match its manifest, or a checksum fails
-while downloading) is quarantined on the remote with its reason and the walk goes on; the first good
-one is downloaded into a tmp dir, verified and committed locally, and becomes ``latest``. The
-trainer then loads ``latest`` as it always does.
+Local first (``store.pick``: walk back, quarantine what is corrupt, retry what cannot be read).
+Then every remote checkpoint newer than the local choice, newest first: a corrupt one (objects do
+not match its manifest, or a checksum fails while downloading) is quarantined on the remote with
+its reason and the walk goes on; the first good one is downloaded into a tmp dir, verified and
+committed locally, and becomes ``latest``. The trainer then loads ``latest`` as it always does.
+
+One download per run directory: several nodes sharing a run dir each run this before their
+launch. The remote part runs under the run dir's download lock (``.download.lock``; not the root
+lock, which a trainer's commit must never wait behind for minutes), and after acquiring it the
+local pick is redone if a checkpoint appeared meanwhile: the node that got the lock first
+downloads, the others wait for it and resume from its copy.
 
 The remote unreachable: with a valid local checkpoint, resume from it (logged, ``remote_error``
 set); with none, raise RemoteUnavailable rather than start from scratch over a remote that may hold
-the run's progress (the watchdog retries later, like any transient launch failure).
+the run's progress (the watchdog retries later, like any transient launch failure). Nothing valid
+on either tier while either holds quarantined checkpoints: NoUsableCheckpoint, unless
+``allow_fresh_start``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from supervisor.store import CheckpointRef, Expectation, check_compatible, pick, validate
+from supervisor.ioerrors import IO_RETRY_S, Evidence, retry_transient
+from supervisor.layout import QUARANTINE, RunDir
+from supervisor.manifest import Manifest
+from supervisor.store import (
+    CheckpointRef,
+    Expectation,
+    NoUsableCheckpoint,
+    PickResult,
+    Verdict,
+    check_compatible,
+    file_lock,
+    list_checkpoints,
+    list_quarantined,
+    no_usable_message,
+    pick,
+)
 from supervisor.tiers.events import EmitFn, remote_event_log
 from supervisor.tiers.plan import RemoteState
 from supervisor.tiers.remote import IntegrityError, RemoteTier, RemoteUnavailable
 
 log = logging.getLogger("supervisor.tiers")
+
+# Another node's download may take a long time on a large checkpoint; past this, give up waiting
+# (RemoteUnavailable: the watchdog retries later) rather than block forever behind a stuck node.
+DOWNLOAD_LOCK_TIMEOUT_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -36,6 +64,7 @@ class ResumeResult:
     remote_error: str = ""  # the remote was unreachable; the local choice was not compared with it
     downloaded_bytes: int = 0
     download_s: float = 0.0
+    manifest: Manifest | None = None  # the chosen checkpoint's
 
 
 def prepare_resume(
@@ -45,27 +74,84 @@ def prepare_resume(
     deep: bool = False,
     expect: Expectation | None = None,
     on_event: EmitFn | None = None,
+    io_retry_s: float = IO_RETRY_S,
+    on_retry: Callable[[str], None] | None = None,
+    allow_fresh_start: bool = False,
+    download_lock_timeout_s: float = DOWNLOAD_LOCK_TIMEOUT_S,
 ) -> ResumeResult:
     """Pick across both tiers; download when the remote holds the newest valid checkpoint.
 
     Raises MismatchError (as ``store.pick`` does) when the chosen checkpoint was made for another
-    config or data, and RemoteUnavailable when nothing local is valid and the remote is unreachable.
+    config or data, StorageUnavailable when local checkpoints stay unreadable past ``io_retry_s``,
+    RemoteUnavailable when nothing local is valid and the remote is unreachable, and
+    NoUsableCheckpoint when nothing is valid on either tier but either has quarantined ones.
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)  # node loss: the whole run directory may be gone
     emit = on_event or remote_event_log(root)
-    local = pick(root, deep=deep)
-    for name, reason in local.quarantined:
-        emit("local_quarantined", f"{name} quarantined locally: {reason}", name=name, reason=reason)
-    chosen = local.chosen
-    result = ResumeResult(chosen.ref if chosen else None, "local" if chosen else "none", local.quarantined)
+
+    def local_pick() -> PickResult:
+        res = pick(root, deep=deep, io_retry_s=io_retry_s, on_retry=on_retry, allow_fresh_start=True)
+        for name, reason in res.quarantined:
+            emit("local_quarantined", f"{name} quarantined locally: {reason}", name=name, reason=reason)
+        return res
+
+    def newer_than(step: int) -> bool:
+        return retry_transient(
+            lambda: any(r.step > step for r in list_checkpoints(root)),
+            deadline_s=io_retry_s,
+            what=f"listing {root}",
+            fix=lambda _e: "check the file system (mount, server, permissions) and retry",
+            on_retry=on_retry,
+        )
+
+    local = local_pick()
+    result = _local_result(local)
     if remote is not None:
-        result = _from_remote(root, remote, result, emit)
-        if result.source == "remote" and result.chosen is not None:
-            chosen = validate(result.chosen)
-    if chosen is not None and chosen.ok:
-        check_compatible(chosen, expect or Expectation())
+        try:
+            with file_lock(RunDir.of(root).download_lock, download_lock_timeout_s):
+                # The pick left nothing newer than its choice: anything newer now was committed
+                # meanwhile (another node's download): pick again and use it.
+                if newer_than(result.chosen.step if result.chosen else -1):
+                    result = _local_result(local_pick(), local.quarantined)
+                result = _from_remote(root, remote, result, emit)
+        except TimeoutError as e:  # filelock.Timeout
+            raise RemoteUnavailable(
+                f"{RunDir.of(root).download_lock}: another process has been downloading for "
+                f"{download_lock_timeout_s:.0f}s; retry later ({e})"
+            ) from None
+    if result.chosen is None and not allow_fresh_start:
+        _refuse_fresh_start(root, remote, local, result)
+    if result.chosen is not None and result.manifest is not None:
+        check_compatible(Verdict(result.chosen, Evidence.OK, "", result.manifest), expect or Expectation())
     return result
+
+
+def _local_result(res: PickResult, earlier: tuple[tuple[str, str], ...] = ()) -> ResumeResult:
+    chosen = res.chosen
+    return ResumeResult(
+        chosen.ref if chosen else None,
+        "local" if chosen else "none",
+        earlier + res.quarantined,
+        manifest=chosen.manifest if chosen else None,
+    )
+
+
+def _refuse_fresh_start(
+    root: Path, remote: RemoteTier | None, local: PickResult, result: ResumeResult
+) -> None:
+    """Nothing valid on either tier: refuse to start from step 0 when either has history."""
+    history = [(q.name, q.reason) for q in list_quarantined(root)]
+    if remote is not None:
+        try:
+            history += [(f"{remote.url}/{QUARANTINE}/{q.name}", q.reason) for q in remote.list_quarantined()]
+        except RemoteUnavailable as e:
+            raise RemoteUnavailable(
+                f"{e}; nothing valid locally, so not starting from scratch before the remote's "
+                "quarantine has been looked at: retry when the remote is back"
+            ) from e
+    if history:
+        raise NoUsableCheckpoint(no_usable_message(root, history), local)
 
 
 def _from_remote(root: Path, remote: RemoteTier, local: ResumeResult, emit: EmitFn) -> ResumeResult:
@@ -90,7 +176,9 @@ def _from_remote(root: Path, remote: RemoteTier, local: ResumeResult, emit: Emit
             )
             log.info("remote: %s", msg)
             emit("downloaded", msg, name=v.name, bytes=size, seconds=round(seconds, 3), url=remote.url)
-            return ResumeResult(ref, "remote", local.local_quarantined, tuple(quarantined), "", size, seconds)
+            return ResumeResult(
+                ref, "remote", local.local_quarantined, tuple(quarantined), "", size, seconds, v.manifest
+            )
     except RemoteUnavailable as e:
         if local.chosen is None:
             raise RemoteUnavailable(
@@ -100,8 +188,17 @@ def _from_remote(root: Path, remote: RemoteTier, local: ResumeResult, emit: Emit
         msg = f"{e}; resuming from local {local.chosen.name}; a newer remote one, if any, is not used"
         log.warning("remote: %s", msg)
         emit("remote_unreachable", msg, error=str(e), resuming_from=local.chosen.name)
-        return ResumeResult(local.chosen, "local", local.local_quarantined, tuple(quarantined), str(e))
-    return ResumeResult(local.chosen, local.source, local.local_quarantined, tuple(quarantined))
+        return ResumeResult(
+            local.chosen,
+            "local",
+            local.local_quarantined,
+            tuple(quarantined),
+            str(e),
+            manifest=local.manifest,
+        )
+    return ResumeResult(
+        local.chosen, local.source, local.local_quarantined, tuple(quarantined), manifest=local.manifest
+    )
 
 
 def _quarantine(remote: RemoteTier, name: str, reason: str, out: list[tuple[str, str]], emit: EmitFn) -> None:

@@ -1,0 +1,360 @@
+"""Committed checkpoints: discovery, validation with its evidence, the ``latest`` pointer,
+quarantine, and the root's lock. The base of the store (supervisor/store.py re-exports all of it;
+callers use ``store.<name>``).
+
+Validation never raises OSError: what it could not read makes the checkpoint UNKNOWN (retried by
+``pick``, never quarantined); only content evidence makes it CORRUPT (supervisor/ioerrors.py).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from supervisor.fsutil import atomic_write_text, fsync_dir
+from supervisor.ioerrors import Evidence, describe, evidence_of, is_transient
+from supervisor.layout import (
+    MANIFEST,
+    QUARANTINE_DELETING_PREFIX,
+    REASON,
+    RunDir,
+    parse_committed,
+    quarantined_dirname,
+)
+from supervisor.manifest import (
+    Manifest,
+    ManifestError,
+    ProgressFn,
+    checksum_files,
+    list_files,
+    parse_manifest,
+)
+
+LOCK_TIMEOUT_S = 600.0
+REASON_LOST = "reason unknown: the process that quarantined this checkpoint stopped before writing it"
+
+
+class StoreError(Exception):
+    """Bad input or state the user must fix; ``str(e)`` is one line naming the file and the fix."""
+
+
+class MismatchError(StoreError):
+    """The newest valid checkpoint was made with another model config or data: not corruption."""
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    step: int
+    path: Path
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ref: CheckpointRef
+    evidence: Evidence
+    reason: str = ""
+    manifest: Manifest | None = None
+    # The directory vanished while it was read (pruned or quarantined meanwhile): not corruption.
+    gone: bool = False
+    # UNKNOWN: the error that made it so (its filename names the file).
+    error: OSError | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.evidence is Evidence.OK
+
+    @property
+    def unknown(self) -> bool:
+        """Could not be read (not gone): neither usable nor corrupt."""
+        return self.evidence is Evidence.UNKNOWN and not self.gone
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """What the resuming run is; a checkpoint that differs is refused unless allowed."""
+
+    model_config_hash: str | None = None
+    data_fingerprint: str | None = None
+    allow_config_change: bool = False
+    allow_data_change: bool = False
+
+
+# ---------------------------------------------------------------- root and lock
+
+
+def require_root(root: str | Path) -> Path:
+    """The root as a Path, or a one-line StoreError saying what is wrong with it. A root that
+    cannot even be stat'ed raises its OSError (transient: retried by ``pick``)."""
+    p = Path(root)
+    if not p.exists():
+        raise StoreError(f"{p}: checkpoint root does not exist (check --ckpt-root)")
+    if not p.is_dir():
+        raise StoreError(f"{p}: checkpoint root is not a directory (check --ckpt-root)")
+    if not os.access(p, os.R_OK | os.X_OK):
+        raise StoreError(f"{p}: checkpoint root is not readable (check permissions)")
+    return p
+
+
+@contextmanager
+def root_lock(root: str | Path, timeout: float = LOCK_TIMEOUT_S) -> Iterator[None]:
+    """Exclusive lock on the root for mutations; re-entrant within one thread, exclusive between
+    threads and processes. One FileLock object per path (singleton), else a nested acquire in the
+    same process would wait on itself."""
+    with file_lock(RunDir.of(root).lock, timeout):
+        yield
+
+
+@contextmanager
+def file_lock(path: Path, timeout: float) -> Iterator[None]:
+    from filelock import FileLock  # here: read-only commands (`status`) never pay its import
+
+    with FileLock(os.path.abspath(path), is_singleton=True).acquire(timeout=timeout):
+        yield
+
+
+# ---------------------------------------------------------------- latest
+
+
+def write_latest(root: str | Path, name: str | None) -> None:
+    """Point ``latest`` at ``name`` atomically, or remove it when there is nothing to point at."""
+    path = RunDir.of(root).latest
+    if name is None:
+        if os.path.lexists(path):  # lexists: a dangling symlink left by another tool counts too
+            path.unlink()
+            fsync_dir(path.parent)
+        return
+    atomic_write_text(path, name + "\n")
+
+
+def latest_raw(root: str | Path) -> str | None:
+    """The pointer's exact content (None when absent); a symlink or unreadable file never equals
+    what ``write_latest`` writes, so ``pick`` rewrites it."""
+    path = RunDir.of(root).latest
+    if not os.path.lexists(path):
+        return None
+    if path.is_symlink():
+        return "<symlink>"
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return "<unreadable>"
+
+
+def read_latest(root: str | Path) -> str | None:
+    """What ``latest`` says (a hint, never trusted alone), or None when missing or garbage.
+    A path (``ckpt/step_00000050``) or a symlink, as other tools write it, reads as its last part."""
+    path = RunDir.of(root).latest
+    try:
+        text = os.readlink(path) if path.is_symlink() else path.read_text(errors="replace")
+    except OSError:
+        return None
+    name = text.strip().rstrip("/").rsplit("/", 1)[-1]
+    return name if parse_committed(name) is not None else None
+
+
+# ---------------------------------------------------------------- discovery and validation
+
+
+def list_checkpoints(root: str | Path) -> list[CheckpointRef]:
+    """Committed checkpoint directories, newest first. Tmp dirs are never checkpoints.
+
+    A root that cannot be listed raises its OSError (an unreadable root must never read as "no
+    checkpoints": that would start the run from step 0). An entry whose type cannot be read is
+    listed, not dropped: ``validate`` then says it is unknown."""
+    root = Path(root)
+    try:
+        entries = os.scandir(root)
+    except FileNotFoundError:
+        return []
+    refs = []
+    with entries:
+        for entry in entries:
+            step = parse_committed(entry.name)
+            if step is None:
+                continue
+            try:
+                is_dir = entry.is_dir()
+            except OSError as e:
+                is_dir = is_transient(e)
+            if is_dir:
+                refs.append(CheckpointRef(step, root / entry.name))
+    return sorted(refs, key=lambda r: r.step, reverse=True)
+
+
+def validate(ref: CheckpointRef, deep: bool = False, progress: ProgressFn | None = None) -> Verdict:
+    """Quick: manifest parses, known schema, right step, every file present at its size, nothing
+    unlisted, every rank of a format-2 manifest covered. Deep: also every checksum. The reason
+    names the file and what is wrong. Never raises OSError: what cannot be read is UNKNOWN."""
+
+    def corrupt(why: str) -> Verdict:
+        return Verdict(ref, Evidence.CORRUPT, f"{ref.name}: {why}")
+
+    def unreadable(e: OSError, name: str) -> Verdict:
+        if e.errno == errno.ENOENT and _vanished(ref):
+            return Verdict(ref, Evidence.UNKNOWN, f"{ref.name}: vanished while it was read", gone=True)
+        if e.errno == errno.ENOENT:
+            return corrupt(f"{name} is missing")
+        ev = evidence_of(e)
+        return Verdict(ref, ev, f"{ref.name}: {name} is unreadable ({describe(e)})", error=e)
+
+    try:
+        raw = (ref.path / MANIFEST).read_bytes()
+    except OSError as e:
+        return unreadable(e, MANIFEST)
+    try:
+        m = parse_manifest(raw)
+    except ManifestError as e:
+        return corrupt(str(e))
+    if m.step != ref.step:
+        return corrupt(f"{MANIFEST} is for step {m.step}, not {ref.step}")
+    try:
+        present = set(list_files(ref.path)) - {MANIFEST}
+    except OSError as e:
+        return unreadable(e, _rel(ref, e.filename, "the directory"))
+    for name, entry in sorted(m.files.items()):
+        if name not in present:
+            return corrupt(f"{name} is missing")
+        try:
+            size = os.stat(os.path.join(ref.path, name)).st_size
+        except OSError as e:
+            return unreadable(e, name)
+        if size != entry.size:
+            return corrupt(f"{name} is {size} bytes, manifest says {entry.size}")
+    unlisted = sorted(present - set(m.files))
+    if unlisted:
+        return corrupt(f"{unlisted[0]} is not listed in {MANIFEST}")
+    if deep:
+        names = sorted(m.files)
+        try:
+            sums = checksum_files([os.path.join(ref.path, n) for n in names], progress)
+        except OSError as e:
+            return unreadable(e, _rel(ref, e.filename, "a file"))
+        for name, actual in zip(names, sums, strict=True):
+            expected = m.files[name].checksum
+            if actual != expected:
+                return corrupt(f"{name} checksum {actual[:12]}.. differs from manifest {expected[:12]}..")
+    return Verdict(ref, Evidence.OK, "", m)
+
+
+def _rel(ref: CheckpointRef, filename: object, default: str) -> str:
+    """The file an OSError names, relative to the checkpoint (``default`` when it names none)."""
+    rel = os.path.relpath(os.fsdecode(filename), ref.path) if filename else "."  # type: ignore[arg-type]
+    return default if rel == "." else rel
+
+
+def _vanished(ref: CheckpointRef) -> bool:
+    """The whole checkpoint directory is gone (a concurrent prune or quarantine moved it)."""
+    try:
+        os.stat(ref.path)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def identity(ref: CheckpointRef) -> tuple[int, ...] | None:
+    """Which directory and manifest file a verdict was made on; None when the directory is gone.
+    Raises a transient OSError (the caller retries)."""
+    try:
+        d = os.stat(ref.path)
+    except FileNotFoundError:
+        return None
+    try:
+        m = os.stat(ref.path / MANIFEST)
+    except FileNotFoundError:
+        return (d.st_dev, d.st_ino, d.st_mtime_ns)
+    return (d.st_dev, d.st_ino, d.st_mtime_ns, m.st_ino, m.st_size, m.st_mtime_ns)
+
+
+def check_compatible(v: Verdict, expect: Expectation) -> None:
+    """Raise MismatchError when the checkpoint was made for another model config or data."""
+    m = v.manifest
+    if m is None:
+        return
+    checks = (
+        (
+            "model config hash",
+            m.model_config_hash,
+            expect.model_config_hash,
+            expect.allow_config_change,
+            "config",
+        ),
+        ("data fingerprint", m.data_fingerprint, expect.data_fingerprint, expect.allow_data_change, "data"),
+    )
+    for what, saved, wanted, allowed, kind in checks:
+        if wanted is not None and saved != wanted and not allowed:
+            raise MismatchError(
+                f"{v.ref.name}: {what} {saved} differs from this run's {wanted}; "
+                f"restore the {kind} or pass --allow-{kind}-change"
+            )
+
+
+# ---------------------------------------------------------------- quarantine
+
+
+def quarantine(root: str | Path, ref: CheckpointRef, reason: str) -> Path:
+    """Move a checkpoint to ``quarantine/`` with ``reason.txt``; never deletes anything."""
+    with root_lock(root):
+        return quarantine_locked(Path(root), ref, reason)
+
+
+def quarantine_locked(root: Path, ref: CheckpointRef, reason: str) -> Path:
+    """``quarantine`` for a caller that holds the root's lock."""
+    qdir = RunDir.of(root).quarantine
+    qdir.mkdir(exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    n = 1
+    while (dest := qdir / quarantined_dirname(ref.name, stamp, n)).exists():
+        n += 1
+    os.rename(ref.path, dest)
+    fsync_dir(root)
+    atomic_write_text(dest / REASON, reason.rstrip("\n") + "\n")
+    fsync_dir(qdir)
+    return dest
+
+
+def backfill_reasons(root: Path) -> None:
+    """A crash between the move and ``reason.txt`` leaves a quarantined checkpoint without a
+    reason; give it one so every quarantined checkpoint explains itself."""
+    for q in list_quarantined(root):
+        if q.path.is_dir() and not (q.path / REASON).exists():
+            atomic_write_text(q.path / REASON, REASON_LOST + "\n")
+
+
+@dataclass(frozen=True)
+class QuarantinedRef:
+    name: str
+    path: Path
+    reason: str
+
+
+def list_quarantined(root: str | Path) -> list[QuarantinedRef]:
+    """Quarantined checkpoints, newest name first. A quarantine directory that cannot be listed
+    raises its OSError: "nothing quarantined" is what lets a resume start from step 0."""
+    qdir = RunDir.of(root).quarantine
+    try:
+        names = sorted(os.listdir(qdir), reverse=True)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    out = []
+    for name in names:
+        if name.startswith(QUARANTINE_DELETING_PREFIX):  # being removed by retention
+            continue
+        try:
+            reason = (qdir / name / REASON).read_text(errors="replace").strip()
+        except FileNotFoundError:
+            reason = f"(no {REASON})"
+        except OSError as e:
+            reason = f"({REASON} unreadable: {describe(e)})"
+        out.append(QuarantinedRef(name, qdir / name, reason))
+    return out

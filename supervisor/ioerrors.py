@@ -1,0 +1,130 @@
+"""I/O errors classified: which ones prove something about a checkpoint, which ones only say the
+storage did not answer, and a bounded retry for the latter.
+
+A checkpoint is quarantined only on *content evidence* (a manifest that does not parse, a size or
+checksum that differs, a file missing from a listing that succeeded). An OSError on the way is
+evidence only when it says the namespace is not what the layout says (a directory where a file
+must be, a symlink loop); every other one (EIO, ESTALE, EACCES, EMFILE, ETIMEDOUT, ENOSPC...) makes
+the checkpoint *unknown*: it is retried, never quarantined. An errno this module has never heard of
+counts as unknown too: when in doubt, keep the checkpoint and say so.
+
+Pure apart from the injected clock and sleep; tenacity is imported on the first retry only, so a
+login-node command that never retries does not pay for it.
+"""
+
+from __future__ import annotations
+
+import errno
+import random
+import time
+from collections.abc import Callable
+from enum import Enum
+from typing import TypeVar
+
+T = TypeVar("T")
+
+# The path is not what the layout says: proof enough, like a size that differs. ENOENT is here
+# because a file listed in a manifest and absent from a listing that succeeded is missing; callers
+# first tell a whole checkpoint that vanished ("gone": pruned or quarantined meanwhile) from that.
+STRUCTURAL_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ELOOP, errno.ENAMETOOLONG})
+IO_RETRY_S = 120.0
+RETRY_INITIAL_S = 0.5
+RETRY_MAX_S = 15.0
+
+
+class Evidence(str, Enum):
+    OK = "ok"
+    CORRUPT = "corrupt"  # content evidence: quarantine it
+    UNKNOWN = "unknown"  # could not be read: retry, never quarantine
+
+
+class StorageUnavailable(Exception):
+    """Transient I/O errors outlasted the retry window; ``str(e)`` is one line naming the path,
+    the errno, how long it was retried and the fix."""
+
+    def __init__(self, msg: str, *, path: str = "", error: OSError | None = None, retried_s: float = 0.0):
+        super().__init__(msg)
+        self.path, self.error, self.retried_s = path, error, retried_s
+
+
+def evidence_of(e: OSError) -> Evidence:
+    """What an OSError met while reading a checkpoint proves about it."""
+    return Evidence.CORRUPT if e.errno in STRUCTURAL_ERRNOS else Evidence.UNKNOWN
+
+
+def is_transient(e: BaseException) -> bool:
+    """Worth retrying: an OSError with an errno that is not structural. An OSError without errno
+    (filelock's Timeout: another process holds a lock) is not a storage failure and is not."""
+    return isinstance(e, OSError) and e.errno is not None and e.errno not in STRUCTURAL_ERRNOS
+
+
+def describe(e: OSError) -> str:
+    """``EIO (Input/output error)``: the errno name a person can search for, and its text."""
+    name = errno.errorcode.get(e.errno, f"errno {e.errno}") if e.errno is not None else type(e).__name__
+    return f"{name} ({e.strerror or e})"
+
+
+def backoff_s(
+    attempt: int, rng: random.Random, initial_s: float = RETRY_INITIAL_S, max_s: float = RETRY_MAX_S
+) -> float:
+    """Wait before retry number ``attempt`` (1-based): exponential, capped, with equal jitter so
+    nodes that met the same outage do not retry in lockstep. ``rng`` is private: the global
+    ``random`` belongs to the training loop (docs/tiers.md)."""
+    cap = min(max_s, initial_s * 2 ** (attempt - 1))
+    return rng.uniform(cap / 2, cap)
+
+
+def retry_transient(
+    fn: Callable[[], T],
+    *,
+    deadline_s: float,
+    what: str,
+    fix: Callable[[OSError], str],
+    on_retry: Callable[[str], None] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+    rng: random.Random | None = None,
+) -> T:
+    """``fn()``, retried while it raises a transient OSError, for at most ``deadline_s`` seconds
+    (0: one attempt); each retry is announced through ``on_retry(msg)`` before its wait. Past the
+    deadline: StorageUnavailable naming the last error's path and ``fix(error)``. Other exceptions
+    propagate at once."""
+    from tenacity import Retrying, retry_if_exception
+
+    t0 = clock()
+    rng = rng or random.Random()
+
+    def elapsed() -> float:
+        return clock() - t0
+
+    def wait(rs) -> float:  # type: ignore[no-untyped-def]
+        return min(backoff_s(rs.attempt_number, rng), max(0.0, deadline_s - elapsed()))
+
+    def announce(rs) -> None:  # type: ignore[no-untyped-def]
+        e = rs.outcome.exception()
+        if on_retry is not None:
+            on_retry(
+                f"{e.filename or what}: {describe(e)}, not proof of corruption; retrying {what} in "
+                f"{rs.next_action.sleep:.1f}s ({elapsed():.0f}s of {deadline_s:.0f}s)"
+            )
+
+    retrying = Retrying(
+        retry=retry_if_exception(is_transient),
+        stop=lambda _rs: elapsed() >= deadline_s,
+        wait=wait,
+        sleep=sleep,
+        before_sleep=announce,
+        reraise=True,
+    )
+    try:
+        return retrying(fn)
+    except OSError as e:
+        if not is_transient(e):
+            raise
+        where = str(e.filename or what)
+        raise StorageUnavailable(
+            f"{where}: {describe(e)} for {elapsed():.0f}s of retries ({what}); {fix(e)}",
+            path=where,
+            error=e,
+            retried_s=elapsed(),
+        ) from e

@@ -1,0 +1,317 @@
+"""Retention: which checkpoints, leftovers and quarantined checkpoints may go, and ``prune``, which
+removes them. Re-exported by supervisor/store.py (callers use ``store.prune``).
+
+Space comes back from what nobody can use first: tmp dirs of dead writers (on this host a dead pid
+is proof at once; on another host only an hour of silence is), then the oldest quarantined
+checkpoints beyond the quarantine's own retention, then valid checkpoints beyond ``keep``. Nothing
+that could not be read is ever deleted or quarantined; nothing is hashed under the lock.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from contextlib import suppress
+from dataclasses import dataclass
+from pathlib import Path
+
+from supervisor.checkpoints import (
+    StoreError,
+    list_checkpoints,
+    quarantine_locked,
+    require_root,
+    root_lock,
+    validate,
+)
+from supervisor.fsutil import fsync_dir, hostname, pid_alive
+from supervisor.ioerrors import Evidence
+from supervisor.layout import (
+    QUARANTINE_DELETING_PREFIX,
+    RunDir,
+    TmpName,
+    deleting_dirname,
+    parse_deleting,
+    parse_quarantined,
+    parse_tmp,
+    safe_host,
+)
+
+DEFAULT_KEEP = 3
+MIN_KEEP = 2
+STALE_TMP_AFTER_S = 3600.0
+# Quarantined checkpoints kept by default (newest first); the newest copy of a step newer than
+# every valid checkpoint is kept whatever the limits (it may be the run's only trace of it).
+QUARANTINE_KEEP = 5
+
+
+@dataclass(frozen=True)
+class PruneResult:
+    deleted: tuple[str, ...] = ()
+    kept: tuple[str, ...] = ()
+    stale_tmp_removed: tuple[str, ...] = ()
+    dry_run: bool = False
+    # Invalid checkpoints older than the newest valid one: moved to quarantine, never deleted.
+    quarantined: tuple[tuple[str, str], ...] = ()
+    # Quarantined checkpoints removed by the quarantine's retention, oldest first.
+    quarantine_removed: tuple[str, ...] = ()
+    # Checkpoints that could not be read (name, reason): kept, neither counted as valid nor moved.
+    unknown: tuple[tuple[str, str], ...] = ()
+
+
+# ---------------------------------------------------------------- tmp and deleting dirs
+
+
+@dataclass(frozen=True)
+class TmpRef:
+    path: Path
+    step: int
+    pid: int
+    host: str
+    age_s: float
+
+
+def list_tmp(root: str | Path, now: float | None = None) -> list[TmpRef]:
+    """Checkpoints being written; ``age_s`` counts from the newest change anywhere inside."""
+    return _list_marked(root, parse_tmp, now)
+
+
+def list_deleting(root: str | Path, now: float | None = None) -> list[TmpRef]:
+    """Checkpoints a prune renamed for removal and has not finished removing."""
+    return _list_marked(root, parse_deleting, now)
+
+
+def _list_marked(root: str | Path, parse: Callable[[str], TmpName | None], now: float | None) -> list[TmpRef]:
+    """Unreadable entries are left out: a leftover that is not listed is only not removed yet."""
+    root = Path(root)
+    now = time.time() if now is None else now
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    out = []
+    for name in sorted(names):
+        t = parse(name)
+        mtime = _newest_mtime(root / name) if t is not None else None
+        if t is not None and mtime is not None:
+            out.append(TmpRef(root / name, t.step, t.pid, t.host, now - mtime))
+    return out
+
+
+def _newest_mtime(path: Path) -> float | None:
+    """Newest mtime of a directory and everything in it: a writer appending to one big shard does
+    not touch the directory's own mtime."""
+    try:
+        newest = path.stat().st_mtime
+    except OSError:
+        return None
+    for dirpath, dirs, names in os.walk(path):
+        for n in dirs + names:
+            with suppress(OSError):
+                newest = max(newest, os.lstat(os.path.join(dirpath, n)).st_mtime)
+    return newest
+
+
+def tmp_is_stale(t: TmpRef, this_host: str, alive: Callable[[int], bool], stale_after_s: float) -> bool:
+    """Nobody writes it any more. On this host the pid says so at once (a dead writer never comes
+    back; a live one is never stale, however quiet). On another host only silence can be seen:
+    nothing inside changed for ``stale_after_s``."""
+    if t.host == safe_host(this_host):
+        return not alive(t.pid)
+    return t.age_s > stale_after_s
+
+
+# ---------------------------------------------------------------- pure plans
+
+
+def plan_retention(steps: list[int], keep: int, milestone_every: int, newest_valid: int | None) -> set[int]:
+    """Steps to keep: the newest ``keep``, every milestone, and always the newest valid one."""
+    if keep < MIN_KEEP:
+        raise StoreError(
+            f"--keep {keep} refused: keep at least {MIN_KEEP} so a corrupt newest has a fallback"
+        )
+    ordered = sorted(steps, reverse=True)
+    kept = set(ordered[:keep])
+    if milestone_every > 0:
+        kept |= {s for s in ordered if s % milestone_every == 0}
+    if newest_valid is not None:
+        kept.add(newest_valid)
+    return kept
+
+
+@dataclass(frozen=True)
+class QuarantineEntry:
+    name: str
+    step: int
+    order: tuple[str, int]  # when it was quarantined (layout.QuarantinedName.order)
+    bytes: int
+
+
+def plan_quarantine(
+    entries: Sequence[QuarantineEntry], keep: int | None, max_bytes: int | None, newest_valid: int | None
+) -> set[str]:
+    """Quarantined checkpoints to delete, oldest first, until at most ``keep`` entries and
+    ``max_bytes`` bytes remain (None: no limit). Never the newest copy of a step newer than every
+    valid checkpoint (every step when none is valid): it may be the only copy of the run's
+    progress, which a person can still rescue by hand."""
+    protected: dict[int, QuarantineEntry] = {}
+    for e in entries:
+        if newest_valid is None or e.step > newest_valid:
+            cur = protected.get(e.step)
+            if cur is None or e.order > cur.order:
+                protected[e.step] = e
+    spared = {e.name for e in protected.values()}
+    count, total = len(entries), sum(e.bytes for e in entries)
+    doomed: set[str] = set()
+    for e in sorted(entries, key=lambda e: (e.order, e.name)):
+        over = (keep is not None and count > keep) or (max_bytes is not None and total > max_bytes)
+        if not over:
+            break
+        if e.name not in spared:
+            doomed.add(e.name)
+            count, total = count - 1, total - e.bytes
+    return doomed
+
+
+# ---------------------------------------------------------------- prune
+
+
+def prune(
+    root: str | Path,
+    *,
+    keep: int = DEFAULT_KEEP,
+    milestone_every: int = 0,
+    dry_run: bool = False,
+    stale_tmp_after_s: float = STALE_TMP_AFTER_S,
+    quarantine_keep: int | None = QUARANTINE_KEEP,
+    quarantine_max_bytes: int | None = None,
+) -> PruneResult:
+    """Delete valid committed checkpoints beyond retention, stale tmp dirs and the oldest
+    quarantined checkpoints beyond the quarantine's retention.
+
+    Retention counts valid (quick check) checkpoints only, so K fallbacks really exist. Invalid
+    ones older than the newest valid are quarantined with their reason, never deleted; invalid
+    ones newer than it are left for ``pick``; unreadable ones are left alone. Under the lock a
+    doomed directory is only renamed (``step_N.deleting.*``, ``quarantine/.deleting.*``: no reader
+    sees it half deleted); its files go after the lock is released, dead writers' tmp dirs first.
+    A crash mid-removal leaves a renamed dir that a later prune finishes.
+    """
+    root = require_root(root)
+    for flag, value in (
+        ("--quarantine-keep", quarantine_keep),
+        ("--quarantine-max-bytes", quarantine_max_bytes),
+    ):
+        if value is not None and value < 0:
+            raise StoreError(f"{flag} {value} refused: give a number >= 0, or leave it out for no limit")
+    me = hostname()
+    qdir = RunDir.of(root).quarantine
+    # Sizes walk every file of every quarantined checkpoint: before the lock, not under it.
+    sizes = _quarantine_sizes(root) if quarantine_max_bytes is not None else {}
+    with root_lock(root):
+        verdicts = [validate(r) for r in list_checkpoints(root)]
+        valid = [v.ref.step for v in verdicts if v.ok]
+        newest_valid = valid[0] if valid else None
+        kept = plan_retention(valid, keep, milestone_every, newest_valid)
+        doomed = [v.ref for v in verdicts if v.ok and v.ref.step not in kept]
+        bad_old = [
+            v
+            for v in verdicts
+            if v.evidence is Evidence.CORRUPT and newest_valid is not None and v.ref.step < newest_valid
+        ]
+        stale = [
+            t
+            for t in list_tmp(root) + list_deleting(root)
+            if tmp_is_stale(t, me, pid_alive, stale_tmp_after_s)
+        ]
+        q_doomed = sorted(
+            plan_quarantine(
+                _quarantine_entries(root, sizes, quarantine_max_bytes is not None),
+                quarantine_keep,
+                quarantine_max_bytes,
+                newest_valid,
+            )
+        )
+        trash = [t.path for t in stale]
+        if not dry_run:
+            for v in bad_old:
+                quarantine_locked(root, v.ref, v.reason)
+            for name in q_doomed:
+                dest = qdir / f"{QUARANTINE_DELETING_PREFIX}{name}.{uuid.uuid4().hex[:8]}"
+                os.rename(qdir / name, dest)
+                trash.append(dest)
+            if q_doomed:
+                fsync_dir(qdir)
+            for r in doomed:
+                dest = root / deleting_dirname(r.step, os.getpid(), me)
+                os.rename(r.path, dest)
+                trash.append(dest)
+            if doomed:
+                fsync_dir(root)
+    if not dry_run:
+        trash += [p for p in _quarantine_leftovers(qdir) if p not in trash]  # a crashed prune's
+        for path in trash:
+            shutil.rmtree(path, ignore_errors=True)
+        if trash:
+            fsync_dir(root)
+    gone = {r.step for r in doomed} | {v.ref.step for v in bad_old}
+    return PruneResult(
+        deleted=tuple(r.name for r in doomed),
+        kept=tuple(v.ref.name for v in verdicts if v.ref.step not in gone and not v.gone),
+        stale_tmp_removed=tuple(t.path.name for t in stale),
+        dry_run=dry_run,
+        quarantined=tuple((v.ref.name, v.reason) for v in bad_old),
+        quarantine_removed=tuple(q_doomed),
+        unknown=tuple((v.ref.name, v.reason) for v in verdicts if v.unknown),
+    )
+
+
+def _quarantine_sizes(root: Path) -> dict[str, int]:
+    qdir = RunDir.of(root).quarantine
+    try:
+        names = os.listdir(qdir)
+    except FileNotFoundError:
+        return {}
+    return {n: disk_usage(qdir / n) for n in names if parse_quarantined(n) is not None}
+
+
+def _quarantine_entries(root: Path, sizes: dict[str, int], need_sizes: bool) -> list[QuarantineEntry]:
+    """Entries this layout named (a directory someone put there by hand is never touched)."""
+    qdir = RunDir.of(root).quarantine
+    try:
+        names = os.listdir(qdir)
+    except FileNotFoundError:
+        return []
+    out = []
+    for n in names:
+        q = parse_quarantined(n)
+        if q is not None:
+            size = sizes[n] if n in sizes else (disk_usage(qdir / n) if need_sizes else 0)
+            out.append(QuarantineEntry(n, q.step, q.order, size))
+    return out
+
+
+def _quarantine_leftovers(qdir: Path) -> list[Path]:
+    try:
+        return [qdir / n for n in os.listdir(qdir) if n.startswith(QUARANTINE_DELETING_PREFIX)]
+    except OSError:
+        return []
+
+
+def disk_usage(path: str | Path) -> int:
+    """Bytes of every file under ``path`` (links not followed); scandir: `status` walks 10^4 files."""
+    total, todo = 0, [os.fspath(path)]
+    while todo:
+        try:
+            entries = os.scandir(todo.pop())
+        except OSError:
+            continue
+        with entries:
+            for e in entries:
+                with suppress(OSError):
+                    if e.is_dir(follow_symlinks=False):
+                        todo.append(e.path)
+                    else:
+                        total += e.stat(follow_symlinks=False).st_size
+    return total
