@@ -83,6 +83,7 @@ class Watchdog:
         # Processes a kill could not reap (state D on a hung mount): named once, then not waited for.
         self.abandoned: set[tuple[int, int]] = set()
         self.state_error = ""  # why the state file is not being written ('' while it is)
+        self.state_loaded = False  # until the previous state is read, writing would clobber its budget
         self.state = RunState(
             node=cfg.node,
             host=self.host,
@@ -109,6 +110,7 @@ class Watchdog:
                 kept = f"the old file could not be moved aside ({describe(err)})"
             self.log.emit("state_unreadable", f"{e}; starting with a fresh budget ({kept})")
             prev = None
+        self.state_loaded = True
         if prev is None or self.cfg.reset_budget:
             return self.state
         return replace(
@@ -122,6 +124,8 @@ class Watchdog:
         """Update the state and write it, best effort: on failure the state is kept in memory, one
         line goes to stderr, and the next save writes all of it."""
         self.state = replace(self.state, **changes)  # type: ignore[arg-type]
+        if not self.state_loaded:
+            return
         try:
             events.write_state(self.cfg.root, self.state)
         except OSError as e:

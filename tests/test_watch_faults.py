@@ -252,6 +252,24 @@ def test_wrong_typed_state_file_takes_the_unreadable_path(tmp_path: Path):
     assert st.status == "done" and st.launch_count == 1 and st.restart_times == ()
 
 
+def test_unreadable_state_file_is_retried_then_exit_14_and_kept(faultfs):
+    """A state file that cannot be read (EIO) is not garbage: retried for --io-retry, then exit 14
+    with the verdict; it is neither moved aside nor overwritten (its restart budget stands)."""
+    root = faultfs.mountpoint / "run"
+    (root / "supervisor").mkdir(parents=True)
+    state = root / "supervisor" / "state.json"
+    state.write_text(json.dumps({"launch_count": 4, "restart_times": [1.0, 2.0]}))
+    rule = faultfs.fail("/run/supervisor/state.json", "EIO", ops=["read"])
+    rc, out = finish(start(root, ["--io-retry", "1"], ["--steps", "3"]))
+    assert rc == Exit.STORAGE_UNAVAILABLE, out
+    assert faultfs.hits(rule) >= 2 and "Traceback" not in out
+    evs = events(root)
+    assert of(evs, "io_retry") and not of(evs, "launch") and not of(evs, "state_unreadable")
+    assert "EIO" in of(evs, "exit")[-1]["msg"]
+    faultfs.clear(rule)
+    assert json.loads(state.read_text()) == {"launch_count": 4, "restart_times": [1.0, 2.0]}
+
+
 def test_command_that_cannot_start_is_one_line_exit_12(tmp_path: Path):
     root = tmp_path / "run"
     cmd = [
