@@ -128,7 +128,7 @@ class Child:
     ) -> None:
         self.reap_timeout_s = reap_timeout_s
         self.abandoned = set() if abandoned is None else abandoned
-        self.unreaped: list[str] = []  # what the last kill() had to leave behind, described
+        self.unreaped: list[str] = []  # what kill() had to leave behind in this launch, described
         self.popen = subprocess.Popen(argv, env=dict(env), start_new_session=True)
         self.pid = self.popen.pid
         self.started = time.time()
@@ -166,7 +166,6 @@ class Child:
         (pid, state, wchan, the file it is blocked on) and left behind. Returns a line saying how
         it ended."""
         t0 = time.monotonic()
-        self.unreaped = []
         self.signal_tree(signal.SIGTERM)
         self.signal_tree(signal.SIGCONT)
         if not self._wait_empty(grace_s, resend=None):
@@ -180,10 +179,11 @@ class Child:
         for pid in left:
             if pid in table:
                 self.abandoned.add((pid, table[pid].start))
-        self.unreaped = [describe_stuck(pid) for pid in left]
+        stuck = [describe_stuck(pid) for pid in left]
+        self.unreaped += stuck
         return (
             f"{note}; not reaped {self.reap_timeout_s:g}s after SIGKILL, left behind (each dies when "
-            f"its I/O returns): {'; '.join(self.unreaped)}"
+            f"its I/O returns): {'; '.join(stuck)}"
         )
 
     def _wait_empty(self, timeout_s: float, resend: int | None) -> list[int]:

@@ -398,6 +398,10 @@ class Watchdog:
                 )
         beats = policy.launch_heartbeats(read_heartbeats(self.cfg.root), launch_id)
         cls = self._classify(ended, beats)
+        if child.unreaped:
+            cls = replace(
+                cls, reason=f"{cls.reason}; left behind, SIGKILL could not end: {'; '.join(child.unreaped)}"
+            )
         refs = self._io(lambda: store.list_checkpoints(self.cfg.root), "listing checkpoints")
         rec = LaunchRecord(
             number=number,

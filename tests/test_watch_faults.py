@@ -191,6 +191,7 @@ def test_blocked_read_is_named_and_the_unreapable_rank_left_behind(faultfs):
     assert "left behind" in kill[0]["msg"]
     end = of(evs, "launch_end")[0]
     assert end["outcome"] == "hang" and "blocked in read(" in end["msg"]
+    assert f"SIGKILL could not end: pid {blocked.pid} (state D" in end["msg"]
     assert [e["outcome"] for e in of(evs, "launch_end")] == ["hang", "done"]
     latency = hang["t"] - blocked.since
     print(f"\nblocked read -> hang event: {latency:.2f}s (verify timeout 2s, poll 0.1s)")
