@@ -508,6 +508,8 @@ class Watchdog:
                     grace_s=self.cfg.dead_rank_grace_s,
                     all_gone_wait_s=ALL_RANKS_GONE_WAIT_S,
                 )
+                if gone:  # judged within the grace, not a poll interval later
+                    next_check = min(next_check, time.monotonic() + SIGNAL_POLL_S)
                 if dead and child.poll() is None:
                     ended.dead = dead
                     self.log.emit(
@@ -518,7 +520,8 @@ class Watchdog:
                     self.log.emit("kill", child.kill(DEAD_RANK_KILL_GRACE_S), unreaped=child.unreaped)
                     ended.returncode = child.returncode()
                     return ended
-                hangs = self._check_hangs(child, launch_id, snaps, beats)
+                # While a vanished rank is being judged (dead, or a clean exit), its silence is no hang.
+                hangs = [] if gone else self._check_hangs(child, launch_id, snaps, beats)
                 if hangs:
                     ended.hangs = hangs = self._where_blocked(child, hangs)
                     self._handle_hang(child, hangs, launch_id)
