@@ -285,12 +285,14 @@ def confirm_dead(
     death: its launched command will exit 0. So a vanished rank counts as dead only once no rank
     has vanished for ``grace_s`` while others still run (they wait for it in a collective:
     killing them at once is what keeps a restart fast); when no local rank is left, nobody needs
-    rescuing, and the launched command's exit code is waited for up to ``all_gone_wait_s``."""
+    rescuing, and the launched command's exit code is waited for up to ``all_gone_wait_s``. The
+    dead are listed first-vanished first: the others may have died of it."""
     seen = {d.rank: first_seen.get(d.rank, now) for d in gone}
     if not gone:
         return [], seen
     quiet = now - max(seen.values())
-    return (list(gone) if quiet >= (grace_s if survivors else all_gone_wait_s) else []), seen
+    first = sorted(gone, key=lambda d: (seen[d.rank], d.rank))  # the first to vanish: the likely cause
+    return (first if quiet >= (grace_s if survivors else all_gone_wait_s) else []), seen
 
 
 @dataclass(frozen=True)

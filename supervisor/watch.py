@@ -477,8 +477,8 @@ class Watchdog:
             rc = child.poll()
             if rc is not None:
                 ended.returncode = rc
-                if rc != 0:
-                    ended.dead = gone  # they did not exit cleanly after all
+                if rc != 0:  # they did not exit cleanly after all; the first to vanish first
+                    ended.dead = sorted(gone, key=lambda d: (gone_since.get(d.rank, 0.0), d.rank))
                 return ended
             if self.stop_signal is not None:
                 ended.stop_signal = self.stop_signal

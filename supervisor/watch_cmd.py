@@ -91,7 +91,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     io.add_argument(
         "--allow-fresh-start",
         action="store_true",
-        help="start from step 0 when no checkpoint is usable although the run has quarantined ones",
+        help="start from step 0 when no checkpoint is usable although the run has quarantined ones "
+        "(pass the trainer's --allow-fresh-start too)",
     )
     r = p.add_argument_group("restart policy")
     r.add_argument(

@@ -318,10 +318,10 @@ def test_a_vanished_rank_is_dead_only_after_a_quiet_grace_while_others_run():
     dead, seen = confirm_dead([d0, d1], seen, 10.8, survivors=True, **kw)
     assert dead == [] and seen == {0: 10.8, 1: 10.0}
     assert confirm_dead([d0, d1], seen, 11.5, survivors=True, **kw)[0] == []
-    assert confirm_dead([d0, d1], seen, 11.8, survivors=True, **kw)[0] == [d0, d1]
+    assert confirm_dead([d0, d1], seen, 11.8, survivors=True, **kw)[0] == [d1, d0]  # first gone first
     # Nobody left to rescue: the launched command's exit code decides, waited for longer.
     assert confirm_dead([d0, d1], seen, 20.0, survivors=False, **kw)[0] == []
-    assert confirm_dead([d0, d1], seen, 41.0, survivors=False, **kw)[0] == [d0, d1]
+    assert confirm_dead([d0, d1], seen, 41.0, survivors=False, **kw)[0] == [d1, d0]
     assert confirm_dead([], seen, 99.0, survivors=True, **kw) == ([], {})
 
 

@@ -271,6 +271,21 @@ def test_unreadable_state_file_is_retried_then_exit_14_and_kept(faultfs):
     assert json.loads(state.read_text()) == {"launch_count": 4, "restart_times": [1.0, 2.0]}
 
 
+def test_run_dir_that_cannot_be_made_is_exit_14_never_2(faultfs):
+    """An error of the environment (here: mkdir of the run dir fails with EIO) is a storage
+    verdict the job requeues (14), in one line: never the usage code 2, never a traceback."""
+    root = faultfs.mountpoint / "run"
+    rule = faultfs.fail("/run", "EIO", ops=["mkdir"])
+    p = subprocess.run(
+        watch_cmd(root, [], ["--steps", "3"]), cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == Exit.STORAGE_UNAVAILABLE, p.stderr
+    assert faultfs.hits(rule) >= 1 and "Traceback" not in p.stderr
+    assert (
+        "watchdog exits 14" in p.stderr and "EIO" in p.stderr and "cannot use the run directory" in p.stderr
+    )
+
+
 def test_command_that_cannot_start_is_one_line_exit_12(tmp_path: Path):
     root = tmp_path / "run"
     cmd = [
