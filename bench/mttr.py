@@ -3,8 +3,9 @@
 1. Hang detection: SIGSTOP one rank of the fake trainer (no torch) under the watchdog; latency =
    the `hang` event's time minus the SIGSTOP. Target: at most the configured timeout + 2 s.
    Also (where FUSE can be mounted) a read that never returns: the fake trainer's rank 1 reads a
-   file on the fault filesystem whose reads are blocked, in phase verify; latency = the `hang`
-   event's time minus the moment the read blocked (the filesystem's own record).
+   file on the fault filesystem whose reads are blocked, in phase verify; latency = the
+   `blocked_io` event's time (it names rank, phase and path, before the stack dumps) minus the
+   moment the read blocked (the filesystem's own record).
 2. MTTR with the real trainer (torchrun, 2 ranks, tiny config, gloo on CPU): `kill -9` of rank 1,
    then the time until a rank reports its first step of the resumed run, for
    - the watchdog (torchrun --max-restarts=0 under `supervisor watch`), with its default
@@ -136,14 +137,8 @@ def hang_latency_blocked_read(tmp: Path, timeout_s: float) -> float | None:
         try:
             (blocked,) = fs.wait_blocked(rule, timeout=300)
 
-            def hang_event() -> float | None:
-                try:
-                    lines = events_path(root).read_text().splitlines()
-                except OSError:
-                    return None
-                return next((json.loads(x)["t"] for x in lines if '"event": "hang"' in x), None)
-
-            return float(wait_for(hang_event, 60)) - blocked.since
+            named = wait_for(lambda: first_event(root, "blocked_io"), 60)  # rank, phase, path
+            return float(named) - blocked.since
         finally:
             fs.clear(rule)
             stop(p)
@@ -275,7 +270,7 @@ def main() -> int:
     print(f"{'measure':<56}{'median':>8}{'min':>8}{'max':>8}")
     labels = {
         "hang": f"hang detection, SIGSTOP -> hang event (timeout {a.hang_timeout:g}s)",
-        "hang_read": f"hang detection, blocked read -> hang event (timeout {a.hang_timeout:g}s)",
+        "hang_read": f"hang detection, blocked read -> blocked_io (timeout {a.hang_timeout:g}s)",
         "floor": "floor: cold torchrun resume -> first step",
         "watchdog": "MTTR watchdog: kill -9 -> first resumed step",
         "watchdog_nograce": "MTTR watchdog --dead-rank-grace 0: same",

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from supervisor.fsutil import atomic_write_text, fsync_dir
 from supervisor.ioerrors import Evidence, describe, evidence_of, is_transient
@@ -34,6 +35,9 @@ from supervisor.manifest import (
     list_files,
     parse_manifest,
 )
+
+if TYPE_CHECKING:
+    from filelock import BaseFileLock
 
 LOCK_TIMEOUT_S = 600.0
 REASON_LOST = "reason unknown: the process that quarantined this checkpoint stopped before writing it"
@@ -109,16 +113,15 @@ def root_lock(root: str | Path, timeout: float = LOCK_TIMEOUT_S) -> Iterator[Non
     """Exclusive lock on the root for mutations; re-entrant within one thread, exclusive between
     threads and processes. One FileLock object per path (singleton), else a nested acquire in the
     same process would wait on itself."""
-    with file_lock(RunDir.of(root).lock, timeout):
+    with file_lock(RunDir.of(root).lock).acquire(timeout=timeout):
         yield
 
 
-@contextmanager
-def file_lock(path: Path, timeout: float) -> Iterator[None]:
+def file_lock(path: Path) -> BaseFileLock:
+    """The process's one FileLock object for ``path`` (``acquire(timeout=...)`` it)."""
     from filelock import FileLock  # here: read-only commands (`status`) never pay its import
 
-    with FileLock(os.path.abspath(path), is_singleton=True).acquire(timeout=timeout):
-        yield
+    return FileLock(os.path.abspath(path), is_singleton=True)
 
 
 # ---------------------------------------------------------------- latest
@@ -199,6 +202,7 @@ def validate(ref: CheckpointRef, deep: bool = False, progress: ProgressFn | None
         return Verdict(ref, Evidence.CORRUPT, f"{ref.name}: {why}")
 
     def unreadable(e: OSError, name: str) -> Verdict:
+        e.filename = e.filename or os.path.join(ref.path, name)  # a failed read() names no file
         if e.errno == errno.ENOENT and _vanished(ref):
             return Verdict(ref, Evidence.UNKNOWN, f"{ref.name}: vanished while it was read", gone=True)
         if e.errno == errno.ENOENT:

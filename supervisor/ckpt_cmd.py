@@ -68,6 +68,8 @@ def open_run_dir(root: str) -> Path:
     try:
         names = os.listdir(p)
     except OSError as e:
+        if _not_answering(e):
+            raise  # exit 3, not "bad input"
         raise StoreError(f"{p}: cannot list the checkpoint root ({e.strerror}); check permissions") from None
     if MANIFEST in names:
         raise StoreError(f"{p}: this is one checkpoint, not a run directory; pass its parent as --ckpt-root")
@@ -90,9 +92,7 @@ def _one_line_errors(func: Handler) -> Handler:
         except StorageUnavailable as e:
             return _unreadable(str(e))
         except OSError as e:
-            # Checked first: ETIMEDOUT is a TimeoutError too. A permission error outside a
-            # checkpoint (.lock, the root) is the user's to fix: bad input, exit 2.
-            if is_transient(e) and not isinstance(e, PermissionError):
+            if _not_answering(e):  # checked first: ETIMEDOUT is a TimeoutError too
                 where = e.filename or args.ckpt_root
                 return _unreadable(f"{where}: {describe(e)}; {unreadable_fix(args.ckpt_root, e.filename)}")
             if isinstance(e, TimeoutError):  # filelock.Timeout (no errno)
@@ -103,6 +103,12 @@ def _one_line_errors(func: Handler) -> Handler:
             raise StoreError(f"{where}: {e.strerror or e}; check the path and its permissions") from None
 
     return run
+
+
+def _not_answering(e: OSError) -> bool:
+    """Storage that did not answer (exit 3). A permission error outside a checkpoint (.lock, the
+    root) is the user's to fix: bad input, exit 2."""
+    return is_transient(e) and not isinstance(e, PermissionError)
 
 
 def _unreadable(line: str) -> int:

@@ -17,16 +17,20 @@ from supervisor.drill.runner import DrillConfig, ScenarioRun, run_golden, run_sc
 from supervisor.exitcodes import Exit
 from supervisor.fmt import human_duration
 
-DEFAULT_SCENARIOS = (*tuple(k.value for k in planning.Kind), planning.CHAOS)
+# Every scenario but sigstop (a stop the watchdog's own SIGCONT cures; `hang` is the real one),
+# which keeps `make drill` near 6 minutes on 2 cores; chaos still draws it, --scenario runs it.
+DEFAULT_SCENARIOS = (*(k.value for k in planning.Kind if k != planning.Kind.SIGSTOP), planning.CHAOS)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("drill", help="kill, hang, corrupt and preempt a real run, then judge the resume")
+    p = sub.add_parser(
+        "drill", help="kill, stop, hang, corrupt and preempt a real run, then judge the resume"
+    )
     p.add_argument(
         "--scenario",
         action="append",
         choices=planning.SCENARIOS,
-        help="run only this scenario (repeatable; default: all, chaos last)",
+        help="run only this scenario (repeatable; default: all but sigstop, chaos last)",
     )
     p.add_argument(
         "--seed", type=int, default=0, help="drives fault steps, ranks and chaos; printed for replay"
@@ -123,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
             golden_digest=golden_digest,
             drill_digest=r.digest,
             latest_violations=r.latest_violations,
+            events=r.events,
+            fault_times=r.fault_times,
         )
         print(f"[drill] {s}: {'PASS' if v.ok else 'FAIL'}", file=sys.stderr, flush=True)
         runs.append(r)

@@ -133,6 +133,7 @@ class Child:
         self.pid = self.popen.pid
         self.started = time.time()
         self.started_mono = time.monotonic()
+        self.sigkilled = 0  # processes the last kill() had to SIGKILL: SIGTERM did not end them
 
     def poll(self) -> int | None:
         return self.popen.poll()
@@ -166,11 +167,13 @@ class Child:
         (pid, state, wchan, the file it is blocked on) and left behind. Returns a line saying how
         it ended."""
         t0 = time.monotonic()
+        self.sigkilled = 0
         self.signal_tree(signal.SIGTERM)
         self.signal_tree(signal.SIGCONT)
         if not self._wait_empty(grace_s, resend=None):
             return f"tree exited {time.monotonic() - t0:.1f}s after SIGTERM"
         killed = self.signal_tree(signal.SIGKILL)
+        self.sigkilled = len(killed)
         note = f"SIGKILL sent to {len(killed)} process(es) still alive {grace_s:g}s after SIGTERM"
         left = self._wait_empty(self.reap_timeout_s, resend=signal.SIGKILL)
         if not left:

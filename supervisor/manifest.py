@@ -244,6 +244,7 @@ def checksum_files(
             try:
                 results[i] = checksum_file(paths[i], tick if progress else None)
             except OSError as e:
+                e.filename = e.filename or os.fspath(paths[i])  # a failed read() names no file
                 errors[i] = e
 
     workers = [threading.Thread(target=work, daemon=True) for _ in range(max(1, min(threads, len(paths))))]

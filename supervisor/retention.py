@@ -300,15 +300,12 @@ def _quarantine_leftovers(qdir: Path) -> list[Path]:
 
 
 def disk_usage(path: str | Path) -> int:
-    """Bytes of every file under ``path`` (links not followed); scandir: `status` walks 10^4 files."""
+    """Bytes of every file under ``path`` (links not followed) that can be read: best effort, for a
+    report or a retention limit. scandir: `status` walks 10^4 files."""
     total, todo = 0, [os.fspath(path)]
     while todo:
-        try:
-            entries = os.scandir(todo.pop())
-        except OSError:
-            continue
-        with entries:
-            for e in entries:
+        with suppress(OSError), os.scandir(todo.pop()) as entries:
+            for e in entries:  # reading the directory can fail here too, not only in scandir()
                 with suppress(OSError):
                     if e.is_dir(follow_symlinks=False):
                         todo.append(e.path)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar
 
-from supervisor import events, launcher, policy, store
+from supervisor import culprit, events, launcher, policy, store
 from supervisor.events import EventLog, RunState
 from supervisor.exitcodes import Exit
 from supervisor.fsutil import hostname
@@ -58,6 +58,7 @@ class _Ended:
     dead: list[policy.DeadRank] = field(default_factory=list)
     stop_signal: int | None = None
     preempted: bool = False
+    culprit: str = ""  # who hung it, from the stack dumps (culprit.py)
 
 
 class _Stop(Exception):
@@ -461,7 +462,8 @@ class Watchdog:
         if ended.hangs:
             h = ended.hangs[0]
             more = f" (+{len(ended.hangs) - 1} more ranks)" if len(ended.hangs) > 1 else ""
-            return policy.Classification(Outcome.HANG, ended.returncode, f"hang: {h.reason}{more}")
+            who = f"; {ended.culprit}" if ended.culprit else ""
+            return policy.Classification(Outcome.HANG, ended.returncode, f"hang: {h.reason}{more}{who}")
         return cls
 
     # ------------------------------------------------------------ monitoring one launch
@@ -524,7 +526,7 @@ class Watchdog:
                 hangs = [] if gone else self._check_hangs(child, launch_id, snaps, beats)
                 if hangs:
                     ended.hangs = hangs = self._where_blocked(child, hangs)
-                    self._handle_hang(child, hangs, launch_id)
+                    ended.culprit = self._handle_hang(child, hangs, launch_id)
                     ended.returncode = child.returncode()
                     return ended
             time.sleep(SIGNAL_POLL_S)
@@ -609,34 +611,38 @@ class Watchdog:
             out.append(h)
         return out
 
-    def _handle_hang(self, child: launcher.Child, hangs: list[Hang], launch_id: str) -> None:
-        """Name the stopped ranks (the likely culprits: the others wait for them in a collective),
-        dump every local rank's stacks into the event log, then kill the launch."""
+    def _handle_hang(self, child: launcher.Child, hangs: list[Hang], launch_id: str) -> str:
+        """Dump every local rank's stacks, name the culprit from where each rank waits (culprit.py),
+        log it with the dumps, then kill the launch. Returns who hung it, for the launch's reason."""
         beats = policy.launch_heartbeats(read_heartbeats(self.cfg.root), launch_id)  # every rank
         tree = set(child.tree())
         stopped = set(launcher.stopped(tree))
         targets = {b.rank: b.pid for b in beats if b.host == self.host and b.pid in tree}
-        culprits = sorted(r for r, pid in targets.items() if pid in stopped)
+        procs = {r: launcher.proc_state(pid) for r, pid in targets.items()}  # before SIGCONT
+        run = RunDir.of(self.cfg.root)
+        paths = {r: run.stack_dump(r) for r in targets}
+        dumps = launcher.dump_stacks(targets, paths, self.cfg.dump_wait_s)
+        diag = culprit.diagnose(culprit.Probe(r, pid, *procs[r], dumps.get(r)) for r, pid in targets.items())
+        who = diag.summary()
         self.log.emit(
             "hang",
-            "; ".join(h.reason for h in hangs)
-            + "".join(f"; rank {r} (pid {targets[r]}) is stopped (SIGSTOP?)" for r in culprits),
+            "; ".join(h.reason for h in hangs) + (f"; {who}" if who else ""),
             ranks=[h.rank for h in hangs],
-            stopped_ranks=culprits,
+            stopped_ranks=sorted(r for r, pid in targets.items() if pid in stopped),
             stopped_pids=sorted(stopped),
+            **diag.fields(),
         )
-        if targets:
-            run = RunDir.of(self.cfg.root)
-            paths = {r: run.stack_dump(r) for r in targets}
-            dumps = launcher.dump_stacks(targets, paths, self.cfg.dump_wait_s)
-            for rank, pid in sorted(targets.items()):
-                text = dumps.get(rank)
-                msg = f"stack dump of rank {rank} (pid {pid}), from {paths[rank]}"
-                if text is None:
-                    msg = f"rank {rank} (pid {pid}) wrote no stack dump within {self.cfg.dump_wait_s:g}s"
-                self.log.emit("stack_dump", msg, rank=rank, pid=pid, path=str(paths[rank]), stacks=text)
+        for rank, pid in sorted(targets.items()):
+            text = dumps.get(rank)
+            msg = f"stack dump of rank {rank} (pid {pid}), from {paths[rank]}"
+            if text is None:
+                msg = f"rank {rank} (pid {pid}) wrote no stack dump within {self.cfg.dump_wait_s:g}s"
+            self.log.emit("stack_dump", msg, rank=rank, pid=pid, path=str(paths[rank]), stacks=text)
         note = child.kill(self.cfg.kill_grace_s)
-        self.log.emit("kill", f"hung launch killed: {note}", unreaped=child.unreaped)
+        self.log.emit(
+            "kill", f"hung launch killed: {note}", sigkilled=child.sigkilled, unreaped=child.unreaped
+        )
+        return "; ".join(f"culprit {f.describe()}" for f in diag.culprits) or who
 
 
 class _LaunchBeats:

@@ -1,5 +1,5 @@
-"""The drill end to end (real torchrun, real watchdog), and its judge fed a resume that restored
-nothing (the trainer's ablation switches): it must fail, with the right reasons."""
+"""The drill end to end (real torchrun, real watchdog): a kill and a real hang; and its judge fed a
+resume that restored nothing (the trainer's ablation switches): it must fail, with the right reasons."""
 
 from __future__ import annotations
 
@@ -14,8 +14,11 @@ from pathlib import Path
 import pytest
 
 from supervisor.drill.judge import judge
-from supervisor.drill.plan import Fault, Kind
+from supervisor.drill.plan import Fault, Kind, plan
 from supervisor.drill.runner import DrillConfig, read_digest, read_metrics, run_golden
+from supervisor.drill.switch import BLOCKING_FUNCTION
+from supervisor.events import events_path, read_events
+from supervisor.exitcodes import Exit
 from supervisor.heartbeat import read_heartbeats
 from supervisor.store import list_checkpoints
 
@@ -35,6 +38,34 @@ def test_short_drill_passes_and_writes_report(tmp_path):
     assert "**Verdict: PASS**" in report and "## kill9" in report and "Timeline" in report
     assert (work / "loss.png").stat().st_size > 10_000
     assert "final digest equals golden" in p.stdout
+
+
+def test_real_hang_named_killed_and_resumed_from_the_periodic_checkpoint(tmp_path):
+    """A rank blocks in a read no signal cures (the trainer's drill switch): the watchdog names it
+    and its stack, needs SIGKILL, and the run resumes from the last periodic checkpoint."""
+    work = tmp_path / "drill"
+    cmd = [sys.executable, "-m", "supervisor", "drill", "--scenario", "hang", "--ranks", "2"]
+    cmd += ["--steps", "40", "--workdir", str(work)]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    (fault,) = plan("hang", seed=0, steps=40, save_every=10, ranks=2)
+    evs = read_events(events_path(work / "hang"))
+    (hang,) = [e for e in evs if e["event"] == "hang"]
+    (culprit,) = hang["culprits"]
+    assert (culprit["rank"], culprit["where"]) == (fault.rank, "elsewhere"), hang["msg"]
+    assert (
+        culprit["frames"][0]["func"] == BLOCKING_FUNCTION
+        and "drill_faults.py" in culprit["frames"][0]["file"]
+    )
+    assert hang["waiting_ranks"] == [1 - fault.rank] and f"culprit rank {fault.rank}" in hang["msg"]
+    kill = next(e for e in evs if e["event"] == "kill")
+    assert kill["sigkilled"] > 0, kill["msg"]
+    first, last = [e for e in evs if e["event"] == "launch_end"]
+    assert first["outcome"] == "hang" and Exit.REQUEUE not in first["rank_exit_codes"].values()
+    assert f"culprit rank {fault.rank}" in first["msg"] and last["outcome"] == "done"
+    (resumed,) = [e for e in evs if e["event"] == "launch" and e["launch"] == 2]
+    assert resumed["resumed_from"] == first["newest_checkpoint"] and resumed["resumed_from"] % 10 == 0
+    assert "hang verdict names the culprit and its stack" in p.stdout and "PASS: 1 of 1 scenarios" in p.stdout
 
 
 def _preempt_when(root: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:

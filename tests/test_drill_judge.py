@@ -126,3 +126,155 @@ def test_plan_shapes():
         plan("meteor", seed=0, steps=80, save_every=10, ranks=2)
     with pytest.raises(ValueError, match="too few"):
         plan(CHAOS, seed=0, steps=25, save_every=10, ranks=2)
+
+
+# ---------------------------------------------------------------- hangs: culprit, SIGKILL, resume point
+
+HUNG = Fault(Kind.HANG, 17, 1)
+T0 = 1000.0
+
+
+def hang_events(
+    *,
+    culprit_rank: int = 1,
+    funcs=("stuck_read", "maybe_hang", "loop"),
+    sigkilled: int = 3,
+    exit_codes=None,
+    newest: int = 10,
+    outcome: str = "hang",
+) -> list[dict]:
+    """The watchdog's events for one hang, as it writes them (fields only; messages elided)."""
+    frames = [{"func": f, "file": f"/w/{f}.py", "line": 1} for f in funcs]
+    culprits = [{"rank": culprit_rank, "pid": 4242, "where": "elsewhere", "frames": frames}] if funcs else []
+    return [
+        {"t": T0 - 5, "event": "launch", "launch": 1},
+        {"t": T0 + 5, "event": "hang", "culprits": culprits, "waiting_ranks": [0]},
+        {"t": T0 + 6, "event": "stack_dump", "rank": 0},
+        {"t": T0 + 16, "event": "kill", "msg": "hung launch killed", "sigkilled": sigkilled},
+        {
+            "t": T0 + 16,
+            "event": "launch_end",
+            "outcome": outcome,
+            "rank_exit_codes": exit_codes or {},
+            "newest_checkpoint": newest,
+        },
+        {"t": T0 + 17, "event": "launch", "launch": 2},
+    ]
+
+
+def hang_verdict(events, fault=HUNG, drill=None):
+    drill = drill or faithful_run()
+    drill = [StepRecord(r.step, r.loss, r.lr, r.launch, T0 + (30 if r.launch == "b" else -1)) for r in drill]
+    return judge(
+        fault.kind.value,
+        faults=[fault],
+        injected=[fault],
+        save_in_flight=[fault.kind == Kind.HANG_DURING_SAVE],
+        golden=GOLDEN,
+        drill=drill,
+        steps=STEPS,
+        save_every=EVERY,
+        golden_digest="d0",
+        drill_digest="d0",
+        latest_violations=[],
+        events=events,
+        fault_times=[T0],
+    )
+
+
+HANG_CHECKS = {
+    "hang verdict names the culprit and its stack",
+    "hung launch needed SIGKILL",
+    "resumed from the last periodic checkpoint",
+}
+
+
+def test_a_real_hang_judged_right_passes():
+    v = hang_verdict(hang_events())
+    assert v.ok, v.failures()
+    detail = {c.name: c.detail for c in v.checks}
+    assert set(detail) >= HANG_CHECKS
+    assert (
+        "culprit rank 1 (pid 4242, elsewhere): stuck_read <- maybe_hang <- loop"
+        in detail["hang verdict names the culprit and its stack"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("events", "failing", "says"),
+    [
+        (hang_events(culprit_rank=0), "hang verdict names the culprit and its stack", "named [0]"),
+        (hang_events(funcs=()), "hang verdict names the culprit and its stack", "no culprit"),
+        (
+            hang_events(funcs=("wait", "loop")),
+            "hang verdict names the culprit and its stack",
+            "lacks stuck_read",
+        ),
+        (
+            [e for e in hang_events() if e["event"] != "hang"],
+            "hang verdict names the culprit and its stack",
+            "no hang event",
+        ),
+        (hang_events(sigkilled=0), "hung launch needed SIGKILL", "SIGTERM ended"),
+        (
+            hang_events(exit_codes={"0": 75, "1": 75}),
+            "resumed from the last periodic checkpoint",
+            "exited 75",
+        ),
+        (
+            hang_events(newest=20),
+            "resumed from the last periodic checkpoint",
+            "newest periodic checkpoint step 20",
+        ),
+        (hang_events(outcome="requeue"), "resumed from the last periodic checkpoint", "not a hang"),
+    ],
+)
+def test_a_hang_judged_wrong_fails_with_its_reason(events, failing, says):
+    v = hang_verdict(events)
+    assert failed(v) == {failing}, v.failures()
+    assert says in {c.name: c.detail for c in v.checks}[failing]
+
+
+def test_a_culprit_without_its_stack_fails():
+    events = hang_events()
+    events[1]["culprits"][0]["frames"] = []
+    v = hang_verdict(events)
+    assert failed(v) == {"hang verdict names the culprit and its stack"}
+    assert "named without its stack" in v.failures()[0]
+
+
+def test_a_sigstop_needs_the_culprit_named_but_may_be_cured():
+    """SIGCONT + SIGTERM cure a stopped rank: it checkpoints and exits 75, which is fine there; its
+    stack is wherever it was stopped."""
+    events = hang_events(funcs=("all_reduce", "loop"), sigkilled=0, exit_codes={"1": 75}, newest=17)
+    stop = Fault(Kind.SIGSTOP, 17, 1)
+    v = hang_verdict(events, fault=stop)
+    assert v.ok, v.failures()
+    assert {c.name for c in v.checks} & HANG_CHECKS == {"hang verdict names the culprit and its stack"}
+    assert (
+        "named [2]"
+        in {c.name: c.detail for c in hang_verdict(hang_events(culprit_rank=2), fault=stop).checks}[
+            "hang verdict names the culprit and its stack"
+        ]
+    )
+
+
+def test_hang_during_save_may_redo_two_intervals():
+    """The save in flight at the hang is lost by design: resuming one interval further back passes."""
+    drill = curve("a", range(1, 21)) + curve("b", range(1, STEPS + 1))
+    during = Fault(Kind.HANG_DURING_SAVE, 20, 1)
+    v = hang_verdict(hang_events(newest=0), fault=during, drill=drill)
+    assert "steps redone within bound" not in failed(v), v.failures()
+    assert "resumed from the last periodic checkpoint" not in failed(v), v.failures()
+    assert steps_redone_bound(Kind.HANG_DURING_SAVE, EVERY) == 2 * EVERY
+    assert steps_redone_bound(Kind.HANG, EVERY) == EVERY
+
+
+def test_no_hang_checks_for_scenarios_without_hangs():
+    assert not {c.name for c in verdict(faithful_run()).checks} & HANG_CHECKS
+
+
+def test_hang_during_save_strikes_at_a_save_step():
+    for seed in range(20):
+        (f,) = plan("hang-during-save", seed=seed, steps=80, save_every=10, ranks=4)
+        assert f.at_step % 10 == 0 and 20 <= f.at_step < 70

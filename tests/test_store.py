@@ -264,6 +264,29 @@ def test_deep_pick_does_not_hold_the_lock_while_hashing(tmp_path: Path) -> None:
     assert outcomes == ["free"]
 
 
+def test_a_commit_during_a_deep_pick_is_not_held_up_and_is_picked(tmp_path: Path) -> None:
+    """A trainer commits while a login node's deep pick hashes: the commit takes the lock at once,
+    and the pick, seeing a checkpoint it has not hashed, hashes it outside the lock and takes it."""
+    make_ckpt(tmp_path, 10)
+    make_ckpt(tmp_path, 20)
+    done: list[str] = []
+
+    def progress(_n: int) -> None:  # called from the hashing threads
+        if done:
+            return
+        try:
+            with store.root_lock(tmp_path, timeout=0.5):
+                done.append("free")
+        except Timeout:
+            done.append("held")
+            return
+        make_ckpt(tmp_path, 30)
+
+    res = store.pick(tmp_path, deep=True, progress=progress)
+    assert done == ["free"]
+    assert res.chosen.ref.step == 30 and not res.quarantined and latest_text(tmp_path) == "step_00000030\n"
+
+
 def test_deep_pick_revalidates_a_checkpoint_replaced_meanwhile(tmp_path: Path) -> None:
     make_ckpt(tmp_path, 10)
     make_ckpt(tmp_path, 20)

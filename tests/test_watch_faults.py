@@ -193,8 +193,10 @@ def test_blocked_read_is_named_and_the_unreapable_rank_left_behind(faultfs):
     assert end["outcome"] == "hang" and "blocked in read(" in end["msg"]
     assert f"SIGKILL could not end: pid {blocked.pid} (state D" in end["msg"]
     assert [e["outcome"] for e in of(evs, "launch_end")] == ["hang", "done"]
-    latency = hang["t"] - blocked.since
-    print(f"\nblocked read -> hang event: {latency:.2f}s (verify timeout 2s, poll 0.1s)")
+    print(
+        f"\nblocked read -> blocked_io event {io['t'] - blocked.since:.2f}s, -> hang event (after the "
+        f"stack dumps) {hang['t'] - blocked.since:.2f}s (verify timeout 2s, poll 0.1s, dump wait 1s)"
+    )
     assert not leftovers(root)
 
 

@@ -46,6 +46,7 @@ from train_ref import tiering
 from train_ref.checkpointer import Checkpointer, CommitInfo
 from train_ref.config import CONFIGS, TrainConfig, config_hash, get_config
 from train_ref.data import Corpus, WindowDataset, collate
+from train_ref.drill_faults import DrillFaults, When
 from train_ref.model import GPT
 from train_ref.parallel import MODES, full_tensor, parallelize, params_digest, sync_grads
 from train_ref.sampler import ResumableBatchSampler
@@ -179,6 +180,7 @@ class Trainer:
             on_commit=uploader.submit if uploader else None,
         )
         self.samples_file = None
+        self.drill = DrillFaults.from_env(d.rank, launch)  # inert unless `supervisor drill` set it
 
     # ------------------------------------------------------------ exits
 
@@ -351,6 +353,7 @@ class Trainer:
                 if len(first_losses) == min(SANITY_STEPS, args.steps - start):
                     self.check_losses(first_losses)
             self.hb.beat(st.step, Phase.TRAIN, last_step_s=last_dt)
+            self.drill.maybe_hang(st.step, When.STEP)
             if self.ckpt.step_boundary(PREEMPTION.set):
                 PREEMPTION.ignore_further()
                 if st.step < args.steps:
@@ -359,6 +362,7 @@ class Trainer:
                     log.warning("preemption signal at the last step %d: finishing normally", st.step)
             if st.step % args.save_every == 0 and st.step < args.steps:
                 self.save(blocking=False)
+                self.drill.maybe_hang(st.step, When.SAVE)
         if st.step > start:
             self.save(blocking=True)  # the final save (commits any in-flight one first)
         self.ckpt.close()

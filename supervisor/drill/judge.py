@@ -9,8 +9,11 @@ import itertools
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from supervisor.drill.plan import Fault, steps_redone_bound
+from supervisor.drill.plan import HANGS, SELF_INFLICTED, Fault, steps_redone_bound
+from supervisor.drill.switch import BLOCKING_FUNCTION
+from supervisor.exitcodes import Exit
 
 
 @dataclass(frozen=True)
@@ -92,9 +95,12 @@ def judge(
     golden_digest: str,
     drill_digest: str | None,
     latest_violations: Sequence[str],
+    events: Sequence[dict[str, Any]] = (),
+    fault_times: Sequence[float] = (),
     loss_tol: float = 0.0,
 ) -> Verdict:
-    """Judge one scenario. ``loss_tol`` is 0 on CPU: the resumed run must match golden exactly."""
+    """Judge one scenario. ``loss_tol`` is 0 on CPU: the resumed run must match golden exactly.
+    ``events`` (the watchdog's) and ``fault_times`` (one per injected fault) judge the hangs."""
     checks: list[Check] = []
     gold = {r.step: r for r in golden}
     resumes = find_resumes(drill)
@@ -123,6 +129,9 @@ def judge(
             over.append(f"{fault.kind.value} redid {res.redone} steps (bound {bound})")
     redone = ", ".join(str(r.redone) for r in resumes) or "none"
     checks.append(Check("steps redone within bound", not over, "; ".join(over) or f"redone: {redone}"))
+
+    if any(f.kind in HANGS for f in faults):
+        checks += hang_checks(injected, fault_windows(events, fault_times, resumes), resumes, save_every)
 
     lr_bad = [r.step for r in drill if r.step in gold and r.lr != gold[r.step].lr]
     checks.append(
@@ -175,6 +184,107 @@ def judge(
         )
     )
     return Verdict(scenario, tuple(checks), tuple(resumes))
+
+
+def fault_windows(
+    events: Sequence[dict[str, Any]], fault_times: Sequence[float], resumes: Sequence[Resume]
+) -> list[list[dict[str, Any]]]:
+    """The watchdog's events from each fault to the first step resumed after it (to the end for a
+    fault not followed by a resume)."""
+    ends = [r.first_seen for r in resumes]
+    return [
+        [e for e in events if t0 <= e.get("t", 0) <= (ends[i] if i < len(ends) else float("inf"))]
+        for i, t0 in enumerate(fault_times)
+    ]
+
+
+def hang_checks(
+    injected: Sequence[Fault],
+    windows: Sequence[Sequence[dict[str, Any]]],
+    resumes: Sequence[Resume],
+    save_every: int,
+) -> list[Check]:
+    """For each hang: the watchdog named the rank the drill hung, with its stack; a self-inflicted
+    one (no signal cures it) also needed SIGKILL, and resumed from the newest periodic checkpoint,
+    not from one the hung launch wrote on its way out (exit 75)."""
+    named, killed, periodic = [], [], []
+    for i, (fault, window) in enumerate(zip(injected, windows, strict=False)):
+        if fault.kind not in HANGS:
+            continue
+        named.append(_culprit_named(fault, window))
+        if fault.kind in SELF_INFLICTED:
+            killed.append(_sigkilled(fault, window))
+            periodic.append(
+                _resumed_periodic(fault, window, resumes[i] if i < len(resumes) else None, save_every)
+            )
+    checks = [_check("hang verdict names the culprit and its stack", named)]
+    if killed:
+        checks.append(_check("hung launch needed SIGKILL", killed))
+        checks.append(_check("resumed from the last periodic checkpoint", periodic))
+    return checks
+
+
+def _check(name: str, results: Sequence[tuple[bool, str]]) -> Check:
+    bad = [d for ok, d in results if not ok]
+    return Check(
+        name, bool(results) and not bad, "; ".join(bad or [d for _, d in results]) or "no hang injected"
+    )
+
+
+def _first(window: Sequence[dict[str, Any]], event: str) -> dict[str, Any] | None:
+    return next((e for e in window if e.get("event") == event), None)
+
+
+def _culprit_named(fault: Fault, window: Sequence[dict[str, Any]]) -> tuple[bool, str]:
+    kind = fault.kind.value
+    hang = _first(window, "hang")
+    if hang is None:
+        return False, f"{kind}: no hang event after the fault"
+    culprits = hang.get("culprits") or []
+    ranks = [c.get("rank") for c in culprits]
+    if ranks != [fault.rank]:
+        return False, f"{kind}: the drill hung rank {fault.rank}, the watchdog named {ranks or 'no culprit'}"
+    c = culprits[0]
+    funcs = [str(f.get("func")) for f in c.get("frames") or []]
+    stack = " <- ".join(funcs) or "no frames"
+    if not funcs:
+        return False, f"{kind}: culprit rank {fault.rank} named without its stack"
+    if fault.kind in SELF_INFLICTED and BLOCKING_FUNCTION not in funcs:
+        return (
+            False,
+            f"{kind}: culprit rank {fault.rank} named, but its stack ({stack}) lacks {BLOCKING_FUNCTION}",
+        )
+    return True, f"{kind}: culprit rank {fault.rank} (pid {c.get('pid')}, {c.get('where')}): {stack}"
+
+
+def _sigkilled(fault: Fault, window: Sequence[dict[str, Any]]) -> tuple[bool, str]:
+    kill = _first(window, "kill")
+    n = int((kill or {}).get("sigkilled") or 0)
+    if n <= 0:
+        how = kill.get("msg") if kill else "no kill event"
+        return False, f"{fault.kind.value}: SIGTERM ended a hang no signal should cure ({how})"
+    return True, f"{fault.kind.value}: {n} process(es) SIGKILLed after SIGTERM's grace"
+
+
+def _resumed_periodic(
+    fault: Fault, window: Sequence[dict[str, Any]], resume: Resume | None, save_every: int
+) -> tuple[bool, str]:
+    kind = fault.kind.value
+    end = _first(window, "launch_end")
+    if end is None or resume is None:
+        return False, f"{kind}: no end of the hung launch and resume seen"
+    codes = sorted({int(c) for c in (end.get("rank_exit_codes") or {}).values()})
+    newest = end.get("newest_checkpoint")
+    problems = []
+    if end.get("outcome") != "hang":
+        problems.append(f"the launch ended as {end.get('outcome')}, not a hang")
+    if Exit.REQUEUE in codes:
+        problems.append(f"a rank exited {int(Exit.REQUEUE)}: it checkpointed, so it was not stuck")
+    if resume.ckpt_step != newest or resume.ckpt_step % save_every:
+        problems.append(f"resumed from step {resume.ckpt_step}, newest periodic checkpoint step {newest}")
+    if problems:
+        return False, f"{kind}: " + ", ".join(problems)
+    return True, f"{kind}: resumed from step {resume.ckpt_step} (rank exit codes {codes or 'none'})"
 
 
 def _lr_at(records: Sequence[StepRecord], step: int) -> float:

@@ -9,12 +9,20 @@ from enum import Enum
 
 class Kind(str, Enum):
     KILL9 = "kill9"
+    SIGSTOP = "sigstop"
     HANG = "hang"
+    HANG_DURING_SAVE = "hang-during-save"
     DURING_SAVE = "during-save"
     CORRUPT_LATEST = "corrupt-latest"
     PREEMPT = "preempt"
 
 
+# Hangs the trainer inflicts on itself through the drill switch (switch.py): no signal cures them.
+SELF_INFLICTED = frozenset({Kind.HANG, Kind.HANG_DURING_SAVE})
+# Faults the watchdog must find as a hang, naming the culprit.
+HANGS = frozenset({Kind.SIGSTOP, *SELF_INFLICTED})
+# Faults that land while an async save is in flight, by construction.
+IN_SAVE = frozenset({Kind.DURING_SAVE, Kind.HANG_DURING_SAVE})
 CHAOS = "chaos"
 SCENARIOS = (*(k.value for k in Kind), CHAOS)
 CORRUPTIONS = ("truncate", "bitflip", "delete-metadata")
@@ -23,14 +31,16 @@ CORRUPTIONS = ("truncate", "bitflip", "delete-metadata")
 @dataclass(frozen=True)
 class Fault:
     kind: Kind
-    at_step: int  # inject once the run has logged this step (in the current launch)
-    rank: int  # the worker to hit (kill9, hang, during-save)
+    at_step: int  # inject once the run has logged this step; a self-inflicted hang blocks at it
+    rank: int  # the worker to hit (kill9, sigstop, hang, hang-during-save, during-save)
     corruption: str = ""  # corrupt-latest only
 
     def describe(self) -> str:
         what = {
             Kind.KILL9: f"kill -9 rank {self.rank}",
-            Kind.HANG: f"SIGSTOP rank {self.rank}",
+            Kind.SIGSTOP: f"SIGSTOP rank {self.rank}",
+            Kind.HANG: f"rank {self.rank} blocks forever in a read (no signal cures it)",
+            Kind.HANG_DURING_SAVE: f"rank {self.rank} blocks forever in a read while its async save is in flight",
             Kind.DURING_SAVE: f"kill -9 rank {self.rank} while an async save is in flight",
             Kind.CORRUPT_LATEST: f"stop the job, {self.corruption} the newest checkpoint, start again",
             Kind.PREEMPT: "SIGUSR1 (preemption notice) to the watchdog",
@@ -44,53 +54,81 @@ def steps_redone_bound(kind: Kind, save_every: int, save_in_flight: bool = False
     A kill or hang loses at most the steps since the last committed save; when it lands while an
     async save is in flight, that save is lost too (by design it is never used): two intervals.
     A preemption checkpoints at the step boundary, so none. Stopping the job for a corruption
-    checkpoints first, and the damaged newest one is skipped, so up to one interval.
+    checkpoints first, and the damaged newest one is skipped, so up to one interval. (A SIGSTOP is
+    cured by the watchdog's SIGCONT and SIGTERM, so it usually checkpoints too; it is held to the
+    bound of a kill, which it meets when SIGTERM's grace runs out.)
     """
     if kind == Kind.PREEMPT:
         return 0
-    if kind == Kind.DURING_SAVE or (save_in_flight and kind != Kind.CORRUPT_LATEST):
+    if kind in IN_SAVE or (save_in_flight and kind != Kind.CORRUPT_LATEST):
         return 2 * save_every
     return save_every
 
 
 def plan(scenario: str, *, seed: int, steps: int, save_every: int, ranks: int) -> list[Fault]:
-    """Faults for one scenario, spread over the run so each resume is judged before the next fault.
+    """Faults for one scenario, in order, each more than a save interval after the previous one, so
+    each resume is judged before the next fault (and a hang the trainer inflicts on itself at its
+    step cannot fire before the fault ahead of it was injected).
 
     Single scenarios inject one fault (corrupt-latest: one per kind of damage); chaos draws a random
-    sequence of 3 to 4 faults of mixed kinds. The same seed always gives the same plan.
+    sequence of 3 to 4 faults of mixed kinds (drawn again when they do not fit). The same seed
+    always gives the same plan.
     """
     rng = random.Random(f"{seed}:{scenario}")
     # Faults land after the second save (so a resume has a checkpoint to come back to, and one to
     # fall back to) and before the last interval (so the resumed run still has steps to prove).
     lo, hi = 2 * save_every + 1, max(2 * save_every + 2, steps - save_every - 2)
     if scenario == CHAOS:
-        kinds = [Kind(rng.choice([k.value for k in Kind])) for _ in range(rng.randint(3, 4))]
+        draws = (
+            [Kind(rng.choice([k.value for k in Kind])) for _ in range(rng.randint(3, 4))] for _ in range(100)
+        )
     elif scenario == Kind.CORRUPT_LATEST.value:
-        kinds = [Kind.CORRUPT_LATEST] * len(CORRUPTIONS)
+        draws = iter([[Kind.CORRUPT_LATEST] * len(CORRUPTIONS)])
     elif scenario in SCENARIOS:
-        kinds = [Kind(scenario)]
+        draws = iter([[Kind(scenario)]])
     else:
         raise ValueError(f"unknown scenario '{scenario}' (choose from {', '.join(SCENARIOS)})")
-    # One slot per fault, in order, each at least a save interval after the previous one.
-    span = (hi - lo) // len(kinds)
-    if span < save_every + 1:
+    for kinds in draws:
+        at_steps = _lay_out(kinds, rng, lo, hi, save_every)
+        if at_steps is not None:
+            break
+    else:
         raise ValueError(
             f"{steps} steps are too few for {len(kinds)} faults {save_every} steps apart; raise --steps"
         )
-    faults = []
     corruptions = iter(CORRUPTIONS if scenario != CHAOS else rng.sample(CORRUPTIONS * 2, len(kinds)))
-    for i, kind in enumerate(kinds):
-        start = lo + i * span
-        at = rng.randint(start, start + span - save_every - 1) if span > save_every + 1 else start
-        if kind == Kind.DURING_SAVE:
-            # Kill while the save of this step is in flight; a previous checkpoint exists to fall back to.
-            at = max(2 * save_every, (at // save_every) * save_every)
-        faults.append(
-            Fault(
-                kind=kind,
-                at_step=at,
-                rank=rng.randrange(ranks),
-                corruption=next(corruptions) if kind == Kind.CORRUPT_LATEST else "",
-            )
+    return [
+        Fault(
+            kind=kind,
+            at_step=at,
+            rank=rng.randrange(ranks),
+            corruption=next(corruptions) if kind == Kind.CORRUPT_LATEST else "",
         )
-    return faults
+        for kind, at in zip(kinds, at_steps, strict=True)
+    ]
+
+
+def _lay_out(kinds: list[Kind], rng: random.Random, lo: int, hi: int, save_every: int) -> list[int] | None:
+    """A random step in [lo, hi] for each fault, in order, more than ``save_every`` apart; a fault
+    that strikes inside a save gets a save step (its save is in flight then). None: they do not fit."""
+    gap = save_every + 1
+
+    def up(kind: Kind, step: int) -> int:
+        return -(-step // save_every) * save_every if kind in IN_SAVE else step
+
+    def down(kind: Kind, step: int) -> int:
+        return step // save_every * save_every if kind in IN_SAVE else step
+
+    latest, bound = [], hi  # the latest step for each fault that still leaves room for the rest
+    for kind in reversed(kinds):
+        latest.insert(0, down(kind, bound))
+        bound = latest[0] - gap
+    out, earliest = [], lo - 1  # a save of step 2 x save_every may be hit: the first save is committed
+    for kind, last in zip(kinds, latest, strict=True):
+        first = up(kind, earliest) if kind in IN_SAVE else max(lo, earliest)
+        if first > last:
+            return None
+        stride = save_every if kind in IN_SAVE else 1
+        out.append(first + stride * rng.randint(0, (last - first) // stride))
+        earliest = out[-1] + gap
+    return out

@@ -7,7 +7,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from supervisor.drill.judge import StepRecord, Verdict
+from supervisor.drill.judge import StepRecord, Verdict, fault_windows
 from supervisor.drill.runner import ScenarioRun
 from supervisor.fmt import table
 from supervisor.layout import step_dirname
@@ -57,15 +57,15 @@ def resume_table(run: ScenarioRun, v: Verdict) -> str:
 
 def timeline(run: ScenarioRun, v: Verdict) -> str:
     lines = []
-    ends = [r.first_seen for r in v.resumes]
-    for i, (fault, t0) in enumerate(zip(run.injected, run.fault_times, strict=True)):
-        t_end = ends[i] if i < len(ends) else float("inf")
+    windows = fault_windows(run.events, run.fault_times, v.resumes)
+    for i, (fault, t0, window) in enumerate(zip(run.injected, run.fault_times, windows, strict=True)):
         lines.append(f"**{fault.describe()}** (t0 = {time.strftime('%H:%M:%S', time.localtime(t0))})")
         lines.append("")
-        for e in run.events:
-            if e.get("event") in TIMELINE_EVENTS and t0 <= e.get("t", 0) <= t_end:
+        for e in window:
+            if e.get("event") in TIMELINE_EVENTS:
                 lines.append(f"- +{e['t'] - t0:6.2f}s  {e['event']}: {e.get('msg', '')}")
-        if t_end != float("inf"):
+        if i < len(v.resumes):
+            t_end = v.resumes[i].first_seen
             lines.append(
                 f"- +{t_end - t0:6.2f}s  first resumed step seen (step {v.resumes[i].ckpt_step + 1})"
             )

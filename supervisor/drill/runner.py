@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from supervisor.drill import inject
+from supervisor.drill import inject, switch
 from supervisor.drill.judge import StepRecord
-from supervisor.drill.plan import Fault, Kind
+from supervisor.drill.plan import IN_SAVE, SELF_INFLICTED, Fault, Kind
 from supervisor.events import events_path, read_events
 from supervisor.layout import FINAL, MANIFEST, METRICS, RunDir, parse_committed
 
@@ -189,11 +189,15 @@ def run_golden(cfg: DrillConfig, log: Path) -> tuple[list[StepRecord], str]:
 class Watchdog:
     """One watchdog process (its own session, so a stop reaches every child)."""
 
-    def __init__(self, cfg: DrillConfig, root: Path, log: Path, slow_saves: bool) -> None:
+    def __init__(
+        self, cfg: DrillConfig, root: Path, log: Path, slow_saves: bool, hangs: switch.Switch | None
+    ) -> None:
         self.out = open(log, "ab")  # noqa: SIM115 - closed in wait()
         env = cfg.env()
         if slow_saves:
             env[ENV_SAVE_DELAY] = str(cfg.save_delay_s)
+        if hangs is not None:
+            env[switch.ENV] = hangs.encode()
         self.proc = subprocess.Popen(
             cfg.watch_cmd(root), env=env, stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -226,10 +230,11 @@ def run_scenario(
     monitor = LatestMonitor(root)
     monitor.start()
     slow_saves = any(f.kind == Kind.DURING_SAVE for f in faults)
-    dog = Watchdog(cfg, root, log, slow_saves)
+    hangs = hang_switch(cfg, scenario, faults)
+    dog = Watchdog(cfg, root, log, slow_saves, hangs)
     try:
         for fault in faults:
-            dog = _inject(cfg, run, fault, dog, tail, log, progress, slow_saves)
+            dog = _inject(cfg, run, fault, dog, tail, log, progress, slow_saves, hangs)
         _wait_for(lambda: dog.proc.poll() is not None, tail, cfg.fault_timeout_s * 2, dog, run, progress)
         run.exit_codes.append(dog.wait(timeout=5))
         tail.poll()
@@ -243,6 +248,16 @@ def run_scenario(
     run.latest_reads = monitor.reads
     run.events = read_events(events_path(root))
     return run
+
+
+def hang_switch(cfg: DrillConfig, scenario: str, faults: list[Fault]) -> switch.Switch | None:
+    """The self-inflicted hangs of a scenario, for the trainer's drill switch (None: there are none)."""
+    hangs = tuple(switch_hang(f) for f in faults if f.kind in SELF_INFLICTED)
+    return switch.Switch(cfg.workdir / "switch" / scenario, hangs) if hangs else None
+
+
+def switch_hang(f: Fault) -> switch.Hang:
+    return switch.Hang(f.rank, f.at_step, switch.When.SAVE if f.kind in IN_SAVE else switch.When.STEP)
 
 
 def _wait_for(
@@ -275,59 +290,76 @@ def _inject(
     log: Path,
     progress: Callable[[str, ScenarioRun], None],
     slow_saves: bool,
+    hangs: switch.Switch | None,
 ) -> Watchdog:
-    """Wait for the fault's step, inject it, and wait for the run to resume; return the watchdog
-    now running (a new one after corrupt-latest, which stops the job)."""
+    """Wait for the fault's step, inject it (or, for a self-inflicted hang, wait until the trainer
+    says it blocked), and wait for the run to resume; return the watchdog now running (a new one
+    after corrupt-latest, which stops the job)."""
 
-    def reached(step: int) -> Callable[[], bool]:
-        return lambda: tail.last is not None and tail.last.step >= step
+    def wait(cond: Callable[[], bool]) -> bool:
+        return _wait_for(cond, tail, cfg.fault_timeout_s, dog, run, progress)
 
-    if not _wait_for(reached(fault.at_step), tail, cfg.fault_timeout_s, dog, run, progress):
-        run.notes.append(f"not injected: the run never reached step {fault.at_step}")
-        return dog
-    if fault.kind == Kind.DURING_SAVE and not _wait_for(
-        lambda: inject.tmp_save_in_flight(run.root, fault.at_step),
-        tail,
-        cfg.fault_timeout_s,
-        dog,
-        run,
-        progress,
-    ):
-        run.notes.append(f"not injected: no async save of step >= {fault.at_step} was seen in flight")
-        return dog
-    launch = tail.last.launch if tail.last else ""
-    in_flight = inject.tmp_save_in_flight(run.root, 0)
-    t0 = time.time()
-    if fault.kind in (Kind.KILL9, Kind.DURING_SAVE, Kind.HANG):
-        sig = signal.SIGSTOP if fault.kind == Kind.HANG else signal.SIGKILL
-        pid = inject.signal_worker(run.root, fault.rank, launch, sig)
-        if pid is None:
-            run.notes.append(f"not injected: no heartbeat of rank {fault.rank} in launch {launch}")
+    if fault.kind in SELF_INFLICTED:
+        assert hangs is not None, "hang_switch() makes a switch for every self-inflicted hang"
+        blocked = _await_self_inflicted(run, fault, hangs, wait)
+        if blocked is None:
             return dog
-        run.notes.append(f"{fault.describe()}: sent {sig.name} to pid {pid} at step {tail.last.step}")
-    elif fault.kind == Kind.PREEMPT:
-        dog.signal(signal.SIGUSR1)
-        run.notes.append(f"{fault.describe()}: at step {tail.last.step}")
+        launch, t0, in_flight = blocked
     else:
-        dog.signal(signal.SIGTERM)
-        run.exit_codes.append(dog.wait(timeout=cfg.fault_timeout_s))
-        tail.poll()
-        did = inject.corrupt_newest(run.root, fault.corruption)
-        run.notes.append(f"{fault.describe()}: job stopped at step {tail.last.step}; {did}")
-        dog = Watchdog(cfg, run.root, log, slow_saves)
+        if not wait(lambda: tail.last is not None and tail.last.step >= fault.at_step):
+            run.notes.append(f"not injected: the run never reached step {fault.at_step}")
+            return dog
+        if fault.kind == Kind.DURING_SAVE and not wait(
+            lambda: inject.tmp_save_in_flight(run.root, fault.at_step)
+        ):
+            run.notes.append(f"not injected: no async save of step >= {fault.at_step} was seen in flight")
+            return dog
+        launch = tail.last.launch if tail.last else ""
+        in_flight = inject.tmp_save_in_flight(run.root, 0)
+        t0 = time.time()
+        if fault.kind in (Kind.KILL9, Kind.DURING_SAVE, Kind.SIGSTOP):
+            sig = signal.SIGSTOP if fault.kind == Kind.SIGSTOP else signal.SIGKILL
+            pid = inject.signal_worker(run.root, fault.rank, launch, sig)
+            if pid is None:
+                run.notes.append(f"not injected: no heartbeat of rank {fault.rank} in launch {launch}")
+                return dog
+            run.notes.append(f"{fault.describe()}: sent {sig.name} to pid {pid} at step {tail.last.step}")
+        elif fault.kind == Kind.PREEMPT:
+            dog.signal(signal.SIGUSR1)
+            run.notes.append(f"{fault.describe()}: at step {tail.last.step}")
+        else:
+            dog.signal(signal.SIGTERM)
+            run.exit_codes.append(dog.wait(timeout=cfg.fault_timeout_s))
+            tail.poll()
+            did = inject.corrupt_newest(run.root, fault.corruption)
+            run.notes.append(f"{fault.describe()}: job stopped at step {tail.last.step}; {did}")
+            dog = Watchdog(cfg, run.root, log, slow_saves, hangs)
     run.injected.append(fault)
     run.fault_times.append(t0)
     run.save_in_flight.append(in_flight)
     progress(f"injected {fault.kind.value}", run)
-    if not _wait_for(
-        lambda: tail.last is not None and tail.last.launch != launch,
-        tail,
-        cfg.fault_timeout_s,
-        dog,
-        run,
-        progress,
-    ):
+    # A launch not seen before: the one the fault hit may not have logged a step yet when the
+    # trainer hung itself, so "a launch other than the last one seen" would be too early.
+    seen = {r.launch for r in tail.records} | {launch}
+    if not wait(lambda: tail.last is not None and tail.last.launch not in seen):
         run.notes.append(f"no resumed step seen within {cfg.fault_timeout_s:.0f}s after {fault.kind.value}")
     else:
         progress(f"resumed at step {tail.last.step}", run)
     return dog
+
+
+def _await_self_inflicted(
+    run: ScenarioRun, fault: Fault, hangs: switch.Switch, wait: Callable[[Callable[[], bool]], bool]
+) -> tuple[str, float, bool] | None:
+    """Wait for the trainer's marker: the launch it hung, when, and whether an async save was in
+    flight then (it stays so: nothing commits while the rank is stuck). None: it never blocked."""
+    marker = hangs.marker(switch_hang(fault))
+    if not wait(marker.exists) or (m := switch.read_marker(marker)) is None:
+        run.notes.append(f"not injected: rank {fault.rank} never blocked at step {fault.at_step} ({marker})")
+        return None
+    in_flight = inject.tmp_save_in_flight(run.root, 0)
+    run.notes.append(
+        f"{fault.describe()}: rank {fault.rank} (pid {m.get('pid')}) blocked at step {m.get('step')} "
+        f"({'an async save in flight' if in_flight else 'no save in flight'})"
+    )
+    return str(m.get("launch", "")), float(m.get("t", time.time())), in_flight

@@ -19,7 +19,7 @@ from supervisor.tiers.uploader import RemoteStatus, read_remote_status
 class TierRow:
     step: int
     name: str
-    local: str  # "valid", "invalid: <reason>" or "-" when absent
+    local: str  # "valid", "invalid: <reason>", "unknown: <reason>" (unreadable) or "-" when absent
     remote: str  # "complete", "incomplete", "corrupt: <reason>", "-" or "?" (remote unreachable)
     bytes: int
 
@@ -55,7 +55,8 @@ def list_tiers(root: str | Path, remote: RemoteTier | None) -> TierListing:
     for ref in list_checkpoints(root):
         v = validate(ref)
         size = v.manifest.total_bytes if v.manifest else 0
-        local[ref.step] = ("valid" if v.ok else f"invalid: {v.reason}", size)
+        state = "valid" if v.ok else f"{'unknown' if v.unknown else 'invalid'}: {v.reason}"
+        local[ref.step] = (state, size)
     remote_v = {}
     error = ""
     if remote is not None:

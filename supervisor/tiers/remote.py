@@ -22,7 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
+from supervisor.ioerrors import describe, is_transient
 from supervisor.layout import MANIFEST, QUARANTINE, REASON, parse_committed, quarantined_dirname, step_dirname
 from supervisor.manifest import FileEntry, ManifestError, checksum_file, parse_manifest
 from supervisor.store import STALE_TMP_AFTER_S, CheckpointRef, begin, commit
@@ -51,6 +53,11 @@ class LocalSourceError(Exception):
     """The local checkpoint to upload is gone (pruned) or does not match its own manifest."""
 
 
+class LocalUnreadable(Exception):
+    """A local file could not be read for a transient I/O error (EIO, ESTALE...): not uploaded
+    now, tried again later; not a verdict on the checkpoint."""
+
+
 @dataclass(frozen=True)
 class Transfer:
     name: str
@@ -71,7 +78,7 @@ def _remote_errors(url: str, what: str) -> Iterator[None]:
     """Anything a backend raises, other than our own verdicts, means: the remote is unavailable."""
     try:
         yield
-    except (IntegrityError, LocalSourceError, RemoteUnavailable):
+    except (IntegrityError, LocalSourceError, LocalUnreadable, RemoteUnavailable):
         raise
     except Exception as e:
         raise RemoteUnavailable(f"{url}: {what} failed ({e.__class__.__name__}: {e})") from e
@@ -133,7 +140,9 @@ class RemoteTier:
         try:
             raw = (ref.path / MANIFEST).read_bytes()
             manifest = parse_manifest(raw)
-        except (OSError, ManifestError) as e:
+        except OSError as e:
+            _local_read_failed(f"{name}/{MANIFEST}", e)
+        except ManifestError as e:
             raise LocalSourceError(f"{name}: local {MANIFEST} unusable ({e}); not uploaded") from None
         there = self.check(ref.step)
         if there is not None and there.ok and there.manifest and same_content(there.manifest, manifest):
@@ -154,7 +163,7 @@ class RemoteTier:
 
             try:
                 total = self._each(put, manifest.files)
-            except LocalSourceError:
+            except (LocalSourceError, LocalUnreadable):
                 self.backend.remove(staging)
                 raise
             self.backend.write(f"{staging}/{MANIFEST}", raw)
@@ -186,7 +195,7 @@ class RemoteTier:
         try:
             size, actual = src.stat().st_size, checksum_file(src)
         except OSError as e:
-            raise LocalSourceError(f"{label} is unreadable locally ({e.strerror}); not uploaded") from None
+            _local_read_failed(label, e)
         if size != entry.size or actual != entry.checksum:
             raise LocalSourceError(
                 f"{label}: local bytes ({size} B, {actual[:12]}..) differ from the manifest "
@@ -273,6 +282,16 @@ class RemoteTier:
             for prefix in (*plan.delete, *plan.clean, *self.backend.stale_staging(stale_after_s)):
                 self.backend.remove(prefix)
         return plan
+
+
+def _local_read_failed(label: str, e: OSError) -> NoReturn:
+    """A transient error (supervisor/ioerrors.py) is tried again later; any other says the local
+    checkpoint is not what its manifest says (or is gone): it is never uploaded."""
+    if is_transient(e):
+        raise LocalUnreadable(
+            f"{label} is unreadable locally ({describe(e)}); not uploaded now, retried later"
+        )
+    raise LocalSourceError(f"{label} is unreadable locally ({describe(e)}); not uploaded")
 
 
 def open_remote(url: str, endpoint: str | None = None) -> RemoteTier:

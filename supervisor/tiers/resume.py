@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,23 +109,42 @@ def prepare_resume(
     local = local_pick()
     result = _local_result(local)
     if remote is not None:
-        try:
-            with file_lock(RunDir.of(root).download_lock, download_lock_timeout_s):
-                # The pick left nothing newer than its choice: anything newer now was committed
-                # meanwhile (another node's download): pick again and use it.
-                if newer_than(result.chosen.step if result.chosen else -1):
-                    result = _local_result(local_pick(), local.quarantined)
-                result = _from_remote(root, remote, result, emit)
-        except TimeoutError as e:  # filelock.Timeout
-            raise RemoteUnavailable(
-                f"{RunDir.of(root).download_lock}: another process has been downloading for "
-                f"{download_lock_timeout_s:.0f}s; retry later ({e})"
-            ) from None
+        with _download_lock(root, download_lock_timeout_s, emit):
+            # The pick left nothing newer than its choice: anything newer now was committed
+            # meanwhile (another node's download): pick again and use it.
+            if newer_than(result.chosen.step if result.chosen else -1):
+                result = _local_result(local_pick(), local.quarantined)
+            result = _from_remote(root, remote, result, emit)
     if result.chosen is None and not allow_fresh_start:
         _refuse_fresh_start(root, remote, local, result)
     if result.chosen is not None and result.manifest is not None:
         check_compatible(Verdict(result.chosen, Evidence.OK, "", result.manifest), expect or Expectation())
     return result
+
+
+@contextmanager
+def _download_lock(root: Path, timeout_s: float, emit: EmitFn) -> Iterator[None]:
+    """The run dir's download lock; waiting for it is announced (``download_wait``), and a wait
+    past ``timeout_s`` is RemoteUnavailable (the watchdog retries later)."""
+    path = RunDir.of(root).download_lock
+    lock = file_lock(path)
+    try:
+        lock.acquire(timeout=0)
+    except TimeoutError:  # filelock.Timeout: another process downloads into this run dir
+        msg = f"another process is resuming {root} from the remote; waiting for it (at most {timeout_s:.0f}s)"
+        log.info("remote: %s", msg)
+        emit("download_wait", msg, lock=str(path))
+        try:
+            lock.acquire(timeout=timeout_s)
+        except TimeoutError:
+            raise RemoteUnavailable(
+                f"{path}: another process has been resuming this run dir from the remote for "
+                f"{timeout_s:.0f}s; retry later"
+            ) from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _local_result(res: PickResult, earlier: tuple[tuple[str, str], ...] = ()) -> ResumeResult:

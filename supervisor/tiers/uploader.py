@@ -39,7 +39,7 @@ from supervisor.store import MIN_KEEP, CheckpointRef, StoreError, list_checkpoin
 from supervisor.tiers.backends import RemoteConfigError
 from supervisor.tiers.events import EmitFn, remote_event_log
 from supervisor.tiers.plan import Lag, plan_uploads, upload_lag
-from supervisor.tiers.remote import LocalSourceError, RemoteTier, RemoteUnavailable, Transfer
+from supervisor.tiers.remote import LocalSourceError, LocalUnreadable, RemoteTier, RemoteUnavailable, Transfer
 
 log = logging.getLogger("supervisor.tiers")
 
@@ -255,6 +255,10 @@ class Uploader:
         except LocalSourceError as e:
             self._local_unusable(ref, e)
             return True
+        except LocalUnreadable as e:  # transient: the next cycle (a submit, the final flush) retries
+            self._update(in_flight=None, last_error=str(e), last_error_time=time.time())
+            self._report(logging.WARNING, "upload_deferred", f"{ref.name}: {e}", step=ref.step, reason=str(e))
+            return False
         except RemoteUnavailable as e:
             self._down(e)
             return False
@@ -268,7 +272,7 @@ class Uploader:
         return Retrying(
             stop=stop_after_attempt(p.attempts),
             wait=wait_exponential(multiplier=p.backoff_initial_s, max=p.backoff_max_s),
-            retry=retry_if_exception_type(RemoteUnavailable),
+            retry=retry_if_exception_type((RemoteUnavailable, LocalUnreadable)),
             sleep=self._sleep,
             before_sleep=self._attempt_failed,
             reraise=True,

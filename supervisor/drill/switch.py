@@ -1,0 +1,76 @@
+"""The drill's switch into the reference trainer: hangs a rank inflicts on itself.
+
+A real hang (a rank that never reaches the next collective) cannot be injected from outside: a
+SIGSTOPped rank is woken by the watchdog's own SIGCONT and then checkpoints on SIGTERM. So the drill
+tells the trainer, in one environment variable, which rank blocks at which step, and where: at the
+step boundary, or right after that step's async save started. The trainer
+(``train_ref/drill_faults.py``) writes a marker before it blocks, so the drill knows the fault
+happened, and a relaunch that reaches the step again runs on. Unset, the trainer ignores all this.
+
+Torch-free and pure apart from reading a marker: the one truth for the format, used by the drill
+and the trainer alike.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+ENV = "TRAIN_REF_DRILL_HANG"
+# The function a rank blocks in; the judge looks for it in the culprit's stack.
+BLOCKING_FUNCTION = "stuck_read"
+
+
+class When(str, Enum):
+    STEP = "step"  # after the step's heartbeat, before the ranks agree at the step boundary
+    SAVE = "save"  # right after the step's async save started, before it can be committed
+
+
+@dataclass(frozen=True)
+class Hang:
+    rank: int
+    step: int
+    when: When = When.STEP
+
+
+@dataclass(frozen=True)
+class Switch:
+    """The hangs of one run, and the directory their markers go to."""
+
+    marker_dir: Path
+    hangs: tuple[Hang, ...]
+
+    def encode(self) -> str:
+        return json.dumps(
+            {
+                "marker_dir": str(self.marker_dir),
+                "hangs": [{"rank": h.rank, "step": h.step, "when": h.when.value} for h in self.hangs],
+            }
+        )
+
+    @classmethod
+    def decode(cls, text: str) -> Switch:
+        """Parse the variable's value; ValueError with one line saying what is wrong."""
+        try:
+            d = json.loads(text)
+            hangs = tuple(Hang(int(h["rank"]), int(h["step"]), When(h["when"])) for h in d["hangs"])
+            return cls(Path(d["marker_dir"]), hangs)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(
+                f"{ENV} is not a drill switch ({type(e).__name__}: {e}); unset it outside `supervisor drill`"
+            ) from None
+
+    def marker(self, h: Hang) -> Path:
+        return self.marker_dir / f"hang_rank_{h.rank:05d}_step_{h.step:08d}_{h.when.value}.json"
+
+
+def read_marker(path: Path) -> dict[str, Any] | None:
+    """What the trainer wrote before it blocked (rank, step, when, pid, launch, t), or None."""
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return d if isinstance(d, dict) else None
