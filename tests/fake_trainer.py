@@ -93,10 +93,13 @@ def spawn_child(root: Path, rank: int) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", CHILD, str(folder / f"rank{rank}_{os.getpid()}.txt")])
 
 
-def wait_for_gate(gate: Path | None, step: int) -> None:
+def wait_for_gate(gate: Path | None, step: int, hb: HeartbeatWriter) -> None:
     """--save-gate: hold the save of ``step`` in phase save until the test creates ``gate/step``
     (e.g. once it has filled the disk, so that this save is the one that meets ENOSPC)."""
-    while gate is not None and not (gate / str(step)).exists():
+    if gate is None:
+        return
+    hb.beat(step, Phase.SAVE, force=True)
+    while not (gate / str(step)).exists():
         time.sleep(0.02)
 
 
@@ -131,12 +134,9 @@ def newest_valid_step(root: Path) -> int:
     return 0
 
 
-def save(
-    root: Path, step: int, world: int, hb: HeartbeatWriter, save_s: float, gate: Path | None = None
-) -> None:
+def save(root: Path, step: int, world: int, hb: HeartbeatWriter, save_s: float) -> None:
     hb.beat(step, Phase.SAVE, force=True)
     time.sleep(save_s)
-    wait_for_gate(gate, step)
     tmp = store.begin(root, step)
     (tmp / STATE_FILE).write_text(str(step))
     store.commit(root, tmp, step=step, world_size=world)
@@ -205,7 +205,8 @@ def worker(a: argparse.Namespace, rank: int) -> int:
             if rank == 0 and a.survive_save_errors:
                 save_or_report(a.root, step, a.ranks, hb)
             elif rank == 0:
-                save(a.root, step, a.ranks, hb, a.save_s, a.save_gate)
+                wait_for_gate(a.save_gate, step, hb)
+                save(a.root, step, a.ranks, hb, a.save_s)
             else:
                 hb.beat(step, Phase.SAVE, force=True)
                 time.sleep(a.save_s)
