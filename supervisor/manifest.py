@@ -252,11 +252,15 @@ def checksum_files(
                 e.filename = e.filename or os.fspath(paths[i])  # a failed read() names no file
                 errors[i] = e
 
-    workers = [threading.Thread(target=work, daemon=True) for _ in range(max(1, min(threads, len(paths))))]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
+    n = min(threads, len(paths))
+    if n <= 1:  # in the calling thread: a read that never returns shows in its stack and syscall
+        work()
+    else:
+        workers = [threading.Thread(target=work, daemon=True) for _ in range(n)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
     if errors:
         raise errors[min(errors)]
     return results
