@@ -19,6 +19,7 @@ from typing import Any, TextIO
 from supervisor.fsutil import atomic_write_json
 from supervisor.layout import RunDir
 from supervisor.policy import LaunchRecord, Outcome
+from supervisor.redact import redact, redact_obj
 
 STATE_VERSION = 1
 # Launch records kept in the state file (the event log keeps every one).
@@ -111,7 +112,7 @@ def read_state(path: str | Path) -> RunState | None:
 def write_state(root: str | Path, state: RunState) -> None:
     path = state_path(root, state.node)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(path, replace(state, updated=time.time()).to_dict())
+    atomic_write_json(path, redact_obj(replace(state, updated=time.time()).to_dict()))
 
 
 class EventLog:
@@ -130,8 +131,8 @@ class EventLog:
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
             "node": self.node,
             "event": event,
-            "msg": msg,
-            **fields,
+            "msg": redact(msg),  # a URL in a message or a field may carry credentials
+            **redact_obj(fields),
         }
         line = json.dumps(rec, sort_keys=False, default=str) + "\n"
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -141,7 +142,7 @@ class EventLog:
         finally:
             os.close(fd)
         if self.echo is not None:
-            print(f"[supervisor {rec['time']}] {msg}", file=self.echo, flush=True)
+            print(f"[supervisor {rec['time']}] {rec['msg']}", file=self.echo, flush=True)
         return rec
 
 

@@ -181,11 +181,13 @@ class Watchdog:
         if self.state.launch_count == 0 or not refs:
             return (refs[0].step if refs else None), None
         try:
-            res = store.pick(self.cfg.root, deep=self.cfg.deep_verify)
+            res = store.pick(self.cfg.root, deep=self.cfg.deep_verify, key=self.cfg.sign_key)
         except store.MismatchError as e:
             return None, f"checkpoint does not match this run: {e}"
         for name, why in res.quarantined:
             self.log.emit("quarantine", f"quarantined {name}: {why}", checkpoint=name, why=why)
+        for name, why in res.untrusted:
+            self.log.emit("untrusted", f"skipped {name}, not trusted: {why}", checkpoint=name, why=why)
         chosen = res.chosen.ref if res.chosen else None
         how = "deep" if self.cfg.deep_verify else "quick"
         msg = (
@@ -208,8 +210,11 @@ class Watchdog:
         wait = self.cfg.policy.backoff.initial_s or 1.0
         while True:
             try:
-                remote = open_remote(self.cfg.remote, self.cfg.remote_endpoint)
-                res = prepare_resume(self.cfg.root, remote, deep=self.cfg.deep_verify, on_event=self.log.emit)
+                key = self.cfg.sign_key
+                remote = open_remote(self.cfg.remote, self.cfg.remote_endpoint, key=key)
+                res = prepare_resume(
+                    self.cfg.root, remote, deep=self.cfg.deep_verify, on_event=self.log.emit, key=key
+                )
             except store.MismatchError as e:
                 return None, f"checkpoint does not match this run: {e}"
             except RemoteUnavailable as e:

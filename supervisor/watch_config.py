@@ -37,3 +37,5 @@ class WatchConfig:
     remote: str | None = None  # URL of the remote tier (docs/tiers.md); None: local only
     remote_endpoint: str | None = None
     remote_wait_s: float = DEFAULT_REMOTE_WAIT_S
+    # --signing-key's key (docs/security.md): picks skip checkpoints not signed with it. Never printed.
+    sign_key: bytes | None = field(default=None, repr=False)
