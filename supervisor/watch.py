@@ -283,6 +283,7 @@ class Watchdog:
                 io_retry_s=self.cfg.io_retry_s,
                 on_retry=self._pick_retry,
                 allow_fresh_start=self.cfg.allow_fresh_start,
+                key=self.cfg.sign_key,
             )
         except _Interrupted:
             return None  # run() acts on the signal
@@ -292,6 +293,8 @@ class Watchdog:
             self._log_quarantined(e.result.quarantined)
             raise _Stop(Exit.CHILD_NONRETRYABLE, str(e)) from None
         self._log_quarantined(res.quarantined)
+        for name, why in res.untrusted:
+            self.log.emit("untrusted", f"skipped {name}, not trusted: {why}", checkpoint=name, why=why)
         chosen = res.chosen.ref if res.chosen else None
         how = "deep" if self.cfg.deep_verify else "quick"
         msg = (
@@ -319,7 +322,8 @@ class Watchdog:
         wait = self.cfg.policy.backoff.initial_s or 1.0
         while True:
             try:
-                remote = open_remote(self.cfg.remote, self.cfg.remote_endpoint)
+                key = self.cfg.sign_key
+                remote = open_remote(self.cfg.remote, self.cfg.remote_endpoint, key=key)
                 res = prepare_resume(
                     self.cfg.root,
                     remote,
@@ -328,6 +332,7 @@ class Watchdog:
                     io_retry_s=self.cfg.io_retry_s,
                     on_retry=self._pick_retry,
                     allow_fresh_start=self.cfg.allow_fresh_start,
+                    key=key,
                 )
             except _Interrupted:
                 return None  # run() acts on the signal

@@ -20,8 +20,9 @@ from supervisor import store
 from supervisor.ioerrors import Evidence
 from train_ref.appender import LineAppender
 from train_ref.checkpointer import _writer
-from train_ref.progress_io import PROGRESS_CHUNK, progress_reader
+from train_ref.progress_io import PROGRESS_CHUNK, ProgressFileSystem
 from train_ref.resume import ShareVerdict, combine, split_by_size
+from train_ref.safe_load import load_dcp
 from train_ref.save_policy import (
     SavePolicy,
     dcp_save_error,
@@ -273,7 +274,7 @@ def test_the_progress_reader_counts_what_dcp_reads_a_chunk_at_a_time(tmp_path):
     dcp.save(saved, storage_writer=_writer(ckpt, tmp_path))
     loaded = {"w": torch.zeros(300_000), "b": torch.zeros(10, dtype=torch.int64)}
     t = _Tracker()
-    dcp.load(loaded, storage_reader=progress_reader(ckpt, tmp_path, t))
+    load_dcp(ckpt, loaded, None, fs=ProgressFileSystem(tmp_path, t))
     assert torch.equal(loaded["w"], saved["w"]) and torch.equal(loaded["b"], saved["b"])
     shard = os.path.getsize(ckpt / "__0_0.distcp")
     assert sum(t.calls) >= shard  # every byte of the shard went through the counter

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pickle
 import shutil
 import sys
 import time
@@ -56,7 +57,8 @@ from supervisor.heartbeat import HeartbeatWriter, Phase, Progress
 from supervisor.layout import step_dirname
 from supervisor.manifest import FileEntry, checksum_file
 from train_ref import agree
-from train_ref.progress_io import PROGRESS_CHUNK, ProgressFileSystem, open_progress, progress_reader
+from train_ref.progress_io import PROGRESS_CHUNK, ProgressFileSystem, open_progress
+from train_ref.safe_load import load_dcp, weights_only_refusal
 from train_ref.save_policy import SaveError, SavePolicy, dcp_save_error, failure_line, give_up, save_error
 from train_ref.state import RankState, TrainState, rank_state_filename
 
@@ -85,6 +87,8 @@ class CommitInfo:
     data_fingerprint: str
     parallelism: dict[str, Any]
     torch_version: str = torch.__version__
+    # --signing-key's key: rank 0 signs every commit with it (docs/security.md); never recorded.
+    sign_key: bytes | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -356,6 +360,7 @@ class Checkpointer:
                 # Every rank's files must be in rank 0's view, else nothing is committed.
                 writers={r: sorted(d) for r, d in enumerate(entries)},
                 on_phase=phase,
+                sign_key=self.info.sign_key,
             )
         except (OSError, store.IncompleteCommit) as e:
             final = self.root / step_dirname(step)
@@ -456,14 +461,16 @@ class Checkpointer:
     ) -> bool:
         """Load shards (DCP reshards to this world size), then this rank's RNG file, every read
         counted into ``progress``. Returns whether the per-rank state was restored; on another
-        world size it cannot map onto the new ranks, and the caller derives fresh streams."""
-        dcp.load(
-            {"app": state},
-            storage_reader=progress_reader(ckpt, self.root, progress),
-            process_group=self.dcp_group,
-        )
+        world size it cannot map onto the new ranks, and the caller derives fresh streams instead.
+        Nothing in the checkpoint is run: a pickle that names anything else than plain data is
+        UnsafePickle, one line (train_ref/safe_load.py)."""
+        load_dcp(ckpt, {"app": state}, self.dcp_group, fs=ProgressFileSystem(self.root, progress))
         if saved_world_size != self.world_size:
             return False
-        with open_progress(ckpt / rank_state_filename(self.rank), progress, self.root) as f:
-            RankState.load(f, skip)
+        path = ckpt / rank_state_filename(self.rank)
+        try:
+            with open_progress(path, progress, self.root) as f:
+                RankState.load(f, skip)
+        except pickle.UnpicklingError as e:
+            raise weights_only_refusal(str(path), e) from None
         return True

@@ -22,7 +22,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
 
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from train_ref.save_policy import storage_cause
@@ -104,10 +103,3 @@ def naming(path: str | os.PathLike[str]) -> Iterator[None]:
         if cause is not None and not cause.filename:
             cause.filename = os.fspath(path)
         raise
-
-
-def progress_reader(ckpt: Path, root: Path, progress: Tracker) -> FileSystemReader:
-    """A DCP storage reader of ``ckpt`` whose reads beat ``progress``."""
-    reader = FileSystemReader(ckpt)
-    reader.fs = ProgressFileSystem(root, progress)
-    return reader

@@ -33,7 +33,7 @@ from supervisor import store
 from supervisor.exitcodes import Exit
 from supervisor.heartbeat import ENV_LAUNCH_ID, HeartbeatWriter, Phase
 from supervisor.ioerrors import Evidence, backoff_s, describe
-from supervisor.manifest import Manifest
+from supervisor.manifest import Manifest, ProgressFn
 from supervisor.tiers.remote import RemoteUnavailable
 from train_ref import agree, tiering
 from train_ref.config import TrainConfig
@@ -120,7 +120,8 @@ def choose_checkpoint(
         hb.beat(0, Phase.VERIFY, force=True)
         mine = None
         if retry is not None:
-            mine = retry.gave_up or _choose(args, expect, cfg, launch, on_retry)
+            progress = hb.tracker(Phase.VERIFY, 0) if args.sign_key is not None else None
+            mine = retry.gave_up or _choose(args, expect, cfg, launch, on_retry, progress)
         choice: Choice = agree.broadcast(mine, None, beat)
         if choice.error or choice.ckpt is None or choice.verified or args.verify != "deep":
             return choice
@@ -228,23 +229,30 @@ def _choose(
     cfg: TrainConfig,
     launch: str,
     on_retry: Callable[[str], None] | None = None,
+    progress: ProgressFn | None = None,
 ) -> Choice:
     """Rank 0: the store's quick pick (walk-back, quarantine, compatibility; with --remote across
-    both tiers first), as a Choice; errors become the Choice's error and exit code."""
+    both tiers first), as a Choice; errors become the Choice's error and exit code. With
+    --signing-key and --verify deep, the store's signed deep check runs here, on rank 0, with
+    ``progress`` (it checks every file's SHA-256 against the signature, and walks past a
+    checkpoint it does not trust, which a spread verify could not make the quick pick do)."""
     root = args.ckpt_root
     on_retry = on_retry or (lambda msg: log.warning("resume: %s", msg))
+    signed_deep = args.verify == "deep" and args.sign_key is not None
     downloaded = None
     try:
         if args.remote:
-            res = tiering.resume(root, args, expect, deep=False, on_retry=on_retry)
+            res = tiering.resume(root, args, expect, deep=signed_deep, on_retry=on_retry)
             downloaded = res.chosen.step if res.source == "remote" and res.chosen else None
         v = store.pick(
             root,
-            deep=False,
+            deep=signed_deep and not args.remote,  # with --remote, checked by the tier resume
             expect=expect,
+            progress=progress,
             io_retry_s=args.io_retry,
             on_retry=on_retry,
             allow_fresh_start=args.allow_fresh_start,
+            key=args.sign_key,
         ).chosen
     except store.MismatchError as e:
         return Choice(launch, error=str(e), code=Exit.MISMATCH)
@@ -261,8 +269,8 @@ def _choose(
     problem = batch_problem(v.ref.name, v.manifest.parallelism.get("global_batch"), cfg)
     if problem:
         return Choice(launch, error=problem, code=Exit.BAD_CONFIG)
-    # A checkpoint downloaded just now had every checksum checked on the way: no second pass.
-    verified = v.ref.step == downloaded
+    # Deep-checked already: signed, or downloaded just now (every checksum checked on the way).
+    verified = signed_deep or v.ref.step == downloaded
     return Choice(launch, v.ref.path, v.manifest.world_size, manifest=v.manifest, verified=verified)
 
 

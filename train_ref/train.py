@@ -4,7 +4,7 @@
         [--parallel ddp|fsdp] [--async-save|--sync-save] [--keep K] [--num-workers W]
         [--config tiny|bench] [--allow-config-change] [--allow-data-change] [--corpus FILE]
         [--log-samples] [--verify quick|deep] [--io-retry S] [--allow-fresh-start]
-        [--max-failed-saves N] [--max-unsaved-s S]
+        [--max-failed-saves N] [--max-unsaved-s S] [--signing-key env:NAME|FILE]
         [--remote URL [--remote-endpoint URL] [--remote-keep N] [--milestone-every M]
          [--remote-busy skip|wait] [--remote-wait-timeout S] [--remote-flush-timeout S]
          [--remote-attempts N]]
@@ -14,7 +14,8 @@ Outputs in the checkpoint root: ``metrics.jsonl`` (rank 0, appended across launc
 checkpoints in the store's layout; with --remote also ``supervisor/remote.json`` and
 ``supervisor/events.remote.jsonl``. Exit codes: supervisor.exitcodes.Exit (0 done, 65 mismatch,
 66 no usable checkpoint, 74 storage (unreadable at resume, or failed saves past the save policy),
-75 preempted and checkpointed, 78 bad config, 1 remote unreachable with nothing local to resume).
+75 preempted and checkpointed, 77 a checkpoint that would have run code refused, 78 bad config,
+1 remote unreachable with nothing local to resume).
 """
 
 from __future__ import annotations
@@ -39,10 +40,13 @@ import torch.distributed as dist
 
 from supervisor import store
 from supervisor.exitcodes import Exit
-from supervisor.fsutil import atomic_write_json
+from supervisor.fsutil import atomic_write_json, restrict_umask
 from supervisor.heartbeat import HeartbeatWriter, Phase
 from supervisor.ioerrors import backoff_s, retry_transient
 from supervisor.layout import FINAL, METRICS, RunDir
+from supervisor.redact import redact_log_handlers
+from supervisor.safepickle import UnsafePickle
+from supervisor.signing import SigningKeyError, add_signing_key_arg, load_key
 from supervisor.tiers.uploader import Uploader
 from train_ref import tiering
 from train_ref.appender import LineAppender
@@ -53,6 +57,7 @@ from train_ref.drill_faults import DrillFaults, When
 from train_ref.model import GPT
 from train_ref.parallel import MODES, full_tensor, parallelize, params_digest, sync_grads
 from train_ref.resume import RETRY_LATER, Choice, choose_checkpoint
+from train_ref.safe_load import refusal_line
 from train_ref.sampler import ResumableBatchSampler
 from train_ref.save_policy import DEFAULT_MAX_FAILED_SAVES, SavePolicy
 from train_ref.schedule import WarmupCosine
@@ -123,6 +128,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="checkpoint check before loading: deep = every file's checksum (DCP has none), quick = sizes",
     )
     tiering.add_args(p)
+    add_signing_key_arg(p)
+    p.set_defaults(sign_key=None)  # the key itself, loaded by main (signing_key)
     # Test-only: skip restoring these state items on resume, to prove each one matters.
     p.add_argument("--ablate", action="append", default=[], choices=ABLATABLE, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -481,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if d.rank == 0 else logging.WARNING,
         format=f"%(asctime)s [rank {d.rank}] %(levelname)s %(message)s",
     )
+    redact_log_handlers()  # a --remote URL or a backend's error may carry credentials
+    restrict_umask()  # nothing this run creates is world-writable (docs/security.md)
     args.ckpt_root.mkdir(parents=True, exist_ok=True)
     hb = HeartbeatWriter(args.ckpt_root, rank=d.rank, local_rank=d.local_rank, world_size=d.world_size)
     hb.beat(0, Phase.STARTUP)
@@ -488,12 +497,14 @@ def main(argv: list[str] | None = None) -> int:
     PREEMPTION.install()
     corpus = Corpus.load(args.corpus)
     cfg = get_config(args.config, corpus.tokenizer.vocab_size)
+    args.sign_key, key_problem = signing_key(args)
     info = CommitInfo(
         model_config_hash=config_hash(cfg),
         data_fingerprint=corpus.fingerprint,
         parallelism={"mode": args.parallel, "world_size": d.world_size, "global_batch": cfg.global_batch},
+        sign_key=args.sign_key,
     )
-    problem = config_problem(args, cfg, d.world_size)
+    problem = config_problem(args, cfg, d.world_size) or key_problem
     choice = Choice("", error=f"bad config: {problem}", code=Exit.BAD_CONFIG) if problem else None
     choice = choice or choose_checkpoint(
         args,
@@ -513,7 +524,13 @@ def main(argv: list[str] | None = None) -> int:
         return code
     uploader = tiering.start_uploader(args.ckpt_root, args) if args.remote and d.rank == 0 else None
     trainer = Trainer(args, d, cfg, corpus, hb, info, choice.launch, uploader)
-    trainer.resume(choice)
+    try:
+        trainer.resume(choice)
+    except UnsafePickle as e:  # nothing of it ran; every rank read the same file and refused it
+        msg = refusal_line(e, args.ckpt_root, choice.ckpt)
+        code = deliberate_exit(hb, d.rank, 0, Phase.LOAD, Exit.UNTRUSTED, msg)
+        dist.destroy_process_group()
+        return code
     try:
         trainer.run()
     except StorageGaveUp as e:  # raised on every rank at the same save
@@ -525,6 +542,16 @@ def main(argv: list[str] | None = None) -> int:
     dist.destroy_process_group()
     stacks.close()
     return code
+
+
+def signing_key(args: argparse.Namespace) -> tuple[bytes | None, str]:
+    """--signing-key's key (None without it), and a one-line problem when it cannot be used."""
+    if not args.signing_key:
+        return None, ""
+    try:
+        return load_key(args.signing_key, outside=(args.ckpt_root, args.remote)), ""
+    except SigningKeyError as e:
+        return None, str(e)
 
 
 def config_problem(args: argparse.Namespace, cfg: TrainConfig, world: int) -> str:
