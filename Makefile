@@ -35,7 +35,7 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check .
 
 # Every benchmark prints ratios measured side by side in one run; results are recorded in README.md.
-BENCHES ?= verify status mttr checkpoint tiers
+BENCHES ?= verify status mttr checkpoint tiers signing
 bench: $(STAMP)
 	for b in $(BENCHES); do echo "== bench/$$b.py"; $(PY) bench/$$b.py || exit 1; done
 

@@ -23,21 +23,26 @@ from supervisor.layout import (
     MANIFEST,
     QUARANTINE_DELETING_PREFIX,
     REASON,
+    SIGNATURE,
     RunDir,
     parse_committed,
     quarantined_dirname,
 )
 from supervisor.manifest import (
+    CHECKSUM_ALGO,
+    NOT_LISTED,
     Manifest,
     ManifestError,
     ProgressFn,
-    checksum_files,
+    hash_files,
     list_files,
     parse_manifest,
 )
 
 if TYPE_CHECKING:
     from filelock import BaseFileLock
+
+    from supervisor.signing import Untrusted
 
 LOCK_TIMEOUT_S = 600.0
 REASON_LOST = "reason unknown: the process that quarantined this checkpoint stopped before writing it"
@@ -71,6 +76,9 @@ class Verdict:
     gone: bool = False
     # UNKNOWN: the error that made it so (its filename names the file).
     error: OSError | None = field(default=None, compare=False, repr=False)
+    # Validated with a signing key: "ok", "unsigned" or "bad signature" (supervisor/signing.py);
+    # "" when no key was given or the content check failed first.
+    signature: str = ""
 
     @property
     def ok(self) -> bool:
@@ -193,10 +201,17 @@ def list_checkpoints(root: str | Path) -> list[CheckpointRef]:
     return sorted(refs, key=lambda r: r.step, reverse=True)
 
 
-def validate(ref: CheckpointRef, deep: bool = False, progress: ProgressFn | None = None) -> Verdict:
+def validate(
+    ref: CheckpointRef, deep: bool = False, progress: ProgressFn | None = None, key: bytes | None = None
+) -> Verdict:
     """Quick: manifest parses, known schema, right step, every file present at its size, nothing
-    unlisted, every rank of a format-2 manifest covered. Deep: also every checksum. The reason
-    names the file and what is wrong. Never raises OSError: what cannot be read is UNKNOWN."""
+    unlisted, every rank of a format-2 manifest covered. Deep: also every checksum, and DCP's
+    pickled ``.metadata`` names nothing outside its allowlist (supervisor/safepickle.py). The reason
+    names the file and what is wrong. Never raises OSError: what cannot be read is UNKNOWN.
+
+    With a signing ``key`` (docs/security.md), a checkpoint that passes is also checked against its
+    ``manifest.sig`` (quick: the HMAC over the manifest; deep: every file's SHA-256, from the same
+    read as the checksums): UNTRUSTED when it is unsigned or the signature is bad."""
 
     def corrupt(why: str) -> Verdict:
         return Verdict(ref, Evidence.CORRUPT, f"{ref.name}: {why}")
@@ -221,7 +236,7 @@ def validate(ref: CheckpointRef, deep: bool = False, progress: ProgressFn | None
     if m.step != ref.step:
         return corrupt(f"{MANIFEST} is for step {m.step}, not {ref.step}")
     try:
-        present = set(list_files(ref.path)) - {MANIFEST}
+        present = set(list_files(ref.path)) - NOT_LISTED
     except OSError as e:
         return unreadable(e, _rel(ref, e.filename, "the directory"))
     for name, entry in sorted(m.files.items()):
@@ -236,17 +251,64 @@ def validate(ref: CheckpointRef, deep: bool = False, progress: ProgressFn | None
     unlisted = sorted(present - set(m.files))
     if unlisted:
         return corrupt(f"{unlisted[0]} is not listed in {MANIFEST}")
+    untrusted: Untrusted | None = None  # the key does not vouch for it
+    sig = None
+    if key is not None:
+        from supervisor import signing
+
+        try:
+            sig_bytes = (ref.path / SIGNATURE).read_bytes()
+        except FileNotFoundError:
+            sig_bytes = None
+        except OSError as e:
+            return unreadable(e, SIGNATURE)
+        try:
+            sig = signing.verify(raw, sig_bytes, m.files, key)
+        except signing.Untrusted as e:
+            untrusted = e
     if deep:
         names = sorted(m.files)
+        algos = (CHECKSUM_ALGO, signing.DIGEST_ALGO) if sig is not None else (CHECKSUM_ALGO,)
         try:
-            sums = checksum_files([os.path.join(ref.path, n) for n in names], progress)
+            sums = hash_files([os.path.join(ref.path, n) for n in names], algos, progress)
         except OSError as e:
             return unreadable(e, _rel(ref, e.filename, "a file"))
-        for name, actual in zip(names, sums, strict=True):
+        for name, (actual, *_) in zip(names, sums, strict=True):
             expected = m.files[name].checksum
             if actual != expected:
                 return corrupt(f"{name} checksum {actual[:12]}.. differs from manifest {expected[:12]}..")
-    return Verdict(ref, Evidence.OK, "", m)
+        problem = _pickles_problem(ref, names)
+        if isinstance(problem, OSError):
+            return unreadable(problem, _rel(ref, problem.filename, "a file"))
+        if problem:
+            return corrupt(problem)
+        if sig is not None:
+            try:
+                signing.check_digests(sig, {n: s[1] for n, s in zip(names, sums, strict=True)})
+            except signing.Untrusted as e:
+                untrusted = e
+    if untrusted is not None:
+        return Verdict(ref, Evidence.UNTRUSTED, f"{ref.name}: {untrusted}", m, signature=untrusted.kind)
+    return Verdict(ref, Evidence.OK, "", m, signature="ok" if key is not None else "")
+
+
+def _pickles_problem(ref: CheckpointRef, names: list[str]) -> str | OSError:
+    """Why a pickled DCP index of the checkpoint may not be loaded ('' when none), or the OSError
+    that kept it from being read."""
+    from supervisor import safepickle
+
+    for name in names:
+        if safepickle.is_dcp_metadata(name):
+            try:
+                data = (ref.path / name).read_bytes()
+            except OSError as e:
+                e.filename = e.filename or os.path.join(ref.path, name)
+                return e
+            try:
+                safepickle.check(data, name)
+            except safepickle.UnsafePickle as e:
+                return str(e)
+    return ""
 
 
 def _rel(ref: CheckpointRef, filename: object, default: str) -> str:

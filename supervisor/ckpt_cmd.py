@@ -25,7 +25,7 @@ from supervisor.exitcodes import Exit
 from supervisor.fsutil import hostname, pid_alive
 from supervisor.ioerrors import describe, is_transient
 from supervisor.layout import MANIFEST, looks_like_run_dir, step_dirname
-from supervisor.manifest import list_files
+from supervisor.manifest import NOT_LISTED, list_files
 from supervisor.store import (
     DEFAULT_KEEP,
     IO_RETRY_S,
@@ -111,6 +111,18 @@ def _not_answering(e: OSError) -> bool:
     return is_transient(e) and not isinstance(e, PermissionError)
 
 
+def _signing_key(args: argparse.Namespace, root: Path) -> bytes | None:
+    """The key of --signing-key (docs/security.md), or None; a one-line StoreError when unusable."""
+    if not args.signing_key:
+        return None
+    from supervisor.signing import SigningKeyError, load_key
+
+    try:
+        return load_key(args.signing_key, outside=(root, getattr(args, "remote", None)))
+    except SigningKeyError as e:
+        raise StoreError(str(e)) from None
+
+
 def _unreadable(line: str) -> int:
     print(f"error: {line}", file=sys.stderr)
     return Exit.UNREADABLE
@@ -141,6 +153,7 @@ def _ckpt_row(v: Verdict, latest: str | None, now: float) -> dict[str, Any]:
         "bytes": nbytes,
         "files": nfiles,
         "latest": v.ref.name == latest,
+        **({"signature": v.signature} if v.signature else {}),  # with --signing-key only
     }
 
 
@@ -153,7 +166,7 @@ def _on_disk(path: Path) -> tuple[int, int]:
     except OSError:
         names = []
     for name in names:
-        if name != MANIFEST:
+        if name not in NOT_LISTED:
             with suppress(OSError):
                 nbytes += os.stat(os.path.join(path, name)).st_size
                 nfiles += 1
@@ -196,7 +209,12 @@ def _ckpt_table(rows: list[dict[str, Any]]) -> str:
     )
 
 
-_STATUS = {Evidence.OK.value: "ok", Evidence.CORRUPT.value: "INVALID", Evidence.UNKNOWN.value: "UNKNOWN"}
+_STATUS = {
+    Evidence.OK.value: "ok",
+    Evidence.CORRUPT.value: "INVALID",
+    Evidence.UNKNOWN.value: "UNKNOWN",
+    Evidence.UNTRUSTED.value: "UNTRUSTED",
+}
 
 
 def _why(row: dict[str, Any]) -> str:
@@ -244,9 +262,12 @@ def _bytes_to_hash(refs: list[CheckpointRef], stop_at_valid: bool) -> int:
 @_one_line_errors
 def cmd_list(args: argparse.Namespace) -> int:
     root = open_run_dir(args.ckpt_root)
+    key = _signing_key(args, root)
     now, me = time.time(), hostname()
     latest = read_latest(root)
-    rows = [_ckpt_row(v, latest, now) for v in _visible([validate(r) for r in list_checkpoints(root)])]
+    rows = [
+        _ckpt_row(v, latest, now) for v in _visible([validate(r, key=key) for r in list_checkpoints(root)])
+    ]
     quarantined = [{"name": q.name, "path": str(q.path), "reason": q.reason} for q in list_quarantined(root)]
     tmps = [_tmp_row(t, "tmp", me) for t in list_tmp(root, now)]
     tmps += [_tmp_row(t, "deleting", me) for t in list_deleting(root, now)]
@@ -271,19 +292,19 @@ def cmd_list(args: argparse.Namespace) -> int:
             )
         )
     if args.remote:
-        tiers = _tier_rows(root, args.remote, args.remote_endpoint)
+        tiers = _tier_rows(root, args.remote, args.remote_endpoint, key)
         doc["tiers"] = tiers
         parts += ["", _tier_table(tiers)]
     _emit(args, doc, "\n".join(parts))
     return Exit.OK
 
 
-def _tier_rows(root: Path, url: str, endpoint: str | None) -> dict[str, Any]:
+def _tier_rows(root: Path, url: str, endpoint: str | None, key: bytes | None) -> dict[str, Any]:
     """Both tiers side by side (supervisor/tiers/listing.py); the remote is reached only here."""
     from supervisor.tiers.listing import list_tiers
     from supervisor.tiers.remote import open_remote
 
-    listing = list_tiers(root, open_remote(url, endpoint))
+    listing = list_tiers(root, open_remote(url, endpoint, key=key), key=key)
     st = listing.status
     return {
         "url": listing.url,
@@ -320,15 +341,18 @@ def _tmp_state(t: dict[str, Any]) -> str:
 @_one_line_errors
 def cmd_verify(args: argparse.Namespace) -> int:
     root = open_run_dir(args.ckpt_root)
+    key = _signing_key(args, root)
     refs = list_checkpoints(root)
     now, latest = time.time(), read_latest(root)
     with _progress(refs, "verify", args.deep, stop_at_valid=False) as progress:
-        verdicts = _visible([validate(r, deep=args.deep, progress=progress) for r in refs])
+        verdicts = _visible([validate(r, deep=args.deep, progress=progress, key=key) for r in refs])
     rows = [_ckpt_row(v, latest, now) for v in verdicts]
     ok = all(v.ok for v in verdicts)
     unknown = sum(v.unknown for v in verdicts)
     doc = {"root": str(root), "deep": args.deep, "ok": ok, "unknown": unknown, "checkpoints": rows}
-    depth = "checksums" if args.deep else "sizes; --deep also checks checksums"
+    depth = "checksums, .metadata" if args.deep else "sizes; --deep also checks checksums and .metadata"
+    if key is not None:
+        depth += ", signatures" + (" and every file's sha256" if args.deep else "")
     summary = f"{sum(v.ok for v in verdicts)} of {len(verdicts)} checkpoints valid ({depth})"
     if unknown:
         summary += f"; {unknown} could not be read (not proof of corruption: retry later)"
@@ -341,9 +365,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def verify_exit(verdicts: list[Verdict]) -> Exit:
-    """1 when a checkpoint is corrupt (a problem was found, whatever else could not be read);
-    else 3 when one could not be read; else 0."""
-    if any(v.evidence is Evidence.CORRUPT for v in verdicts):
+    """1 when a checkpoint is corrupt or (with a key) not trusted: a problem was found, whatever
+    else could not be read; else 3 when one could not be read; else 0."""
+    if any(v.evidence in (Evidence.CORRUPT, Evidence.UNTRUSTED) for v in verdicts):
         return Exit.FOUND_PROBLEM
     return Exit.UNREADABLE if any(v.unknown for v in verdicts) else Exit.OK
 
@@ -351,6 +375,7 @@ def verify_exit(verdicts: list[Verdict]) -> Exit:
 @_one_line_errors
 def cmd_pick(args: argparse.Namespace) -> int:
     root = open_run_dir(args.ckpt_root)
+    key = _signing_key(args, root)
     refs = list_checkpoints(root)
     no_usable = ""
     with _progress(refs, "pick", args.deep, stop_at_valid=True) as progress:
@@ -363,6 +388,7 @@ def cmd_pick(args: argparse.Namespace) -> int:
                 io_retry_s=args.io_retry,
                 on_retry=lambda msg: print(f"warning: {msg}", file=sys.stderr, flush=True),
                 allow_fresh_start=args.allow_fresh_start,
+                key=key,
             )
         except NoUsableCheckpoint as e:
             res, no_usable = e.result, str(e)
@@ -378,6 +404,7 @@ def cmd_pick(args: argparse.Namespace) -> int:
         "latest_before": res.latest_before,
         "latest_after": res.latest_after,
         "no_usable": no_usable or None,
+        **({"untrusted": [{"name": n, "reason": r} for n, r in res.untrusted]} if key is not None else {}),
     }
     _emit(args, doc, "\n".join(_pick_lines(root, res, no_usable)))
     return Exit.OK if chosen is not None else Exit.FOUND_PROBLEM
@@ -387,6 +414,7 @@ def _pick_lines(root: Path, res: PickResult, no_usable: str) -> list[str]:
     chosen = res.chosen
     verb = "would quarantine" if res.dry_run else "quarantined"
     lines = [f"{verb} {n}: {_why({'name': n, 'reason': r})}" for n, r in res.quarantined]
+    lines += [f"skipped {n} (not trusted): {_why({'name': n, 'reason': r})}" for n, r in res.untrusted]
     if no_usable:
         lines.append(no_usable)
     elif chosen is None:
@@ -484,6 +512,8 @@ def _byte_count(text: str) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from supervisor.signing import add_signing_key_arg
+
     ckpt = subparsers.add_parser("ckpt", help="list, verify, pick or prune checkpoints of a run")
     sub = ckpt.add_subparsers(dest="ckpt_command", required=True)
 
@@ -497,15 +527,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = add("list", cmd_list, "committed checkpoints newest first, quarantined ones and tmp dirs")
     p.add_argument("--remote", help="also list the remote tier at this URL (docs/tiers.md)")
     p.add_argument("--remote-endpoint", help="S3 endpoint URL (default: AWS_ENDPOINT_URL or AWS)")
+    add_signing_key_arg(p)
     p = add(
         "verify",
         cmd_verify,
-        "check every committed checkpoint; exit 1 if one is invalid, 3 if one could not be read",
+        "check every committed checkpoint; exit 1 if one is invalid (or not trusted), 3 if one could not be read",
     )
-    p.add_argument("--deep", action="store_true", help="also check every file's checksum")
+    p.add_argument(
+        "--deep", action="store_true", help="also check every file's checksum and DCP's .metadata pickle"
+    )
+    add_signing_key_arg(p)
     p = add(
         "pick", cmd_pick, "choose the newest valid checkpoint, quarantine newer invalid ones, repoint latest"
     )
+    add_signing_key_arg(p)
     p.add_argument("--deep", action="store_true", help="check checksums too (reads every byte)")
     p.add_argument("--dry-run", action="store_true", help="decide and report, change nothing")
     p.add_argument(

@@ -8,6 +8,7 @@ import importlib
 import sys
 
 from supervisor.exitcodes import Exit
+from supervisor.fsutil import restrict_umask
 from supervisor.store import StoreError
 
 # One line per command: its module defines register(subparsers) and sets args.func. Only the
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
     args = parser.parse_args(argv)
+    restrict_umask()  # nothing a command (or the trainer a watchdog starts) creates is world-writable
     try:
         return int(args.func(args))
     except StoreError as e:

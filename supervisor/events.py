@@ -20,6 +20,7 @@ from typing import Any, TextIO
 from supervisor.fsutil import atomic_write_json
 from supervisor.layout import RunDir
 from supervisor.policy import LaunchRecord, Outcome
+from supervisor.redact import redact, redact_obj
 
 STATE_VERSION = 1
 # Launch records kept in the state file (the event log keeps every one).
@@ -194,7 +195,7 @@ def read_state(path: str | Path) -> RunState | None:
 def write_state(root: str | Path, state: RunState) -> None:
     path = state_path(root, state.node)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(path, replace(state, updated=time.time()).to_dict())
+    atomic_write_json(path, redact_obj(replace(state, updated=time.time()).to_dict()))
 
 
 def say(line: str, stream: TextIO | None = None) -> None:
@@ -229,8 +230,8 @@ class EventLog:
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
             "node": self.node,
             "event": event,
-            "msg": msg,
-            **fields,
+            "msg": redact(msg),  # a URL in a message or a field may carry credentials
+            **redact_obj(fields),
         }
         line = (json.dumps(rec, sort_keys=False, default=str) + "\n").encode()
         if len(self.pending) + len(line) > self.MAX_PENDING_BYTES:
@@ -240,7 +241,7 @@ class EventLog:
         else:
             self.dropped += 1
         if self.echo is not None:
-            say(f"[supervisor {rec['time']}] {msg}", self.echo)
+            say(f"[supervisor {rec['time']}] {rec['msg']}", self.echo)
         self.flush()
         return rec
 

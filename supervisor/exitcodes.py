@@ -27,6 +27,10 @@ class Exit(IntEnum):
     # Trainer (sysexits EX_IOERR): storage failed beyond the trainer's policy (e.g. the resume's
     # pick met unreadable checkpoints past --io-retry). Committed checkpoints are intact; retryable.
     STORAGE = 74
+    # Trainer (sysexits EX_NOPERM): refused to load a checkpoint that would have run code (DCP's
+    # .metadata or a pickled state item names something outside its allowlist; docs/security.md).
+    # Not retryable: nothing of it was run, a person must look at it.
+    UNTRUSTED = 77
     # Trainer: bad configuration (unknown config name, impossible batch split...).
     BAD_CONFIG = 78
     # Trainer: preempted; a checkpoint was saved at the step boundary. Relaunch / requeue me.
@@ -45,4 +49,6 @@ class Exit(IntEnum):
     STORAGE_UNAVAILABLE = 14
 
 
-NON_RETRYABLE = frozenset({Exit.USAGE, Exit.MISMATCH, Exit.NO_USABLE_CHECKPOINT, Exit.BAD_CONFIG})
+NON_RETRYABLE = frozenset(
+    {Exit.USAGE, Exit.MISMATCH, Exit.NO_USABLE_CHECKPOINT, Exit.UNTRUSTED, Exit.BAD_CONFIG}
+)

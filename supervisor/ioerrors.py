@@ -36,6 +36,9 @@ class Evidence(str, Enum):
     OK = "ok"
     CORRUPT = "corrupt"  # content evidence: quarantine it
     UNKNOWN = "unknown"  # could not be read: retry, never quarantine
+    # Whole, but not signed with the run's key (only with --signing-key; docs/security.md): never
+    # loaded, never quarantined (a checkpoint from before the key was set is not corrupt).
+    UNTRUSTED = "untrusted"
 
 
 class StorageUnavailable(Exception):

@@ -2,6 +2,7 @@
 
     ROOT/
       step_00000050/                 committed checkpoint: DCP shards, per-rank files, manifest.json
+                                     (and manifest.sig when the run signs its checkpoints)
       step_00000100.tmp.<pid>.<host>/ a checkpoint being written; never listed as a checkpoint
       step_00000020.deleting.<pid>.<host>/  a pruned checkpoint being removed; never listed
       latest                         text pointer to the newest committed checkpoint (a hint only)
@@ -35,6 +36,8 @@ SUPERVISOR = "supervisor"
 LOCK = ".lock"
 DOWNLOAD_LOCK = ".download.lock"
 MANIFEST = "manifest.json"
+# With a signing key (docs/security.md): the manifest's signature, written after it, listed by it never.
+SIGNATURE = "manifest.sig"
 REASON = "reason.txt"
 # A quarantined entry being removed by retention (hidden: never listed as quarantined).
 QUARANTINE_DELETING_PREFIX = ".deleting."

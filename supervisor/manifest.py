@@ -21,7 +21,7 @@ from typing import Any
 
 import xxhash
 
-from supervisor.layout import MANIFEST
+from supervisor.layout import MANIFEST, SIGNATURE
 
 FORMAT_VERSION = 2
 READABLE_VERSIONS = frozenset({1, 2})
@@ -32,6 +32,8 @@ READ_CHUNK = 8 << 20
 VERIFY_THREADS = min(8, os.cpu_count() or 1)
 
 ProgressFn = Callable[[int], None]
+# Files of a checkpoint its manifest does not list: itself, and the signature written after it.
+NOT_LISTED = frozenset({MANIFEST, SIGNATURE})
 
 
 class ManifestError(ValueError):
@@ -118,7 +120,7 @@ def parse_manifest(text: str | bytes) -> Manifest:
             and e["size"] >= 0
             and isinstance(e.get("checksum"), str)
         )
-        if not ok or not _is_safe_relpath(name) or name == MANIFEST:
+        if not ok or not _is_safe_relpath(name) or name in NOT_LISTED:
             raise ManifestError(f"{MANIFEST} entry '{name}' is malformed")
         files[name] = FileEntry(e["size"], e["checksum"])
     writers = _parse_writers(d) if d["format_version"] >= 2 else {}
@@ -208,25 +210,44 @@ def _is_safe_relpath(name: str) -> bool:
     return bool(name) and not name.startswith("/") and ".." not in name.split("/") and "\\" not in name
 
 
-def checksum_file(path: str | Path, progress: ProgressFn | None = None) -> str:
-    """xxh3-128 of a file, read in large chunks into one reused buffer."""
-    h = xxhash.xxh3_128()
+def _hasher(algo: str) -> Any:
+    """A fresh hash object: xxh3-128 (the manifest's checksum) or any hashlib algorithm."""
+    if algo == CHECKSUM_ALGO:
+        return xxhash.xxh3_128()
+    import hashlib  # here: a run without signing never needs it
+
+    return hashlib.new(algo)
+
+
+def hash_file(path: str | Path, algos: Sequence[str], progress: ProgressFn | None = None) -> list[str]:
+    """Hex digests of one file, one per algorithm in ``algos``, from a single read in large chunks
+    into one reused buffer (every algorithm is fed the same chunk)."""
+    hashers = [_hasher(a) for a in algos]
     buf = bytearray(READ_CHUNK)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buf):
-            h.update(view[:n])
+            for h in hashers:
+                h.update(view[:n])
             if progress:
                 progress(n)
-    return h.hexdigest()
+    return [h.hexdigest() for h in hashers]
 
 
-def checksum_files(
-    paths: Sequence[str | Path], progress: ProgressFn | None = None, threads: int = VERIFY_THREADS
-) -> list[str]:
-    """Checksums of many files, in order, hashed by up to ``threads`` threads. Raises the OSError
-    of the first unreadable file (in ``paths`` order); ``progress`` is called under a lock."""
-    results: list[str] = [""] * len(paths)
+def checksum_file(path: str | Path, progress: ProgressFn | None = None) -> str:
+    """xxh3-128 of a file."""
+    return hash_file(path, (CHECKSUM_ALGO,), progress)[0]
+
+
+def hash_files(
+    paths: Sequence[str | Path],
+    algos: Sequence[str] = (CHECKSUM_ALGO,),
+    progress: ProgressFn | None = None,
+    threads: int = VERIFY_THREADS,
+) -> list[list[str]]:
+    """``hash_file`` of many files, in order, by up to ``threads`` threads. Raises the OSError of
+    the first unreadable file (in ``paths`` order); ``progress`` is called under a lock."""
+    results: list[list[str]] = [[] for _ in paths]
     errors: dict[int, OSError] = {}
     lock = threading.Lock()
     todo = iter(range(len(paths)))
@@ -242,7 +263,7 @@ def checksum_files(
             if i is None:
                 return
             try:
-                results[i] = checksum_file(paths[i], tick if progress else None)
+                results[i] = hash_file(paths[i], algos, tick if progress else None)
             except OSError as e:
                 e.filename = e.filename or os.fspath(paths[i])  # a failed read() names no file
                 errors[i] = e
@@ -255,6 +276,13 @@ def checksum_files(
     if errors:
         raise errors[min(errors)]
     return results
+
+
+def checksum_files(
+    paths: Sequence[str | Path], progress: ProgressFn | None = None, threads: int = VERIFY_THREADS
+) -> list[str]:
+    """xxh3-128 checksums of many files, in order (``hash_files``)."""
+    return [h[0] for h in hash_files(paths, (CHECKSUM_ALGO,), progress, threads)]
 
 
 def _raise(e: OSError) -> None:
@@ -276,9 +304,9 @@ def list_files(ckpt_dir: str | Path) -> list[str]:
 
 
 def file_sizes(ckpt_dir: str | Path) -> dict[str, int]:
-    """Size of every file now in ``ckpt_dir``, the manifest aside."""
+    """Size of every file now in ``ckpt_dir``, the manifest and its signature aside."""
     root = Path(ckpt_dir)
-    return {n: (root / n).stat().st_size for n in list_files(root) if n != MANIFEST}
+    return {n: (root / n).stat().st_size for n in list_files(root) if n not in NOT_LISTED}
 
 
 def build_manifest(

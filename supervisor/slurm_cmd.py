@@ -23,6 +23,7 @@ from dataclasses import replace
 from supervisor import events, slurm
 from supervisor.exitcodes import Exit
 from supervisor.fsutil import hostname
+from supervisor.redact import redact
 from supervisor.slurm import JobEnv, Knobs, SlurmError
 
 Handler = Callable[[argparse.Namespace], int]
@@ -48,8 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def say(msg: str) -> None:
-    """One line in the job's output, stamped like the watchdog's lines."""
-    print(f"[slurm {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}] {msg}", flush=True)
+    """One line in the job's output, stamped like the watchdog's lines; URLs redacted (a trainer
+    command's --remote or --remote-endpoint may carry credentials)."""
+    print(f"[slurm {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}] {redact(msg)}", flush=True)
 
 
 def _guarded(func: Handler) -> Handler:

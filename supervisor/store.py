@@ -142,6 +142,8 @@ class PickResult:
     latest_before: str | None = None
     latest_after: str | None = None
     dry_run: bool = False
+    # With a signing key: (name, reason) of the checkpoints skipped as untrusted, newest first.
+    untrusted: tuple[tuple[str, str], ...] = ()
 
 
 # ---------------------------------------------------------------- commit protocol
@@ -173,6 +175,8 @@ def commit(
     known: Mapping[str, FileEntry] | None = None,
     writers: Mapping[int, Collection[str]] | None = None,
     on_phase: Callable[[str], None] | None = None,
+    sign_key: bytes | None = None,
+    digests: Mapping[str, str] | None = None,
 ) -> CheckpointRef:
     """Make ``tmp_dir`` the committed checkpoint ``step_N`` and point ``latest`` at it.
 
@@ -182,6 +186,9 @@ def commit(
     IncompleteCommit and nothing is committed (the tmp dir is left as it is, for the caller to
     remove or a person to inspect). ``on_phase`` is called with "fsync", "manifest", "rename",
     "latest": crash-injection tests use it to die at every point of the protocol.
+
+    ``sign_key``: also write ``manifest.sig`` after the manifest (supervisor/signing.py), with the
+    SHA-256 of every file (``digests`` holds those already computed, e.g. by a download).
     """
     root, tmp = Path(root), Path(tmp_dir)
     phase = on_phase or (lambda _p: None)
@@ -208,10 +215,15 @@ def commit(
         writers=writers,
         sizes=sizes,
     )
-    with open(tmp / MANIFEST, "w") as f:
-        f.write(manifest.to_json())
+    manifest_bytes = manifest.to_json().encode()
+    with open(tmp / MANIFEST, "wb") as f:
+        f.write(manifest_bytes)
         f.flush()
         os.fsync(f.fileno())
+    if sign_key is not None:
+        from supervisor.signing import write_signature
+
+        write_signature(tmp, manifest_bytes, manifest.files, sign_key, digests)
     fsync_dir(tmp)
     final = root / step_dirname(step)
     with root_lock(root):
@@ -244,6 +256,7 @@ def pick(
     io_retry_s: float = IO_RETRY_S,
     on_retry: Callable[[str], None] | None = None,
     allow_fresh_start: bool = False,
+    key: bytes | None = None,
 ) -> PickResult:
     """The checkpoint a resume must use: the newest valid one.
 
@@ -254,11 +267,15 @@ def pick(
     has history (anything quarantined), NoUsableCheckpoint, unless ``allow_fresh_start``. A config
     or data mismatch on the newest valid one raises MismatchError and moves nothing more.
     ``dry_run`` decides the same but changes nothing.
+
+    With a signing ``key``, a checkpoint not signed with it (UNTRUSTED) is skipped: never chosen,
+    never quarantined, listed in ``untrusted``; with nothing trusted left, NoUsableCheckpoint
+    unless ``allow_fresh_start``.
     """
     expect = expect or Expectation()
     cache: _Cache = {}
     return retry_transient(
-        lambda: _pick_once(root, deep, expect, dry_run, progress, cache, allow_fresh_start),
+        lambda: _pick_once(root, deep, expect, dry_run, progress, cache, allow_fresh_start, key),
         deadline_s=io_retry_s,
         what=f"the checkpoint pick in {root}",
         fix=lambda e: unreadable_fix(root, e.filename),
@@ -274,17 +291,18 @@ def _pick_once(
     progress: ProgressFn | None,
     cache: _Cache,
     allow_fresh_start: bool,
+    key: bytes | None,
 ) -> PickResult:
     """One attempt; raises the OSError of the first checkpoint it could not read."""
     root = require_root(root)
     while True:
         if deep:  # minutes on a large checkpoint: never under the lock
-            _deep_pass(root, progress, cache)
+            _deep_pass(root, progress, cache, key)
         with root_lock(root):
-            walk = _walk_locked(root, deep, cache)
+            walk = _walk_locked(root, deep, cache, key)
             if walk is None:  # changed since it was hashed: hash again, outside the lock
                 continue
-            chosen, bad = walk
+            chosen, bad, skipped = walk
             latest_before = read_latest(root)
             if not dry_run:
                 backfill_reasons(root)
@@ -297,16 +315,19 @@ def _pick_once(
             if not dry_run and latest_raw(root) != want:  # also clears a garbage or dangling pointer
                 write_latest(root, latest_after)
         break
-    res = PickResult(chosen, tuple((v.ref.name, v.reason) for v in bad), latest_before, latest_after, dry_run)
+    untrusted = tuple((v.ref.name, v.reason) for v in skipped)
+    res = PickResult(
+        chosen, tuple((v.ref.name, v.reason) for v in bad), latest_before, latest_after, dry_run, untrusted
+    )
     if chosen is None and not allow_fresh_start:
         history = [(v.ref.name, v.reason) for v in bad] if dry_run else []
         history += [(q.name, q.reason) for q in list_quarantined(root)]
-        if history:
-            raise NoUsableCheckpoint(no_usable_message(root, history), res)
+        if history or untrusted:
+            raise NoUsableCheckpoint(no_usable_message(root, history, list(untrusted)), res)
     return res
 
 
-def _deep_pass(root: Path, progress: ProgressFn | None, cache: _Cache) -> None:
+def _deep_pass(root: Path, progress: ProgressFn | None, cache: _Cache, key: bytes | None) -> None:
     """Deep-validate newest first up to the first valid one, reusing verdicts of directories
     unchanged since; raises the error of the first one it cannot read."""
     for ref in list_checkpoints(root):
@@ -315,7 +336,7 @@ def _deep_pass(root: Path, progress: ProgressFn | None, cache: _Cache) -> None:
         if hit is not None and hit[0] == ident:
             v = hit[1]
         else:
-            v = validate(ref, deep=True, progress=progress)
+            v = validate(ref, deep=True, progress=progress, key=key)
             if v.unknown:
                 raise _error(v)
             cache[ref.path] = (ident, v)
@@ -323,13 +344,16 @@ def _deep_pass(root: Path, progress: ProgressFn | None, cache: _Cache) -> None:
             return
 
 
-def _walk_locked(root: Path, deep: bool, cache: _Cache) -> tuple[Verdict | None, list[Verdict]] | None:
-    """Under the lock: the chosen checkpoint and the corrupt ones newer than it, from quick checks
-    (and, when ``deep``, the deep pass's verdicts of directories still the same); None when one
-    changed since the deep pass (not hashed here). Raises the error of one it cannot read."""
-    bad = []
+def _walk_locked(
+    root: Path, deep: bool, cache: _Cache, key: bytes | None
+) -> tuple[Verdict | None, list[Verdict], list[Verdict]] | None:
+    """Under the lock: the chosen checkpoint, the corrupt ones newer than it and the untrusted ones
+    newer than it, from quick checks (and, when ``deep``, the deep pass's verdicts of directories
+    still the same); None when one changed since the deep pass (not hashed here). Raises the
+    error of one it cannot read."""
+    bad, untrusted = [], []
     for ref in list_checkpoints(root):
-        v = validate(ref)
+        v = validate(ref, key=key)
         if v.gone:  # removed meanwhile: nothing to quarantine
             continue
         if v.unknown:
@@ -343,9 +367,12 @@ def _walk_locked(root: Path, deep: bool, cache: _Cache) -> tuple[Verdict | None,
             cache.pop(ref.path)  # was whole when hashed, is not now: the deep pass must see it again
             return None
         if v.ok:
-            return v, bad
-        bad.append(v)
-    return None, bad
+            return v, bad, untrusted
+        if v.evidence is Evidence.UNTRUSTED:  # not corrupt: skipped, left where it is
+            untrusted.append(v)
+        else:
+            bad.append(v)
+    return None, bad, untrusted
 
 
 def _error(v: Verdict) -> OSError:
@@ -367,8 +394,22 @@ def unreadable_fix(root: str | Path, filename: object) -> str:
     )
 
 
-def no_usable_message(root: str | Path, history: list[tuple[str, str]]) -> str:
-    """One line: what the run has that could not be used, and the flag that starts it over."""
+def no_usable_message(
+    root: str | Path, history: list[tuple[str, str]], untrusted: list[tuple[str, str]] | None = None
+) -> str:
+    """One line: what the run has that could not be used, and the flag that starts it over.
+    ``history``: quarantined checkpoints; ``untrusted``: ones skipped for their signature."""
+    if untrusted:
+        name, reason = max(untrusted, key=lambda h: h[0].rsplit("/", 1)[-1])  # remote ones: URL/step_N
+        n, q = len(untrusted), len(history)
+        also = f", and {q} quarantined" if q else ""
+        why = reason.removeprefix(name.rsplit("/", 1)[-1] + ": ")
+        return (
+            f"{root}: no trusted checkpoint: {n} checkpoint{'s are' if n > 1 else ' is'} not signed with "
+            f"this run's key{also} (newest {name}: {why}); check --signing-key, "
+            f"inspect with `python -m supervisor ckpt verify --signing-key ... --ckpt-root {root}`, "
+            "or pass --allow-fresh-start to start from step 0"
+        )
     newest_name, newest_reason = max(history, key=lambda h: h[0])
     why = newest_reason.removeprefix(newest_name.split("-", 1)[0] + ": ")
     n = len(history)

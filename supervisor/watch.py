@@ -283,15 +283,16 @@ class Watchdog:
                 io_retry_s=self.cfg.io_retry_s,
                 on_retry=self._pick_retry,
                 allow_fresh_start=self.cfg.allow_fresh_start,
+                key=self.cfg.sign_key,
             )
         except _Interrupted:
             return None  # run() acts on the signal
         except store.MismatchError as e:
             raise _Stop(Exit.CHILD_NONRETRYABLE, f"checkpoint does not match this run: {e}") from None
         except store.NoUsableCheckpoint as e:
-            self._log_quarantined(e.result.quarantined)
+            self._log_skipped(e.result)
             raise _Stop(Exit.CHILD_NONRETRYABLE, str(e)) from None
-        self._log_quarantined(res.quarantined)
+        self._log_skipped(res)
         chosen = res.chosen.ref if res.chosen else None
         how = "deep" if self.cfg.deep_verify else "quick"
         msg = (
@@ -302,9 +303,12 @@ class Watchdog:
         self.log.emit("pick", msg, checkpoint=chosen.name if chosen else None, verify=how)
         return chosen.step if chosen else None
 
-    def _log_quarantined(self, quarantined: tuple[tuple[str, str], ...]) -> None:
-        for name, why in quarantined:
+    def _log_skipped(self, res: store.PickResult) -> None:
+        """What the pick walked past: quarantined (corrupt) and untrusted (not signed) ones."""
+        for name, why in res.quarantined:
             self.log.emit("quarantine", f"quarantined {name}: {why}", checkpoint=name, why=why)
+        for name, why in res.untrusted:
+            self.log.emit("untrusted", f"skipped {name}, not trusted: {why}", checkpoint=name, why=why)
 
     def _pick_across_tiers(self) -> int | None:
         """Before every launch, the first included (after node loss nothing is local): the newest
@@ -319,7 +323,8 @@ class Watchdog:
         wait = self.cfg.policy.backoff.initial_s or 1.0
         while True:
             try:
-                remote = open_remote(self.cfg.remote, self.cfg.remote_endpoint)
+                key = self.cfg.sign_key
+                remote = open_remote(self.cfg.remote, self.cfg.remote_endpoint, key=key)
                 res = prepare_resume(
                     self.cfg.root,
                     remote,
@@ -328,6 +333,7 @@ class Watchdog:
                     io_retry_s=self.cfg.io_retry_s,
                     on_retry=self._pick_retry,
                     allow_fresh_start=self.cfg.allow_fresh_start,
+                    key=key,
                 )
             except _Interrupted:
                 return None  # run() acts on the signal

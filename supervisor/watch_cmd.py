@@ -7,7 +7,9 @@ import os
 from pathlib import Path
 
 from supervisor import policy, watch_config
+from supervisor.checkpoints import StoreError
 from supervisor.policy import Backoff, Budget, PhaseTimeouts, RestartPolicy
+from supervisor.signing import SigningKeyError, add_signing_key_arg, load_key
 
 EPILOG = """exit codes: 0 done; 10 restart budget exhausted; 11 no progress; 12 non-retryable child
 failure or no usable checkpoint (reason in DIR/supervisor/events.jsonl); 13 preempted and
@@ -132,8 +134,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=watch_config.DEFAULT_REMOTE_WAIT_S,
         help="seconds to retry an unreachable remote when nothing local is valid, then stop",
     )
+    add_signing_key_arg(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     p.set_defaults(func=run, parser=p)
+
+
+def _signing_key(args: argparse.Namespace) -> bytes | None:
+    """--signing-key's key; a bad one is a one-line error (exit 2) before anything is launched."""
+    if not args.signing_key:
+        return None
+    try:
+        return load_key(args.signing_key, outside=(args.ckpt_root, args.remote))
+    except SigningKeyError as e:
+        raise StoreError(str(e)) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -184,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
         reap_timeout_s=args.reap_timeout,
         dead_rank_grace_s=args.dead_rank_grace,
         preempt_fallback_s=args.preempt_fallback,
+        sign_key=_signing_key(args),
     )
     from supervisor.watch import watch  # the loop and its process machinery: only when watching
 

@@ -52,3 +52,5 @@ class WatchConfig:
     reap_timeout_s: float = DEFAULT_REAP_TIMEOUT_S
     dead_rank_grace_s: float = DEFAULT_DEAD_RANK_GRACE_S
     preempt_fallback_s: float = DEFAULT_PREEMPT_FALLBACK_S
+    # --signing-key's key (docs/security.md): picks skip checkpoints not signed with it. Never printed.
+    sign_key: bytes | None = field(default=None, repr=False)

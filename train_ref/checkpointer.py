@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -37,6 +38,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from supervisor import store
 from supervisor.manifest import FileEntry, checksum_file
+from train_ref.safe_load import load_dcp, weights_only_refusal
 from train_ref.state import RankState, TrainState, rank_state_filename
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,8 @@ class CommitInfo:
     data_fingerprint: str
     parallelism: dict[str, Any]
     torch_version: str = torch.__version__
+    # --signing-key's key: rank 0 signs every commit with it (docs/security.md); never recorded.
+    sign_key: bytes | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -199,6 +203,7 @@ class Checkpointer:
                 meta=meta,
                 known=known,
                 writers=writers,
+                sign_key=self.info.sign_key,
             )
             if self.on_commit is not None:
                 log.info("committed %s", ref.name)
@@ -217,11 +222,16 @@ class Checkpointer:
     def load(self, ckpt: Path, state: TrainState, *, saved_world_size: int, skip: frozenset[str]) -> bool:
         """Load shards (DCP reshards to this world size), then this rank's RNG file. Returns whether
         the per-rank state was restored; on another world size it cannot map onto the new ranks,
-        and the caller derives fresh streams instead."""
-        dcp.load({"app": state}, checkpoint_id=ckpt, process_group=self.dcp_group)
+        and the caller derives fresh streams instead. Nothing in the checkpoint is run: a pickle
+        that names anything else than plain data is UnsafePickle, one line (train_ref/safe_load.py)."""
+        load_dcp(ckpt, {"app": state}, self.dcp_group)
         if saved_world_size != self.world_size:
             return False
-        RankState.load(ckpt / rank_state_filename(self.rank), skip)
+        path = ckpt / rank_state_filename(self.rank)
+        try:
+            RankState.load(path, skip)
+        except pickle.UnpicklingError as e:
+            raise weights_only_refusal(str(path), e) from None
         return True
 
 

@@ -61,19 +61,20 @@ def resume(root: Path, args: argparse.Namespace, expect: store.Expectation, deep
     ``store.pick`` does."""
     return prepare_resume(
         root,
-        open_remote(args.remote, args.remote_endpoint),
+        open_remote(args.remote, args.remote_endpoint, key=args.sign_key),
         deep=deep,
         expect=expect,
         io_retry_s=args.io_retry,
         on_retry=lambda msg: log.warning("resume: %s", msg),
         allow_fresh_start=args.allow_fresh_start,
+        key=args.sign_key,
     )
 
 
 def start_uploader(root: Path, args: argparse.Namespace) -> Uploader:
     """Rank 0's uploader; its first cycle catches up on what the remote lacks."""
     up = Uploader(root, open_remote(args.remote, args.remote_endpoint), policy(args)).start()
-    log.info("remote tier %s: uploads in the background (busy policy %s)", args.remote, args.remote_busy)
+    log.info("remote tier %s: uploads in the background (busy policy %s)", up.remote.url, args.remote_busy)
     return up
 
 

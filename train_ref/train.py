@@ -3,7 +3,7 @@
     torchrun --nproc-per-node=N -m train_ref.train --ckpt-root DIR --steps S --save-every K --seed X
         [--parallel ddp|fsdp] [--async-save|--sync-save] [--keep K] [--num-workers W]
         [--config tiny|bench] [--allow-config-change] [--allow-data-change] [--corpus FILE]
-        [--log-samples] [--verify quick|deep]
+        [--log-samples] [--verify quick|deep] [--signing-key env:NAME|FILE]
         [--remote URL [--remote-endpoint URL] [--remote-keep N] [--milestone-every M]
          [--remote-busy skip|wait] [--remote-wait-timeout S] [--remote-flush-timeout S]
          [--remote-attempts N]]
@@ -12,7 +12,8 @@ Outputs in the checkpoint root: ``metrics.jsonl`` (rank 0, appended across launc
 ``final.json`` (at the end), ``samples/rank_NNNNN.jsonl`` (with --log-samples), heartbeats and
 checkpoints in the store's layout; with --remote also ``supervisor/remote.json`` and
 ``supervisor/events.remote.jsonl``. Exit codes: supervisor.exitcodes.Exit (0 done, 65 mismatch,
-75 preempted and checkpointed, 78 bad config, 1 remote unreachable with nothing local to resume).
+75 preempted and checkpointed, 77 a checkpoint that would have run code refused, 78 bad config,
+1 remote unreachable with nothing local to resume).
 """
 
 from __future__ import annotations
@@ -37,9 +38,12 @@ import torch.distributed as dist
 
 from supervisor import store
 from supervisor.exitcodes import Exit
-from supervisor.fsutil import atomic_write_json
+from supervisor.fsutil import atomic_write_json, restrict_umask
 from supervisor.heartbeat import ENV_LAUNCH_ID, HeartbeatWriter, Phase
 from supervisor.layout import FINAL, METRICS, RunDir
+from supervisor.redact import redact_log_handlers
+from supervisor.safepickle import UnsafePickle
+from supervisor.signing import SigningKeyError, add_signing_key_arg, load_key
 from supervisor.tiers.remote import RemoteUnavailable
 from supervisor.tiers.uploader import Uploader
 from train_ref import tiering
@@ -49,6 +53,7 @@ from train_ref.data import Corpus, WindowDataset, collate
 from train_ref.drill_faults import DrillFaults, When
 from train_ref.model import GPT
 from train_ref.parallel import MODES, full_tensor, parallelize, params_digest, sync_grads
+from train_ref.safe_load import refusal_line
 from train_ref.sampler import ResumableBatchSampler
 from train_ref.schedule import WarmupCosine
 from train_ref.signals import PreemptionFlag, register_stack_dump
@@ -106,6 +111,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="checkpoint check before loading: deep = every file's checksum (DCP has none), quick = sizes",
     )
     tiering.add_args(p)
+    add_signing_key_arg(p)
+    p.set_defaults(sign_key=None)  # the key itself, loaded by main (signing_key)
     # Test-only: skip restoring these state items on resume, to prove each one matters.
     p.add_argument("--ablate", action="append", default=[], choices=ABLATABLE, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -450,6 +457,7 @@ def _choose(args: argparse.Namespace, expect: store.Expectation, cfg: TrainConfi
             io_retry_s=args.io_retry,
             on_retry=lambda msg: log.warning("resume: %s", msg),
             allow_fresh_start=args.allow_fresh_start,
+            key=args.sign_key,
         ).chosen
     except store.MismatchError as e:
         return Choice(launch, error=str(e), code=Exit.MISMATCH)
@@ -498,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if d.rank == 0 else logging.WARNING,
         format=f"%(asctime)s [rank {d.rank}] %(levelname)s %(message)s",
     )
+    redact_log_handlers()  # a --remote URL or a backend's error may carry credentials
+    restrict_umask()  # nothing this run creates is world-writable (docs/security.md)
     args.ckpt_root.mkdir(parents=True, exist_ok=True)
     hb = HeartbeatWriter(args.ckpt_root, rank=d.rank, local_rank=d.local_rank, world_size=d.world_size)
     hb.beat(0, Phase.STARTUP)
@@ -505,12 +515,14 @@ def main(argv: list[str] | None = None) -> int:
     PREEMPTION.install()
     corpus = Corpus.load(args.corpus)
     cfg = get_config(args.config, corpus.tokenizer.vocab_size)
+    args.sign_key, key_problem = signing_key(args)
     info = CommitInfo(
         model_config_hash=config_hash(cfg),
         data_fingerprint=corpus.fingerprint,
         parallelism={"mode": args.parallel, "world_size": d.world_size, "global_batch": cfg.global_batch},
+        sign_key=args.sign_key,
     )
-    problem = config_problem(args, cfg, d.world_size)
+    problem = config_problem(args, cfg, d.world_size) or key_problem
     choice = Choice("", error=f"bad config: {problem}", code=Exit.BAD_CONFIG) if problem else None
     choice = choice or choose_checkpoint(
         args,
@@ -529,7 +541,13 @@ def main(argv: list[str] | None = None) -> int:
         return code
     uploader = tiering.start_uploader(args.ckpt_root, args) if args.remote and d.rank == 0 else None
     trainer = Trainer(args, d, cfg, corpus, hb, info, choice.launch, uploader)
-    trainer.resume(choice)
+    try:
+        trainer.resume(choice)
+    except UnsafePickle as e:  # nothing of it ran; every rank read the same file and refused it
+        msg = refusal_line(e, args.ckpt_root, choice.ckpt)
+        code = deliberate_exit(hb, d.rank, 0, Phase.LOAD, Exit.UNTRUSTED, msg)
+        dist.destroy_process_group()
+        return code
     trainer.run()
     trainer.finish()
     trainer.close_uploader(args.remote_flush_timeout)
@@ -537,6 +555,16 @@ def main(argv: list[str] | None = None) -> int:
     dist.destroy_process_group()
     stacks.close()
     return code
+
+
+def signing_key(args: argparse.Namespace) -> tuple[bytes | None, str]:
+    """--signing-key's key (None without it), and a one-line problem when it cannot be used."""
+    if not args.signing_key:
+        return None, ""
+    try:
+        return load_key(args.signing_key, outside=(args.ckpt_root, args.remote)), ""
+    except SigningKeyError as e:
+        return None, str(e)
 
 
 def config_problem(args: argparse.Namespace, cfg: TrainConfig, world: int) -> str:

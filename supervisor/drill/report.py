@@ -11,6 +11,7 @@ from supervisor.drill.judge import StepRecord, Verdict, fault_windows
 from supervisor.drill.runner import ScenarioRun
 from supervisor.fmt import table
 from supervisor.layout import step_dirname
+from supervisor.redact import redact
 from supervisor.store import list_tmp
 
 # Watchdog events worth showing between a fault and the first resumed step.
@@ -166,4 +167,4 @@ def write_report(
             "",
             timeline(run, v),
         ]
-    path.write_text("\n".join(parts))
+    path.write_text(redact("\n".join(parts)))  # events and notes may quote a URL with credentials

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from supervisor.fsutil import atomic_write_bytes, fsync_dir, fsync_file, fsync_tree, hostname, pid_alive
 from supervisor.layout import MANIFEST, deleting_dirname, parse_committed, tmp_dirname
+from supervisor.redact import redact
 from supervisor.store import StoreError, list_deleting, list_tmp, root_lock, tmp_is_stale
 
 ENV_ENDPOINT = "AWS_ENDPOINT_URL"
@@ -252,7 +253,8 @@ def is_dir_url(url: str) -> bool:
 
 
 def open_backend(url: str, endpoint: str | None = None) -> Backend:
-    """The backend for ``url``; a one-line RemoteConfigError when it cannot be used."""
+    """The backend for ``url``; a one-line RemoteConfigError when it cannot be used (the URL in it
+    redacted: it may carry credentials)."""
     if not url:
         raise RemoteConfigError("--remote is empty: give a directory, file://PATH or s3://BUCKET/PREFIX")
     if is_dir_url(url):
@@ -260,11 +262,11 @@ def open_backend(url: str, endpoint: str | None = None) -> Backend:
         return DirBackend(Path(path).absolute())
     protocol, rest = url.split("://", 1)
     if not rest.strip("/"):
-        raise RemoteConfigError(f"{url}: name a bucket (and a prefix), e.g. {protocol}://bucket/run1")
+        raise RemoteConfigError(f"{redact(url)}: name a bucket (and a prefix), e.g. {protocol}://bucket/run1")
     try:
         import fsspec
     except ImportError:
-        raise RemoteConfigError(f"{url}: remote URLs need fsspec (pip install fsspec)") from None
+        raise RemoteConfigError(f"{redact(url)}: remote URLs need fsspec (pip install fsspec)") from None
     options: dict[str, Any] = {"skip_instance_cache": True, "use_listings_cache": False}
     if protocol in ("s3", "s3a"):
         options.update(_s3_options(endpoint or os.environ.get(ENV_ENDPOINT)))
@@ -273,11 +275,11 @@ def open_backend(url: str, endpoint: str | None = None) -> Backend:
     except ImportError as e:
         extra = "s3" if protocol in ("s3", "s3a") else protocol
         raise RemoteConfigError(
-            f"{url}: the {protocol}:// scheme needs a package ({e}); "
+            f"{redact(url)}: the {protocol}:// scheme needs a package ({e}); "
             f"pip install 'resumable-training[{extra}]'"
         ) from None
     except ValueError as e:
-        raise RemoteConfigError(f"{url}: {e}") from None
+        raise RemoteConfigError(redact(f"{url}: {e}")) from None
     if protocol in ("s3", "s3a"):
         fs.retries = 1
     return FsspecBackend(url, fs, root.rstrip("/"))

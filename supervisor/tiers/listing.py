@@ -8,19 +8,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from supervisor.ioerrors import Evidence
 from supervisor.layout import step_dirname
 from supervisor.store import list_checkpoints, validate
 from supervisor.tiers.plan import RemoteState
 from supervisor.tiers.remote import RemoteTier, RemoteUnavailable
 from supervisor.tiers.uploader import RemoteStatus, read_remote_status
 
+_LOCAL_STATE = {Evidence.UNTRUSTED: "untrusted"}
+
 
 @dataclass(frozen=True)
 class TierRow:
     step: int
     name: str
-    local: str  # "valid", "invalid: <reason>", "unknown: <reason>" (unreadable) or "-" when absent
-    remote: str  # "complete", "incomplete", "corrupt: <reason>", "-" or "?" (remote unreachable)
+    # "valid", "invalid: <reason>", "unknown: <reason>" (unreadable), "untrusted: <reason>" (with a
+    # signing key) or "-" when absent
+    local: str
+    remote: (
+        str  # "complete", "incomplete", "corrupt: <reason>", "untrusted: <reason>", "-" or "?" (unreachable)
+    )
     bytes: int
 
     @property
@@ -49,13 +56,15 @@ class TierListing:
         return max(0, newest_local - newest_remote)
 
 
-def list_tiers(root: str | Path, remote: RemoteTier | None) -> TierListing:
-    """Every checkpoint of either tier, newest first; the remote column is "?" when unreachable."""
+def list_tiers(root: str | Path, remote: RemoteTier | None, key: bytes | None = None) -> TierListing:
+    """Every checkpoint of either tier, newest first; the remote column is "?" when unreachable.
+    ``key``: judge local signatures too (give ``remote`` the same key for its column)."""
     local = {}
     for ref in list_checkpoints(root):
-        v = validate(ref)
+        v = validate(ref, key=key)
         size = v.manifest.total_bytes if v.manifest else 0
-        state = "valid" if v.ok else f"{'unknown' if v.unknown else 'invalid'}: {v.reason}"
+        word = "unknown" if v.unknown else _LOCAL_STATE.get(v.evidence, "invalid")
+        state = "valid" if v.ok else f"{word}: {v.reason}"
         local[ref.step] = (state, size)
     remote_v = {}
     error = ""
@@ -70,8 +79,8 @@ def list_tiers(root: str | Path, remote: RemoteTier | None) -> TierListing:
         rv = remote_v.get(step)
         if rv is None:
             rstate = "?" if error else "-"
-        elif rv.state is RemoteState.CORRUPT:
-            rstate = f"corrupt: {rv.reason}"
+        elif rv.state in (RemoteState.CORRUPT, RemoteState.UNTRUSTED):
+            rstate = f"{rv.state.value}: {rv.reason}"
         else:
             rstate = rv.state.value
         if rv is not None and rv.manifest is not None:

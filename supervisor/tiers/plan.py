@@ -12,8 +12,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 
-from supervisor.layout import MANIFEST
-from supervisor.manifest import Manifest, ManifestError, parse_manifest
+from supervisor.layout import MANIFEST, SIGNATURE
+from supervisor.manifest import NOT_LISTED, Manifest, ManifestError, parse_manifest
+from supervisor.signing import Signature, Untrusted, verify
 from supervisor.store import plan_retention
 
 
@@ -21,6 +22,9 @@ class RemoteState(str, Enum):
     COMPLETE = "complete"  # the commit marker holds: usable
     INCOMPLETE = "incomplete"  # no manifest yet: an upload in flight or killed; never used
     CORRUPT = "corrupt"  # a manifest, but the objects do not match it: quarantine
+    # Complete, but not signed with the resuming run's key (docs/security.md): skipped, never
+    # downloaded, never quarantined.
+    UNTRUSTED = "untrusted"
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,7 @@ class RemoteVerdict:
     state: RemoteState
     reason: str = ""
     manifest: Manifest | None = None
+    signature: Signature | None = None  # judged with a key and trusted: what it signs
 
     @property
     def ok(self) -> bool:
@@ -37,9 +42,16 @@ class RemoteVerdict:
 
 
 def judge_listing(
-    name: str, step: int, sizes: Mapping[str, int], manifest_bytes: bytes | None
+    name: str,
+    step: int,
+    sizes: Mapping[str, int],
+    manifest_bytes: bytes | None,
+    key: bytes | None = None,
+    sig_bytes: bytes | None = None,
 ) -> RemoteVerdict:
-    """Apply the commit marker to one listed checkpoint prefix (sizes relative to it)."""
+    """Apply the commit marker to one listed checkpoint prefix (sizes relative to it). With a
+    signing ``key``, a complete one is also checked against its ``manifest.sig`` (``sig_bytes``,
+    None when it has none): UNTRUSTED when unsigned or badly signed."""
     if manifest_bytes is None:
         return RemoteVerdict(name, step, RemoteState.INCOMPLETE, f"{name}: {MANIFEST} is missing")
 
@@ -57,10 +69,16 @@ def judge_listing(
             return corrupt(f"{rel} is missing")
         if sizes[rel] != entry.size:
             return corrupt(f"{rel} is {sizes[rel]} bytes, manifest says {entry.size}")
-    unlisted = sorted(set(sizes) - set(m.files) - {MANIFEST})
+    unlisted = sorted(set(sizes) - set(m.files) - NOT_LISTED)
     if unlisted:
         return corrupt(f"{unlisted[0]} is not listed in {MANIFEST}")
-    return RemoteVerdict(name, step, RemoteState.COMPLETE, "", m)
+    if key is None:
+        return RemoteVerdict(name, step, RemoteState.COMPLETE, "", m)
+    try:
+        sig = verify(manifest_bytes, sig_bytes if SIGNATURE in sizes else None, m.files, key)
+    except Untrusted as e:
+        return RemoteVerdict(name, step, RemoteState.UNTRUSTED, f"{name}: {e}", m)
+    return RemoteVerdict(name, step, RemoteState.COMPLETE, "", m, sig)
 
 
 def same_content(a: Manifest, b: Manifest) -> bool:

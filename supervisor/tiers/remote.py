@@ -25,8 +25,25 @@ from pathlib import Path
 from typing import NoReturn
 
 from supervisor.ioerrors import describe, is_transient
-from supervisor.layout import MANIFEST, QUARANTINE, REASON, parse_committed, quarantined_dirname, step_dirname
-from supervisor.manifest import FileEntry, ManifestError, checksum_file, parse_manifest
+from supervisor.layout import (
+    MANIFEST,
+    QUARANTINE,
+    REASON,
+    SIGNATURE,
+    parse_committed,
+    quarantined_dirname,
+    step_dirname,
+)
+from supervisor.manifest import (
+    CHECKSUM_ALGO,
+    FileEntry,
+    ManifestError,
+    checksum_file,
+    hash_file,
+    parse_manifest,
+)
+from supervisor.redact import redact
+from supervisor.signing import BAD, DIGEST_ALGO
 from supervisor.store import STALE_TMP_AFTER_S, CheckpointRef, begin, commit
 from supervisor.tiers.backends import Backend, open_backend
 from supervisor.tiers.plan import (
@@ -47,6 +64,11 @@ class RemoteUnavailable(Exception):
 
 class IntegrityError(Exception):
     """Bytes that do not match their manifest; the message names the checkpoint and the file."""
+
+
+class RemoteUntrusted(Exception):
+    """With a signing key: a remote checkpoint not signed with it (unsigned, a bad signature, or
+    bytes that differ from the signed digests). Skipped by a resume; never quarantined."""
 
 
 class LocalSourceError(Exception):
@@ -78,21 +100,27 @@ def _remote_errors(url: str, what: str) -> Iterator[None]:
     """Anything a backend raises, other than our own verdicts, means: the remote is unavailable."""
     try:
         yield
-    except (IntegrityError, LocalSourceError, LocalUnreadable, RemoteUnavailable):
+    except (IntegrityError, RemoteUntrusted, LocalSourceError, LocalUnreadable, RemoteUnavailable):
         raise
-    except Exception as e:
-        raise RemoteUnavailable(f"{url}: {what} failed ({e.__class__.__name__}: {e})") from e
+    except Exception as e:  # a backend's text may quote the URL, credentials included: redacted
+        raise RemoteUnavailable(redact(f"{url}: {what} failed ({e.__class__.__name__}: {e})")) from e
 
 
 class RemoteTier:
-    """One remote tier. Methods raise RemoteUnavailable when the remote cannot be reached."""
+    """One remote tier. Methods raise RemoteUnavailable when the remote cannot be reached.
 
-    def __init__(self, backend: Backend) -> None:
+    With a signing ``key`` (a resume's tier; docs/security.md), checkpoints not signed with it are
+    UNTRUSTED, a download checks every file's SHA-256 against the signed one and signs the local
+    copy it commits. Without one (the uploader's tier) signatures are only carried along."""
+
+    def __init__(self, backend: Backend, key: bytes | None = None) -> None:
         self.backend = backend
+        self.key = key
 
     @property
     def url(self) -> str:
-        return self.backend.url
+        """The URL as every message and status file shows it: credentials redacted."""
+        return redact(self.backend.url)
 
     # ------------------------------------------------------------ discovery
 
@@ -104,7 +132,9 @@ class RemoteTier:
             if not sizes:
                 return None
             raw = self.backend.read(f"{name}/{MANIFEST}") if MANIFEST in sizes else None
-        return judge_listing(name, step, sizes, raw)
+            signed = self.key is not None and raw is not None and SIGNATURE in sizes
+            sig = self.backend.read(f"{name}/{SIGNATURE}") if signed else None
+        return judge_listing(name, step, sizes, raw, self.key, sig)
 
     def scan(self) -> list[RemoteVerdict]:
         """Every checkpoint prefix on the remote (complete, incomplete or corrupt), newest first."""
@@ -163,9 +193,12 @@ class RemoteTier:
 
             try:
                 total = self._each(put, manifest.files)
+                signature = _read_local(ref.path / SIGNATURE, f"{name}/{SIGNATURE}")
             except (LocalSourceError, LocalUnreadable):
                 self.backend.remove(staging)
                 raise
+            if signature is not None:  # carried along: a keyed resume from the remote checks it
+                self.backend.write(f"{staging}/{SIGNATURE}", signature)
             self.backend.write(f"{staging}/{MANIFEST}", raw)
             self.backend.publish(staging, name)
         landed = self.check(ref.step)  # one LIST + GET: what a resume will see
@@ -209,19 +242,26 @@ class RemoteTier:
     def download(self, step: int, local_root: str | Path, on_file: OnFile | None = None) -> CheckpointRef:
         """Fetch a complete remote checkpoint into ``local_root`` and commit it there.
 
-        Raises IntegrityError (quarantine it and walk back) or RemoteUnavailable (try later).
+        Raises IntegrityError (quarantine it and walk back), RemoteUntrusted (with a key: not
+        signed with it; skip it, never quarantine) or RemoteUnavailable (try later).
         """
         name = step_dirname(step)
         v = self.check(step)
         if v is None or v.state is RemoteState.INCOMPLETE:
             raise IntegrityError(f"{name}: not a complete checkpoint on {self.url}")
+        if v.state is RemoteState.UNTRUSTED:
+            raise RemoteUntrusted(v.reason)
         if not v.ok or v.manifest is None:
             raise IntegrityError(v.reason)
         m = v.manifest
+        signed = v.signature.files if v.signature is not None else None
+        digests: dict[str, str] = {}
         tmp = begin(local_root, step)
 
         def get(rel: str, entry: FileEntry) -> int:
-            self._get_checked(f"{name}/{rel}", tmp / rel, entry)
+            digest = self._get_checked(f"{name}/{rel}", tmp / rel, entry, signed)
+            if digest:
+                digests[rel] = digest
             if on_file:
                 on_file(rel, entry.size)
             return entry.size
@@ -240,25 +280,36 @@ class RemoteTier:
                 meta=m.meta,
                 known=m.files,
                 writers=m.writers or None,  # a format-1 remote manifest records none
+                sign_key=self.key if signed is not None else None,  # verified: signed again here
+                digests=digests,
             )
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
 
-    def _get_checked(self, key: str, dest: Path, entry: FileEntry) -> None:
-        """Download, then hash what landed (from the page cache) against the manifest."""
+    def _get_checked(self, key: str, dest: Path, entry: FileEntry, signed: Mapping[str, str] | None) -> str:
+        """Download, then hash what landed (from the page cache) against the manifest and, when
+        ``signed`` (name -> signed SHA-256), against its signature; returns that SHA-256 ('' unsigned)."""
         dest.parent.mkdir(parents=True, exist_ok=True)
         with _remote_errors(self.url, f"downloading {key}"):
             try:
                 self.backend.get_file(key, dest)
             except FileNotFoundError:
                 raise IntegrityError(f"{key} vanished from {self.url} while downloading") from None
-        size, actual = dest.stat().st_size, checksum_file(dest)
+        algos = (CHECKSUM_ALGO,) if signed is None else (CHECKSUM_ALGO, DIGEST_ALGO)
+        size, (actual, *digest) = dest.stat().st_size, hash_file(dest, algos)
         if size != entry.size or actual != entry.checksum:
             raise IntegrityError(
                 f"{key}: downloaded {size} B with checksum {actual[:12]}.., manifest says "
                 f"{entry.size} B, {entry.checksum[:12]}.."
             )
+        if signed is None:
+            return ""
+        if signed.get(key.split("/", 1)[1]) != digest[0]:
+            raise RemoteUntrusted(
+                f"{key}: {BAD}: its {DIGEST_ALGO} differs from the signed one (bytes replaced)"
+            )
+        return digest[0]
 
     # ------------------------------------------------------------ quarantine and retention
 
@@ -294,6 +345,17 @@ def _local_read_failed(label: str, e: OSError) -> NoReturn:
     raise LocalSourceError(f"{label} is unreadable locally ({describe(e)}); not uploaded")
 
 
-def open_remote(url: str, endpoint: str | None = None) -> RemoteTier:
-    """The remote tier named by ``url`` (directory, file://, s3://...); s3fs only loaded for s3."""
-    return RemoteTier(open_backend(url, endpoint))
+def _read_local(path: Path, label: str) -> bytes | None:
+    """A small local file of a checkpoint (its signature), None when it has none."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        _local_read_failed(label, e)
+
+
+def open_remote(url: str, endpoint: str | None = None, key: bytes | None = None) -> RemoteTier:
+    """The remote tier named by ``url`` (directory, file://, s3://...); s3fs only loaded for s3.
+    ``key``: judge and download with a signing key (docs/security.md)."""
+    return RemoteTier(open_backend(url, endpoint), key)

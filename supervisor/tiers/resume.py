@@ -47,7 +47,7 @@ from supervisor.store import (
 )
 from supervisor.tiers.events import EmitFn, remote_event_log
 from supervisor.tiers.plan import RemoteState
-from supervisor.tiers.remote import IntegrityError, RemoteTier, RemoteUnavailable
+from supervisor.tiers.remote import IntegrityError, RemoteTier, RemoteUnavailable, RemoteUntrusted
 
 log = logging.getLogger("supervisor.tiers")
 
@@ -66,6 +66,9 @@ class ResumeResult:
     downloaded_bytes: int = 0
     download_s: float = 0.0
     manifest: Manifest | None = None  # the chosen checkpoint's
+    # With a signing key: (name, reason) of checkpoints skipped as not signed with it, either tier
+    # (remote ones named by their URL).
+    untrusted: tuple[tuple[str, str], ...] = ()
 
 
 def prepare_resume(
@@ -79,8 +82,13 @@ def prepare_resume(
     on_retry: Callable[[str], None] | None = None,
     allow_fresh_start: bool = False,
     download_lock_timeout_s: float = DOWNLOAD_LOCK_TIMEOUT_S,
+    key: bytes | None = None,
 ) -> ResumeResult:
     """Pick across both tiers; download when the remote holds the newest valid checkpoint.
+
+    With a signing ``key`` (give ``remote`` the same one: ``open_remote(..., key=)``), checkpoints
+    not signed with it are skipped on both tiers (``untrusted``, an ``untrusted`` event each),
+    never loaded or quarantined, and count as history: nothing trusted is NoUsableCheckpoint.
 
     Raises MismatchError (as ``store.pick`` does) when the chosen checkpoint was made for another
     config or data, StorageUnavailable when local checkpoints stay unreadable past ``io_retry_s``,
@@ -92,9 +100,11 @@ def prepare_resume(
     emit = on_event or remote_event_log(root)
 
     def local_pick() -> PickResult:
-        res = pick(root, deep=deep, io_retry_s=io_retry_s, on_retry=on_retry, allow_fresh_start=True)
+        res = pick(root, deep=deep, io_retry_s=io_retry_s, on_retry=on_retry, allow_fresh_start=True, key=key)
         for name, reason in res.quarantined:
             emit("local_quarantined", f"{name} quarantined locally: {reason}", name=name, reason=reason)
+        for name, reason in res.untrusted:
+            emit("untrusted", f"{name} skipped locally, not trusted: {reason}", name=name, reason=reason)
         return res
 
     def newer_than(step: int) -> bool:
@@ -113,10 +123,10 @@ def prepare_resume(
             # The pick left nothing newer than its choice: anything newer now was committed
             # meanwhile (another node's download): pick again and use it.
             if newer_than(result.chosen.step if result.chosen else -1):
-                result = _local_result(local_pick(), local.quarantined)
+                result = _local_result(local_pick(), local.quarantined, local.untrusted)
             result = _from_remote(root, remote, result, emit)
     if result.chosen is None and not allow_fresh_start:
-        _refuse_fresh_start(root, remote, local, result)
+        _refuse_fresh_start(root, remote, local, result.untrusted)
     if result.chosen is not None and result.manifest is not None:
         check_compatible(Verdict(result.chosen, Evidence.OK, "", result.manifest), expect or Expectation())
     return result
@@ -147,18 +157,21 @@ def _download_lock(root: Path, timeout_s: float, emit: EmitFn) -> Iterator[None]
         lock.release()
 
 
-def _local_result(res: PickResult, earlier: tuple[tuple[str, str], ...] = ()) -> ResumeResult:
+def _local_result(
+    res: PickResult, earlier: tuple[tuple[str, str], ...] = (), untrusted: tuple[tuple[str, str], ...] = ()
+) -> ResumeResult:
     chosen = res.chosen
     return ResumeResult(
         chosen.ref if chosen else None,
         "local" if chosen else "none",
         earlier + res.quarantined,
         manifest=chosen.manifest if chosen else None,
+        untrusted=tuple(dict.fromkeys(untrusted + res.untrusted)),
     )
 
 
 def _refuse_fresh_start(
-    root: Path, remote: RemoteTier | None, local: PickResult, result: ResumeResult
+    root: Path, remote: RemoteTier | None, local: PickResult, untrusted: tuple[tuple[str, str], ...]
 ) -> None:
     """Nothing valid on either tier: refuse to start from step 0 when either has history."""
     history = [(q.name, q.reason) for q in list_quarantined(root)]
@@ -170,16 +183,26 @@ def _refuse_fresh_start(
                 f"{e}; nothing valid locally, so not starting from scratch before the remote's "
                 "quarantine has been looked at: retry when the remote is back"
             ) from e
-    if history:
-        raise NoUsableCheckpoint(no_usable_message(root, history), local)
+    if history or untrusted:
+        raise NoUsableCheckpoint(no_usable_message(root, history, list(untrusted)), local)
 
 
 def _from_remote(root: Path, remote: RemoteTier, local: ResumeResult, emit: EmitFn) -> ResumeResult:
     floor = local.chosen.step if local.chosen else -1
     quarantined: list[tuple[str, str]] = []
+    untrusted = list(local.untrusted)
+
+    def skip(name: str, reason: str) -> None:
+        where = f"{remote.url}/{name}"
+        untrusted.append((where, reason))
+        emit("untrusted", f"remote {where} skipped, not trusted: {reason}", name=name, reason=reason)
+
     try:
         candidates = [v for v in remote.scan() if v.step > floor and v.state is not RemoteState.INCOMPLETE]
         for v in candidates:
+            if v.state is RemoteState.UNTRUSTED:
+                skip(v.name, v.reason)
+                continue
             if not v.ok:
                 _quarantine(remote, v.name, v.reason, quarantined, emit)
                 continue
@@ -189,6 +212,9 @@ def _from_remote(root: Path, remote: RemoteTier, local: ResumeResult, emit: Emit
             except IntegrityError as e:
                 _quarantine(remote, v.name, str(e), quarantined, emit)
                 continue
+            except RemoteUntrusted as e:
+                skip(v.name, str(e))
+                continue
             seconds = time.monotonic() - t0
             size = v.manifest.total_bytes if v.manifest else 0
             msg = (
@@ -197,8 +223,9 @@ def _from_remote(root: Path, remote: RemoteTier, local: ResumeResult, emit: Emit
             log.info("remote: %s", msg)
             emit("downloaded", msg, name=v.name, bytes=size, seconds=round(seconds, 3), url=remote.url)
             return ResumeResult(
-                ref, "remote", local.local_quarantined, tuple(quarantined), "", size, seconds, v.manifest
-            )
+                ref, "remote", local.local_quarantined, tuple(quarantined), "", size, seconds, v.manifest,
+                tuple(untrusted),
+            )  # fmt: skip
     except RemoteUnavailable as e:
         if local.chosen is None:
             raise RemoteUnavailable(
@@ -215,9 +242,15 @@ def _from_remote(root: Path, remote: RemoteTier, local: ResumeResult, emit: Emit
             tuple(quarantined),
             str(e),
             manifest=local.manifest,
+            untrusted=tuple(untrusted),
         )
     return ResumeResult(
-        local.chosen, local.source, local.local_quarantined, tuple(quarantined), manifest=local.manifest
+        local.chosen,
+        local.source,
+        local.local_quarantined,
+        tuple(quarantined),
+        manifest=local.manifest,
+        untrusted=tuple(untrusted),
     )
 
 

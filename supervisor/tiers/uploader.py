@@ -35,6 +35,7 @@ from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_aft
 from supervisor.fsutil import atomic_write_json
 from supervisor.layout import RunDir, step_dirname
 from supervisor.manifest import ManifestError, read_manifest
+from supervisor.redact import redact_obj
 from supervisor.store import MIN_KEEP, CheckpointRef, StoreError, list_checkpoints, prune
 from supervisor.tiers.backends import RemoteConfigError
 from supervisor.tiers.events import EmitFn, remote_event_log
@@ -441,7 +442,7 @@ class Uploader:
             self._s.status = replace(self._s.status, updated=time.time(), **changes)
             st = self._s.status
         try:
-            atomic_write_json(_status_path(self.root), asdict(st))
+            atomic_write_json(_status_path(self.root), redact_obj(asdict(st)))
         except OSError as e:
             log.warning("remote: cannot write %s (%s)", STATUS_FILE, e)
 
