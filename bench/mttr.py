@@ -2,9 +2,15 @@
 
 1. Hang detection: SIGSTOP one rank of the fake trainer (no torch) under the watchdog; latency =
    the `hang` event's time minus the SIGSTOP. Target: at most the configured timeout + 2 s.
+   Also (where FUSE can be mounted) a read that never returns: the fake trainer's rank 1 reads a
+   file on the fault filesystem whose reads are blocked, in phase verify; latency = the
+   `blocked_io` event's time (it names rank, phase and path, before the stack dumps) minus the
+   moment the read blocked (the filesystem's own record).
 2. MTTR with the real trainer (torchrun, 2 ranks, tiny config, gloo on CPU): `kill -9` of rank 1,
    then the time until a rank reports its first step of the resumed run, for
-   - the watchdog (torchrun --max-restarts=0 under `supervisor watch`),
+   - the watchdog (torchrun --max-restarts=0 under `supervisor watch`), with its default
+     `--dead-rank-grace` (a vanished rank may be a clean exit whose last heartbeat did not land)
+     and with `--dead-rank-grace 0`: the difference is what the grace costs,
    - plain `torchrun --max-restarts=1` (with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, without which
      its restart hangs here),
    - the floor: a cold torchrun resuming from the same kind of checkpoint, from exec to its first
@@ -104,9 +110,53 @@ def hang_latency(tmp: Path, timeout_s: float) -> float:
         stop(p)
 
 
+def hang_latency_blocked_read(tmp: Path, timeout_s: float) -> float | None:
+    """A read that never returns (faultfs block) -> the hang event; None where FUSE is unusable."""
+    from supervisor.drill.faultctl import FaultFS, fuse_unavailable
+
+    if fuse_unavailable() is not None:
+        return None
+    with FaultFS.start(tmp / "backing", tmp / "mnt") as fs:
+        root = fs.mountpoint / "run"
+        root.mkdir()
+        (root / "probe.bin").write_bytes(bytes(4096))
+        rule = fs.block("/run/probe.bin", ops=["read"])
+        watch = [
+            PY,
+            "-m",
+            "supervisor",
+            "watch",
+            "--ckpt-root",
+            str(root),
+            "--verify-timeout",
+            str(timeout_s),
+        ]
+        watch += ["--kill-grace", "1", "--dump-wait", "1", "--reap-timeout", "1", "--no-progress", "0", "--"]
+        fake = [PY, FAKE, "--root", str(root), "--steps", "100000", "--fault", "read", "--fault-rank", "1"]
+        p = spawn([*watch, *fake, "--fault-step", "5"])
+        try:
+            (blocked,) = fs.wait_blocked(rule, timeout=300)
+
+            named = wait_for(lambda: first_event(root, "blocked_io"), 60)  # rank, phase, path
+            return float(named) - blocked.since
+        finally:
+            fs.clear(rule)
+            stop(p)
+
+
+def first_event(root: Path, kind: str) -> float | None:
+    try:
+        lines = events_path(root).read_text().splitlines()
+    except OSError:
+        return None
+    return next((json.loads(x)["t"] for x in lines if f'"event": "{kind}"' in x), None)
+
+
 def mttr(
     tmp: Path, name: str, argv_for: Callable[[Path], list[str]], env: dict[str, str] | None = None
-) -> float:
+) -> tuple[float, float | None]:
+    """kill -9 -> the first step of the resumed run; and, under the watchdog, kill -9 -> its
+    verdict on the launch (the `launch_end` event): the part the dead-rank grace can lengthen."""
     root = tmp / name
     p = spawn(argv_for(root), env)
     try:
@@ -115,7 +165,8 @@ def mttr(
         t_kill = time.time()
         os.kill(victim.pid, signal.SIGKILL)
         first = wait_for(lambda: first_new_step(root, old))
-        return first.wall_time - t_kill
+        decided = first_event(root, "launch_end")
+        return first.wall_time - t_kill, None if decided is None else decided - t_kill
     finally:
         stop(p)
 
@@ -158,7 +209,7 @@ def main() -> int:
     a = ap.parse_args()
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
 
-    def watchdog(root: Path) -> list[str]:
+    def watchdog(root: Path, *opts: str) -> list[str]:
         return [
             PY,
             "-m",
@@ -166,6 +217,7 @@ def main() -> int:
             "watch",
             "--ckpt-root",
             str(root),
+            *opts,
             "--",
             TORCHRUN,
             "--standalone",
@@ -187,30 +239,59 @@ def main() -> int:
             str(root),
         ]
 
-    rows: dict[str, list[float]] = {"hang": [], "watchdog": [], "torchrun": [], "floor": []}
+    rows: dict[str, list[float]] = {
+        "hang": [],
+        "hang_read": [],
+        "watchdog": [],
+        "watchdog_nograce": [],
+        "decided": [],
+        "decided_nograce": [],
+        "torchrun": [],
+        "floor": [],
+    }
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
         for i in range(a.hang_trials):
             rows["hang"].append(hang_latency(tmp / f"h{i}", a.hang_timeout))
+            read = hang_latency_blocked_read(tmp / f"r{i}", a.hang_timeout)
+            if read is not None:
+                rows["hang_read"].append(read)
         for i in range(a.trials):
             rows["floor"].append(floor(tmp / f"f{i}"))
-            rows["watchdog"].append(mttr(tmp / f"w{i}", "run", watchdog))
-            rows["torchrun"].append(mttr(tmp / f"t{i}", "run", plain, env))
+            for key, opts in (("", ()), ("_nograce", ("--dead-rank-grace", "0"))):
+                total, decided = mttr(tmp / f"w{key}{i}", "run", lambda root, o=opts: watchdog(root, *o))
+                rows[f"watchdog{key}"].append(total)
+                rows[f"decided{key}"].append(decided)  # type: ignore[arg-type]
+            rows["torchrun"].append(mttr(tmp / f"t{i}", "run", plain, env)[0])
+    if not rows["hang_read"]:
+        print("(blocked-read hang detection not measured: FUSE cannot be mounted here)")
+        del rows["hang_read"]
     med = {k: statistics.median(v) for k, v in rows.items()}
-    print(f"{'measure':<48}{'median':>8}{'min':>8}{'max':>8}")
+    print(f"{'measure':<56}{'median':>8}{'min':>8}{'max':>8}")
     labels = {
         "hang": f"hang detection, SIGSTOP -> hang event (timeout {a.hang_timeout:g}s)",
+        "hang_read": f"hang detection, blocked read -> blocked_io (timeout {a.hang_timeout:g}s)",
         "floor": "floor: cold torchrun resume -> first step",
         "watchdog": "MTTR watchdog: kill -9 -> first resumed step",
+        "watchdog_nograce": "MTTR watchdog --dead-rank-grace 0: same",
+        "decided": "watchdog: kill -9 -> launch_end (default grace)",
+        "decided_nograce": "watchdog --dead-rank-grace 0: kill -9 -> launch_end",
         "torchrun": "MTTR torchrun --max-restarts=1: same",
     }
     for k, label in labels.items():
-        v = rows[k]
-        print(f"{label:<48}{med[k]:>7.2f}s{min(v):>7.2f}s{max(v):>7.2f}s")
-    hang_ok = max(rows["hang"]) <= a.hang_timeout + 2
+        if k in rows:
+            v = rows[k]
+            print(f"{label:<56}{med[k]:>7.2f}s{min(v):>7.2f}s{max(v):>7.2f}s")
+    for k in ("hang", "hang_read"):
+        if k in rows:
+            ok = max(rows[k]) <= a.hang_timeout + 2
+            print(
+                f"{labels[k]}: worst {max(rows[k]):.2f}s vs target timeout + 2 s = {a.hang_timeout + 2:g}s: "
+                f"{'meets' if ok else 'MISSES'}"
+            )
     print(
-        f"hang detection: worst {max(rows['hang']):.2f}s vs target timeout + 2 s = {a.hang_timeout + 2:g}s: "
-        f"{'meets' if hang_ok else 'MISSES'}"
+        f"dead-rank grace costs {med['decided'] - med['decided_nograce']:+.2f}s until the verdict, "
+        f"{med['watchdog'] - med['watchdog_nograce']:+.2f}s of MTTR (medians)"
     )
     over = med["watchdog"] - med["floor"]
     print(

@@ -20,15 +20,18 @@
 #   RDZV_PORT        c10d rendezvous port              default: 20000 + (job id mod 10000)
 #   TORCHRUN_OPTS    more torchrun options (e.g. --max-restarts=3 --local-addr=...)   default: none
 #   WATCH_OPTS       more watchdog options (python -m supervisor watch --help)        default: none
-#   MAX_REQUEUES     requeues this job may do; counted in RUN_DIR/supervisor/slurm.json  default: 10
+#   MAX_REQUEUES     requeues this job may do (after exit 13 or 14); counted in
+#                    RUN_DIR/supervisor/slurm.json, or by SLURM when that cannot be read  default: 10
 #   NOTICE_REPEAT_S  repeat a notice to the nodes every N s until they are done      default: 30
 #
 # Preemption and time limit: SLURM sends SIGUSR1 to this shell (--signal=B:USR1@SECONDS before the
 # limit; keep B: and USR1, change the seconds to cover one checkpoint; or scancel --signal=USR1
 # --batch JOBID). The trap only notes it; the loop forwards it to the watchdogs, which tell the
 # ranks; they checkpoint at the next step boundary and exit 75; the watchdogs exit 13; this script
-# then runs `scontrol requeue` once (while MAX_REQUEUES lasts) and exits. A finished run (0) and a
-# non-retryable failure (12) end the job without a requeue.
+# then runs `scontrol requeue` once (while MAX_REQUEUES lasts) and exits. Storage that stayed
+# unavailable past the watchdog's retries (exit 14: committed checkpoints intact) requeues the same
+# way, against the same MAX_REQUEUES. A finished run (0) and a non-retryable failure (12) end the
+# job without a requeue.
 #
 #SBATCH --job-name=resumable
 #SBATCH --nodes=1

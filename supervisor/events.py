@@ -8,6 +8,7 @@ The restart budget lives in the state file so it survives a restart of the watch
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -79,33 +80,115 @@ class RunState:
         return replace(self, launches=(*self.launches, rec)[-KEEP_LAUNCHES:])
 
 
+# Field types of the state file, checked on read: a file another version (or a person) wrote
+# with a wrong-typed field takes the unreadable path (state_unreadable, kept as .bad), never a
+# traceback. float fields take ints too; "?" marks a field that may be null.
+_STATE_TYPES = {
+    "node": "int",
+    "host": "str",
+    "watchdog_pid": "int",
+    "status": "str",
+    "reason": "str",
+    "exit_code": "int?",
+    "launch_count": "int",
+    "launch_id": "str",
+    "child_pid": "int?",
+    "launch_started": "float?",
+    "started": "float",
+    "updated": "float",
+    "version": "int",
+}
+_LAUNCH_TYPES = {
+    "number": "int",
+    "launch_id": "str",
+    "started": "float",
+    "ended": "float",
+    "reason": "str",
+    "resumed_from": "int?",
+    "newest_after": "int?",
+    "last_step": "int?",
+}
+
+
+_KINDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "int": ((int,), "an integer"),
+    "float": ((int, float), "a number"),
+    "str": ((str,), "a string"),
+}
+
+
+def _typed(d: dict[str, Any], types: dict[str, str], where: str) -> dict[str, Any]:
+    """The known fields of ``d``, each checked against ``types``; ValueError naming the first
+    wrong one."""
+    out: dict[str, Any] = {}
+    for key, kind in types.items():
+        if key not in d:
+            continue
+        v = d[key]
+        if v is None and kind.endswith("?"):
+            out[key] = None
+            continue
+        base = kind.rstrip("?")
+        allowed, noun = _KINDS[base]
+        if isinstance(v, bool) or not isinstance(v, allowed):
+            raise ValueError(f"{where}'{key}' is {v!r}, not {noun}")
+        out[key] = float(v) if base == "float" else v
+    return out
+
+
+def _list(d: dict[str, Any], key: str) -> list[Any]:
+    v = d.get(key, [])
+    if not isinstance(v, list):
+        raise ValueError(f"'{key}' is {v!r}, not a list")
+    return v
+
+
 def parse_state(d: Any) -> RunState:
-    """A RunState from parsed JSON; raise ValueError with a short reason when it is not one."""
+    """A RunState from parsed JSON; raise ValueError with a short reason when it is not one
+    (not an object, a field of the wrong type, a bad launch record)."""
     if not isinstance(d, dict):
         raise ValueError("not a JSON object")
-    try:
-        launches = tuple(
-            LaunchRecord(**dict(r, outcome=Outcome(r["outcome"]))) for r in d.get("launches", [])
-        )
-        fields = {k: v for k, v in d.items() if k in RunState.__dataclass_fields__}
-        fields["launches"] = launches
-        fields["command"] = tuple(str(c) for c in d.get("command", ()))
-        fields["restart_times"] = tuple(float(t) for t in d.get("restart_times", ()))
-        fields["timeouts"] = {str(k): float(v) for k, v in dict(d.get("timeouts", {})).items()}
-        return RunState(**fields)
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"bad field ({e})") from None
+    fields = _typed(d, _STATE_TYPES, "")
+    launches = []
+    for i, r in enumerate(_list(d, "launches")):
+        if not isinstance(r, dict):
+            raise ValueError(f"launch record {i} is {r!r}, not an object")
+        missing = sorted(set(_LAUNCH_TYPES) - set(r))
+        if missing:
+            raise ValueError(f"launch record {i} has no '{missing[0]}'")
+        try:
+            outcome = Outcome(r.get("outcome"))
+        except ValueError:
+            raise ValueError(f"launch record {i}: outcome {r.get('outcome')!r} is unknown") from None
+        launches.append(LaunchRecord(**_typed(r, _LAUNCH_TYPES, f"launch record {i}: "), outcome=outcome))
+    fields["launches"] = tuple(launches)
+    command = _list(d, "command")
+    if not all(isinstance(c, str) for c in command):
+        raise ValueError(f"'command' is {command!r}, not a list of strings")
+    fields["command"] = tuple(command)
+    times = _list(d, "restart_times")
+    if any(isinstance(t, bool) or not isinstance(t, (int, float)) for t in times):
+        raise ValueError(f"'restart_times' is {times!r}, not a list of numbers")
+    fields["restart_times"] = tuple(float(t) for t in times)
+    timeouts = d.get("timeouts", {})
+    if not isinstance(timeouts, dict) or any(
+        isinstance(v, bool) or not isinstance(v, (int, float)) for v in timeouts.values()
+    ):
+        raise ValueError(f"'timeouts' is {timeouts!r}, not an object of numbers")
+    fields["timeouts"] = {str(k): float(v) for k, v in timeouts.items()}
+    return RunState(**fields)
 
 
 def read_state(path: str | Path) -> RunState | None:
-    """The state file's content, or None when missing; ValueError when it is garbage."""
+    """The state file's content, or None when missing; ValueError when it is garbage (an
+    OSError reading it propagates: unreadable storage is not garbage)."""
     try:
         text = Path(path).read_bytes()
     except FileNotFoundError:
         return None
     try:
         return parse_state(json.loads(text))
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise ValueError(f"{path}: {e}") from None
 
 
@@ -115,14 +198,30 @@ def write_state(root: str | Path, state: RunState) -> None:
     atomic_write_json(path, redact_obj(replace(state, updated=time.time()).to_dict()))
 
 
+def say(line: str, stream: TextIO | None = None) -> None:
+    """One line to stderr (or ``stream``) that never raises: the fallback when a file cannot be
+    written must not fail in turn (a closed or full stderr)."""
+    with contextlib.suppress(OSError, ValueError):
+        print(line, file=stream or sys.stderr, flush=True)
+
+
 class EventLog:
-    """Appends events to the node's events.jsonl and echoes the message to stderr."""
+    """Appends events to the node's events.jsonl and echoes the message to stderr.
+
+    Best effort: the watchdog is the one process that must outlive a full disk or a failing
+    server, so a failed append never raises. The message still reaches stderr, a note says the
+    log is not being written (once per failure streak), and the unwritten lines are kept in
+    memory (up to MAX_PENDING_BYTES) and appended, in order, with the next event that can be."""
+
+    MAX_PENDING_BYTES = 4 << 20
 
     def __init__(self, root: str | Path, node: int = 0, echo: TextIO | None = sys.stderr) -> None:
         self.path = events_path(root, node)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.node = node
         self.echo = echo
+        self.pending = bytearray()  # lines not yet appended (a short write leaves a tail here)
+        self.dropped = 0  # events not kept while failing: the buffer was full
+        self.error: OSError | None = None  # the current failure streak's first error
 
     def emit(self, event: str, msg: str, **fields: Any) -> dict[str, Any]:
         now = time.time()
@@ -134,16 +233,51 @@ class EventLog:
             "msg": redact(msg),  # a URL in a message or a field may carry credentials
             **redact_obj(fields),
         }
-        line = json.dumps(rec, sort_keys=False, default=str) + "\n"
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        line = (json.dumps(rec, sort_keys=False, default=str) + "\n").encode()
+        if len(self.pending) + len(line) > self.MAX_PENDING_BYTES:
+            self.flush()  # room for this one, if the log can be written again
+        if len(self.pending) + len(line) <= self.MAX_PENDING_BYTES:
+            self.pending += line
+        else:
+            self.dropped += 1
+        if self.echo is not None:
+            say(f"[supervisor {rec['time']}] {rec['msg']}", self.echo)
+        self.flush()
+        return rec
+
+    def flush(self) -> bool:
+        """Append what is pending; True when nothing is left."""
+        if not self.pending:
+            return True
         try:
-            os.write(fd, line.encode())
+            self._append()
+        except OSError as e:
+            if self.error is None:
+                self.error = e
+                say(
+                    f"[supervisor] event log {self.path} not written ({e.strerror or e}); "
+                    "events are kept in memory and appended once it can be written"
+                )
+            return False
+        if self.error is not None:
+            lost = f"; {self.dropped} events did not fit in memory and are lost" if self.dropped else ""
+            say(f"[supervisor] event log {self.path} written again{lost}")
+            self.error, self.dropped = None, 0
+        return True
+
+    def _append(self) -> None:
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except FileNotFoundError:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            while self.pending:
+                n = os.write(fd, self.pending)
+                del self.pending[:n]
             os.fsync(fd)
         finally:
             os.close(fd)
-        if self.echo is not None:
-            print(f"[supervisor {rec['time']}] {rec['msg']}", file=self.echo, flush=True)
-        return rec
 
 
 def read_events(path: str | Path, tail_bytes: int | None = None) -> list[dict[str, Any]]:

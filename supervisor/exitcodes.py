@@ -43,6 +43,10 @@ class Exit(IntEnum):
     CHILD_NONRETRYABLE = 12
     # Watchdog: preempted and the child checkpointed; the caller (SLURM job) should requeue.
     REQUEUE_REQUESTED = 13
+    # Watchdog: storage stayed unreadable or unwritable past its retry window (its own pick before
+    # a relaunch, or launches that kept ending 74 without a newer checkpoint). Committed
+    # checkpoints are intact; the caller (SLURM job) requeues it like 13, against its budget.
+    STORAGE_UNAVAILABLE = 14
 
 
 NON_RETRYABLE = frozenset(

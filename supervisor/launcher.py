@@ -18,6 +18,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from supervisor.blocked import blocked_io
+
 PR_SET_CHILD_SUBREAPER = 36
 POLL_S = 0.05
 MAX_DUMP_CHARS = 64_000
@@ -29,6 +31,8 @@ class ProcInfo:
     ppid: int
     pgid: int
     state: str  # R, S, D, T (stopped), t, Z (zombie)...
+    sid: int = 0  # session: torchrun starts each worker as a session leader (sid == pid)
+    start: int = 0  # start time in clock ticks since boot: with the pid, names one process
 
 
 def become_subreaper() -> bool:
@@ -46,7 +50,7 @@ def read_proc(pid: int) -> ProcInfo | None:
             rest = f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    return ProcInfo(pid, int(rest[1]), int(rest[2]), rest[0])
+    return ProcInfo(pid, int(rest[1]), int(rest[2]), rest[0], int(rest[3]), int(rest[19]))
 
 
 def process_table() -> dict[int, ProcInfo]:
@@ -107,64 +111,122 @@ def reap_adopted(keep: int | None = None) -> None:
 
 
 class Child:
-    """The launched command and everything it started."""
+    """The launched command and everything it started.
 
-    def __init__(self, argv: list[str], env: Mapping[str, str]) -> None:
+    Every wait is bounded: a process that SIGKILL cannot end (state D, in a read from a hung
+    mount that never returns) is named and left behind after ``reap_timeout_s``, recorded in
+    ``abandoned`` (shared by the watchdog's launches) so later launches do not wait for it again.
+    It dies the moment its I/O returns, as SIGKILL is pending; the watchdog reaps it then."""
+
+    def __init__(
+        self,
+        argv: list[str],
+        env: Mapping[str, str],
+        *,
+        reap_timeout_s: float,
+        abandoned: set[tuple[int, int]] | None = None,
+    ) -> None:
+        self.reap_timeout_s = reap_timeout_s
+        self.abandoned = set() if abandoned is None else abandoned
+        self.unreaped: list[str] = []  # what kill() had to leave behind in this launch, described
         self.popen = subprocess.Popen(argv, env=dict(env), start_new_session=True)
         self.pid = self.popen.pid
         self.started = time.time()
+        self.started_mono = time.monotonic()
         self.sigkilled = 0  # processes the last kill() had to SIGKILL: SIGTERM did not end them
 
     def poll(self) -> int | None:
         return self.popen.poll()
 
+    def returncode(self) -> int:
+        """Its exit code; -SIGKILL while it lingers after a kill (it cannot outlive the pending
+        SIGKILL, and must never read as a clean exit)."""
+        rc = self.poll()
+        return -signal.SIGKILL if rc is None else rc
+
     def tree(self) -> list[int]:
-        """The child and every descendant, adopted orphans included."""
-        return descendants(os.getpid(), process_table())
+        """The child and every descendant, adopted orphans included, but not the abandoned."""
+        table = process_table()
+        self.abandoned &= {(p.pid, p.start) for p in table.values()}
+        return [p for p in descendants(os.getpid(), table) if (p, table[p].start) not in self.abandoned]
 
     def signal_tree(self, sig: int) -> list[int]:
         return send(self.tree(), sig)
 
     def workers(self) -> list[int]:
-        """The processes below the launched one (torchrun's workers), or the launched process
-        itself when it started none (a plain script)."""
+        """The ranks: the processes directly under the launched one that lead a session of their
+        own (torchrun's workers), or the launched process itself (a plain script). Never their
+        children: a DataLoader worker dies of a signal its rank handles."""
         table = process_table()
-        below = descendants(self.pid, table)
-        return below or ([self.pid] if self.pid in table else [])
+        ranks = [p.pid for p in table.values() if p.ppid == self.pid and p.sid == p.pid and p.state != "Z"]
+        return ranks or ([self.pid] if self.pid in table else [])
 
     def kill(self, grace_s: float) -> str:
         """SIGTERM (and SIGCONT, so a stopped process can act on it) to the whole tree; SIGKILL
-        what is left after ``grace_s``. Returns a line saying how it ended."""
+        what is left after ``grace_s``; what is still there ``reap_timeout_s`` later is named
+        (pid, state, wchan, the file it is blocked on) and left behind. Returns a line saying how
+        it ended."""
         t0 = time.monotonic()
         self.sigkilled = 0
         self.signal_tree(signal.SIGTERM)
         self.signal_tree(signal.SIGCONT)
-        if self._wait_empty(grace_s):
+        if not self._wait_empty(grace_s, resend=None):
             return f"tree exited {time.monotonic() - t0:.1f}s after SIGTERM"
-        left = self.signal_tree(signal.SIGKILL)
-        self.sigkilled = len(left)
-        self._wait_empty(None)
-        return f"SIGKILL sent to {len(left)} process(es) still alive {grace_s:g}s after SIGTERM"
+        killed = self.signal_tree(signal.SIGKILL)
+        self.sigkilled = len(killed)
+        note = f"SIGKILL sent to {len(killed)} process(es) still alive {grace_s:g}s after SIGTERM"
+        left = self._wait_empty(self.reap_timeout_s, resend=signal.SIGKILL)
+        if not left:
+            return note
+        table = process_table()
+        for pid in left:
+            if pid in table:
+                self.abandoned.add((pid, table[pid].start))
+        stuck = [describe_stuck(pid) for pid in left]
+        self.unreaped += stuck
+        return (
+            f"{note}; not reaped {self.reap_timeout_s:g}s after SIGKILL, left behind (each dies when "
+            f"its I/O returns): {'; '.join(stuck)}"
+        )
 
-    def _wait_empty(self, timeout_s: float | None) -> bool:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    def _wait_empty(self, timeout_s: float, resend: int | None) -> list[int]:
+        """Reap until the tree is empty or ``timeout_s`` passed; what is left. ``resend``: signal
+        processes that appeared meanwhile (forked during the kill) too."""
+        deadline = time.monotonic() + timeout_s
         while True:
             self.poll()
             reap_adopted(keep=self.pid)
             left = self.tree()
-            if not left and self.popen.returncode is not None:
-                return True
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            if deadline is None:
-                send(left, signal.SIGKILL)
+            if not left or time.monotonic() >= deadline:
+                return left
+            if resend is not None:
+                send(left, resend)
             time.sleep(POLL_S)
 
-    def finish(self) -> None:
-        """After the launched process exited: kill and reap anything it left behind."""
-        if self.tree():
-            self.kill(grace_s=1.0)
+    def finish(self) -> str:
+        """After the launched process exited: kill and reap anything it left behind (bounded);
+        '' when nothing was left."""
+        note = self.kill(grace_s=1.0) if self.tree() else ""
         reap_adopted(keep=self.pid)
+        return note
+
+
+def where_blocked(pid: int) -> str:
+    """'read(/ckpt/run/step_00000120/__0_0.distcp) (state D, wchan fuse_...)' for a process in a
+    file syscall (supervisor.blocked); '' when it is in none."""
+    calls = blocked_io(pid)
+    if not calls:
+        return ""
+    state, wchan = proc_state(pid)
+    return f"{'; '.join(c.describe() for c in calls)} (state {state or '?'}, wchan {wchan or '?'})"
+
+
+def describe_stuck(pid: int) -> str:
+    """'pid 123 (state D, wchan fuse_..., in read(/ckpt/run/step_00000120/__0_0.distcp))'."""
+    state, wchan = proc_state(pid)
+    calls = blocked_io(pid)
+    where = f", in {'; '.join(c.describe() for c in calls)}" if calls else ""
+    return f"pid {pid} (state {state or '?'}, wchan {wchan or '?'}{where})"
 
 
 def dump_stacks(targets: Mapping[int, int], dump_path: Mapping[int, Path], wait_s: float) -> dict[int, str]:

@@ -49,10 +49,11 @@ class Outcome(str, Enum):
     NON_RETRYABLE = "non_retryable"
     CRASH = "crash"
     HANG = "hang"
+    STORAGE = "storage"  # a rank exited 74: storage failed beyond the trainer's policy
     STOPPED = "stopped"  # the watchdog itself was told to stop (SIGTERM/SIGINT)
 
 
-FAILURES = frozenset({Outcome.CRASH, Outcome.HANG})
+FAILURES = frozenset({Outcome.CRASH, Outcome.HANG, Outcome.STORAGE})
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,13 @@ def classify_exit(returncode: int, rank_exit_codes: Iterable[int | None]) -> Cla
     if Exit.REQUEUE in codes:
         return Classification(
             Outcome.REQUEUE, int(Exit.REQUEUE), f"{how}; checkpointed and asked to be relaunched (75)"
+        )
+    if Exit.STORAGE in codes:
+        return Classification(
+            Outcome.STORAGE,
+            int(Exit.STORAGE),
+            f"{how}; a rank exited 74 (STORAGE): storage failed beyond the trainer's policy, "
+            "committed checkpoints intact",
         )
     return Classification(Outcome.CRASH, returncode, f"{how}: crash")
 
@@ -145,6 +153,35 @@ def effective_timeouts(base: PhaseTimeouts, learned_train: float | None) -> Phas
 
 
 @dataclass(frozen=True)
+class Clock:
+    """The watchdog's "now". A heartbeat written on this host during this boot is aged on the
+    monotonic clock (an NTP step or a wall-clock jump must not fake a hang or hide one); one from
+    another host, or an old one without ``mono_time``, on wall time."""
+
+    wall: float
+    mono: float = 0.0
+    boot_id: str = ""
+
+    def age(self, hb: Heartbeat) -> float:
+        if self.boot_id and hb.boot_id == self.boot_id and hb.mono_time > 0:
+            return self.mono - hb.mono_time
+        return self.wall - hb.wall_time
+
+
+def describe_progress(progress: int, total: int, io_path: str) -> str:
+    """'45% at step_00000120/__1_0.distcp' (a count where the total is unknown); '' when the
+    heartbeat carries neither."""
+    parts = []
+    if total > 0:
+        parts.append(f"{100 * progress // total}%")
+    elif progress > 0:
+        parts.append(f"{progress} done")
+    if io_path:
+        parts.append(f"at {io_path}")
+    return " ".join(parts)
+
+
+@dataclass(frozen=True)
 class Hang:
     rank: int | None  # None: the launch as a whole (no heartbeat at all yet)
     pid: int | None
@@ -152,13 +189,19 @@ class Hang:
     step: int
     silent_s: float
     timeout_s: float
+    progress: int = 0
+    progress_total: int = 0
+    io_path: str = ""  # the file the heartbeat says it was reading or writing
+    blocked: str = ""  # what /proc says it is blocked in (launcher.blocked_io), filled in by watch
 
     @property
     def reason(self) -> str:
         who = "no rank" if self.rank is None else f"rank {self.rank}"
+        where = describe_progress(self.progress, self.progress_total, self.io_path)
         return (
-            f"{who} heartbeat silent {self.silent_s:.1f}s in phase {self.phase.value} at step {self.step} "
-            f"(timeout {self.timeout_s:g}s)"
+            f"{who} made no progress for {self.silent_s:.1f}s in phase {self.phase.value} at step "
+            f"{self.step} (timeout {self.timeout_s:g}s{'; ' + where if where else ''})"
+            + (f"; blocked in {self.blocked}" if self.blocked else "")
         )
 
 
@@ -171,25 +214,37 @@ def detect_hangs(
     snapshots: Sequence[HeartbeatSnapshot],
     *,
     launch_id: str,
-    launch_started: float,
-    now: float,
+    launch_age_s: float,
+    clock: Clock,
     timeouts: PhaseTimeouts,
 ) -> list[Hang]:
-    """Ranks of this launch silent longer than their phase allows. Before any rank of this launch
-    has beaten, the launch itself is hung once it exceeds the startup timeout (a rendezvous or
-    ``init_process_group`` that never returns)."""
+    """Ranks of this launch without progress for longer than their phase allows (beats follow
+    progress, so a long phase that progresses is never a hang). Before any rank of this launch
+    has beaten, the launch itself is hung once older than the startup timeout (a rendezvous or
+    ``init_process_group`` that never returns); ``launch_age_s`` is on the monotonic clock."""
     beats = launch_heartbeats(snapshots, launch_id)
     if not beats:
-        silent = now - launch_started
-        if silent > timeouts.startup:
-            return [Hang(None, None, Phase.STARTUP, 0, silent, timeouts.startup)]
+        if launch_age_s > timeouts.startup:
+            return [Hang(None, None, Phase.STARTUP, 0, launch_age_s, timeouts.startup)]
         return []
     hangs = []
     for hb in beats:
         limit = timeouts.for_phase(hb.phase)
-        silent = now - hb.wall_time
+        silent = clock.age(hb)
         if limit is not None and silent > limit:
-            hangs.append(Hang(hb.rank, hb.pid, hb.phase, hb.step, silent, limit))
+            hangs.append(
+                Hang(
+                    hb.rank,
+                    hb.pid,
+                    hb.phase,
+                    hb.step,
+                    silent,
+                    limit,
+                    hb.progress,
+                    hb.progress_total,
+                    hb.io_path,
+                )
+            )
     return hangs
 
 
@@ -206,13 +261,79 @@ class DeadRank:
 
 def dead_ranks(beats: Iterable[Heartbeat], host: str, live_pids: Collection[int]) -> list[DeadRank]:
     """Ranks of this launch on ``host`` whose process is gone without recording an exit code:
-    a crash. Seeing it here, rather than waiting for torchrun to notice and then wait out its
-    own shutdown of the surviving ranks (up to 30 s), is what makes a restart start at once."""
+    a crash, or a clean exit whose last heartbeat could not be written (a full disk); see
+    ``confirm_dead``. Seeing it here, rather than waiting for torchrun to notice and then wait out
+    its own shutdown of the surviving ranks (up to 30 s), is what makes a restart start at once."""
     return [
         DeadRank(b.rank, b.pid, b.step)
         for b in beats
         if b.host == host and b.exit_code is None and b.phase != Phase.DONE and b.pid not in live_pids
     ]
+
+
+def confirm_dead(
+    gone: Sequence[DeadRank],
+    first_seen: Mapping[int, float],
+    now: float,
+    *,
+    survivors: bool,
+    grace_s: float,
+    all_gone_wait_s: float,
+) -> tuple[list[DeadRank], dict[int, float]]:
+    """Which of the ranks seen ``gone`` are dead, and when each was first seen gone (keep it for
+    the next call; ``now`` monotonic). A rank that exited 0 without its final heartbeat is not a
+    death: its launched command will exit 0. So a vanished rank counts as dead only once no rank
+    has vanished for ``grace_s`` while others still run (they wait for it in a collective:
+    killing them at once is what keeps a restart fast); when no local rank is left, nobody needs
+    rescuing, and the launched command's exit code is waited for up to ``all_gone_wait_s``. The
+    dead are listed first-vanished first: the others may have died of it."""
+    seen = {d.rank: first_seen.get(d.rank, now) for d in gone}
+    if not gone:
+        return [], seen
+    quiet = now - max(seen.values())
+    first = sorted(gone, key=lambda d: (seen[d.rank], d.rank))  # the first to vanish: the likely cause
+    return (first if quiet >= (grace_s if survivors else all_gone_wait_s) else []), seen
+
+
+@dataclass(frozen=True)
+class SaveNews:
+    """A change in the save failures ranks report: ``failures`` > 0 failed, 0 recovered; ``step``
+    is the heartbeat's when the change was seen (the save's own step is in ``last_error``)."""
+
+    ranks: tuple[int, ...]
+    step: int
+    failures: int
+    last_error: str
+
+    @property
+    def event(self) -> str:
+        return "save_failed" if self.failures else "save_recovered"
+
+    @property
+    def msg(self) -> str:
+        who = f"rank{'s' if len(self.ranks) > 1 else ''} {', '.join(map(str, self.ranks))}"
+        if self.failures:
+            return (
+                f"{who}: a save failed ({self.failures} in a row, reported at step {self.step}): "
+                f"{self.last_error}; training goes on, the last committed checkpoint stands"
+            )
+        return f"{who}: saves work again (reported at step {self.step})"
+
+
+def save_news(beats: Iterable[Heartbeat], seen: Mapping[int, int]) -> tuple[list[SaveNews], dict[int, int]]:
+    """News since ``seen`` (rank -> save_failures last reported): ranks whose count rose, and
+    ranks back at 0, grouped by what they say (every rank reports the same agreed failure)."""
+    groups: dict[tuple[int, int, str], list[int]] = {}
+    now = dict(seen)
+    for b in beats:
+        before = seen.get(b.rank, 0)
+        if b.save_failures != before:
+            now[b.rank] = b.save_failures
+            if b.save_failures > before or b.save_failures == 0:
+                err = b.last_error if b.save_failures else ""
+                groups.setdefault((b.step, b.save_failures, err), []).append(b.rank)
+    news = [SaveNews(tuple(sorted(r)), step, n, err) for (step, n, err), r in sorted(groups.items())]
+    return news, now
 
 
 # ---------------------------------------------------------------- restart decisions
@@ -367,6 +488,14 @@ def decide(
             )
         return Decision(True, Exit.OK, 0, "checkpointed on request: relaunching at once")
     verdict = no_progress_verdict(history, policy.no_progress_launches)
+    if verdict and all(r.outcome == Outcome.STORAGE for r in history[-policy.no_progress_launches :]):
+        return Decision(
+            False,
+            Exit.STORAGE_UNAVAILABLE,
+            0,
+            f"storage unavailable: {verdict}; committed checkpoints are intact, requeue once the "
+            "storage is back",
+        )
     if verdict:
         return Decision(False, Exit.NO_PROGRESS, 0, verdict)
     verdict = budget_verdict(restart_times, now, policy.budget)

@@ -295,23 +295,29 @@ _NO_REQUEUE: dict[int, str] = {
 }
 
 
+# Watchdog exits that requeue the job, while the requeue budget lasts, and why.
+_REQUEUE: dict[int, str] = {
+    Exit.REQUEUE_REQUESTED: "checkpointed after a preemption or time-limit notice",
+    Exit.STORAGE_UNAVAILABLE: (
+        "storage unavailable past the watchdog's retries (committed checkpoints intact); "
+        "another allocation may see it back"
+    ),
+}
+
+
 def decide(exit_code: int, requeues_used: int, max_requeues: int) -> Decision:
-    """What the job does once its watchdogs are done: only a preemption checkpoint (exit 13)
-    requeues, and only while the budget lasts."""
+    """What the job does once its watchdogs are done: a preemption checkpoint (exit 13) or
+    storage that stayed unavailable (14) requeues, and only while the budget lasts."""
     if exit_code == Exit.OK:
         return Decision(False, Exit.OK, "run finished")
-    if exit_code == Exit.REQUEUE_REQUESTED:
+    why = _REQUEUE.get(exit_code)
+    if why is not None:
         if requeues_used < max_requeues:
-            return Decision(
-                True,
-                Exit.OK,
-                "checkpointed after a preemption or time-limit notice; "
-                f"requeue {requeues_used + 1} of {max_requeues}",
-            )
+            return Decision(True, Exit.OK, f"{why}; requeue {requeues_used + 1} of {max_requeues}")
         return Decision(
             False,
-            Exit.REQUEUE_REQUESTED,
-            f"checkpointed, but the requeue budget is used up ({requeues_used} of {max_requeues}); "
+            exit_code,
+            f"{why}, but the requeue budget is used up ({requeues_used} of {max_requeues}); "
             "resubmit, or raise MAX_REQUEUES",
         )
     known = _NO_REQUEUE.get(exit_code)
@@ -357,15 +363,19 @@ def parse_requeue_state(d: Any) -> RequeueState:
 
 
 def load_requeue_state(root: str | Path, job: JobEnv, max_requeues: int) -> tuple[RequeueState, str]:
-    """This job's state, and a note for the log when the file was unreadable (kept as ``.bad``)
-    or belonged to another job."""
+    """This job's state, and a note for the log when the file was garbage (kept as ``.bad``),
+    could not be read (the storage failed: SLURM's own restart count stands in for the count,
+    an upper bound of this script's requeues), or belonged to another job."""
     path = requeue_path(root)
     fresh = RequeueState(job_id=job.job_id, max_requeues=max_requeues, restart_count=job.restart_count)
     try:
         prev = parse_requeue_state(json.loads(path.read_text()))
     except FileNotFoundError:
         return fresh, ""
-    except (OSError, ValueError) as e:
+    except OSError as e:
+        note = f"{path} cannot be read ({e}); counting SLURM's restarts of this job ({job.restart_count}) instead"
+        return replace(fresh, requeues=job.restart_count), note
+    except ValueError as e:
         bad = path.with_name(path.name + ".bad")
         os.replace(path, bad)
         return fresh, f"{path} was unreadable ({e}); kept as {bad.name}, the requeue count starts over"

@@ -139,29 +139,38 @@ def finish(args: argparse.Namespace) -> int:
     reason = f"{d.reason}: {why}" if why else d.reason
     if not d.requeue:
         say(f"job {job.job_id} ends: {reason} (exit {d.exit_code})")
-        slurm.save_requeue_state(
-            knobs.run_dir, state.with_event("end", exit_code=args.exit_code, reason=reason)
-        )
+        _record(knobs, state.with_event("end", exit_code=args.exit_code, reason=reason))
         return d.exit_code
     # Count first: SLURM sends SIGTERM right after the requeue, and an uncounted requeue could
-    # repeat forever.
+    # repeat forever. Where the count cannot be written (the storage is what failed, exit 14),
+    # SLURM's own restart count bounds the requeues: load_requeue_state falls back to it.
     state = replace(state, requeues=state.requeues + 1)
     state = state.with_event("requeue", exit_code=args.exit_code, reason=reason)
-    slurm.save_requeue_state(knobs.run_dir, state)
+    _record(knobs, state)
     say(f"job {job.job_id}: {reason}; scontrol requeue {job.job_id}")
     try:
         slurm.scontrol_requeue(job.job_id)
     except SlurmError as e:
         say(f"error: {e}")
-        slurm.save_requeue_state(knobs.run_dir, state.with_event("requeue_failed", reason=str(e)))
-        return Exit.REQUEUE_REQUESTED
+        _record(knobs, state.with_event("requeue_failed", reason=str(e)))
+        return args.exit_code
     return d.exit_code
+
+
+def _record(knobs: Knobs, state: slurm.RequeueState) -> None:
+    """Save the requeue count; a storage failure is said in the job's output, not fatal."""
+    try:
+        slurm.save_requeue_state(knobs.run_dir, state)
+    except OSError as e:
+        say(
+            f"{slurm.requeue_path(knobs.run_dir)} not written ({e}); SLURM's restart count bounds the requeues"
+        )
 
 
 def _watchdog_reason(knobs: Knobs) -> str:
     """The first node's watchdog's last recorded reason, for the job's own last line."""
     try:
         st = events.read_state(events.state_path(knobs.run_dir, 0))
-    except ValueError:
+    except (ValueError, OSError):
         return ""
     return st.reason if st is not None else ""

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from supervisor import events, store
 from supervisor.fsutil import hostname, pid_alive
-from supervisor.heartbeat import Phase, read_heartbeats
+from supervisor.heartbeat import Phase, boot_id, read_heartbeats
 from supervisor.ioerrors import describe
 from supervisor.layout import REMOTE_STATUS, RunDir
-from supervisor.policy import PhaseTimeouts
+from supervisor.policy import Clock, PhaseTimeouts, describe_progress
 
 if TYPE_CHECKING:
     from supervisor.tiers.uploader import RemoteStatus
@@ -66,6 +66,9 @@ class RankRow:
     last_step_s: float | None
     stale: bool
     note: str
+    progress: str = ""  # in a long I/O phase: '45% at step_00000120/__1_0.distcp'
+    save_failures: int = 0  # failed saves in a row the rank reports
+    last_error: str = ""
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,9 @@ def _nodes(root: Path) -> tuple[list[NodeRow], list[LaunchRow], dict[str, float]
         except ValueError as e:
             nodes.append(NodeRow(-1, "", 0, UNKNOWN, "", None, 0, 0, "", problem=str(e)))
             continue
+        except OSError as e:
+            nodes.append(NodeRow(-1, "", 0, UNKNOWN, "", None, 0, 0, "", problem=f"{path}: {describe(e)}"))
+            continue
         if st is None:
             continue
         status, reason = st.status, st.reason
@@ -165,22 +171,42 @@ def _nodes(root: Path) -> tuple[list[NodeRow], list[LaunchRow], dict[str, float]
     return nodes, launches[-RECENT_LAUNCHES:], timeouts, current
 
 
-def _ranks(root: Path, now: float, timeouts: PhaseTimeouts, current: set[str]) -> list[RankRow]:
+def _ranks(root: Path, clock: Clock, timeouts: PhaseTimeouts, current: set[str]) -> list[RankRow]:
     rows = []
     for snap in read_heartbeats(root):
         hb = snap.heartbeat
         if hb is None:
             rows.append(RankRow(snap.rank, "", None, None, UNKNOWN, None, None, True, snap.problem))
             continue
-        age = now - hb.wall_time
+        age = clock.age(hb)
         limit = timeouts.for_phase(hb.phase)
         old_launch = bool(current) and hb.launch_id not in current
         stale = hb.phase != Phase.DONE and (old_launch or (limit is not None and age > limit))
         note = "from an earlier launch" if old_launch else (f"silent > {limit:g}s" if stale else "")
         if hb.exit_code is not None:
             note = (note + "; " if note else "") + f"exit code {hb.exit_code}"
+        if hb.save_failures:
+            note = (note + "; " if note else "") + f"{hb.save_failures} failed saves: {hb.last_error}"
+        progress = (
+            ""
+            if hb.phase in (Phase.TRAIN, Phase.DONE)
+            else describe_progress(hb.progress, hb.progress_total, hb.io_path)
+        )
         rows.append(
-            RankRow(hb.rank, hb.host, hb.pid, hb.step, hb.phase.value, age, hb.last_step_s, stale, note)
+            RankRow(
+                hb.rank,
+                hb.host,
+                hb.pid,
+                hb.step,
+                hb.phase.value,
+                age,
+                hb.last_step_s,
+                stale,
+                note,
+                progress,
+                hb.save_failures,
+                hb.last_error,
+            )
         )
     return rows
 
@@ -240,13 +266,15 @@ def _median(xs: list[float]) -> float:
 
 def build_report(root: str | Path, now: float | None = None) -> StatusReport:
     root = store.require_root(root)
-    now = time.time() if now is None else now
+    # Heartbeats of this host's boot are aged on the monotonic clock, unless a time is given.
+    clock = Clock(time.time(), time.monotonic(), boot_id()) if now is None else Clock(now)
+    now = clock.wall
     nodes, launches, tdict, current = _nodes(root)
     try:
         timeouts = PhaseTimeouts.from_dict(tdict)
     except ValueError:
         timeouts = PhaseTimeouts()
-    ranks = _ranks(root, now, timeouts, current)
+    ranks = _ranks(root, clock, timeouts, current)
     state, why = _overall(nodes, ranks)
     live = [r for r in ranks if not r.stale and r.step is not None]
     checkpoints, quarantined, storage_problem = _stored(root, now)

@@ -162,7 +162,7 @@ def _rank_lines(r: StatusReport) -> list[str]:
             x.host,
             _opt(x.pid),
             _opt(x.step),
-            x.phase,
+            f"{x.phase}  {x.progress}" if x.progress else x.phase,
             _opt(x.age_s, human_age),
             "STALE" if x.stale else "",
             x.note,

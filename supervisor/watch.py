@@ -6,12 +6,15 @@ in ``policy.py``; this module only carries out what they decide and records it.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TypeVar
 
 from supervisor import culprit, events, launcher, policy, store
 from supervisor.events import EventLog, RunState
@@ -23,20 +26,27 @@ from supervisor.heartbeat import (
     Heartbeat,
     HeartbeatSnapshot,
     Phase,
+    boot_id,
     read_heartbeat,
     read_heartbeats,
 )
+from supervisor.ioerrors import StorageUnavailable, describe, retry_transient
 from supervisor.layout import RunDir
 from supervisor.policy import Hang, LaunchRecord, Outcome
 from supervisor.watch_config import SHARE_STORE_ENV, WatchConfig
 
+T = TypeVar("T")
+
 SIGNAL_POLL_S = 0.05
 # A rank died: its peers cannot progress (and may ignore SIGTERM inside a collective), and nothing
 # they write can be committed without it, so the rest of the launch gets SIGKILL at once.
-DEAD_RANK_GRACE_S = 0.0
+DEAD_RANK_KILL_GRACE_S = 0.0
+# Every local rank vanished without an exit code: the launched command's exit code says whether
+# they finished (torchrun took 1.2-1.9 s to exit after its last worker here); this long at most.
+ALL_RANKS_GONE_WAIT_S = 30.0
 FULL_SCAN_S = 10.0
-# A preemption notice waits this long for ranks' heartbeats before going to the whole tree.
-PREEMPT_FALLBACK_S = 10.0
+# The command could not be started, and will not be on a retry: a usage error of COMMAND.
+CANNOT_EXEC = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.ENOEXEC})
 
 
 @dataclass
@@ -51,6 +61,18 @@ class _Ended:
     culprit: str = ""  # who hung it, from the stack dumps (culprit.py)
 
 
+class _Stop(Exception):
+    """Stop the watchdog with ``code`` and the message as its verdict."""
+
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+
+
+class _Interrupted(Exception):
+    """A stop signal (or, with --requeue-exit, a preemption notice) cut a storage retry short."""
+
+
 class Watchdog:
     def __init__(self, cfg: WatchConfig) -> None:
         self.cfg = cfg
@@ -59,35 +81,88 @@ class Watchdog:
         self.stop_signal: int | None = None
         self.preempt_pending = False
         self.step_times: list[float] = []
-        self.state = self._initial_state()
+        # Processes a kill could not reap (state D on a hung mount): named once, then not waited for.
+        self.abandoned: set[tuple[int, int]] = set()
+        self.state_error = ""  # why the state file is not being written ('' while it is)
+        self.state_loaded = False  # until the previous state is read, writing would clobber its budget
+        self.state = RunState(
+            node=cfg.node,
+            host=self.host,
+            watchdog_pid=os.getpid(),
+            command=cfg.command,
+            timeouts=cfg.timeouts.to_dict(),
+            started=time.time(),
+        )
 
     # ------------------------------------------------------------ state
 
     def _initial_state(self) -> RunState:
+        """The budget and history a previous watchdog left; a garbage file is kept as .bad and
+        the budget starts over; an unreadable one is retried, then StorageUnavailable."""
         path = events.state_path(self.cfg.root, self.cfg.node)
         try:
-            prev = events.read_state(path)
+            prev = self._io(lambda: events.read_state(path), f"reading {path}")
         except ValueError as e:
-            self.log.emit("state_unreadable", f"{e}; starting with a fresh budget (the old file is kept)")
-            os.replace(path, path.with_suffix(".json.bad"))
+            bad = path.with_suffix(".json.bad")
+            try:
+                os.replace(path, bad)
+                kept = f"the old file is kept as {bad.name}"
+            except OSError as err:
+                kept = f"the old file could not be moved aside ({describe(err)})"
+            self.log.emit("state_unreadable", f"{e}; starting with a fresh budget ({kept})")
             prev = None
-        base = RunState(
-            node=self.cfg.node,
-            host=self.host,
-            watchdog_pid=os.getpid(),
-            command=self.cfg.command,
-            timeouts=self.cfg.timeouts.to_dict(),
-            started=time.time(),
-        )
+        self.state_loaded = True
         if prev is None or self.cfg.reset_budget:
-            return base
+            return self.state
         return replace(
-            base, restart_times=prev.restart_times, launches=prev.launches, launch_count=prev.launch_count
+            self.state,
+            restart_times=prev.restart_times,
+            launches=prev.launches,
+            launch_count=prev.launch_count,
         )
 
     def _save(self, **changes: object) -> None:
+        """Update the state and write it, best effort: on failure the state is kept in memory, one
+        line goes to stderr, and the next save writes all of it."""
         self.state = replace(self.state, **changes)  # type: ignore[arg-type]
-        events.write_state(self.cfg.root, self.state)
+        if not self.state_loaded:
+            return
+        try:
+            events.write_state(self.cfg.root, self.state)
+        except OSError as e:
+            if not self.state_error:
+                self.state_error = describe(e)
+                path = events.state_path(self.cfg.root, self.cfg.node)
+                events.say(
+                    f"[supervisor] state file {path} not written ({self.state_error}); kept in memory, "
+                    "written again at the next change"
+                )
+            return
+        if self.state_error:
+            events.say(f"[supervisor] state file written again (it failed with {self.state_error})")
+            self.state_error = ""
+
+    def _io(self, fn: Callable[[], T], what: str) -> T:
+        """``fn()`` retried on transient storage errors for --io-retry (each retry in the events
+        and the state), then StorageUnavailable: the watchdog exits 14."""
+        return retry_transient(
+            fn,
+            deadline_s=self.cfg.io_retry_s,
+            what=what,
+            fix=lambda e: store.unreadable_fix(self.cfg.root, e.filename),
+            on_retry=self._io_retry,
+        )
+
+    def _io_retry(self, msg: str) -> None:
+        self.log.emit("io_retry", msg)
+        self._save(reason=f"storage trouble, retrying: {msg}")
+
+    def _pick_retry(self, msg: str) -> None:
+        """A retry of the pick; a stop signal (or a preemption notice with --requeue-exit) ends
+        the retries, as it ends a backoff wait."""
+        self._io_retry(msg)
+        if self.stop_signal is not None or (self.preempt_pending and self.cfg.policy.requeue_exit):
+            raise _Interrupted(msg)
 
     # ------------------------------------------------------------ signals
 
@@ -106,9 +181,27 @@ class Watchdog:
     # ------------------------------------------------------------ the loop
 
     def run(self) -> int:
-        self.cfg.root.mkdir(parents=True, exist_ok=True)
+        """The loop, and its verdict on the storage: a transient error that outlasted --io-retry,
+        or any other the watchdog met in the run directory, is exit 14 (requeue-able), never the
+        usage code and never a traceback."""
         self._install_signals()
+        try:
+            return self._run()
+        except _Stop as e:
+            return self._finish(e.code, events.FAILED, str(e))
+        except StorageUnavailable as e:
+            return self._finish(Exit.STORAGE_UNAVAILABLE, events.FAILED, str(e))
+        except OSError as e:
+            why = (
+                f"{e.filename or self.cfg.root}: {describe(e)}: the watchdog cannot use the run directory; "
+                "check the file system (mount, server, permissions, quota), then requeue"
+            )
+            return self._finish(Exit.STORAGE_UNAVAILABLE, events.FAILED, why)
+
+    def _run(self) -> int:
         subreaper = launcher.become_subreaper()
+        self.cfg.root.mkdir(parents=True, exist_ok=True)
+        self.state = self._initial_state()
         carried = len(self.state.restart_times)
         self.log.emit(
             "watchdog_start",
@@ -121,14 +214,12 @@ class Watchdog:
         )
         self._save(status=events.RESTARTING, reason="starting")
         while True:
-            resumed_from, stop = self._pick()
+            resumed_from = self._pick()
             if self.stop_signal is not None:
                 return self._finish(128 + self.stop_signal, events.STOPPED, "stopped before launch")
             if self.preempt_pending and self.cfg.policy.requeue_exit:
                 why = "preemption notice before a launch: the newest checkpoint stands; requeue"
                 return self._finish(Exit.REQUEUE_REQUESTED, events.REQUEUED, why)
-            if stop is not None:
-                return self._finish(Exit.CHILD_NONRETRYABLE, events.FAILED, stop)
             rec, ended = self._launch_once(resumed_from)
             history = self.state.launches
             now = time.time()
@@ -160,6 +251,8 @@ class Watchdog:
     def _finish(self, code: int, status: str, reason: str) -> int:
         self.log.emit("exit", f"watchdog exits {code}: {reason}", exit_code=code, status=status)
         self._save(status=status, reason=reason, exit_code=code, child_pid=None)
+        if self.log.pending:
+            events.say(f"[supervisor] {self.log.path} could not be written: the last events are only above")
         return code
 
     def _sleep(self, seconds: float) -> bool:
@@ -173,21 +266,33 @@ class Watchdog:
                 return True
             time.sleep(min(SIGNAL_POLL_S, max(0.0, deadline - time.monotonic())))
 
-    def _pick(self) -> tuple[int | None, str | None]:
-        """Step to resume from (None: from scratch); the second item is a reason to stop."""
+    def _pick(self) -> int | None:
+        """Step to resume from (None: from scratch); _Stop when the run must not go on. An
+        unreadable checkpoint is retried for --io-retry (io_retry events), then
+        StorageUnavailable; no usable checkpoint while the run has history stops the watchdog
+        unless --allow-fresh-start."""
         if self.cfg.remote:
             return self._pick_across_tiers()
-        refs = store.list_checkpoints(self.cfg.root)
-        if self.state.launch_count == 0 or not refs:
-            return (refs[0].step if refs else None), None
+        if self.state.launch_count == 0:  # the trainer picks on its first start: only for the record
+            refs = self._io(lambda: store.list_checkpoints(self.cfg.root), "listing checkpoints")
+            return refs[0].step if refs else None
         try:
-            res = store.pick(self.cfg.root, deep=self.cfg.deep_verify, key=self.cfg.sign_key)
+            res = store.pick(
+                self.cfg.root,
+                deep=self.cfg.deep_verify,
+                io_retry_s=self.cfg.io_retry_s,
+                on_retry=self._pick_retry,
+                allow_fresh_start=self.cfg.allow_fresh_start,
+                key=self.cfg.sign_key,
+            )
+        except _Interrupted:
+            return None  # run() acts on the signal
         except store.MismatchError as e:
-            return None, f"checkpoint does not match this run: {e}"
-        for name, why in res.quarantined:
-            self.log.emit("quarantine", f"quarantined {name}: {why}", checkpoint=name, why=why)
-        for name, why in res.untrusted:
-            self.log.emit("untrusted", f"skipped {name}, not trusted: {why}", checkpoint=name, why=why)
+            raise _Stop(Exit.CHILD_NONRETRYABLE, f"checkpoint does not match this run: {e}") from None
+        except store.NoUsableCheckpoint as e:
+            self._log_skipped(e.result)
+            raise _Stop(Exit.CHILD_NONRETRYABLE, str(e)) from None
+        self._log_skipped(res)
         chosen = res.chosen.ref if res.chosen else None
         how = "deep" if self.cfg.deep_verify else "quick"
         msg = (
@@ -196,12 +301,20 @@ class Watchdog:
             else "no valid checkpoint: start from scratch"
         )
         self.log.emit("pick", msg, checkpoint=chosen.name if chosen else None, verify=how)
-        return (chosen.step if chosen else None), None
+        return chosen.step if chosen else None
 
-    def _pick_across_tiers(self) -> tuple[int | None, str | None]:
+    def _log_skipped(self, res: store.PickResult) -> None:
+        """What the pick walked past: quarantined (corrupt) and untrusted (not signed) ones."""
+        for name, why in res.quarantined:
+            self.log.emit("quarantine", f"quarantined {name}: {why}", checkpoint=name, why=why)
+        for name, why in res.untrusted:
+            self.log.emit("untrusted", f"skipped {name}, not trusted: {why}", checkpoint=name, why=why)
+
+    def _pick_across_tiers(self) -> int | None:
         """Before every launch, the first included (after node loss nothing is local): the newest
         valid checkpoint of either tier, downloaded when only the remote has it. An unreachable
-        remote with nothing valid locally is waited for (backing off), never silently skipped."""
+        remote with nothing valid locally is waited for (backing off), never silently skipped;
+        past --remote-wait it is a storage verdict (exit 14), as unreadable local storage is."""
         from supervisor.tiers.remote import RemoteUnavailable, open_remote
         from supervisor.tiers.resume import prepare_resume
 
@@ -213,10 +326,21 @@ class Watchdog:
                 key = self.cfg.sign_key
                 remote = open_remote(self.cfg.remote, self.cfg.remote_endpoint, key=key)
                 res = prepare_resume(
-                    self.cfg.root, remote, deep=self.cfg.deep_verify, on_event=self.log.emit, key=key
+                    self.cfg.root,
+                    remote,
+                    deep=self.cfg.deep_verify,
+                    on_event=self.log.emit,
+                    io_retry_s=self.cfg.io_retry_s,
+                    on_retry=self._pick_retry,
+                    allow_fresh_start=self.cfg.allow_fresh_start,
+                    key=key,
                 )
+            except _Interrupted:
+                return None  # run() acts on the signal
             except store.MismatchError as e:
-                return None, f"checkpoint does not match this run: {e}"
+                raise _Stop(Exit.CHILD_NONRETRYABLE, f"checkpoint does not match this run: {e}") from None
+            except store.NoUsableCheckpoint as e:
+                raise _Stop(Exit.CHILD_NONRETRYABLE, str(e)) from None
             except RemoteUnavailable as e:
                 # Every failed attempt is logged, the last one too: a slow refusal (client retries)
                 # can use up the whole wait in one attempt.
@@ -224,12 +348,13 @@ class Watchdog:
                 then = "giving up" if giving_up else f"retrying in {wait:.0f}s"
                 self.log.emit("remote_unavailable", f"{e}; nothing valid locally: {then}")
                 if giving_up:
-                    return (
-                        None,
-                        f"remote {self.cfg.remote} unreachable for {self.cfg.remote_wait_s:.0f}s and no valid local checkpoint: {e}",
-                    )
+                    raise _Stop(
+                        Exit.STORAGE_UNAVAILABLE,
+                        f"remote {self.cfg.remote} unreachable for {self.cfg.remote_wait_s:.0f}s and no "
+                        f"valid local checkpoint: {e}",
+                    ) from None
                 if not self._sleep(wait):
-                    return None, None  # a stop signal or a preemption notice: run() decides
+                    return None  # a stop signal or a preemption notice: run() decides
                 wait = min(wait * 2, self.cfg.policy.backoff.max_s)
                 continue
             chosen = res.chosen
@@ -241,7 +366,7 @@ class Watchdog:
             self.log.emit(
                 "pick", msg, checkpoint=chosen.name if chosen else None, verify=how, source=res.source
             )
-            return (chosen.step if chosen else None), None
+            return chosen.step if chosen else None
 
     def _launch_once(self, resumed_from: int | None) -> tuple[LaunchRecord, _Ended]:
         number = self.state.launch_count + 1
@@ -251,30 +376,40 @@ class Watchdog:
         env[ENV_RESTART_COUNT] = str(number - 1)
         if self.cfg.share_store_fix:
             env.setdefault(SHARE_STORE_ENV, "1")
-        child = launcher.Child(list(self.cfg.command), env)
-        self._save(
-            status=events.RUNNING,
-            reason=f"launch {number} running",
-            launch_count=number,
-            launch_id=launch_id,
-            child_pid=child.pid,
-            launch_started=child.started,
-            exit_code=None,
-        )
-        self.log.emit(
-            "launch",
-            f"launch {number} (id {launch_id}) pid {child.pid}, resuming from "
-            + ("scratch" if resumed_from is None else f"step {resumed_from}"),
-            launch=number,
-            launch_id=launch_id,
-            pid=child.pid,
-            resumed_from=resumed_from,
-        )
-        ended = self._monitor(child, launch_id)
-        child.finish()
+        child = self._start(env)
+        try:  # whatever goes wrong in here, nothing of the launch outlives it
+            self._save(
+                status=events.RUNNING,
+                reason=f"launch {number} running",
+                launch_count=number,
+                launch_id=launch_id,
+                child_pid=child.pid,
+                launch_started=child.started,
+                exit_code=None,
+            )
+            self.log.emit(
+                "launch",
+                f"launch {number} (id {launch_id}) pid {child.pid}, resuming from "
+                + ("scratch" if resumed_from is None else f"step {resumed_from}"),
+                launch=number,
+                launch_id=launch_id,
+                pid=child.pid,
+                resumed_from=resumed_from,
+            )
+            ended = self._monitor(child, launch_id)
+        finally:
+            note = child.finish()
+            if note:
+                self.log.emit(
+                    "kill", f"launch {number}: killed what was left: {note}", unreaped=child.unreaped
+                )
         beats = policy.launch_heartbeats(read_heartbeats(self.cfg.root), launch_id)
         cls = self._classify(ended, beats)
-        refs = store.list_checkpoints(self.cfg.root)
+        if child.unreaped:
+            cls = replace(
+                cls, reason=f"{cls.reason}; left behind, SIGKILL could not end: {'; '.join(child.unreaped)}"
+            )
+        refs = self._io(lambda: store.list_checkpoints(self.cfg.root), "listing checkpoints")
         rec = LaunchRecord(
             number=number,
             launch_id=launch_id,
@@ -301,11 +436,26 @@ class Watchdog:
         self._save(launches=self.state.with_launch(rec).launches)
         return rec, ended
 
+    def _start(self, env: dict[str, str]) -> launcher.Child:
+        """Start COMMAND; one that cannot be executed stops the watchdog (exit 12) with a line
+        naming it, a transient error reaches run() (exit 14)."""
+        try:
+            return launcher.Child(
+                list(self.cfg.command), env, reap_timeout_s=self.cfg.reap_timeout_s, abandoned=self.abandoned
+            )
+        except OSError as e:
+            if e.errno not in CANNOT_EXEC:
+                raise
+            raise _Stop(
+                Exit.CHILD_NONRETRYABLE,
+                f"cannot start {self.cfg.command[0]}: {describe(e)}; fix COMMAND (a path, or a program on PATH)",
+            ) from None
+
     def _classify(self, ended: _Ended, beats: list[Heartbeat]) -> policy.Classification:
         """A rank's deliberate exit code (non-retryable, requeue) wins: the deaths and hangs of
         the others may just be the fallout of it."""
         cls = policy.classify_exit(ended.returncode, (b.exit_code for b in beats))
-        if cls.outcome in (Outcome.NON_RETRYABLE, Outcome.REQUEUE, Outcome.DONE):
+        if cls.outcome in (Outcome.NON_RETRYABLE, Outcome.REQUEUE, Outcome.STORAGE, Outcome.DONE):
             return cls
         if ended.stop_signal is not None:
             name = signal.Signals(ended.stop_signal).name
@@ -328,20 +478,25 @@ class Watchdog:
         ended = _Ended(returncode=0)
         reader = _LaunchBeats(self.cfg.root, launch_id)
         next_check = time.monotonic() + self.cfg.poll_s
+        gone: list[policy.DeadRank] = []  # ranks seen vanished without an exit code, not yet dead
+        gone_since: dict[int, float] = {}
+        save_seen: dict[int, int] = {}
         while True:
             rc = child.poll()
             if rc is not None:
                 ended.returncode = rc
+                if rc != 0:  # they did not exit cleanly after all; the first to vanish first
+                    ended.dead = sorted(gone, key=lambda d: (gone_since.get(d.rank, 0.0), d.rank))
                 return ended
-            if self.stop_signal is not None and ended.stop_signal is None:
+            if self.stop_signal is not None:
                 ended.stop_signal = self.stop_signal
                 name = signal.Signals(self.stop_signal).name
                 self.log.emit(
                     "stop", f"received {name}: stopping the child (grace {self.cfg.kill_grace_s:g}s)"
                 )
-                note = child.kill(self.cfg.kill_grace_s)
-                self.log.emit("kill", note)
-                continue
+                self.log.emit("kill", child.kill(self.cfg.kill_grace_s), unreaped=child.unreaped)
+                ended.returncode = child.returncode()
+                return ended
             if self.preempt_pending:
                 ended.preempted = True
                 self.preempt_pending = not self._forward_preemption(child, launch_id)
@@ -349,7 +504,20 @@ class Watchdog:
                 next_check = time.monotonic() + self.cfg.poll_s
                 snaps = reader.read()
                 beats = policy.launch_heartbeats(snaps, launch_id)
-                dead = policy.dead_ranks(beats, self.host, set(child.tree()))  # tree after the read
+                save_seen = self._report_saves(beats, save_seen)
+                tree = set(child.tree())  # after the read: a rank that beat and then died is gone
+                gone = policy.dead_ranks(beats, self.host, tree)
+                survivors = any(b.host == self.host and b.pid in tree for b in beats)
+                dead, gone_since = policy.confirm_dead(
+                    gone,
+                    gone_since,
+                    time.monotonic(),
+                    survivors=survivors,
+                    grace_s=self.cfg.dead_rank_grace_s,
+                    all_gone_wait_s=ALL_RANKS_GONE_WAIT_S,
+                )
+                if gone:  # judged within the grace, not a poll interval later
+                    next_check = min(next_check, time.monotonic() + SIGNAL_POLL_S)
                 if dead and child.poll() is None:
                     ended.dead = dead
                     self.log.emit(
@@ -357,22 +525,39 @@ class Watchdog:
                         "; ".join(d.reason for d in dead) + ": killing the rest of the launch",
                         ranks=[d.rank for d in dead],
                     )
-                    self.log.emit("kill", child.kill(DEAD_RANK_GRACE_S))
-                    ended.returncode = child.poll() or 0
+                    self.log.emit("kill", child.kill(DEAD_RANK_KILL_GRACE_S), unreaped=child.unreaped)
+                    ended.returncode = child.returncode()
                     return ended
-                hangs = self._check_hangs(child, launch_id, snaps, beats)
+                # While a vanished rank is being judged (dead, or a clean exit), its silence is no hang.
+                hangs = [] if gone else self._check_hangs(child, launch_id, snaps, beats)
                 if hangs:
-                    ended.hangs = hangs
+                    ended.hangs = hangs = self._where_blocked(child, hangs)
                     ended.culprit = self._handle_hang(child, hangs, launch_id)
-                    ended.returncode = child.poll() or 0
+                    ended.returncode = child.returncode()
                     return ended
             time.sleep(SIGNAL_POLL_S)
+
+    def _report_saves(self, beats: list[Heartbeat], seen: dict[int, int]) -> dict[int, int]:
+        """save_failed / save_recovered events for what this node's ranks report."""
+        news, seen = policy.save_news((b for b in beats if b.host == self.host), seen)
+        for n in news:
+            self.log.emit(
+                n.event,
+                n.msg,
+                rank=n.ranks[0],
+                ranks=list(n.ranks),
+                step=n.step,
+                save_failures=n.failures,
+                last_error=n.last_error,
+            )
+        return seen
 
     def _forward_preemption(self, child: launcher.Child, launch_id: str) -> bool:
         """Send SIGUSR1 to this launch's ranks on this host; True once delivered. Ranks still in
         startup may not handle it yet (its default action kills), so the notice waits for them;
-        a command that writes no heartbeat gets it, after PREEMPT_FALLBACK_S, on the processes
-        under the launched one (never torchrun's agent, which SIGUSR1 would kill)."""
+        a command that writes no heartbeat gets it, after --preempt-fallback seconds, on its
+        ranks (launcher.Child.workers: never torchrun's agent, which SIGUSR1 would kill, nor a
+        rank's DataLoader workers)."""
         beats = policy.launch_heartbeats(read_heartbeats(self.cfg.root), launch_id)
         tree = set(child.tree())
         local = [b for b in beats if b.host == self.host and b.pid in tree]
@@ -381,7 +566,7 @@ class Watchdog:
         if local:
             pids = [b.pid for b in local]
             who = f"ranks {sorted(b.rank for b in local)}"
-        elif time.time() - child.started >= PREEMPT_FALLBACK_S:
+        elif time.monotonic() - child.started_mono >= self.cfg.preempt_fallback_s:
             pids = child.workers()
             who = f"pids {pids} (this launch wrote no heartbeat)"
         else:
@@ -404,8 +589,33 @@ class Watchdog:
             )
             timeouts = policy.effective_timeouts(timeouts, learned)
         return policy.detect_hangs(
-            snaps, launch_id=launch_id, launch_started=child.started, now=time.time(), timeouts=timeouts
+            snaps,
+            launch_id=launch_id,
+            launch_age_s=time.monotonic() - child.started_mono,
+            clock=policy.Clock(time.time(), time.monotonic(), boot_id()),
+            timeouts=timeouts,
         )
+
+    def _where_blocked(self, child: launcher.Child, hangs: list[Hang]) -> list[Hang]:
+        """Each hung rank with the file syscall /proc shows it blocked in (a read that never
+        returns writes no heartbeat and no stack dump: this names its path)."""
+        tree = set(child.tree())
+        out = []
+        for h in hangs:
+            where = launcher.where_blocked(h.pid) if h.pid in tree else ""
+            if where:
+                h = replace(h, blocked=where)
+                self.log.emit(
+                    "blocked_io",
+                    f"rank {h.rank} (pid {h.pid}) is blocked in {where}",
+                    rank=h.rank,
+                    pid=h.pid,
+                    phase=h.phase.value,
+                    io_path=h.io_path,
+                    blocked=where,
+                )
+            out.append(h)
+        return out
 
     def _handle_hang(self, child: launcher.Child, hangs: list[Hang], launch_id: str) -> str:
         """Dump every local rank's stacks, name the culprit from where each rank waits (culprit.py),
@@ -435,7 +645,9 @@ class Watchdog:
                 msg = f"rank {rank} (pid {pid}) wrote no stack dump within {self.cfg.dump_wait_s:g}s"
             self.log.emit("stack_dump", msg, rank=rank, pid=pid, path=str(paths[rank]), stacks=text)
         note = child.kill(self.cfg.kill_grace_s)
-        self.log.emit("kill", f"hung launch killed: {note}", sigkilled=child.sigkilled)
+        self.log.emit(
+            "kill", f"hung launch killed: {note}", sigkilled=child.sigkilled, unreaped=child.unreaped
+        )
         return "; ".join(f"culprit {f.describe()}" for f in diag.culprits) or who
 
 

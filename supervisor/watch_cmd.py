@@ -12,8 +12,25 @@ from supervisor.policy import Backoff, Budget, PhaseTimeouts, RestartPolicy
 from supervisor.signing import SigningKeyError, add_signing_key_arg, load_key
 
 EPILOG = """exit codes: 0 done; 10 restart budget exhausted; 11 no progress; 12 non-retryable child
-failure (reason in DIR/supervisor/events.jsonl); 13 preempted and checkpointed, requeue me
-(--requeue-exit); 2 usage; 128+N stopped by signal N."""
+failure or no usable checkpoint (reason in DIR/supervisor/events.jsonl); 13 preempted and
+checkpointed, requeue me (--requeue-exit); 14 storage unavailable past --io-retry, requeue me;
+2 usage (bad options only); 128+N stopped by signal N."""
+
+# One flag per phase (policy.PhaseTimeouts); --hang-timeout is the train phase's.
+TIMEOUT_FLAGS = (
+    ("--hang-timeout", policy.DEFAULT_TRAIN_TIMEOUT_S, "the train phase (a step)"),
+    (
+        "--startup-timeout",
+        policy.DEFAULT_STARTUP_TIMEOUT_S,
+        "startup (imports, rendezvous), or before any heartbeat",
+    ),
+    ("--verify-timeout", policy.DEFAULT_VERIFY_TIMEOUT_S, "verify (checking a checkpoint's files)"),
+    ("--download-timeout", policy.DEFAULT_DOWNLOAD_TIMEOUT_S, "download (from the remote tier)"),
+    ("--load-timeout", policy.DEFAULT_LOAD_TIMEOUT_S, "load (reading a checkpoint)"),
+    ("--save-timeout", policy.DEFAULT_SAVE_TIMEOUT_S, "save (writing a checkpoint)"),
+    ("--commit-timeout", policy.DEFAULT_COMMIT_TIMEOUT_S, "commit (fsync, manifest, rename)"),
+    ("--digest-timeout", policy.DEFAULT_DIGEST_TIMEOUT_S, "digest (the final parameter digest)"),
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,11 +42,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--ckpt-root", required=True, type=Path, help="the run's checkpoint root")
     p.add_argument("--verify", choices=("quick", "deep"), default="quick", help="check before each relaunch")
-    g = p.add_argument_group("hang detection (seconds without a heartbeat, per phase)")
-    g.add_argument("--hang-timeout", type=float, default=policy.DEFAULT_TRAIN_TIMEOUT_S, help="train phase")
-    g.add_argument("--startup-timeout", type=float, default=policy.DEFAULT_STARTUP_TIMEOUT_S)
-    g.add_argument("--load-timeout", type=float, default=policy.DEFAULT_LOAD_TIMEOUT_S)
-    g.add_argument("--save-timeout", type=float, default=policy.DEFAULT_SAVE_TIMEOUT_S)
+    g = p.add_argument_group(
+        "hang detection (seconds without progress, per phase: a long phase that progresses is no hang)"
+    )
+    for flag, default, what in TIMEOUT_FLAGS:
+        g.add_argument(flag, type=float, default=default, help=f"seconds without progress in {what}")
     g.add_argument(
         "--learn-hang-timeout",
         type=float,
@@ -46,6 +63,38 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument(
         "--kill-grace", type=float, default=watch_config.DEFAULT_KILL_GRACE_S, help="SIGTERM to SIGKILL"
+    )
+    g.add_argument(
+        "--reap-timeout",
+        type=float,
+        default=watch_config.DEFAULT_REAP_TIMEOUT_S,
+        help="after SIGKILL, seconds to wait before naming what could not be reaped (state D) and going on",
+    )
+    g.add_argument(
+        "--dead-rank-grace",
+        type=float,
+        default=watch_config.DEFAULT_DEAD_RANK_GRACE_S,
+        help="seconds a rank gone without an exit code may be a clean exit before it counts as dead",
+    )
+    g.add_argument(
+        "--preempt-fallback",
+        type=float,
+        default=watch_config.DEFAULT_PREEMPT_FALLBACK_S,
+        help="seconds a preemption notice waits for heartbeats before going to the ranks found in /proc",
+    )
+    io = p.add_argument_group("storage")
+    io.add_argument(
+        "--io-retry",
+        type=float,
+        default=watch_config.IO_RETRY_S,
+        metavar="SECONDS",
+        help="retry unreadable checkpoints (EIO, ESTALE...) this long before a relaunch, then exit 14",
+    )
+    io.add_argument(
+        "--allow-fresh-start",
+        action="store_true",
+        help="start from step 0 when no checkpoint is usable although the run has quarantined ones "
+        "(pass the trainer's --allow-fresh-start too)",
     )
     r = p.add_argument_group("restart policy")
     r.add_argument(
@@ -106,9 +155,12 @@ def run(args: argparse.Namespace) -> int:
         command = command[1:]
     if not command:
         args.parser.error("no COMMAND given; usage: watch --ckpt-root DIR [options] -- COMMAND...")
-    for name in ("hang_timeout", "startup_timeout", "load_timeout", "save_timeout", "poll_interval"):
-        if getattr(args, name) <= 0:
-            args.parser.error(f"--{name.replace('_', '-')} must be positive")
+    for flag in (*(f for f, _, _ in TIMEOUT_FLAGS), "--poll-interval"):
+        if getattr(args, flag[2:].replace("-", "_")) <= 0:
+            args.parser.error(f"{flag} must be positive")
+    for flag in ("--io-retry", "--reap-timeout", "--dead-rank-grace", "--preempt-fallback"):
+        if getattr(args, flag[2:].replace("-", "_")) < 0:
+            args.parser.error(f"{flag} must not be negative")
     cfg = watch_config.WatchConfig(
         root=args.ckpt_root,
         command=tuple(command),
@@ -117,8 +169,12 @@ def run(args: argparse.Namespace) -> int:
         timeouts=PhaseTimeouts(
             train=args.hang_timeout,
             startup=args.startup_timeout,
+            verify=args.verify_timeout,
+            download=args.download_timeout,
             load=args.load_timeout,
             save=args.save_timeout,
+            commit=args.commit_timeout,
+            digest=args.digest_timeout,
         ),
         learn_factor=args.learn_hang_timeout,
         learn_floor_s=args.learn_floor,
@@ -136,6 +192,11 @@ def run(args: argparse.Namespace) -> int:
         remote=args.remote,
         remote_endpoint=args.remote_endpoint,
         remote_wait_s=args.remote_wait,
+        io_retry_s=args.io_retry,
+        allow_fresh_start=args.allow_fresh_start,
+        reap_timeout_s=args.reap_timeout,
+        dead_rank_grace_s=args.dead_rank_grace,
+        preempt_fallback_s=args.preempt_fallback,
         sign_key=_signing_key(args),
     )
     from supervisor.watch import watch  # the loop and its process machinery: only when watching

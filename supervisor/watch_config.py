@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from supervisor import policy
+from supervisor.ioerrors import IO_RETRY_S
 from supervisor.policy import PhaseTimeouts, RestartPolicy
 
 # torchrun + gloo: a restarted group that reuses the agent's TCPStore hangs or fails to connect
@@ -17,6 +18,15 @@ DEFAULT_KILL_GRACE_S = 10.0
 DEFAULT_DUMP_WAIT_S = 2.0
 # With --remote and nothing valid locally, how long to wait for an unreachable remote before giving up.
 DEFAULT_REMOTE_WAIT_S = 600.0
+# After SIGKILL, how long to wait for the tree to be reaped before naming what is left (a process
+# in state D on a hung mount cannot die until its I/O returns) and going on without it. A GPU
+# process can take seconds to release its memory after SIGKILL.
+DEFAULT_REAP_TIMEOUT_S = 30.0
+# A rank gone without an exit code while others still run is dead after this; it covers the
+# spread of ranks that exit 0 together but could not write their last heartbeat (a full disk).
+DEFAULT_DEAD_RANK_GRACE_S = 1.0
+# A preemption notice waits this long for ranks' heartbeats before going to the ranks found in /proc.
+DEFAULT_PREEMPT_FALLBACK_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -37,5 +47,10 @@ class WatchConfig:
     remote: str | None = None  # URL of the remote tier (docs/tiers.md); None: local only
     remote_endpoint: str | None = None
     remote_wait_s: float = DEFAULT_REMOTE_WAIT_S
+    io_retry_s: float = IO_RETRY_S  # transient storage errors are retried this long, then exit 14
+    allow_fresh_start: bool = False  # start from step 0 although the run has quarantined checkpoints
+    reap_timeout_s: float = DEFAULT_REAP_TIMEOUT_S
+    dead_rank_grace_s: float = DEFAULT_DEAD_RANK_GRACE_S
+    preempt_fallback_s: float = DEFAULT_PREEMPT_FALLBACK_S
     # --signing-key's key (docs/security.md): picks skip checkpoints not signed with it. Never printed.
     sign_key: bytes | None = field(default=None, repr=False)

@@ -8,6 +8,14 @@ supervisor.heartbeat, commits a tiny checkpoint through supervisor.store every `
 steps (phase save, lasting ``--save-s``), and can crash, stop itself, or exit with a code, once or
 on every launch. SIGUSR1: checkpoint at the next step boundary and exit 75. SIGUSR2: faulthandler
 dump of every thread to the rank's stack file.
+
+Storage and process-tree cases (tests/test_watch_faults.py): ``--fault read`` reads
+``--read-file`` in phase verify (blocked there by a faultfs rule, the rank sits in the kernel);
+``--survive-save-errors`` reports a failed save in the heartbeat and trains on, as the real trainer
+does; ``--no-final-beat`` finishes without the last heartbeat (it could not be written);
+``--silent`` writes no heartbeat at all; ``--spawn-child`` gives each rank a child like a DataLoader
+worker (no SIGUSR1 handler; it notes a SIGTERM in its file under ``children/``); ``--plain`` runs
+one rank as the launched process itself (a plain script, no launcher).
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,13 +49,82 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--step-s", type=float, default=0.05)
     p.add_argument("--ckpt-every", type=int, default=5)
     p.add_argument("--save-s", type=float, default=0.0)
-    p.add_argument("--fault", choices=("crash", "stop", "exit", "startup-hang"), default=None)
+    p.add_argument("--fault", choices=("crash", "stop", "exit", "startup-hang", "read"), default=None)
     p.add_argument("--fault-step", type=int, default=0)
     p.add_argument("--fault-rank", type=int, default=0, help="rank 0 saves: its faults follow its commits")
     p.add_argument("--fault-code", type=int, default=1)
     p.add_argument("--fault-launches", type=int, default=1, help="fault in the first N launches (0: all)")
     p.add_argument("--ignore-sigterm", action="store_true")
+    p.add_argument("--read-file", default="probe.bin", help="--fault read: the file (under --root) to read")
+    p.add_argument("--survive-save-errors", action="store_true", help="a failed save is reported, not fatal")
+    p.add_argument("--no-final-beat", action="store_true", help="finish without the last heartbeat")
+    p.add_argument("--silent", action="store_true", help="write no heartbeat")
+    p.add_argument("--spawn-child", action="store_true", help="each rank starts a DataLoader-like child")
+    p.add_argument("--plain", action="store_true", help="run one rank as the launched process itself")
+    p.add_argument("--save-gate", type=Path, default=None, help="rank 0's save of step N waits for DIR/N")
     return p.parse_args(argv)
+
+
+class SilentWriter(HeartbeatWriter):
+    """--silent: a rank that writes no heartbeat (a command the watchdog knows only from /proc)."""
+
+    def beat(self, *args: object, **kwargs: object) -> bool:
+        return False
+
+
+# A DataLoader-like child: no SIGUSR1 handler (the default action kills it), notes a SIGTERM.
+CHILD = """import os, signal, sys, time
+path = sys.argv[1]
+def term(*_):
+    with open(path, "a") as f:
+        f.write("sigterm\\n")
+    os._exit(0)
+signal.signal(signal.SIGTERM, term)
+with open(path, "a") as f:
+    f.write("started\\n")
+while True:
+    time.sleep(1)
+"""
+
+
+def spawn_child(root: Path, rank: int) -> subprocess.Popen:
+    folder = root / "children"
+    folder.mkdir(exist_ok=True)
+    return subprocess.Popen([sys.executable, "-c", CHILD, str(folder / f"rank{rank}_{os.getpid()}.txt")])
+
+
+def wait_for_gate(gate: Path | None, step: int, hb: HeartbeatWriter) -> None:
+    """--save-gate: hold the save of ``step`` in phase save until the test creates ``gate/step``
+    (e.g. once it has filled the disk, so that this save is the one that meets ENOSPC)."""
+    if gate is None:
+        return
+    hb.beat(step, Phase.SAVE, force=True)
+    while not (gate / str(step)).exists():
+        time.sleep(0.02)
+
+
+def read_file(root: Path, name: str, step: int, hb: HeartbeatWriter) -> None:
+    """--fault read: read a file in phase verify, naming it in the heartbeat first (a faultfs
+    block rule keeps the read from ever returning)."""
+    path = root / name
+    hb.beat(step, Phase.VERIFY, force=True, total=path.stat().st_size, io_path=name)
+    with open(path, "rb") as f:
+        f.read()
+
+
+def save_or_report(root: Path, step: int, world: int, hb: HeartbeatWriter) -> None:
+    """--survive-save-errors: a save that fails is removed and reported in the heartbeat
+    (save_failures, last_error), and training goes on, as the real trainer does."""
+    try:
+        save(root, step, world, hb, 0.0)
+    except OSError as e:
+        for tmp in root.glob(f"step_{step:08d}.tmp.*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+        hb.save_failures += 1
+        hb.last_error = f"save of step_{step:08d}: {type(e).__name__}: {e}"
+    else:
+        hb.save_failures, hb.last_error = 0, ""
+    hb.beat(step, Phase.TRAIN, force=True)
 
 
 def newest_valid_step(root: Path) -> int:
@@ -97,15 +175,21 @@ def worker(a: argparse.Namespace, rank: int) -> int:
     faulty = (
         a.fault is not None and rank == a.fault_rank and (a.fault_launches == 0 or launch < a.fault_launches)
     )
-    hb = HeartbeatWriter(a.root, rank=rank, local_rank=rank, world_size=a.ranks, interval_s=0.0)
+    writer = SilentWriter if a.silent else HeartbeatWriter
+    hb = writer(a.root, rank=rank, local_rank=rank, world_size=a.ranks, interval_s=0.0)
+    if a.spawn_child:
+        spawn_child(a.root, rank)
     hb.beat(0, Phase.STARTUP)
     if faulty and a.fault == "startup-hang":
         time.sleep(3600)
     step = newest_valid_step(a.root)
     hb.beat(step, Phase.LOAD)
     while step < a.steps:
-        wait_for_peers(a.root, rank, a.ranks, step, hb.launch_id)
+        if not a.silent:
+            wait_for_peers(a.root, rank, a.ranks, step, hb.launch_id)
         if faulty and step == a.fault_step:
+            if a.fault == "read":
+                read_file(a.root, a.read_file, step, hb)
             if a.fault == "crash":
                 os._exit(1)
             if a.fault == "stop":
@@ -118,17 +202,21 @@ def worker(a: argparse.Namespace, rank: int) -> int:
         step += 1
         hb.beat(step, Phase.TRAIN, last_step_s=time.monotonic() - t0)
         if preempted or step % a.ckpt_every == 0:
-            if rank == 0:
+            if rank == 0 and a.survive_save_errors:
+                save_or_report(a.root, step, a.ranks, hb)
+            elif rank == 0:
+                wait_for_gate(a.save_gate, step, hb)
                 save(a.root, step, a.ranks, hb, a.save_s)
             else:
                 hb.beat(step, Phase.SAVE, force=True)
                 time.sleep(a.save_s)
             if preempted:
-                if rank != 0:  # the real trainer agrees collectively; here: wait for rank 0's save
+                if rank != 0 and not a.silent:  # the real trainer agrees; here: wait for rank 0's save
                     wait_for_rank0_exit(a.root)
                 hb.beat(step, Phase.TRAIN, exit_code=Exit.REQUEUE)
                 return Exit.REQUEUE
-    hb.beat(step, Phase.DONE, exit_code=0)
+    if not a.no_final_beat:
+        hb.beat(step, Phase.DONE, exit_code=0)
     return 0
 
 
@@ -154,6 +242,9 @@ def main(argv: list[str]) -> int:
     a.root.mkdir(parents=True, exist_ok=True)
     if a.worker is not None:
         return worker(a, a.worker)
+    if a.plain:
+        a.ranks = 1
+        return worker(a, 0)
     return launcher(a, argv)
 
 

@@ -11,6 +11,9 @@ from supervisor.heartbeat import Heartbeat, HeartbeatSnapshot, Phase
 from supervisor.policy import (
     Backoff,
     Budget,
+    Clock,
+    DeadRank,
+    Hang,
     LaunchRecord,
     Outcome,
     PhaseTimeouts,
@@ -18,6 +21,7 @@ from supervisor.policy import (
     backoff_s,
     budget_verdict,
     classify_exit,
+    confirm_dead,
     dead_ranks,
     decide,
     detect_hangs,
@@ -25,6 +29,7 @@ from supervisor.policy import (
     failures_in_a_row,
     learned_train_timeout,
     no_progress_verdict,
+    save_news,
 )
 
 LID = "launch-b"
@@ -61,6 +66,9 @@ def rec(
         (1, [75, 65], Outcome.NON_RETRYABLE, 65),  # non-retryable wins over requeue
         (2, [], Outcome.NON_RETRYABLE, 2),  # usage error of the command itself
         (1, [3], Outcome.CRASH, 1),
+        (1, [74, None], Outcome.STORAGE, 74),  # storage failed beyond the trainer's policy: retryable
+        (1, [74, 75], Outcome.REQUEUE, 75),  # ...but a checkpoint on request wins
+        (1, [66, 74], Outcome.NON_RETRYABLE, 66),  # no usable checkpoint: not retryable
     ],
 )
 def test_classify_exit(rc, ranks, outcome, code):
@@ -79,7 +87,13 @@ def test_classify_names_signal_and_code():
 def test_no_hang_while_fresh():
     snaps = [snap(0, Phase.TRAIN, T0), snap(1, Phase.TRAIN, T0 - 0.5)]
     assert (
-        detect_hangs(snaps, launch_id=LID, launch_started=T0 - 5, now=T0 + 1, timeouts=PhaseTimeouts(train=2))
+        detect_hangs(
+            snaps,
+            launch_id=LID,
+            launch_age_s=6,
+            clock=Clock(T0 + 1),
+            timeouts=PhaseTimeouts(train=2),
+        )
         == []
     )
 
@@ -87,7 +101,11 @@ def test_no_hang_while_fresh():
 def test_train_hang_names_rank_phase_step():
     snaps = [snap(0, Phase.TRAIN, T0 + 9), snap(1, Phase.TRAIN, T0, step=42)]
     hangs = detect_hangs(
-        snaps, launch_id=LID, launch_started=T0 - 5, now=T0 + 10, timeouts=PhaseTimeouts(train=5)
+        snaps,
+        launch_id=LID,
+        launch_age_s=15,
+        clock=Clock(T0 + 10),
+        timeouts=PhaseTimeouts(train=5),
     )
     assert [(h.rank, h.pid, h.phase, h.step) for h in hangs] == [(1, 101, Phase.TRAIN, 42)]
     assert "rank 1" in hangs[0].reason and "train" in hangs[0].reason and "42" in hangs[0].reason
@@ -98,15 +116,24 @@ def test_long_phase_is_not_a_train_hang(phase):
     """A save (or load, startup) 10x longer than the train timeout is no false alarm..."""
     t = PhaseTimeouts(train=1, startup=30, load=30, save=30)
     snaps = [snap(0, phase, T0)]
-    assert detect_hangs(snaps, launch_id=LID, launch_started=T0, now=T0 + 10, timeouts=t) == []
+    assert detect_hangs(snaps, launch_id=LID, launch_age_s=10, clock=Clock(T0 + 10), timeouts=t) == []
     # ...but past its own timeout it is a hang of that phase.
-    hangs = detect_hangs(snaps, launch_id=LID, launch_started=T0, now=T0 + 31, timeouts=t)
+    hangs = detect_hangs(snaps, launch_id=LID, launch_age_s=31, clock=Clock(T0 + 31), timeouts=t)
     assert [h.phase for h in hangs] == [phase]
 
 
 def test_done_rank_never_hangs():
     snaps = [snap(0, Phase.DONE, T0)]
-    assert detect_hangs(snaps, launch_id=LID, launch_started=T0, now=T0 + 1e6, timeouts=PhaseTimeouts()) == []
+    assert (
+        detect_hangs(
+            snaps,
+            launch_id=LID,
+            launch_age_s=1e6,
+            clock=Clock(T0 + 1e6),
+            timeouts=PhaseTimeouts(),
+        )
+        == []
+    )
 
 
 def test_stale_launch_heartbeats_ignored_until_startup_timeout():
@@ -117,10 +144,51 @@ def test_stale_launch_heartbeats_ignored_until_startup_timeout():
         HeartbeatSnapshot(1, "x", None, "not valid JSON"),
     ]
     t = PhaseTimeouts(train=1, startup=20)
-    assert detect_hangs(snaps, launch_id=LID, launch_started=T0, now=T0 + 19, timeouts=t) == []
-    hangs = detect_hangs(snaps, launch_id=LID, launch_started=T0, now=T0 + 21, timeouts=t)
+    assert detect_hangs(snaps, launch_id=LID, launch_age_s=19, clock=Clock(T0 + 19), timeouts=t) == []
+    hangs = detect_hangs(snaps, launch_id=LID, launch_age_s=21, clock=Clock(T0 + 21), timeouts=t)
     assert len(hangs) == 1 and hangs[0].rank is None and hangs[0].phase == Phase.STARTUP
     assert "no rank" in hangs[0].reason
+
+
+def test_clock_ages_own_boot_on_the_monotonic_clock():
+    """Same boot: monotonic (a wall clock stepped an hour ahead fakes no hang, one stepped back
+    hides none); another host or boot, or an old heartbeat without mono_time: wall time."""
+    clock = Clock(wall=T0 + 3600, mono=500.0, boot_id="boot-a")
+    mine = Heartbeat(0, 0, "h", 1, 5, Phase.TRAIN, T0, mono_time=498.0, boot_id="boot-a")
+    assert clock.age(mine) == 2.0
+    other_boot = Heartbeat(0, 0, "h", 1, 5, Phase.TRAIN, T0, mono_time=498.0, boot_id="boot-b")
+    old = Heartbeat(0, 0, "h", 1, 5, Phase.TRAIN, T0)
+    assert clock.age(other_boot) == clock.age(old) == 3600
+    snaps = [HeartbeatSnapshot(0, "x", mine)]
+    t = PhaseTimeouts(train=3)
+    assert detect_hangs(snaps, launch_id="", launch_age_s=9, clock=clock, timeouts=t) == []
+    later = Clock(wall=T0 - 100, mono=502.0, boot_id="boot-a")  # wall stepped back: still caught
+    assert [h.rank for h in detect_hangs(snaps, launch_id="", launch_age_s=9, clock=later, timeouts=t)] == [0]
+
+
+@pytest.mark.parametrize("phase", [Phase.VERIFY, Phase.DOWNLOAD, Phase.LOAD, Phase.COMMIT, Phase.DIGEST])
+def test_long_io_phase_hangs_only_without_progress(phase):
+    """Beats follow bytes: a rank deep in a long phase whose last beat is fresh is fine, however
+    long the phase has run; one silent past the phase's timeout is a hang naming the file."""
+    t = PhaseTimeouts(train=1, **{phase.value: 5})
+    path = "step_00000120/__1_0.distcp"
+    hb = Heartbeat(
+        1, 1, "h", 101, 120, phase, T0, launch_id=LID, progress=45, progress_total=100, io_path=path
+    )
+    snaps = [HeartbeatSnapshot(1, "x", hb)]
+    assert detect_hangs(snaps, launch_id=LID, launch_age_s=3600, clock=Clock(T0 + 4), timeouts=t) == []
+    (h,) = detect_hangs(snaps, launch_id=LID, launch_age_s=3600, clock=Clock(T0 + 6), timeouts=t)
+    assert (h.rank, h.phase, h.progress, h.progress_total, h.io_path) == (1, phase, 45, 100, path)
+    for part in ("rank 1", f"phase {phase.value}", "step 120", "45%", path):
+        assert part in h.reason, (part, h.reason)
+
+
+def test_hang_reason_names_where_it_is_blocked():
+    """What /proc saw (a read that never returns) is part of the verdict."""
+    h = Hang(0, 7, Phase.LOAD, 10, 6.2, 5.0, io_path="step_00000010/x.distcp")
+    assert "blocked" not in h.reason
+    blocked = "read(/ckpt/run/step_00000010/x.distcp) (state D, wchan fuse_wait)"
+    assert Hang(0, 7, Phase.LOAD, 10, 6.2, 5.0, blocked=blocked).reason.endswith(f"; blocked in {blocked}")
 
 
 def test_learned_timeout():
@@ -236,6 +304,62 @@ def test_dead_ranks_are_gone_without_exit_code():
     dead = dead_ranks(beats, "h", {100})
     assert [(d.rank, d.pid, d.step) for d in dead] == [(1, 101, 7)]
     assert "rank 1 (pid 101) died at step 7" in dead[0].reason
+
+
+def test_a_vanished_rank_is_dead_only_after_a_quiet_grace_while_others_run():
+    d0, d1 = DeadRank(0, 100, 7), DeadRank(1, 101, 7)
+    kw = {"grace_s": 1.0, "all_gone_wait_s": 30.0}
+    dead, seen = confirm_dead([d1], {}, 10.0, survivors=True, **kw)
+    assert dead == [] and seen == {1: 10.0}
+    dead, seen = confirm_dead([d1], seen, 10.9, survivors=True, **kw)
+    assert dead == []
+    assert confirm_dead([d1], seen, 11.0, survivors=True, **kw)[0] == [d1]
+    # Another rank vanishing restarts the grace: ranks finishing together leave one by one.
+    dead, seen = confirm_dead([d0, d1], seen, 10.8, survivors=True, **kw)
+    assert dead == [] and seen == {0: 10.8, 1: 10.0}
+    assert confirm_dead([d0, d1], seen, 11.5, survivors=True, **kw)[0] == []
+    assert confirm_dead([d0, d1], seen, 11.8, survivors=True, **kw)[0] == [d1, d0]  # first gone first
+    # Nobody left to rescue: the launched command's exit code decides, waited for longer.
+    assert confirm_dead([d0, d1], seen, 20.0, survivors=False, **kw)[0] == []
+    assert confirm_dead([d0, d1], seen, 41.0, survivors=False, **kw)[0] == [d1, d0]
+    assert confirm_dead([], seen, 99.0, survivors=True, **kw) == ([], {})
+
+
+def test_save_news_reports_rises_and_recoveries_once():
+    def hb(rank: int, failures: int, err: str = "", step: int = 20) -> Heartbeat:
+        return Heartbeat(
+            rank, rank, "h", 100 + rank, step, Phase.TRAIN, T0, save_failures=failures, last_error=err
+        )
+
+    news, seen = save_news([hb(0, 0), hb(1, 0)], {})
+    assert news == [] and seen == {}
+    err = "ENOSPC (No space left on device): step_00000020.tmp"
+    news, seen = save_news([hb(0, 1, err), hb(1, 1, err)], seen)
+    assert [(n.event, n.ranks, n.step, n.failures, n.last_error) for n in news] == [
+        ("save_failed", (0, 1), 20, 1, err)
+    ]
+    assert "ranks 0, 1" in news[0].msg and err in news[0].msg
+    assert save_news([hb(0, 1, err), hb(1, 1, err)], seen)[0] == []  # nothing new
+    news, seen = save_news([hb(0, 2, err, 25), hb(1, 1, err)], seen)  # rank 1 not updated yet
+    assert [(n.ranks, n.failures) for n in news] == [((0,), 2)]
+    news, seen = save_news([hb(0, 0, step=30), hb(1, 0, step=30)], seen)
+    assert [(n.event, n.ranks) for n in news] == [("save_recovered", (0, 1))] and seen == {0: 0, 1: 0}
+
+
+def test_decide_storage_failures_back_off_then_exit_14():
+    p = RestartPolicy(backoff=Backoff(1, 30, 0), no_progress_launches=3)
+    hist = [rec(1, Outcome.STORAGE, died=None)]
+    d = decide(hist[-1], hist, [], T0, p)
+    assert d.relaunch and d.counts_as_restart
+    hist.append(rec(2, Outcome.STORAGE, died=None))
+    d = decide(hist[-1], hist, [T0], T0, p)
+    assert d.relaunch and d.wait_s == 1  # backoff, as after any failure in a row
+    hist.append(rec(3, Outcome.STORAGE, died=None))
+    d = decide(hist[-1], hist, [T0, T0], T0, p)
+    assert (d.relaunch, d.exit_code) == (False, Exit.STORAGE_UNAVAILABLE)
+    assert "storage" in d.reason and "newer checkpoint" in d.reason
+    mixed = [rec(1, died=None), *hist[1:]]
+    assert decide(mixed[-1], mixed, [T0, T0], T0, p).exit_code == Exit.NO_PROGRESS
 
 
 def test_phase_timeouts_from_a_state_file_round_trip_and_refuse_garbage() -> None:

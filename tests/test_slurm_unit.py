@@ -129,6 +129,9 @@ def test_default_rdzv_port_stays_below_the_ephemeral_range() -> None:
         (Exit.REQUEUE_REQUESTED, 0, True, 0, "requeue 1 of 3"),
         (Exit.REQUEUE_REQUESTED, 2, True, 0, "requeue 3 of 3"),
         (Exit.REQUEUE_REQUESTED, 3, False, 13, "budget is used up (3 of 3)"),
+        (Exit.STORAGE_UNAVAILABLE, 0, True, 0, "storage unavailable past the watchdog's retries"),
+        (Exit.STORAGE_UNAVAILABLE, 1, True, 0, "requeue 2 of 3"),
+        (Exit.STORAGE_UNAVAILABLE, 3, False, 14, "budget is used up (3 of 3)"),
         (Exit.CHILD_NONRETRYABLE, 0, False, 12, "non-retryable"),
         (Exit.BUDGET_EXHAUSTED, 0, False, 10, "restart budget"),
         (Exit.NO_PROGRESS, 0, False, 11, "without a newer checkpoint"),
@@ -163,6 +166,19 @@ def test_unreadable_requeue_state_is_kept_not_deleted(tmp_path: Path) -> None:
     assert state.requeues == 0
     assert "unreadable" in note
     assert path.with_name("slurm.json.bad").read_text() == "{garbage"
+
+
+def test_requeue_state_that_cannot_be_read_falls_back_to_slurms_restart_count(tmp_path: Path) -> None:
+    """Storage that fails (exit 14's case) is not garbage: nothing is moved aside, and SLURM's own
+    restart count (an upper bound of this script's requeues) stands in for the count."""
+    path = slurm.requeue_path(tmp_path)
+    path.mkdir(parents=True)  # a read that fails for real (EISDIR), as EIO would
+    job = JobEnv.from_environ({**JOB, "SLURM_RESTART_COUNT": "2"})
+    state, note = slurm.load_requeue_state(tmp_path, job, 3)
+    assert (state.requeues, state.max_requeues) == (2, 3) and "SLURM's restarts of this job (2)" in note
+    assert path.is_dir() and not path.with_name("slurm.json.bad").exists()
+    assert slurm.decide(Exit.STORAGE_UNAVAILABLE, state.requeues, 3).requeue
+    assert not slurm.decide(Exit.STORAGE_UNAVAILABLE, 3, 3).requeue
 
 
 def test_history_is_capped(tmp_path: Path) -> None:

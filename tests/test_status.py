@@ -135,6 +135,47 @@ def test_garbage_never_crashes(tmp_path: Path):
     render(r)
 
 
+def test_ranks_show_io_progress_failed_saves_and_monotonic_age(tmp_path: Path):
+    """A rank deep in a verify shows how far it got and on which file; one whose saves fail shows
+    how many and why; a heartbeat of this boot is aged on the monotonic clock, so a wall clock
+    that jumped ahead does not make a live rank look stale."""
+    from supervisor.heartbeat import boot_id
+
+    root = tmp_path / "run"
+    write_state(root, RunState(host="vm", watchdog_pid=os.getpid(), status="running", launch_id=LID))
+    path = "step_00000120/__1_0.distcp"
+    common = {"launch_id": LID, "mono_time": time.monotonic(), "boot_id": boot_id()}
+    jumped = time.time() - 3600  # the wall clock stepped an hour since (or the writer's was off)
+    write_heartbeat(
+        root,
+        Heartbeat(
+            0,
+            0,
+            "vm",
+            1000,
+            120,
+            Phase.VERIFY,
+            jumped,
+            progress=45,
+            progress_total=100,
+            io_path=path,
+            **common,
+        ),
+    )
+    err = "ENOSPC (No space left on device): step_00000130.tmp"
+    write_heartbeat(
+        root, Heartbeat(1, 1, "vm", 1001, 131, Phase.TRAIN, jumped, save_failures=2, last_error=err, **common)
+    )
+    r = build_report(root)
+    ranks = {x.rank: x for x in r.ranks}
+    assert ranks[0].progress == f"45% at {path}" and not ranks[0].stale and ranks[0].age_s < 60
+    assert (ranks[1].save_failures, ranks[1].last_error) == (2, err) and "2 failed saves" in ranks[1].note
+    assert not ranks[1].stale
+    text = render(r)
+    assert f"verify  45% at {path}" in text and f"2 failed saves: {err}" in text
+    assert json.loads(json.dumps(r.to_dict()))["ranks"][0]["progress"] == f"45% at {path}"
+
+
 def test_empty_run_dir(tmp_path: Path):
     r = build_report(tmp_path)
     assert r.state == "unknown" and r.checkpoints == () and r.ranks == ()

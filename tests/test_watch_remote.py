@@ -61,7 +61,7 @@ def test_unreachable_remote_is_waited_for_then_a_clear_stop(tmp_path):
     env = {**os.environ, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
     args = ("--remote-endpoint", "http://127.0.0.1:9", "--remote-wait", "1")
     p = watch(root, "s3://bucket/run", *args, env=env)
-    assert p.returncode == Exit.CHILD_NONRETRYABLE, p.stderr[-2000:]
+    assert p.returncode == Exit.STORAGE_UNAVAILABLE, p.stderr[-2000:]  # storage verdict: requeue
     log = read_events(events_path(root))
     unavailable = [e["msg"] for e in log if e["event"] == "remote_unavailable"]
     assert unavailable and "EndpointConnectionError" in unavailable[0], unavailable
