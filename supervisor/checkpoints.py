@@ -276,9 +276,9 @@ def check_files(
     or a pickled DCP index outside the allowlist; UNKNOWN naming one that cannot be read; with a
     verified signature ``sig``, UNTRUSTED naming a file whose SHA-256 is not the signed one. Never
     raises OSError."""
-    from supervisor import signing
+    from supervisor.signing import DIGEST_ALGO, Untrusted, check_digests  # stdlib only: cheap
 
-    algos = (CHECKSUM_ALGO, signing.DIGEST_ALGO) if sig is not None else (CHECKSUM_ALGO,)
+    algos = (CHECKSUM_ALGO, DIGEST_ALGO) if sig is not None else (CHECKSUM_ALGO,)
     try:
         sums = hash_files([os.path.join(ref.path, n) for n in names], algos, progress, chunk=chunk)
     except OSError as e:
@@ -294,8 +294,8 @@ def check_files(
         return _corrupt(ref, problem)
     if sig is not None:
         try:
-            signing.check_digests(sig, {n: s[1] for n, s in zip(names, sums, strict=True)})
-        except signing.Untrusted as e:
+            check_digests(sig, {n: s[1] for n, s in zip(names, sums, strict=True)})
+        except Untrusted as e:
             return Verdict(ref, Evidence.UNTRUSTED, f"{ref.name}: {e}", m, signature=e.kind)
     return Verdict(ref, Evidence.OK, "", m, signature="ok" if sig is not None else "")
 

@@ -297,7 +297,8 @@ def confirm_dead(
 
 @dataclass(frozen=True)
 class SaveNews:
-    """A change in the save failures ranks report: ``failures`` > 0 failed, 0 recovered."""
+    """A change in the save failures ranks report: ``failures`` > 0 failed, 0 recovered; ``step``
+    is the heartbeat's when the change was seen (the save's own step is in ``last_error``)."""
 
     ranks: tuple[int, ...]
     step: int
@@ -313,10 +314,10 @@ class SaveNews:
         who = f"rank{'s' if len(self.ranks) > 1 else ''} {', '.join(map(str, self.ranks))}"
         if self.failures:
             return (
-                f"{who}: save failed at step {self.step} ({self.failures} in a row): {self.last_error}; "
-                "training goes on from the last committed checkpoint"
+                f"{who}: a save failed ({self.failures} in a row, reported at step {self.step}): "
+                f"{self.last_error}; training goes on, the last committed checkpoint stands"
             )
-        return f"{who}: a save succeeded again at step {self.step}"
+        return f"{who}: saves work again (reported at step {self.step})"
 
 
 def save_news(beats: Iterable[Heartbeat], seen: Mapping[int, int]) -> tuple[list[SaveNews], dict[int, int]]:

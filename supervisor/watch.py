@@ -290,11 +290,9 @@ class Watchdog:
         except store.MismatchError as e:
             raise _Stop(Exit.CHILD_NONRETRYABLE, f"checkpoint does not match this run: {e}") from None
         except store.NoUsableCheckpoint as e:
-            self._log_quarantined(e.result.quarantined)
+            self._log_skipped(e.result)
             raise _Stop(Exit.CHILD_NONRETRYABLE, str(e)) from None
-        self._log_quarantined(res.quarantined)
-        for name, why in res.untrusted:
-            self.log.emit("untrusted", f"skipped {name}, not trusted: {why}", checkpoint=name, why=why)
+        self._log_skipped(res)
         chosen = res.chosen.ref if res.chosen else None
         how = "deep" if self.cfg.deep_verify else "quick"
         msg = (
@@ -305,9 +303,12 @@ class Watchdog:
         self.log.emit("pick", msg, checkpoint=chosen.name if chosen else None, verify=how)
         return chosen.step if chosen else None
 
-    def _log_quarantined(self, quarantined: tuple[tuple[str, str], ...]) -> None:
-        for name, why in quarantined:
+    def _log_skipped(self, res: store.PickResult) -> None:
+        """What the pick walked past: quarantined (corrupt) and untrusted (not signed) ones."""
+        for name, why in res.quarantined:
             self.log.emit("quarantine", f"quarantined {name}: {why}", checkpoint=name, why=why)
+        for name, why in res.untrusted:
+            self.log.emit("untrusted", f"skipped {name}, not trusted: {why}", checkpoint=name, why=why)
 
     def _pick_across_tiers(self) -> int | None:
         """Before every launch, the first included (after node loss nothing is local): the newest

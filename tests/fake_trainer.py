@@ -121,7 +121,7 @@ def save_or_report(root: Path, step: int, world: int, hb: HeartbeatWriter) -> No
         for tmp in root.glob(f"step_{step:08d}.tmp.*"):
             shutil.rmtree(tmp, ignore_errors=True)
         hb.save_failures += 1
-        hb.last_error = f"{type(e).__name__}: {e}"
+        hb.last_error = f"save of step_{step:08d}: {type(e).__name__}: {e}"
     else:
         hb.save_failures, hb.last_error = 0, ""
     hb.beat(step, Phase.TRAIN, force=True)

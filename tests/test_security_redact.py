@@ -206,7 +206,7 @@ def test_watchdog_with_credentials_in_its_urls_writes_none_of_them(tmp_path: Pat
     cmd += ["--remote-endpoint", ENDPOINT, "--remote-wait", "1", "--max-restarts", "0"]
     cmd += ["--", sys.executable, "-c", "pass", "--remote", URL, "--remote-endpoint", ENDPOINT]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
-    assert r.returncode == Exit.CHILD_NONRETRYABLE, r.stderr[-2000:]
+    assert r.returncode == Exit.STORAGE_UNAVAILABLE, r.stderr[-2000:]  # unreachable remote: requeue
     log = read_events(events_path(root))
     assert [e for e in log if e["event"] == "remote_unavailable"], log
     written = {p: p.read_text() for p in RunDir.of(root).supervisor.iterdir()}
