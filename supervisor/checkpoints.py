@@ -11,7 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +31,7 @@ from supervisor.layout import (
 from supervisor.manifest import (
     CHECKSUM_ALGO,
     NOT_LISTED,
+    READ_CHUNK,
     Manifest,
     ManifestError,
     ProgressFn,
@@ -42,7 +43,7 @@ from supervisor.manifest import (
 if TYPE_CHECKING:
     from filelock import BaseFileLock
 
-    from supervisor.signing import Untrusted
+    from supervisor.signing import Signature, Untrusted
 
 LOCK_TIMEOUT_S = 600.0
 REASON_LOST = "reason unknown: the process that quarantined this checkpoint stopped before writing it"
@@ -212,45 +213,32 @@ def validate(
     With a signing ``key`` (docs/security.md), a checkpoint that passes is also checked against its
     ``manifest.sig`` (quick: the HMAC over the manifest; deep: every file's SHA-256, from the same
     read as the checksums): UNTRUSTED when it is unsigned or the signature is bad."""
-
-    def corrupt(why: str) -> Verdict:
-        return Verdict(ref, Evidence.CORRUPT, f"{ref.name}: {why}")
-
-    def unreadable(e: OSError, name: str) -> Verdict:
-        e.filename = e.filename or os.path.join(ref.path, name)  # a failed read() names no file
-        if e.errno == errno.ENOENT and _vanished(ref):
-            return Verdict(ref, Evidence.UNKNOWN, f"{ref.name}: vanished while it was read", gone=True)
-        if e.errno == errno.ENOENT:
-            return corrupt(f"{name} is missing")
-        ev = evidence_of(e)
-        return Verdict(ref, ev, f"{ref.name}: {name} is unreadable ({describe(e)})", error=e)
-
     try:
         raw = (ref.path / MANIFEST).read_bytes()
     except OSError as e:
-        return unreadable(e, MANIFEST)
+        return _unreadable(ref, e, MANIFEST)
     try:
         m = parse_manifest(raw)
     except ManifestError as e:
-        return corrupt(str(e))
+        return _corrupt(ref, str(e))
     if m.step != ref.step:
-        return corrupt(f"{MANIFEST} is for step {m.step}, not {ref.step}")
+        return _corrupt(ref, f"{MANIFEST} is for step {m.step}, not {ref.step}")
     try:
         present = set(list_files(ref.path)) - NOT_LISTED
     except OSError as e:
-        return unreadable(e, _rel(ref, e.filename, "the directory"))
+        return _unreadable(ref, e, _rel(ref, e.filename, "the directory"))
     for name, entry in sorted(m.files.items()):
         if name not in present:
-            return corrupt(f"{name} is missing")
+            return _corrupt(ref, f"{name} is missing")
         try:
             size = os.stat(os.path.join(ref.path, name)).st_size
         except OSError as e:
-            return unreadable(e, name)
+            return _unreadable(ref, e, name)
         if size != entry.size:
-            return corrupt(f"{name} is {size} bytes, manifest says {entry.size}")
+            return _corrupt(ref, f"{name} is {size} bytes, manifest says {entry.size}")
     unlisted = sorted(present - set(m.files))
     if unlisted:
-        return corrupt(f"{unlisted[0]} is not listed in {MANIFEST}")
+        return _corrupt(ref, f"{unlisted[0]} is not listed in {MANIFEST}")
     untrusted: Untrusted | None = None  # the key does not vouch for it
     sig = None
     if key is not None:
@@ -261,38 +249,58 @@ def validate(
         except FileNotFoundError:
             sig_bytes = None
         except OSError as e:
-            return unreadable(e, SIGNATURE)
+            return _unreadable(ref, e, SIGNATURE)
         try:
             sig = signing.verify(raw, sig_bytes, m.files, key)
         except signing.Untrusted as e:
             untrusted = e
     if deep:
-        names = sorted(m.files)
-        algos = (CHECKSUM_ALGO, signing.DIGEST_ALGO) if sig is not None else (CHECKSUM_ALGO,)
-        try:
-            sums = hash_files([os.path.join(ref.path, n) for n in names], algos, progress)
-        except OSError as e:
-            return unreadable(e, _rel(ref, e.filename, "a file"))
-        for name, (actual, *_) in zip(names, sums, strict=True):
-            expected = m.files[name].checksum
-            if actual != expected:
-                return corrupt(f"{name} checksum {actual[:12]}.. differs from manifest {expected[:12]}..")
-        problem = _pickles_problem(ref, names)
-        if isinstance(problem, OSError):
-            return unreadable(problem, _rel(ref, problem.filename, "a file"))
-        if problem:
-            return corrupt(problem)
-        if sig is not None:
-            try:
-                signing.check_digests(sig, {n: s[1] for n, s in zip(names, sums, strict=True)})
-            except signing.Untrusted as e:
-                untrusted = e
+        v = check_files(ref, m, sorted(m.files), progress, sig=sig)
+        if not v.ok:
+            return v
     if untrusted is not None:
         return Verdict(ref, Evidence.UNTRUSTED, f"{ref.name}: {untrusted}", m, signature=untrusted.kind)
     return Verdict(ref, Evidence.OK, "", m, signature="ok" if key is not None else "")
 
 
-def _pickles_problem(ref: CheckpointRef, names: list[str]) -> str | OSError:
+def check_files(
+    ref: CheckpointRef,
+    m: Manifest,
+    names: Sequence[str],
+    progress: ProgressFn | None = None,
+    chunk: int = READ_CHUNK,
+    sig: Signature | None = None,
+) -> Verdict:
+    """The deep part of ``validate`` for some of the files of ``m`` (each rank of a trainer checks
+    its share of a checkpoint this way): OK; CORRUPT naming the first file whose checksum differs,
+    or a pickled DCP index outside the allowlist; UNKNOWN naming one that cannot be read; with a
+    verified signature ``sig``, UNTRUSTED naming a file whose SHA-256 is not the signed one. Never
+    raises OSError."""
+    from supervisor.signing import DIGEST_ALGO, Untrusted, check_digests  # stdlib only: cheap
+
+    algos = (CHECKSUM_ALGO, DIGEST_ALGO) if sig is not None else (CHECKSUM_ALGO,)
+    try:
+        sums = hash_files([os.path.join(ref.path, n) for n in names], algos, progress, chunk=chunk)
+    except OSError as e:
+        return _unreadable(ref, e, _rel(ref, e.filename, "a file"))
+    for name, (actual, *_) in zip(names, sums, strict=True):
+        expected = m.files[name].checksum
+        if actual != expected:
+            return _corrupt(ref, f"{name} checksum {actual[:12]}.. differs from manifest {expected[:12]}..")
+    problem = _pickles_problem(ref, names)
+    if isinstance(problem, OSError):
+        return _unreadable(ref, problem, _rel(ref, problem.filename, "a file"))
+    if problem:
+        return _corrupt(ref, problem)
+    if sig is not None:
+        try:
+            check_digests(sig, {n: s[1] for n, s in zip(names, sums, strict=True)})
+        except Untrusted as e:
+            return Verdict(ref, Evidence.UNTRUSTED, f"{ref.name}: {e}", m, signature=e.kind)
+    return Verdict(ref, Evidence.OK, "", m, signature="ok" if sig is not None else "")
+
+
+def _pickles_problem(ref: CheckpointRef, names: Sequence[str]) -> str | OSError:
     """Why a pickled DCP index of the checkpoint may not be loaded ('' when none), or the OSError
     that kept it from being read."""
     from supervisor import safepickle
@@ -309,6 +317,21 @@ def _pickles_problem(ref: CheckpointRef, names: list[str]) -> str | OSError:
             except safepickle.UnsafePickle as e:
                 return str(e)
     return ""
+
+
+def _corrupt(ref: CheckpointRef, why: str) -> Verdict:
+    return Verdict(ref, Evidence.CORRUPT, f"{ref.name}: {why}")
+
+
+def _unreadable(ref: CheckpointRef, e: OSError, name: str) -> Verdict:
+    """What an OSError met on ``name`` proves: a whole checkpoint gone meanwhile is ``gone``, a
+    missing file corrupt, anything else (EIO, ESTALE...) unknown."""
+    e.filename = e.filename or os.path.join(ref.path, name)  # a failed read() names no file
+    if e.errno == errno.ENOENT and _vanished(ref):
+        return Verdict(ref, Evidence.UNKNOWN, f"{ref.name}: vanished while it was read", gone=True)
+    if e.errno == errno.ENOENT:
+        return _corrupt(ref, f"{name} is missing")
+    return Verdict(ref, evidence_of(e), f"{ref.name}: {name} is unreadable ({describe(e)})", error=e)
 
 
 def _rel(ref: CheckpointRef, filename: object, default: str) -> str:

@@ -314,9 +314,13 @@ class Progress:
         self._beat()
 
     def set_path(self, path: str) -> None:
-        """The file now being read or written (named in a hang verdict if it never returns)."""
+        """The file now being read or written (named in a hang verdict if it never returns). A new
+        file is written at once, throttle or not: a read that blocks on it must find the heartbeat
+        written before it naming it, not the previous file (one write per file opened in a long
+        phase; clearing the path waits for the next due beat)."""
+        new = bool(path) and path != self.path
         self.path = path
-        self._beat()
+        self._beat(force=new)
 
     def _beat(self, force: bool = False) -> None:
         self.writer.beat(

@@ -219,11 +219,15 @@ def _hasher(algo: str) -> Any:
     return hashlib.new(algo)
 
 
-def hash_file(path: str | Path, algos: Sequence[str], progress: ProgressFn | None = None) -> list[str]:
-    """Hex digests of one file, one per algorithm in ``algos``, from a single read in large chunks
-    into one reused buffer (every algorithm is fed the same chunk)."""
+def hash_file(
+    path: str | Path, algos: Sequence[str], progress: ProgressFn | None = None, chunk: int = READ_CHUNK
+) -> list[str]:
+    """Hex digests of one file, one per algorithm in ``algos``, from a single read in chunks of
+    ``chunk`` bytes into one reused buffer (every algorithm is fed the same chunk; ``progress``
+    hears of each: a caller that beats a heartbeat per chunk picks a chunk small enough for a slow
+    file system)."""
     hashers = [_hasher(a) for a in algos]
-    buf = bytearray(READ_CHUNK)
+    buf = bytearray(chunk)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buf):
@@ -234,9 +238,9 @@ def hash_file(path: str | Path, algos: Sequence[str], progress: ProgressFn | Non
     return [h.hexdigest() for h in hashers]
 
 
-def checksum_file(path: str | Path, progress: ProgressFn | None = None) -> str:
+def checksum_file(path: str | Path, progress: ProgressFn | None = None, chunk: int = READ_CHUNK) -> str:
     """xxh3-128 of a file."""
-    return hash_file(path, (CHECKSUM_ALGO,), progress)[0]
+    return hash_file(path, (CHECKSUM_ALGO,), progress, chunk)[0]
 
 
 def hash_files(
@@ -244,6 +248,7 @@ def hash_files(
     algos: Sequence[str] = (CHECKSUM_ALGO,),
     progress: ProgressFn | None = None,
     threads: int = VERIFY_THREADS,
+    chunk: int = READ_CHUNK,
 ) -> list[list[str]]:
     """``hash_file`` of many files, in order, by up to ``threads`` threads. Raises the OSError of
     the first unreadable file (in ``paths`` order); ``progress`` is called under a lock."""
@@ -263,16 +268,20 @@ def hash_files(
             if i is None:
                 return
             try:
-                results[i] = hash_file(paths[i], algos, tick if progress else None)
+                results[i] = hash_file(paths[i], algos, tick if progress else None, chunk)
             except OSError as e:
                 e.filename = e.filename or os.fspath(paths[i])  # a failed read() names no file
                 errors[i] = e
 
-    workers = [threading.Thread(target=work, daemon=True) for _ in range(max(1, min(threads, len(paths))))]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
+    n = min(threads, len(paths))
+    if n <= 1:  # in the calling thread: a read that never returns shows in its stack and syscall
+        work()
+    else:
+        workers = [threading.Thread(target=work, daemon=True) for _ in range(n)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
     if errors:
         raise errors[min(errors)]
     return results

@@ -167,3 +167,16 @@ def test_progress_tracker_beats_with_progress_path_and_save_failures(tmp_path: P
     assert hb.io_path == "step_00000010/__0_0.distcp"
     assert (hb.save_failures, hb.last_error) == (2, "step_00000010: No space left on device")
     assert hb.boot_id and hb.mono_time > 0
+
+
+def test_a_new_io_path_is_written_at_once_whatever_the_throttle(tmp_path: Path) -> None:
+    """A read that blocks must find its file named in the heartbeat written before it."""
+    w = HeartbeatWriter(tmp_path, rank=0, local_rank=0, world_size=1, interval_s=3600.0)
+    track = w.tracker(Phase.LOAD, step=10)
+    track(10)  # throttled: not written
+    track.set_path("step_00000010/__1_0.distcp")
+    hb = read_heartbeat(RunDir.of(tmp_path).heartbeat(0), 0).heartbeat
+    assert (hb.io_path, hb.progress) == ("step_00000010/__1_0.distcp", 10)
+    track(10)
+    track.set_path("step_00000010/__1_0.distcp")  # the same file: throttled like progress
+    assert read_heartbeat(RunDir.of(tmp_path).heartbeat(0), 0).heartbeat.progress == 10

@@ -13,7 +13,8 @@ from supervisor import store
 from supervisor.exitcodes import NON_RETRYABLE, Exit
 from train_ref.config import get_config
 from train_ref.data import Corpus
-from train_ref.train import _choose, parse_args
+from train_ref.resume import _choose
+from train_ref.train import parse_args
 
 
 @pytest.fixture(scope="module")

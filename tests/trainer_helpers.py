@@ -12,9 +12,12 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
-from supervisor.heartbeat import read_heartbeats
+from supervisor.heartbeat import Heartbeat, Phase, read_heartbeats
+from supervisor.manifest import read_manifest
+from train_ref.resume import split_by_size
 
 REPO = Path(__file__).resolve().parent.parent
 # Small enough for CI (2 cores): ~0.05-0.2 s per step, 30 steps cross three saves.
@@ -198,3 +201,38 @@ def shared_goldens(make_base: Callable[[], Path]) -> Goldens:
     if _GOLDENS is None:
         _GOLDENS = Goldens(make_base())
     return _GOLDENS
+
+
+def beats(root: Path) -> dict[int, Heartbeat]:
+    """Each rank's heartbeat now (unreadable ones left out)."""
+    return {s.rank: s.heartbeat for s in read_heartbeats(root) if s.heartbeat is not None}
+
+
+class BeatLog:
+    """Every heartbeat write of each rank seen by polling (``poll``): (mono_time, phase)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.seen: dict[int, list[tuple[float, Phase]]] = {}
+
+    def poll(self) -> None:
+        for rank, b in beats(self.root).items():
+            writes = self.seen.setdefault(rank, [])
+            if not writes or writes[-1][0] != b.mono_time:
+                writes.append((b.mono_time, b.phase))
+
+    def first(self, phase: Phase) -> float | None:
+        """When some rank first wrote a heartbeat in ``phase`` (monotonic clock), if seen."""
+        return min((t for w in self.seen.values() for t, p in w if p == phase), default=None)
+
+    def longest_silence(self, until: float) -> float:
+        """The longest time a rank went without a heartbeat write, up to ``until``."""
+        return max(b[0] - a[0] for w in self.seen.values() for a, b in pairwise(w) if b[0] <= until)
+
+
+def largest_share(root: Path, step: int, rank: int, world: int = 2) -> str:
+    """The largest file ``rank`` checks in the spread deep verify of ``step`` (the split every rank
+    computes from the manifest)."""
+    m = read_manifest(root / f"step_{step:08d}")
+    sizes = {n: e.size for n, e in m.files.items()}
+    return max(split_by_size(sizes, world)[rank], key=lambda n: sizes[n])

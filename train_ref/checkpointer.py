@@ -1,13 +1,25 @@
-"""DCP save and load through the checkpoint store, with at most one async save in flight.
+"""DCP save and load through the checkpoint store, with at most one async save in flight, and saves
+that may fail without taking the run down.
 
 Protocol of one save (every rank calls ``save`` at the same step boundary):
 1. finish the previous save if one is still in flight (wait for it, then commit it);
-2. rank 0 opens the store's tmp dir (``supervisor.store.begin``) and tells the others its path;
+2. rank 0 opens the store's tmp dir (``supervisor.store.begin``) and tells the others its path
+   (or that it could not: the save failed);
 3. each rank writes its per-rank state file, then DCP writes the shards (async: staged in the
    background and uploaded by a thread; sync: before returning);
-4. once every rank's writes have finished, ranks send rank 0 the checksums of the files they wrote
-   and rank 0 commits (manifest, rename, ``latest``), then hands the commit to ``on_commit`` (the
-   remote tier's uploader, which also does retention between uploads) or else prunes itself.
+4. once every rank's writes have finished (phase COMMIT), ranks send rank 0 the checksums of the
+   files they wrote, or the error that stopped them; rank 0 commits (manifest, rename, ``latest``)
+   when nobody failed, then hands the commit to ``on_commit`` (the remote tier's uploader, which
+   also does retention between uploads) or else prunes itself; then it tells every rank the
+   outcome.
+
+A failed save (ENOSPC, EDQUOT, EIO... on any rank, DCP's CheckpointException, a rank's file missing
+from rank 0's view) is decided at those two exchanges, never by one rank alone (a rank that went
+its own way around a collective would hang the others): rank 0 removes the tmp dir, nothing is
+committed, ``latest`` stays, every rank records the failure in its heartbeat (``save_failures``,
+``last_error``) and training goes on. The next save first makes room (dead writers' tmp dirs,
+quarantine retention). ``save_policy.give_up`` decides, on rank 0, when to stop: then every rank
+raises StorageGaveUp (exit 74).
 
 Async: training continues while staging runs, but ``before_optimizer_step`` waits for staging to
 complete, because an optimizer step during staging would tear the checkpoint. Whether the upload is
@@ -20,9 +32,12 @@ collectives on the default group deadlocked against training collectives (torch-
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
+import shutil
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -34,16 +49,23 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from supervisor import store
+from supervisor.heartbeat import HeartbeatWriter, Phase, Progress
+from supervisor.layout import step_dirname
 from supervisor.manifest import FileEntry, checksum_file
+from train_ref import agree
+from train_ref.progress_io import PROGRESS_CHUNK, ProgressFileSystem, open_progress
 from train_ref.safe_load import load_dcp, weights_only_refusal
+from train_ref.save_policy import SaveError, SavePolicy, dcp_save_error, failure_line, give_up, save_error
 from train_ref.state import RankState, TrainState, rank_state_filename
 
 log = logging.getLogger(__name__)
 
 DCP_METADATA = ".metadata"  # written by DCP's coordinator (rank 0)
+COMMIT_STEPS = ("fsync", "manifest", "rename", "latest")  # store.commit's on_phase calls
 
 # Test-only fault injection: seconds every checkpoint write sleeps before writing its shards, to
 # widen the window between "save started" and "commit" so a test can kill a rank inside it.
@@ -69,6 +91,23 @@ class CommitInfo:
     sign_key: bytes | None = field(default=None, repr=False)
 
 
+@dataclass(frozen=True)
+class SaveOutcome:
+    """How one save ended, decided by rank 0 and the same on every rank."""
+
+    step: int
+    committed: bool
+    error: str = ""  # why not (one line: rank, file, errno)
+    failures: int = 0  # failed saves in a row, this one included
+    latest: str | None = None  # the newest committed checkpoint now
+    stop: str = ""  # the save policy's reason to stop the launch ('' : go on)
+    tmp_left: bool = False  # rank 0 could not remove the tmp dir (a file it cannot see)
+
+
+class StorageGaveUp(Exception):
+    """The save policy stopped the launch (exit 74); ``str(e)`` is one line for the job log."""
+
+
 @dataclass
 class _InFlight:
     step: int
@@ -76,6 +115,7 @@ class _InFlight:
     meta: dict[str, Any]
     staging: Future | None
     upload: Future
+    error: SaveError | None = None  # met by this rank before the upload (its state file)
     started: float = field(default_factory=time.monotonic)
 
 
@@ -89,9 +129,11 @@ class _DelayedWriter(FileSystemWriter):
         return super().write_data(plan, planner)
 
 
-def _writer(path: Path) -> FileSystemWriter:
+def _writer(path: Path, root: Path) -> FileSystemWriter:
     delay = float(os.environ.get(ENV_SAVE_DELAY, "0") or 0)
-    return _DelayedWriter(path, delay) if delay > 0 else FileSystemWriter(path)
+    w = _DelayedWriter(path, delay) if delay > 0 else FileSystemWriter(path)
+    w.fs = ProgressFileSystem(root)  # a failed write names its file
+    return w
 
 
 class Checkpointer:
@@ -102,11 +144,14 @@ class Checkpointer:
         async_save: bool,
         keep: int,
         info: CommitInfo,
+        hb: HeartbeatWriter,
+        policy: SavePolicy | None = None,
         on_commit: Callable[[store.CheckpointRef], None] | None = None,
     ):
         """``on_commit`` (rank 0) takes over retention: pruning here could delete a checkpoint
         while a background upload reads it."""
-        self.root, self.async_save, self.keep, self.info = root, async_save, keep, info
+        self.root, self.async_save, self.keep, self.info, self.hb = root, async_save, keep, info, hb
+        self.policy = policy or SavePolicy()
         self.on_commit = on_commit
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dcp_group = dist.new_group(backend="gloo")
@@ -117,19 +162,32 @@ class Checkpointer:
         self.in_flight: _InFlight | None = None
         self.last_blocking_s = 0.0  # time the training loop was blocked by the last save call
         self.last_staging_wait_s = 0.0  # ... and then waiting for its staging before a step
+        # Rank 0's account of failed saves: how many in a row, since when nothing is durable
+        # (the launch started from a durable checkpoint, or from nothing), tmp dirs to remove.
+        self.failures = 0
+        self.last_durable = time.monotonic()
+        self.leftovers: list[Path] = []
 
     # ------------------------------------------------------------ saving
 
-    def save(self, state: TrainState, meta: dict[str, Any], *, blocking: bool = False) -> None:
-        """Checkpoint ``state`` at its current step. ``blocking`` forces a synchronous save."""
+    def save(self, state: TrainState, meta: dict[str, Any], *, blocking: bool = False) -> SaveOutcome | None:
+        """Checkpoint ``state`` at its current step. ``blocking`` forces a synchronous save, and
+        returns its outcome; an async save returns None (its outcome comes with its commit).
+        Raises StorageGaveUp, on every rank, when the save policy says to stop."""
         t0 = time.monotonic()
         self.finish()
         tmp = self._begin(state.step)
-        RankState.save(tmp / rank_state_filename(self.rank))
+        if isinstance(tmp, SaveOutcome):
+            return tmp
+        error = None
+        try:
+            RankState.save(tmp / rank_state_filename(self.rank))
+        except OSError as e:
+            error = save_error(e, self.rank, self.root)
         if self.async_save and not blocking:
             resp = dcp.async_save(
                 {"app": state},
-                storage_writer=_writer(tmp),
+                storage_writer=_writer(tmp, self.root),
                 process_group=self.dcp_group,
                 async_stager=self.stager,
             )
@@ -138,11 +196,16 @@ class Checkpointer:
                 if hasattr(resp, "upload_completion")
                 else (None, resp)
             )
-            self.in_flight = _InFlight(state.step, tmp, meta, staging, upload)
-        else:
-            dcp.save({"app": state}, storage_writer=_writer(tmp), process_group=self.dcp_group)
-            self._commit(state.step, tmp, meta)
+            self.in_flight = _InFlight(state.step, tmp, meta, staging, upload, error)
+            self.last_blocking_s = time.monotonic() - t0
+            return None
+        try:
+            dcp.save({"app": state}, storage_writer=_writer(tmp, self.root), process_group=self.dcp_group)
+        except (OSError, CheckpointException) as e:
+            error = error or self._storage_error(e)
+        outcome = self._commit(state.step, tmp, meta, error)
         self.last_blocking_s = time.monotonic() - t0
+        return outcome
 
     def before_optimizer_step(self) -> None:
         """Wait until the in-flight save has staged its copy; parameters may change after this."""
@@ -162,35 +225,127 @@ class Checkpointer:
             self.finish()
         return bool(flags[0])
 
-    def finish(self) -> None:
-        """Wait for the in-flight save, if any, and commit it."""
+    def finish(self) -> SaveOutcome | None:
+        """Wait for the in-flight save, if any, and commit it (or agree that it failed)."""
         if self.in_flight is None:
-            return
+            return None
         f, self.in_flight = self.in_flight, None
         if f.staging is not None:
             f.staging.result()
-        f.upload.result()
-        self._commit(f.step, f.tmp, f.meta)
+        error = f.error
+        try:
+            f.upload.result()
+        except (OSError, CheckpointException) as e:
+            error = error or self._storage_error(e)
+        return self._commit(f.step, f.tmp, f.meta, error)
 
     def close(self) -> None:
         self.finish()
         if self.stager is not None:
             self.stager.close()
 
-    def _begin(self, step: int) -> Path:
-        box = [str(store.begin(self.root, step)) if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0, group=self.ctl_group)
-        return Path(box[0])
+    def _storage_error(self, e: BaseException) -> SaveError:
+        """This rank's storage failure, or ``e`` raised again when it is not one (a bug crashes).
+        DCP raises its CheckpointException on every rank alike, so they all crash or all go on."""
+        if isinstance(e, OSError):
+            return save_error(e, self.rank, self.root)
+        err = dcp_save_error(e, self.root)  # type: ignore[arg-type]
+        if err is None:
+            raise e
+        return err
 
-    def _commit(self, step: int, tmp: Path, meta: dict[str, Any]) -> None:
-        """Every rank's writes are done: rank 0 commits with the checksums each rank computed."""
-        mine = _local_entries(tmp, self.rank)
-        gathered: list[dict[str, FileEntry] | None] = [None] * self.world_size
-        dist.all_gather_object(gathered, mine, group=self.ctl_group)
+    def _begin(self, step: int) -> Path | SaveOutcome:
+        """Rank 0 makes room if saves failed before, opens the tmp dir and tells everyone its
+        path, or the outcome of a save that failed right there."""
+        mine: Path | SaveOutcome | None = None
         if self.rank == 0:
-            known = {k: v for d in gathered if d for k, v in d.items()}
-            # Every rank's files must be in rank 0's view, else nothing is committed.
-            writers = {r: sorted(d or ()) for r, d in enumerate(gathered)}
+            self._make_room()
+            try:
+                mine = store.begin(self.root, step)
+            except OSError as e:
+                mine = self._failed(step, [save_error(e, 0, self.root)], None)
+        got = agree.broadcast(mine, self.ctl_group, lambda: self.hb.beat(step, Phase.SAVE))
+        if isinstance(got, SaveOutcome):
+            self._apply(got)
+        return got
+
+    def _make_room(self) -> None:
+        """Rank 0, before a save: tmp dirs of failed saves it could not remove yet; after a failed
+        save also a prune (dead writers' tmp dirs, quarantine retention; checkpoints beyond
+        ``keep`` unless an uploader owns retention). Best effort: a failure here is the next
+        save's to report."""
+        for tmp in list(self.leftovers):
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not os.path.lexists(tmp):
+                self.leftovers.remove(tmp)
+        if self.failures:
+            try:
+                store.prune(self.root, keep=self.keep if self.on_commit is None else sys.maxsize)
+            except (OSError, store.StoreError) as e:
+                log.warning("prune before retrying a save failed: %s", e)
+
+    def _commit(self, step: int, tmp: Path, meta: dict[str, Any], error: SaveError | None) -> SaveOutcome:
+        """Every rank's writes are done: rank 0 commits with the checksums each rank computed,
+        unless a rank failed; every rank learns the outcome."""
+        progress = self.hb.tracker(Phase.COMMIT, step)
+        mine: dict[str, FileEntry] | SaveError | None = error
+        if mine is None:
+            try:
+                mine = self._local_entries(tmp, progress)
+            except OSError as e:
+                mine = save_error(e, self.rank, self.root)
+        progress.set_path("")  # waiting for the peers, not in a read
+        gathered = agree.gather(mine, self.ctl_group, lambda: progress(0))
+        outcome = None
+        if self.rank == 0:
+            outcome = self._decide(step, tmp, meta, gathered, progress)
+        outcome = agree.broadcast(outcome, self.ctl_group, lambda: progress(0))
+        if outcome.tmp_left:
+            self._remove_own_files(tmp)
+        self._apply(outcome, progress)
+        return outcome
+
+    def _remove_own_files(self, tmp: Path) -> None:
+        """Rank 0 could not remove the tmp dir of a failed save: a file it cannot see is in it
+        (a rank's view that differs: the case IncompleteCommit refuses). Every rank removes the
+        files it wrote, in its own view; then rank 0 tries again (and again before the next
+        save)."""
+        with contextlib.suppress(OSError):
+            for name in os.listdir(tmp):
+                if self._is_own(name):
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp / name)
+        dist.barrier(group=self.ctl_group)
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not os.path.lexists(tmp):
+                self.leftovers.remove(tmp)
+
+    def _is_own(self, name: str) -> bool:
+        """A file this rank writes into a checkpoint (DCP's ``.metadata``: its coordinator, rank 0)."""
+        own = {rank_state_filename(self.rank)} | ({DCP_METADATA} if self.rank == 0 else set())
+        return name.startswith(f"__{self.rank}_") or name in own
+
+    def _decide(
+        self,
+        step: int,
+        tmp: Path,
+        meta: dict[str, Any],
+        gathered: list[dict[str, FileEntry] | SaveError],
+        progress: Progress,
+    ) -> SaveOutcome:
+        """Rank 0: commit when every rank's part is there; else remove the tmp dir."""
+        errors = [g for g in gathered if isinstance(g, SaveError)]
+        if errors:
+            return self._failed(step, errors, tmp)
+        entries: list[dict[str, FileEntry]] = gathered  # type: ignore[assignment]
+        rel = os.path.relpath(tmp, self.root)
+
+        def phase(_name: str) -> None:
+            progress.set_path(rel)
+            progress(1)
+
+        try:
             ref = store.commit(
                 self.root,
                 tmp,
@@ -201,47 +356,121 @@ class Checkpointer:
                 parallelism=self.info.parallelism,
                 torch_version=self.info.torch_version,
                 meta=meta,
-                known=known,
-                writers=writers,
+                known={k: v for d in entries for k, v in d.items()},
+                # Every rank's files must be in rank 0's view, else nothing is committed.
+                writers={r: sorted(d) for r, d in enumerate(entries)},
+                on_phase=phase,
                 sign_key=self.info.sign_key,
             )
-            if self.on_commit is not None:
-                log.info("committed %s", ref.name)
-                self.on_commit(ref)
-            else:
-                pruned = store.prune(self.root, keep=self.keep)
-                log.info(
-                    "committed %s%s",
-                    ref.name,
-                    f" (pruned {', '.join(pruned.deleted)})" if pruned.deleted else "",
+        except (OSError, store.IncompleteCommit) as e:
+            final = self.root / step_dirname(step)
+            if os.path.lexists(tmp) or not os.path.isdir(final):
+                return self._failed(step, [save_error(e, 0, self.root)], tmp)
+            # Renamed: committed. What failed after the rename (``latest``, an fsync) is repaired
+            # by the next pick, which never trusts ``latest`` alone.
+            log.warning("committed %s, but after the rename: %s", final.name, e)
+            ref = store.CheckpointRef(step, final)
+        return self._succeeded(ref)
+
+    def _succeeded(self, ref: store.CheckpointRef) -> SaveOutcome:
+        if self.failures:
+            log.warning("save recovered: %s committed after %d failed save(s)", ref.name, self.failures)
+        self.failures, self.last_durable = 0, time.monotonic()
+        if self.on_commit is not None:
+            log.info("committed %s", ref.name)
+            self.on_commit(ref)
+        else:
+            try:
+                pruned = store.prune(self.root, keep=self.keep).deleted
+            except (OSError, store.StoreError) as e:  # the checkpoint is committed all the same
+                log.warning("committed %s; prune failed: %s", ref.name, e)
+                pruned = ()
+            log.info("committed %s%s", ref.name, f" (pruned {', '.join(pruned)})" if pruned else "")
+        return SaveOutcome(ref.step, True, latest=ref.name)
+
+    def _failed(self, step: int, errors: list[SaveError], tmp: Path | None) -> SaveOutcome:
+        """Rank 0: nothing is committed; the tmp dir goes (a full disk gets that space back)."""
+        left = False
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if os.path.lexists(tmp):
+                self.leftovers.append(tmp)
+                left = True
+        self.failures += 1
+        unsaved = time.monotonic() - self.last_durable
+        first = min(errors, key=lambda e: e.rank)
+        return SaveOutcome(
+            step,
+            False,
+            error=str(first),
+            failures=self.failures,
+            latest=store.read_latest(self.root),
+            stop=give_up(self.policy, self.failures, unsaved),
+            tmp_left=left,
+        )
+
+    def _apply(self, outcome: SaveOutcome, progress: Progress | None = None) -> None:
+        """Every rank: the outcome into the heartbeat (written now), the warning into the log, and
+        StorageGaveUp when the policy says to stop."""
+        self.hb.save_failures = outcome.failures
+        self.hb.last_error = outcome.error
+        done, total = (progress.done, progress.total) if progress else (0, 0)
+        self.hb.beat(outcome.step, Phase.COMMIT, force=True, progress=done, total=total)
+        if outcome.committed:
+            return
+        if self.rank == 0 and not outcome.stop:
+            log.warning(
+                failure_line(
+                    outcome.step,
+                    outcome.error,
+                    outcome.failures,
+                    outcome.latest,
+                    self.policy,
+                    not self.leftovers,
                 )
-        dist.barrier(group=self.ctl_group)
+            )
+        if outcome.stop:
+            raise StorageGaveUp(
+                f"storage: giving up at step {outcome.step}: {outcome.stop}; last error: {outcome.error}; "
+                f"committed checkpoints are intact (newest: {outcome.latest or 'none'}); exit 74, retryable"
+            )
+
+    def _local_entries(self, tmp: Path, progress: Progress) -> dict[str, FileEntry]:
+        """Checksums of the files this rank wrote, so rank 0 does not re-read every shard. DCP's
+        ``.metadata`` is written by its coordinator, rank 0."""
+        mine = [n for n in sorted(os.listdir(tmp)) if self._is_own(n)]
+        sizes = {n: (tmp / n).stat().st_size for n in mine}
+        # Bytes hashed, and for rank 0 one unit per step of the store's commit (on_phase).
+        progress.total = sum(sizes.values()) + (len(COMMIT_STEPS) if self.rank == 0 else 0)
+        out = {}
+        for name in mine:
+            progress.set_path(os.path.relpath(tmp / name, self.root))
+            out[name] = FileEntry(sizes[name], checksum_file(tmp / name, progress, PROGRESS_CHUNK))
+        return out
 
     # ------------------------------------------------------------ loading
 
-    def load(self, ckpt: Path, state: TrainState, *, saved_world_size: int, skip: frozenset[str]) -> bool:
-        """Load shards (DCP reshards to this world size), then this rank's RNG file. Returns whether
-        the per-rank state was restored; on another world size it cannot map onto the new ranks,
-        and the caller derives fresh streams instead. Nothing in the checkpoint is run: a pickle
-        that names anything else than plain data is UnsafePickle, one line (train_ref/safe_load.py)."""
-        load_dcp(ckpt, {"app": state}, self.dcp_group)
+    def load(
+        self,
+        ckpt: Path,
+        state: TrainState,
+        *,
+        saved_world_size: int,
+        skip: frozenset[str],
+        progress: Progress,
+    ) -> bool:
+        """Load shards (DCP reshards to this world size), then this rank's RNG file, every read
+        counted into ``progress``. Returns whether the per-rank state was restored; on another
+        world size it cannot map onto the new ranks, and the caller derives fresh streams instead.
+        Nothing in the checkpoint is run: a pickle that names anything else than plain data is
+        UnsafePickle, one line (train_ref/safe_load.py)."""
+        load_dcp(ckpt, {"app": state}, self.dcp_group, fs=ProgressFileSystem(self.root, progress))
         if saved_world_size != self.world_size:
             return False
         path = ckpt / rank_state_filename(self.rank)
         try:
-            RankState.load(path, skip)
+            with open_progress(path, progress, self.root) as f:
+                RankState.load(f, skip)
         except pickle.UnpicklingError as e:
             raise weights_only_refusal(str(path), e) from None
         return True
-
-
-def _local_entries(tmp: Path, rank: int) -> dict[str, FileEntry]:
-    """Checksums of the files this rank wrote, so rank 0 does not re-read every shard. DCP's
-    ``.metadata`` is written by its coordinator, rank 0."""
-    out = {}
-    for name in sorted(os.listdir(tmp)):
-        mine = name.startswith(f"__{rank}_") or name == rank_state_filename(rank)
-        if mine or (rank == 0 and name == DCP_METADATA):
-            p = tmp / name
-            out[name] = FileEntry(p.stat().st_size, checksum_file(p))
-    return out

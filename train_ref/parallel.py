@@ -11,6 +11,7 @@ another step), which changed the order and made 4-rank resumes differ in the las
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -56,12 +57,16 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def params_digest(model: nn.Module) -> str:
+def params_digest(model: nn.Module, progress: Callable[[int], None] | None = None) -> str:
     """sha256 over (name, dtype, shape, bytes) of every parameter, sorted by name; identical for
-    any sharding. Every rank must call it (gathering shards is a collective)."""
+    any sharding. Every rank must call it (gathering shards is a collective). ``progress`` hears
+    of each parameter's local bytes once hashed (a heartbeat tracker: a large model's digest is
+    a long phase of its own)."""
     h = hashlib.sha256()
     for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
         t = full_tensor(p.detach()).cpu().contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        if progress:
+            progress(p.numel() * p.element_size())
     return h.hexdigest()

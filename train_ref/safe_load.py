@@ -31,6 +31,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
@@ -99,9 +100,18 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = obj
 
 
-def load_dcp(ckpt: Path, state_dict: dict[str, Any], process_group: dist.ProcessGroup | None) -> None:
-    """``dcp.load`` through the safe reader and planner; UnsafePickle (one line) on a refusal."""
+def load_dcp(
+    ckpt: Path,
+    state_dict: dict[str, Any],
+    process_group: dist.ProcessGroup | None,
+    fs: FileSystem | None = None,
+) -> None:
+    """``dcp.load`` through the safe reader and planner; UnsafePickle (one line) on a refusal.
+    ``fs``: the file system the reader opens files with (the trainer's counts the bytes it reads,
+    train_ref/progress_io.py)."""
     reader = SafeFileSystemReader(ckpt)
+    if fs is not None:
+        reader.fs = fs
     try:
         dcp.load(
             state_dict, storage_reader=reader, planner=SafeLoadPlanner(reader), process_group=process_group

@@ -11,10 +11,11 @@ as plain tensors and numbers and loaded with ``torch.load(weights_only=True)`` (
 
 from __future__ import annotations
 
+import io
 import random
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from train_ref.data import mix_seed
+from train_ref.progress_io import naming
 from train_ref.sampler import ResumableBatchSampler
 
 SHARED_ITEMS = ("optimizer", "scheduler", "sampler")
@@ -141,11 +143,16 @@ class RankState:
 
     @staticmethod
     def save(path: Path) -> None:
-        torch.save(RankState.capture(), path)
+        """Serialized in memory, then written by Python: a full disk is an OSError naming the
+        file (torch.save's own writer reports a RuntimeError without the errno)."""
+        buf = io.BytesIO()
+        torch.save(RankState.capture(), buf)
+        with naming(path), open(path, "wb") as f:
+            f.write(buf.getbuffer())
 
     @staticmethod
-    def load(path: Path, skip: frozenset[str] = frozenset()) -> None:
-        RankState.restore(torch.load(path, weights_only=True), skip)
+    def load(source: Path | IO[bytes], skip: frozenset[str] = frozenset()) -> None:
+        RankState.restore(torch.load(source, weights_only=True), skip)
 
 
 def seed_rank_rng(seed: int, rank: int, step: int) -> None:

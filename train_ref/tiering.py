@@ -54,7 +54,13 @@ def policy(args: argparse.Namespace) -> UploadPolicy:
     )
 
 
-def resume(root: Path, args: argparse.Namespace, expect: store.Expectation, deep: bool) -> ResumeResult:
+def resume(
+    root: Path,
+    args: argparse.Namespace,
+    expect: store.Expectation,
+    deep: bool,
+    on_retry: Callable[[str], None],
+) -> ResumeResult:
     """Make the newest valid checkpoint of either tier the local ``latest`` (downloading and
     verifying it when only the remote has it). Raises RemoteUnavailable when nothing local is valid
     and the remote cannot be reached; MismatchError, StorageUnavailable and NoUsableCheckpoint as
@@ -65,7 +71,7 @@ def resume(root: Path, args: argparse.Namespace, expect: store.Expectation, deep
         deep=deep,
         expect=expect,
         io_retry_s=args.io_retry,
-        on_retry=lambda msg: log.warning("resume: %s", msg),
+        on_retry=on_retry,
         allow_fresh_start=args.allow_fresh_start,
         key=args.sign_key,
     )

@@ -3,7 +3,8 @@
     torchrun --nproc-per-node=N -m train_ref.train --ckpt-root DIR --steps S --save-every K --seed X
         [--parallel ddp|fsdp] [--async-save|--sync-save] [--keep K] [--num-workers W]
         [--config tiny|bench] [--allow-config-change] [--allow-data-change] [--corpus FILE]
-        [--log-samples] [--verify quick|deep] [--signing-key env:NAME|FILE]
+        [--log-samples] [--verify quick|deep] [--io-retry S] [--allow-fresh-start]
+        [--max-failed-saves N] [--max-unsaved-s S] [--signing-key env:NAME|FILE]
         [--remote URL [--remote-endpoint URL] [--remote-keep N] [--milestone-every M]
          [--remote-busy skip|wait] [--remote-wait-timeout S] [--remote-flush-timeout S]
          [--remote-attempts N]]
@@ -12,6 +13,7 @@ Outputs in the checkpoint root: ``metrics.jsonl`` (rank 0, appended across launc
 ``final.json`` (at the end), ``samples/rank_NNNNN.jsonl`` (with --log-samples), heartbeats and
 checkpoints in the store's layout; with --remote also ``supervisor/remote.json`` and
 ``supervisor/events.remote.jsonl``. Exit codes: supervisor.exitcodes.Exit (0 done, 65 mismatch,
+66 no usable checkpoint, 74 storage (unreadable at resume, or failed saves past the save policy),
 75 preempted and checkpointed, 77 a checkpoint that would have run code refused, 78 bad config,
 1 remote unreachable with nothing local to resume).
 """
@@ -30,7 +32,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, NoReturn
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -39,22 +41,25 @@ import torch.distributed as dist
 from supervisor import store
 from supervisor.exitcodes import Exit
 from supervisor.fsutil import atomic_write_json, restrict_umask
-from supervisor.heartbeat import ENV_LAUNCH_ID, HeartbeatWriter, Phase
+from supervisor.heartbeat import HeartbeatWriter, Phase
+from supervisor.ioerrors import backoff_s, retry_transient
 from supervisor.layout import FINAL, METRICS, RunDir
 from supervisor.redact import redact_log_handlers
 from supervisor.safepickle import UnsafePickle
 from supervisor.signing import SigningKeyError, add_signing_key_arg, load_key
-from supervisor.tiers.remote import RemoteUnavailable
 from supervisor.tiers.uploader import Uploader
 from train_ref import tiering
-from train_ref.checkpointer import Checkpointer, CommitInfo
+from train_ref.appender import LineAppender
+from train_ref.checkpointer import Checkpointer, CommitInfo, SaveOutcome, StorageGaveUp
 from train_ref.config import CONFIGS, TrainConfig, config_hash, get_config
 from train_ref.data import Corpus, WindowDataset, collate
 from train_ref.drill_faults import DrillFaults, When
 from train_ref.model import GPT
 from train_ref.parallel import MODES, full_tensor, parallelize, params_digest, sync_grads
+from train_ref.resume import RETRY_LATER, Choice, choose_checkpoint
 from train_ref.safe_load import refusal_line
 from train_ref.sampler import ResumableBatchSampler
+from train_ref.save_policy import DEFAULT_MAX_FAILED_SAVES, SavePolicy
 from train_ref.schedule import WarmupCosine
 from train_ref.signals import PreemptionFlag, register_stack_dump
 from train_ref.state import ABLATABLE, RANK_ITEMS, TrainState, seed_rank_rng
@@ -69,8 +74,6 @@ LOSS_JUMP_SLACK = 0.05
 SANITY_STEPS = 3
 # Installed before the model is built, so a preemption notice during startup is not lost.
 PREEMPTION = PreemptionFlag()
-# The remote is unreachable and nothing local is valid: a transient failure, relaunch later.
-RETRY_LATER = Exit(1)
 VERIFY = ("quick", "deep")
 
 
@@ -101,6 +104,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=store.IO_RETRY_S,
         metavar="SECONDS",
         help="retry checkpoints that cannot be read this long at resume, then exit 74",
+    )
+    p.add_argument(
+        "--max-failed-saves",
+        type=int,
+        default=DEFAULT_MAX_FAILED_SAVES,
+        metavar="N",
+        help="exit 74 after N failed saves in a row (a full disk, EIO...); until then training goes on",
+    )
+    p.add_argument(
+        "--max-unsaved-s",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="also exit 74 when a save fails and nothing was committed for this long (0: no limit)",
     )
     p.add_argument("--log-samples", action="store_true", help="per-rank sample ids of every step")
     p.add_argument("--amp", choices=("off", "fp16", "bf16"), default="off", help="autocast (CUDA only)")
@@ -184,15 +201,17 @@ class Trainer:
             async_save=args.async_save,
             keep=args.keep,
             info=info,
+            hb=hb,
+            policy=save_policy(args),
             on_commit=uploader.submit if uploader else None,
         )
-        self.samples_file = None
+        self.samples_file: LineAppender | None = None
         self.drill = DrillFaults.from_env(d.rank, launch)  # inert unless `supervisor drill` set it
 
     # ------------------------------------------------------------ exits
 
-    def exit(self, code: Exit, phase: Phase) -> NoReturn:
-        code = deliberate_exit(self.hb, self.d.rank, self.state.step, phase, code)
+    def exit(self, code: Exit, phase: Phase, msg: str = "") -> NoReturn:
+        code = deliberate_exit(self.hb, self.d.rank, self.state.step, phase, code, msg)
         dist.destroy_process_group()
         sys.exit(code)
 
@@ -204,12 +223,15 @@ class Trainer:
         if choice.ckpt is None:
             log.info("no checkpoint in %s: starting at step 0", self.root)
             return
-        self.hb.beat(0, Phase.LOAD)
         ckpt = choice.ckpt
         ablate = frozenset(self.args.ablate)
         self.state.ablate = ablate
         restored = self.ckpt.load(
-            ckpt, self.state, saved_world_size=choice.world_size, skip=ablate & frozenset(RANK_ITEMS)
+            ckpt,
+            self.state,
+            saved_world_size=choice.world_size,
+            skip=ablate & frozenset(RANK_ITEMS),
+            progress=self.hb.tracker(Phase.LOAD, choice.manifest.step if choice.manifest else 0),
         )
         self.state.ablate = frozenset()
         if not restored:
@@ -311,14 +333,16 @@ class Trainer:
     def run(self) -> None:
         """Train to --steps; the logs are closed on every way out (the exit skips teardown)."""
         with contextlib.ExitStack() as files:
-            metrics = files.enter_context(open(self.root / METRICS, "a")) if self.d.rank == 0 else None
+            metrics = LineAppender(self.root / METRICS) if self.d.rank == 0 else None
+            if metrics:
+                files.callback(metrics.close)
             if self.args.log_samples:
                 (self.root / SAMPLES).mkdir(exist_ok=True)
-                name = self.root / SAMPLES / f"rank_{self.d.rank:05d}.jsonl"
-                self.samples_file = files.enter_context(open(name, "a"))
+                self.samples_file = LineAppender(self.root / SAMPLES / f"rank_{self.d.rank:05d}.jsonl")
+                files.callback(self.samples_file.close)
             self.loop(metrics)
 
-    def loop(self, metrics: IO[str] | None) -> None:
+    def loop(self, metrics: LineAppender | None) -> None:
         args, st = self.args, self.state
         start = st.step
         rank0 = self.d.rank == 0
@@ -335,7 +359,7 @@ class Trainer:
             st.losses.append(loss)
             last_dt = time.perf_counter() - t0
             if metrics:
-                metrics.write(
+                metrics.append(
                     json.dumps(
                         {
                             "step": st.step,
@@ -347,14 +371,9 @@ class Trainer:
                             "launch": self.launch,
                         }
                     )
-                    + "\n"
                 )
-                metrics.flush()
             if self.samples_file:
-                self.samples_file.write(
-                    json.dumps({"launch": self.launch, "step": st.step, "ids": ids}) + "\n"
-                )
-                self.samples_file.flush()
+                self.samples_file.append(json.dumps({"launch": self.launch, "step": st.step, "ids": ids}))
             if start > 0 and len(first_losses) < SANITY_STEPS:
                 first_losses.append(loss)
                 if len(first_losses) == min(SANITY_STEPS, args.steps - start):
@@ -371,10 +390,18 @@ class Trainer:
                 self.save(blocking=False)
                 self.drill.maybe_hang(st.step, When.SAVE)
         if st.step > start:
-            self.save(blocking=True)  # the final save (commits any in-flight one first)
+            self.final_save()
         self.ckpt.close()
 
-    def save(self, blocking: bool) -> None:
+    def final_save(self) -> None:
+        """The end of training (commits any in-flight save first): retried with backoff while the
+        save policy allows (it raises StorageGaveUp, exit 74, when it does not)."""
+        rng = random.Random()  # not the global one: that belongs to the training loop
+        while not (outcome := self.save(blocking=True)).committed:
+            if self.d.rank == 0:  # the others wait for rank 0 in the next save's first exchange
+                time.sleep(backoff_s(outcome.failures, rng))
+
+    def save(self, blocking: bool) -> SaveOutcome | None:
         self.hb.beat(self.state.step, Phase.SAVE)
         meta = {
             "config": self.cfg.name,
@@ -382,8 +409,9 @@ class Trainer:
             "sampler": self.sampler.state_dict(),
             "loss": self.state.losses[-1] if self.state.losses else None,
         }
-        self.ckpt.save(self.state, meta, blocking=blocking)
+        outcome = self.ckpt.save(self.state, meta, blocking=blocking)
         self.hb.beat(self.state.step, Phase.TRAIN)
+        return outcome
 
     def preempted(self) -> NoReturn:
         """Asked to stop: finish any in-flight save, save this step synchronously, exit REQUEUE."""
@@ -391,9 +419,17 @@ class Trainer:
             log.warning(
                 "preemption signal: checkpointing step %d, then exit %d", self.state.step, Exit.REQUEUE
             )
-        self.save(blocking=True)
+        outcome = self.save(blocking=True)
+        assert outcome is not None
         self.ckpt.close()
         self.close_uploader(min(self.args.remote_flush_timeout, tiering.PREEMPT_FLUSH_TIMEOUT_S))
+        if not outcome.committed:  # requeued, it would resume from an older checkpoint anyway
+            self.exit(
+                Exit.STORAGE,
+                Phase.SAVE,
+                f"storage: the preemption checkpoint of step {self.state.step} failed ({outcome.error}); "
+                f"nothing committed: the relaunch resumes from {outcome.latest or 'step 0'}; exit 74, retryable",
+            )
         self.exit(Exit.REQUEUE, Phase.SAVE)
 
     def close_uploader(self, timeout_s: float) -> None:
@@ -403,90 +439,36 @@ class Trainer:
             self.uploader = None
 
     def finish(self) -> None:
-        digest = params_digest(self.model)
-        if self.d.rank == 0:
-            atomic_write_json(
-                self.root / FINAL,
-                {
-                    "step": self.state.step,
-                    "world_size": self.d.world_size,
-                    "params_sha256": digest,
-                    "parallel": self.args.parallel,
-                    "config": self.cfg.name,
-                    "loss": self.state.losses[-1] if self.state.losses else None,
-                },
+        """The final digest (phase DIGEST, progress in bytes hashed) and ``final.json``, which is
+        retried on a storage error for --io-retry seconds: the checkpoint is committed by now, so
+        a report that cannot be written is a warning, not a failed run."""
+        n_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        digest = params_digest(self.model, self.hb.tracker(Phase.DIGEST, self.state.step, n_bytes))
+        if self.d.rank != 0:
+            return
+        final = {
+            "step": self.state.step,
+            "world_size": self.d.world_size,
+            "params_sha256": digest,
+            "parallel": self.args.parallel,
+            "config": self.cfg.name,
+            "loss": self.state.losses[-1] if self.state.losses else None,
+        }
+        try:
+            retry_transient(
+                lambda: atomic_write_json(self.root / FINAL, final),
+                deadline_s=self.args.io_retry,
+                what=f"writing {FINAL}",
+                fix=lambda _e: "the checkpoint is committed; the digest is in this log",
+                on_retry=lambda msg: log.warning("%s", msg),
             )
-            log.info("done at step %d, params_sha256 %s", self.state.step, digest)
+        except store.StorageUnavailable as e:
+            log.warning("%s", e)
+        log.info("done at step %d, params_sha256 %s", self.state.step, digest)
 
 
-@dataclass(frozen=True)
-class Choice:
-    """Rank 0's decision, broadcast to every rank: which checkpoint, or why none may be used."""
-
-    launch: str
-    ckpt: Path | None = None
-    world_size: int = 0
-    error: str = ""
-    code: Exit = Exit.OK
-
-
-def choose_checkpoint(args: argparse.Namespace, expect: store.Expectation, cfg: TrainConfig) -> Choice:
-    """Rank 0 asks the store (walk-back, quarantine, compatibility; with --remote first across both
-    tiers) and tells every rank."""
-    box: list[Choice | None] = [None]
-    if dist.get_rank() == 0:
-        launch = os.environ.get(ENV_LAUNCH_ID) or f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
-        box[0] = _choose(args, expect, cfg, launch)
-    dist.broadcast_object_list(box, src=0)
-    assert box[0] is not None
-    return box[0]
-
-
-def _choose(args: argparse.Namespace, expect: store.Expectation, cfg: TrainConfig, launch: str) -> Choice:
-    root, deep = args.ckpt_root, args.verify == "deep"
-    try:
-        if args.remote:
-            # Verified there (local deep check, or the download's checksums): the pick below
-            # only reads the choice back.
-            tiering.resume(root, args, expect, deep)
-            deep = False
-        v = store.pick(
-            root,
-            deep=deep,
-            expect=expect,
-            io_retry_s=args.io_retry,
-            on_retry=lambda msg: log.warning("resume: %s", msg),
-            allow_fresh_start=args.allow_fresh_start,
-            key=args.sign_key,
-        ).chosen
-    except store.MismatchError as e:
-        return Choice(launch, error=str(e), code=Exit.MISMATCH)
-    except store.NoUsableCheckpoint as e:
-        return Choice(launch, error=str(e), code=Exit.NO_USABLE_CHECKPOINT)
-    except store.StorageUnavailable as e:
-        return Choice(launch, error=str(e), code=Exit.STORAGE)
-    except store.StoreError as e:
-        return Choice(launch, error=str(e), code=Exit.BAD_CONFIG)
-    except RemoteUnavailable as e:
-        return Choice(launch, error=str(e), code=RETRY_LATER)
-    if v is None or v.manifest is None:
-        return Choice(launch)
-    problem = batch_problem(v.ref.name, v.manifest.parallelism.get("global_batch"), cfg)
-    if problem:
-        return Choice(launch, error=problem, code=Exit.BAD_CONFIG)
-    return Choice(launch, v.ref.path, v.manifest.world_size)
-
-
-def batch_problem(name: str, saved: int | None, cfg: TrainConfig) -> str:
-    """The sampler's position counts global batches, so it cannot map onto another global batch
-    size (not even with --allow-config-change): one line naming both values, or ''."""
-    if saved is None or int(saved) == cfg.global_batch:
-        return ""
-    return (
-        f"{name} was saved with global batch {saved} but config '{cfg.name}' has global batch "
-        f"{cfg.global_batch}; the data position cannot carry over: use a config with global batch "
-        f"{saved}, or start a new --ckpt-root"
-    )
+def save_policy(args: argparse.Namespace) -> SavePolicy:
+    return SavePolicy(max_failed_saves=args.max_failed_saves, max_unsaved_s=args.max_unsaved_s)
 
 
 def deliberate_exit(
@@ -533,6 +515,7 @@ def main(argv: list[str] | None = None) -> int:
             allow_data_change=args.allow_data_change,
         ),
         cfg,
+        hb,
     )
     if choice.error:
         why = "cannot resume" if choice.code in (RETRY_LATER, Exit.STORAGE) else "refused"
@@ -548,7 +531,11 @@ def main(argv: list[str] | None = None) -> int:
         code = deliberate_exit(hb, d.rank, 0, Phase.LOAD, Exit.UNTRUSTED, msg)
         dist.destroy_process_group()
         return code
-    trainer.run()
+    try:
+        trainer.run()
+    except StorageGaveUp as e:  # raised on every rank at the same save
+        trainer.close_uploader(0.0)
+        trainer.exit(Exit.STORAGE, Phase.SAVE, str(e))
     trainer.finish()
     trainer.close_uploader(args.remote_flush_timeout)
     code = deliberate_exit(hb, d.rank, trainer.state.step, Phase.DONE, Exit.OK)
@@ -575,6 +562,8 @@ def config_problem(args: argparse.Namespace, cfg: TrainConfig, world: int) -> st
         return "--save-every must be >= 1 and --steps >= 0"
     if args.keep < store.MIN_KEEP:
         return f"--keep {args.keep}: keep at least {store.MIN_KEEP} so a corrupt newest has a fallback"
+    if problem := save_policy(args).problem():
+        return problem
     if args.amp != "off" and not torch.cuda.is_available():
         return f"--amp {args.amp} needs CUDA"
     if args.remote:

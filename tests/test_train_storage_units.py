@@ -1,0 +1,282 @@
+"""The trainer's storage decisions and I/O helpers, without a process group: the give-up policy, a
+failed save's one line, the buffered log appender on a real full tmpfs, the split of a spread deep
+verify, and the reader that counts the bytes DCP reads."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+from supervisor import store
+from supervisor.ioerrors import Evidence
+from train_ref.appender import LineAppender
+from train_ref.checkpointer import _writer
+from train_ref.progress_io import PROGRESS_CHUNK, ProgressFileSystem
+from train_ref.resume import ShareVerdict, combine, split_by_size
+from train_ref.safe_load import load_dcp
+from train_ref.save_policy import (
+    SavePolicy,
+    dcp_save_error,
+    failure_line,
+    give_up,
+    save_error,
+    storage_cause,
+)
+
+# ---------------------------------------------------------------- give-up policy
+
+
+@pytest.mark.parametrize(
+    ("failures", "unsaved_s", "policy", "stops"),
+    [
+        (0, 1e9, SavePolicy(3, 10), ""),  # saves succeed: never stop, however long ago
+        (1, 5.0, SavePolicy(3, 0), ""),
+        (2, 1e9, SavePolicy(3, 0), ""),  # no time limit by default
+        (3, 0.0, SavePolicy(3, 0), "3 saves failed in a row (--max-failed-saves 3)"),
+        (1, 0.0, SavePolicy(1, 0), "1 saves failed in a row (--max-failed-saves 1)"),
+        (1, 9.9, SavePolicy(3, 10), ""),
+        (
+            1,
+            10.0,
+            SavePolicy(3, 10),
+            "no durable checkpoint for 10s after 1 failed save (--max-unsaved-s 10)",
+        ),
+        (
+            2,
+            60.0,
+            SavePolicy(3, 30),
+            "no durable checkpoint for 60s after 2 failed saves (--max-unsaved-s 30)",
+        ),
+        (3, 60.0, SavePolicy(3, 30), "3 saves failed in a row (--max-failed-saves 3)"),  # whichever first
+    ],
+)
+def test_give_up_after_n_failures_or_t_seconds_whichever_first(failures, unsaved_s, policy, stops):
+    assert give_up(policy, failures, unsaved_s) == stops
+
+
+@pytest.mark.parametrize(
+    ("policy", "flag"),
+    [(SavePolicy(0, 0), "--max-failed-saves 0"), (SavePolicy(3, -1), "--max-unsaved-s -1")],
+)
+def test_impossible_policies_are_refused_naming_the_flag(policy, flag):
+    assert policy.problem().startswith(flag) and "\n" not in policy.problem()
+    assert SavePolicy().problem() == ""
+
+
+# ---------------------------------------------------------------- what a failed save says
+
+
+def test_a_failed_write_names_rank_file_and_errno_relative_to_the_run_dir(tmp_path):
+    e = OSError(
+        errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "step_00000020.tmp.1.h" / "__1_0.distcp")
+    )
+    assert str(save_error(e, 1, tmp_path)) == (
+        "rank 1: step_00000020.tmp.1.h/__1_0.distcp: ENOSPC (No space left on device)"
+    )
+    assert str(save_error(OSError(errno.EIO, "Input/output error"), 0, tmp_path)) == (
+        "rank 0: EIO (Input/output error)"
+    )
+    inc = store.IncompleteCommit(
+        f"{tmp_path}/step_00000020.tmp.1.h: __1_0.distcp written by rank 1 is missing"
+    )
+    assert (
+        str(save_error(inc, 0, tmp_path))
+        == "rank 0: step_00000020.tmp.1.h: __1_0.distcp written by rank 1 is missing"
+    )
+
+
+def _wrapped(exc: BaseException) -> tuple:
+    try:
+        raise exc
+    except BaseException as e:
+        return _wrap_exception(e)
+
+
+def test_dcp_failures_are_storage_failures_only_when_every_rank_failed_on_storage(tmp_path):
+    def enospc(rank: int) -> OSError:
+        return OSError(errno.ENOSPC, "No space left on device", str(tmp_path / f"__{rank}_0.distcp"))
+
+    both = CheckpointException("write", {1: _wrapped(enospc(1)), 0: _wrapped(enospc(0))})
+    assert (
+        str(dcp_save_error(both, tmp_path))
+        == "rank 0: __0_0.distcp: ENOSPC (No space left on device) (and 1 more rank)"
+    )
+    # torch's serializer reports a failed stream write as a RuntimeError raised while handling it
+    try:
+        try:
+            raise enospc(1)
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc] unexpected pos") from None
+    except RuntimeError as e:
+        wrapped_runtime = _wrap_exception(e)
+    assert storage_cause(wrapped_runtime[0]) is None  # `from None` hides the context: not storage
+    ctx = RuntimeError("unexpected pos")
+    ctx.__context__ = enospc(1)
+    assert str(dcp_save_error(CheckpointException("write", {1: (ctx, None)}), tmp_path)) == (
+        "rank 1: __1_0.distcp: ENOSPC (No space left on device)"
+    )
+    bug = CheckpointException("write", {0: _wrapped(enospc(0)), 1: _wrapped(TypeError("bad plan"))})
+    assert dcp_save_error(bug, tmp_path) is None  # a bug anywhere crashes the save, it is not retried
+
+
+def test_the_failure_warning_is_one_line_with_step_rank_file_errno_and_what_happens():
+    line = failure_line(
+        20, "rank 1: x/__1_0.distcp: ENOSPC (No space left on device)", 1, "step_00000010", SavePolicy()
+    )
+    assert "\n" not in line
+    for part in (
+        "step 20",
+        "rank 1",
+        "__1_0.distcp",
+        "ENOSPC",
+        "latest is still step_00000010",
+        "stops at 3",
+    ):
+        assert part in line, part
+
+
+def test_a_real_full_disk_under_dcp_names_the_shard_and_enospc(small_tmpfs):
+    root = small_tmpfs.path
+    tmp = root / "step_00000005.tmp.1.h"
+    tmp.mkdir()
+    small_tmpfs.fill()
+    with pytest.raises(CheckpointException) as e:
+        dcp.save({"w": torch.randn(100_000)}, storage_writer=_writer(tmp, root))
+    assert (
+        str(dcp_save_error(e.value, root))
+        == "rank 0: step_00000005.tmp.1.h/__0_0.distcp: ENOSPC (No space left on device)"
+    )
+
+
+# ---------------------------------------------------------------- the buffered appender
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_lines_written_while_the_disk_is_full_arrive_in_order_once_it_is_freed(small_tmpfs):
+    path = small_tmpfs.path / "metrics.jsonl"
+    log = LineAppender(path)
+    lines = [json.dumps({"step": s, "pad": "x" * 5000}) for s in (1, 2, 3, 4)]  # > a page each
+    assert log.append(lines[0])
+    small_tmpfs.fill()
+    assert not log.append(lines[1]) and not log.append(lines[2])
+    # what landed is a prefix of the stream (a full tmpfs still fills the page a file started)
+    queued = "".join(x + "\n" for x in lines[:3])
+    landed = path.read_text()
+    assert landed.startswith(lines[0] + "\n") and queued.startswith(landed) and len(landed) < len(queued)
+    small_tmpfs.free()
+    assert log.append(lines[3])
+    log.close()
+    assert path.read_text() == "".join(x + "\n" for x in lines)
+
+
+def test_a_short_write_resumes_where_it_stopped_and_no_byte_is_written_twice(small_tmpfs):
+    path = small_tmpfs.path / "samples.jsonl"
+    log = LineAppender(path)
+    small_tmpfs.fill()
+    os.truncate(small_tmpfs.filler, os.path.getsize(small_tmpfs.filler) - 8192)  # two pages free
+    big = json.dumps({"step": 1, "ids": list(range(10_000))})  # ~59 kB: lands in part only
+    assert not log.append(big)
+    landed = path.read_bytes()
+    assert 0 < len(landed) < len(big)  # a real short write
+    small_tmpfs.free()
+    assert log.flush()
+    log.close()
+    assert path.read_text() == big + "\n"
+
+
+def test_a_line_left_half_written_by_a_killed_writer_does_not_swallow_the_next(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "lo')  # killed mid-line
+    log = LineAppender(path)
+    log.append(json.dumps({"step": 3}))
+    log.close()
+    assert path.read_text().splitlines()[-1] == '{"step": 3}'
+
+
+# ---------------------------------------------------------------- spread verify
+
+
+def test_the_split_balances_bytes_largest_first():
+    sizes = {
+        ".metadata": 40,
+        "__0_0.distcp": 280,
+        "__1_0.distcp": 285,
+        "rank_00000.state.pt": 17,
+        "rank_00001.state.pt": 17,
+    }
+    shares = split_by_size(sizes, 2)
+    # 285 -> r0, 280 -> r1, 40 -> r1 (320), 17 -> r0 (302), 17 -> r0 (319 < 320)
+    assert shares == [
+        ["__1_0.distcp", "rank_00000.state.pt", "rank_00001.state.pt"],
+        [".metadata", "__0_0.distcp"],
+    ]
+    assert split_by_size(sizes, 1) == [sorted(sizes)]
+    assert split_by_size({"a": 1}, 3) == [["a"], [], []]
+
+
+@given(
+    st.dictionaries(st.text("abcdef_.0123", min_size=1, max_size=8), st.integers(0, 10**9), max_size=40),
+    st.integers(1, 16),
+)
+def test_every_file_is_checked_once_and_no_share_exceeds_the_ideal_by_a_file(sizes, ranks):
+    shares = split_by_size(sizes, ranks)
+    assert len(shares) == ranks
+    assert sorted(n for s in shares for n in s) == sorted(sizes)
+    if sizes:
+        loads = [sum(sizes[n] for n in s) for s in shares]
+        assert max(loads) <= sum(sizes.values()) / ranks + max(sizes.values())
+    assert split_by_size(dict(reversed(list(sizes.items()))), ranks) == shares  # the same on every rank
+
+
+def test_corrupt_outranks_unknown_outranks_ok():
+    ok, unk, bad = (
+        ShareVerdict(0, Evidence.OK),
+        ShareVerdict(1, Evidence.UNKNOWN, "EIO", "__1_0.distcp"),
+        ShareVerdict(2, Evidence.CORRUPT, "checksum", "__2_0.distcp"),
+    )
+    assert (
+        combine([ok, unk, bad]) is bad
+        and combine([unk, ok]) is unk
+        and combine([ok, ok]).evidence is Evidence.OK
+    )
+
+
+# ---------------------------------------------------------------- the progress reader
+
+
+class _Tracker:
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+        self.paths: list[str] = []
+
+    def __call__(self, n: int) -> None:
+        self.calls.append(n)
+
+    def set_path(self, path: str) -> None:
+        self.paths.append(path)
+
+
+def test_the_progress_reader_counts_what_dcp_reads_a_chunk_at_a_time(tmp_path):
+    ckpt = tmp_path / "step_00000001"
+    saved = {"w": torch.randn(300_000), "b": torch.arange(10)}
+    dcp.save(saved, storage_writer=_writer(ckpt, tmp_path))
+    loaded = {"w": torch.zeros(300_000), "b": torch.zeros(10, dtype=torch.int64)}
+    t = _Tracker()
+    load_dcp(ckpt, loaded, None, fs=ProgressFileSystem(tmp_path, t))
+    assert torch.equal(loaded["w"], saved["w"]) and torch.equal(loaded["b"], saved["b"])
+    shard = os.path.getsize(ckpt / "__0_0.distcp")
+    assert sum(t.calls) >= shard  # every byte of the shard went through the counter
+    assert max(t.calls) <= PROGRESS_CHUNK and len(t.calls) >= shard // PROGRESS_CHUNK
+    assert t.paths == ["step_00000001/.metadata", "step_00000001/__0_0.distcp"]

@@ -1,0 +1,137 @@
+"""End to end under the watchdog: the reference trainer (torchrun, 2 ranks, tiny) supervised by
+``python -m supervisor watch``, its run dir on the fault filesystem (docs/storage-faults.md).
+
+- A throttled file system on which verify + load take many times the phase timeouts: progress
+  beats all along, so no hang verdict, one launch, digest-equal to an uninterrupted run.
+- A read that never returns in the spread deep verify: the hang verdict comes within the verify
+  timeout + 2 s and names the rank, the phase and the file; the rank waiting for it is not named.
+
+The measured numbers are printed (pytest -s)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_train_storage import THROTTLE_BYTES_PER_S
+from trainer_helpers import (
+    REPO,
+    SEED,
+    BeatLog,
+    digest,
+    kill_group,
+    largest_share,
+    rewind,
+    shared_goldens,
+    train_args,
+    trainer_env,
+    wait_for,
+)
+
+from supervisor.events import events_path
+from supervisor.exitcodes import Exit
+from supervisor.heartbeat import Phase
+
+pytestmark = pytest.mark.slow
+
+WATCH = ["--poll-interval", "0.2", "--kill-grace", "1", "--reap-timeout", "1", "--dump-wait", "1"]
+WATCH += ["--backoff-initial", "0.5", "--backoff-jitter", "0", "--startup-timeout", "120"]
+
+
+@pytest.fixture(scope="session")
+def goldens(tmp_path_factory):
+    return shared_goldens(lambda: tmp_path_factory.mktemp("goldens"))
+
+
+def watch(root: Path, *watch_args: str) -> subprocess.Popen[str]:
+    """The watchdog over torchrun over the trainer, in its own session (cleanup kills the group)."""
+    trainer = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    trainer += ["-m", "train_ref.train", "--ckpt-root", str(root), "--seed", str(SEED), *train_args("ddp")]
+    argv = [sys.executable, "-m", "supervisor", "watch", "--ckpt-root", str(root), *WATCH, *watch_args]
+    return subprocess.Popen(
+        [*argv, "--", *trainer],
+        cwd=REPO,
+        env=trainer_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def events(root: Path, kind: str | None = None) -> list[dict]:
+    try:
+        lines = events_path(root).read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    evs = [json.loads(x) for x in lines if x.strip()]
+    return [e for e in evs if kind is None or e["event"] == kind]
+
+
+def done(p: subprocess.Popen[str]) -> tuple[int, str]:
+    out, _ = p.communicate(timeout=600)
+    return p.returncode, out
+
+
+# Timeouts of the phases a throttled resume runs through: several times the longest silence
+# between two beats measured in-process (about 2-4 s at this throttle: one 64 KiB chunk per rank).
+IO_TIMEOUT_S = 10.0
+
+
+def test_a_throttled_verify_and_load_far_longer_than_their_timeouts_is_no_hang(goldens, faultfs):
+    golden = goldens.get("ddp", 2)
+    root = rewind(golden, faultfs.mountpoint / "run", 20)
+    faultfs.throttle("/run/step_00000020/*", THROTTLE_BYTES_PER_S)
+    t = str(IO_TIMEOUT_S)
+    log = BeatLog(root)
+    p = watch(root, "--hang-timeout", "60", "--verify-timeout", t, "--load-timeout", t)
+    try:
+        trained = lambda: log.poll() or log.first(Phase.TRAIN) is not None  # noqa: E731
+        wait_for(trained, 600, "the first step after the throttled resume", p)
+        rc, out = done(p)
+    finally:
+        faultfs.clear()
+        kill_group(p)
+    assert rc == Exit.OK, out[-4000:]
+    assert events(root, "hang") == [] and len(events(root, "launch")) == 1, out[-4000:]
+    took = log.first(Phase.TRAIN) - log.first(Phase.VERIFY)
+    print(
+        f"\nverify+load {took:.1f}s on a {THROTTLE_BYTES_PER_S} B/s file system = "
+        f"{took / IO_TIMEOUT_S:.1f}x the verify/load timeout ({IO_TIMEOUT_S:g}s); no hang verdict"
+    )
+    assert took >= 5 * IO_TIMEOUT_S  # long by construction (the throttle), or the test proves nothing
+    assert digest(root) == digest(golden)
+
+
+VERIFY_TIMEOUT_S = 3.0
+
+
+def test_a_read_that_never_returns_in_the_verify_is_a_hang_naming_rank_phase_and_file(goldens, faultfs):
+    golden = goldens.get("ddp", 2)
+    root = rewind(golden, faultfs.mountpoint / "run", 20)
+    name = largest_share(root, 20, rank=1)
+    rid = faultfs.block(f"/run/step_00000020/{name}", ops=["read"])
+    p = watch(root, "--hang-timeout", "60", "--verify-timeout", str(VERIFY_TIMEOUT_S))
+    try:
+        (blocked,) = faultfs.wait_blocked(rid, timeout=300)
+        # Released once the watchdog sent SIGKILL (the pending kill then ends the rank): released
+        # before, the ranks would act on its SIGTERM as a preemption notice and checkpoint.
+        wait_for(lambda: events(root, "kill"), 300, "the kill of the hung launch", p)
+        faultfs.clear(rid)
+        rc, out = done(p)
+    finally:
+        faultfs.clear()
+        kill_group(p)
+    (hang,) = events(root, "hang")
+    latency = hang["t"] - blocked.since
+    print(f"\nread blocked -> hang verdict: {latency:.2f}s (verify timeout {VERIFY_TIMEOUT_S:g}s, poll 0.2s)")
+    assert hang["ranks"] == [1], hang["msg"]
+    assert "rank 1 made no progress" in hang["msg"] and "in phase verify" in hang["msg"]
+    assert f"at step_00000020/{name}" in hang["msg"], hang["msg"]
+    assert latency <= VERIFY_TIMEOUT_S + 2.0
+    assert rc == Exit.OK, out[-4000:]  # relaunched once the read was released, and finished
+    assert [e["outcome"] for e in events(root, "launch_end")] == ["hang", "done"]
+    assert digest(root) == digest(golden)

@@ -1,0 +1,286 @@
+"""Which checkpoint a launch resumes from: rank 0's quick pick, then a deep verify spread over the
+ranks, agreed by all of them, in phase VERIFY with byte progress.
+
+1. Rank 0 asks the store for the newest valid checkpoint with quick checks only (manifest, sizes,
+   rank coverage; with ``--remote`` across both tiers) and tells every rank, manifest included.
+2. With ``--verify deep``, every rank checksums its share of that checkpoint's files
+   (``split_by_size``: largest first onto the least loaded rank, the same split on every rank
+   from the manifest), beating a heartbeat per chunk read with the file named.
+3. The ranks exchange their verdicts. All OK: done. A checksum that differs (content evidence):
+   rank 0 reads that file again itself (a peer's view alone never moves a checkpoint) and, when
+   it differs for rank 0 too, quarantines the checkpoint, and the choice walks back (step 1). A
+   file some rank could not read (EIO, ESTALE, not visible from its node): nothing is moved; rank
+   0 retries the whole choice with backoff for ``--io-retry`` seconds, then the launch exits 74.
+
+No process hashes a whole checkpoint alone, and nothing is hashed under the store's lock (the
+quick pick takes it briefly; the shares are hashed outside it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from supervisor import store
+from supervisor.exitcodes import Exit
+from supervisor.heartbeat import ENV_LAUNCH_ID, HeartbeatWriter, Phase
+from supervisor.ioerrors import Evidence, backoff_s, describe
+from supervisor.manifest import Manifest, ProgressFn
+from supervisor.tiers.remote import RemoteUnavailable
+from train_ref import agree, tiering
+from train_ref.config import TrainConfig
+from train_ref.progress_io import PROGRESS_CHUNK
+
+log = logging.getLogger("train_ref")
+
+# The remote is unreachable and nothing local is valid: a transient failure, relaunch later.
+RETRY_LATER = Exit(1)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Rank 0's decision, broadcast to every rank: which checkpoint, or why none may be used."""
+
+    launch: str
+    ckpt: Path | None = None
+    world_size: int = 0
+    error: str = ""
+    code: Exit = Exit.OK
+    manifest: Manifest | None = None
+    verified: bool = False  # its checksums were already checked (a download from the remote)
+
+
+@dataclass(frozen=True)
+class ShareVerdict:
+    """One rank's verdict on its share of the chosen checkpoint (picklable)."""
+
+    rank: int
+    evidence: Evidence
+    reason: str = ""
+    name: str = ""  # the file the verdict is about (relative to the checkpoint)
+    error: OSError | None = None
+
+
+# ---------------------------------------------------------------- pure parts
+
+
+def split_by_size(sizes: Mapping[str, int], ranks: int) -> list[list[str]]:
+    """Files per rank for a spread verify: largest first, each onto the rank with the fewest bytes
+    so far (ties: lower rank), names sorted within a share. Deterministic, so every rank computes
+    the same split from the manifest without a message; the largest share exceeds the ideal
+    (total / ranks) by less than the largest file."""
+    shares: list[list[str]] = [[] for _ in range(ranks)]
+    load = [0] * ranks
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        r = min(range(ranks), key=lambda i: (load[i], i))
+        shares[r].append(name)
+        load[r] += sizes[name]
+    return [sorted(s) for s in shares]
+
+
+def combine(verdicts: list[ShareVerdict]) -> ShareVerdict:
+    """The verdict of all ranks: corrupt when any rank has content evidence (it outranks a peer
+    that could not read), else unknown when any could not read, else OK."""
+    for ev in (Evidence.CORRUPT, Evidence.UNKNOWN):
+        for v in verdicts:
+            if v.evidence is ev:
+                return v
+    return verdicts[0]
+
+
+# ---------------------------------------------------------------- the choice, on every rank
+
+
+def choose_checkpoint(
+    args: argparse.Namespace, expect: store.Expectation, cfg: TrainConfig, hb: HeartbeatWriter
+) -> Choice:
+    """Every rank: the checkpoint to load (verified as ``--verify`` says), or why none may be."""
+    rank0 = dist.get_rank() == 0
+    retry = _Retry(args.ckpt_root, args.io_retry) if rank0 else None
+    launch = (
+        (os.environ.get(ENV_LAUNCH_ID) or f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}") if rank0 else ""
+    )
+
+    def beat() -> None:
+        hb.beat(0, Phase.VERIFY)
+
+    def on_retry(msg: str) -> None:
+        log.warning("resume: %s", msg)
+        beat()
+
+    while True:
+        hb.beat(0, Phase.VERIFY, force=True)
+        mine = None
+        if retry is not None:
+            progress = hb.tracker(Phase.VERIFY, 0) if args.sign_key is not None else None
+            mine = retry.gave_up or _choose(args, expect, cfg, launch, on_retry, progress)
+        choice: Choice = agree.broadcast(mine, None, beat)
+        if choice.error or choice.ckpt is None or choice.verified or args.verify != "deep":
+            return choice
+        v = verify_spread(choice, args.ckpt_root, hb)
+        if v.evidence is Evidence.OK:
+            return choice
+        if retry is not None:
+            retry.failed(choice, v)
+
+
+def verify_spread(choice: Choice, root: Path, hb: HeartbeatWriter) -> ShareVerdict:
+    """Every rank checks its share of ``choice``'s files; the combined verdict, on every rank."""
+    assert choice.ckpt is not None and choice.manifest is not None
+    m = choice.manifest
+    rank, world = dist.get_rank(), dist.get_world_size()
+    names = split_by_size({n: e.size for n, e in m.files.items()}, world)[rank]
+    ref = store.CheckpointRef(m.step, choice.ckpt)
+    progress = hb.tracker(Phase.VERIFY, m.step, total=sum(m.files[n].size for n in names))
+    mine = ShareVerdict(rank, Evidence.OK)
+    for name in names:
+        progress.set_path(os.path.relpath(choice.ckpt / name, root))
+        v = store.check_files(ref, m, [name], progress, chunk=PROGRESS_CHUNK)
+        if not v.ok:
+            mine = ShareVerdict(rank, v.evidence, v.reason, name, v.error)
+            break
+    progress.set_path("")  # waiting for the peers now, not in a read
+    return combine(agree.gather(mine, None, lambda: progress(0)))
+
+
+class _Retry:
+    """Rank 0's side of a verify that did not pass: quarantine on evidence confirmed by rank 0,
+    backoff on a read error, and the error Choice once the retry time is over."""
+
+    def __init__(self, root: Path, io_retry_s: float) -> None:
+        self.root, self.io_retry_s = root, io_retry_s
+        self.first_unknown: float | None = None
+        self.attempt = 0
+        self.rng = random.Random()
+        self.gave_up: Choice | None = None
+
+    def failed(self, choice: Choice, v: ShareVerdict) -> None:
+        assert choice.ckpt is not None and choice.manifest is not None
+        ref = store.CheckpointRef(choice.manifest.step, choice.ckpt)
+        if v.evidence is Evidence.CORRUPT:
+            mine = v if v.rank == 0 else self._confirm(ref, choice.manifest, v)
+            if mine.evidence is Evidence.CORRUPT:
+                try:
+                    store.quarantine(self.root, ref, mine.reason)
+                except OSError as e:
+                    v = ShareVerdict(
+                        0, Evidence.UNKNOWN, f"{ref.name}: not quarantined ({describe(e)})", error=e
+                    )
+                else:
+                    log.warning("deep verify: %s quarantined (%s); walking back", ref.name, mine.reason)
+                    self.first_unknown, self.attempt = None, 0
+                    return
+            else:
+                v = mine
+        self._unknown(choice, v)
+
+    def _confirm(self, ref: store.CheckpointRef, m: Manifest, v: ShareVerdict) -> ShareVerdict:
+        """Rank 0 reads the file a peer found corrupt; what rank 0 reads decides."""
+        mine = store.check_files(ref, m, [v.name])
+        if mine.evidence is Evidence.CORRUPT:
+            return ShareVerdict(0, Evidence.CORRUPT, mine.reason, v.name)
+        why = mine.reason or f"{ref.name}: {v.name} reads fine from rank 0"
+        return ShareVerdict(
+            0,
+            Evidence.UNKNOWN,
+            f"rank {v.rank} saw {v.reason!r} but rank 0 does not ({why}): not proof of corruption",
+            v.name,
+            mine.error,
+        )
+
+    def _unknown(self, choice: Choice, v: ShareVerdict) -> None:
+        assert choice.ckpt is not None
+        now = time.monotonic()
+        self.first_unknown = self.first_unknown if self.first_unknown is not None else now
+        elapsed = now - self.first_unknown
+        where = v.error.filename if v.error is not None and v.error.filename else choice.ckpt / v.name
+        if elapsed >= self.io_retry_s:
+            fix = store.unreadable_fix(self.root, where)
+            self.gave_up = Choice(
+                choice.launch,
+                error=f"rank {v.rank}: {v.reason} for {elapsed:.0f}s of retries (deep verify); {fix}",
+                code=Exit.STORAGE,
+            )
+            return
+        self.attempt += 1
+        wait = min(backoff_s(self.attempt, self.rng), max(0.0, self.io_retry_s - elapsed))
+        log.warning(
+            "resume: rank %d: %s, not proof of corruption; retrying the choice in %.1fs (%.0fs of %.0fs)",
+            v.rank,
+            v.reason,
+            wait,
+            elapsed,
+            self.io_retry_s,
+        )
+        time.sleep(wait)
+
+
+def _choose(
+    args: argparse.Namespace,
+    expect: store.Expectation,
+    cfg: TrainConfig,
+    launch: str,
+    on_retry: Callable[[str], None] | None = None,
+    progress: ProgressFn | None = None,
+) -> Choice:
+    """Rank 0: the store's quick pick (walk-back, quarantine, compatibility; with --remote across
+    both tiers first), as a Choice; errors become the Choice's error and exit code. With
+    --signing-key and --verify deep, the store's signed deep check runs here, on rank 0, with
+    ``progress`` (it checks every file's SHA-256 against the signature, and walks past a
+    checkpoint it does not trust, which a spread verify could not make the quick pick do)."""
+    root = args.ckpt_root
+    on_retry = on_retry or (lambda msg: log.warning("resume: %s", msg))
+    signed_deep = args.verify == "deep" and args.sign_key is not None
+    downloaded = None
+    try:
+        if args.remote:
+            res = tiering.resume(root, args, expect, deep=signed_deep, on_retry=on_retry)
+            downloaded = res.chosen.step if res.source == "remote" and res.chosen else None
+        v = store.pick(
+            root,
+            deep=signed_deep and not args.remote,  # with --remote, checked by the tier resume
+            expect=expect,
+            progress=progress,
+            io_retry_s=args.io_retry,
+            on_retry=on_retry,
+            allow_fresh_start=args.allow_fresh_start,
+            key=args.sign_key,
+        ).chosen
+    except store.MismatchError as e:
+        return Choice(launch, error=str(e), code=Exit.MISMATCH)
+    except store.NoUsableCheckpoint as e:
+        return Choice(launch, error=str(e), code=Exit.NO_USABLE_CHECKPOINT)
+    except store.StorageUnavailable as e:
+        return Choice(launch, error=str(e), code=Exit.STORAGE)
+    except store.StoreError as e:
+        return Choice(launch, error=str(e), code=Exit.BAD_CONFIG)
+    except RemoteUnavailable as e:
+        return Choice(launch, error=str(e), code=RETRY_LATER)
+    if v is None or v.manifest is None:
+        return Choice(launch)
+    problem = batch_problem(v.ref.name, v.manifest.parallelism.get("global_batch"), cfg)
+    if problem:
+        return Choice(launch, error=problem, code=Exit.BAD_CONFIG)
+    # Deep-checked already: signed, or downloaded just now (every checksum checked on the way).
+    verified = signed_deep or v.ref.step == downloaded
+    return Choice(launch, v.ref.path, v.manifest.world_size, manifest=v.manifest, verified=verified)
+
+
+def batch_problem(name: str, saved: int | None, cfg: TrainConfig) -> str:
+    """The sampler's position counts global batches, so it cannot map onto another global batch
+    size (not even with --allow-config-change): one line naming both values, or ''."""
+    if saved is None or int(saved) == cfg.global_batch:
+        return ""
+    return (
+        f"{name} was saved with global batch {saved} but config '{cfg.name}' has global batch "
+        f"{cfg.global_batch}; the data position cannot carry over: use a config with global batch "
+        f"{saved}, or start a new --ckpt-root"
+    )
