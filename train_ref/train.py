@@ -27,6 +27,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, NoReturn
@@ -46,6 +47,7 @@ from train_ref import tiering
 from train_ref.checkpointer import Checkpointer, CommitInfo
 from train_ref.config import CONFIGS, TrainConfig, config_hash, get_config
 from train_ref.data import Corpus, WindowDataset, collate
+from train_ref.hold import HoldGate
 from train_ref.model import GPT
 from train_ref.parallel import MODES, full_tensor, parallelize, params_digest, sync_grads
 from train_ref.sampler import ResumableBatchSampler
@@ -167,6 +169,7 @@ class Trainer:
             on_commit=uploader.submit if uploader else None,
         )
         self.samples_file = None
+        self.hold = HoldGate.from_env(d.rank, launch)  # test-only; None unless TRAIN_REF_HOLD_FILE is set
 
     # ------------------------------------------------------------ exits
 
@@ -347,6 +350,8 @@ class Trainer:
                     log.warning("preemption signal at the last step %d: finishing normally", st.step)
             if st.step % args.save_every == 0 and st.step < args.steps:
                 self.save(blocking=False)
+            if self.hold is not None:
+                hold_if_asked(self.hold, st.step, lambda: self.hb.beat(st.step, Phase.TRAIN))
         if st.step > start:
             self.save(blocking=True)  # the final save (commits any in-flight one first)
         self.ckpt.close()
@@ -440,6 +445,17 @@ def _choose(args: argparse.Namespace, expect: store.Expectation, cfg: TrainConfi
     if problem:
         return Choice(launch, error=problem, code=Exit.BAD_CONFIG)
     return Choice(launch, v.ref.path, v.manifest.world_size)
+
+
+def hold_if_asked(gate: HoldGate, step: int, beat: Callable[[], object]) -> bool:
+    """Test-only gate (train_ref/hold.py): every rank holds after ``step`` when any rank's view of
+    the hold file says so (one may have read it just before it was written). Agreed by an
+    all-reduce, so no rank goes on into a collective with a held peer. Returns whether it held."""
+    want = torch.tensor([int(gate.wanted(step))], dtype=torch.int64)
+    dist.all_reduce(want, op=dist.ReduceOp.MAX)
+    if want.item():
+        gate.hold(step, beat)
+    return bool(want.item())
 
 
 def batch_problem(name: str, saved: int | None, cfg: TrainConfig) -> str:
