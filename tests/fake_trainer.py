@@ -9,13 +9,12 @@ The watchdog must be right with either, so the tests run both.
 
 Each worker resumes from the newest valid checkpoint in ``--root``, steps with ``--step-s`` sleeps
 in lockstep with its peers, writes heartbeats through supervisor.heartbeat, commits a tiny
-checkpoint through supervisor.store every ``--ckpt-every`` steps (phase save, lasting
-``--save-s``), and can crash, stop itself, or exit with a code, once or on every launch. After
-each step it honours the hold gate of train_ref/hold.py (``TRAIN_REF_HOLD_FILE``; write the file
-before the launch: these ranks do not agree on it as the real trainer's do); with
-``--hold-in-save`` every rank holds inside the save of that step instead, silent in phase save (a
-save as long as the test wants). SIGUSR2: faulthandler dump of every thread to the rank's stack
-file.
+checkpoint through supervisor.store every ``--ckpt-every`` steps (phase save), and can crash, stop
+itself, or exit with a code, once or on every launch. After each step it honours the hold gate of
+train_ref/hold.py (``TRAIN_REF_HOLD_FILE``; write the file before the launch: these ranks do not
+agree on it as the real trainer's do); with ``--hold-in-save`` every rank holds inside the save of
+that step instead, silent in phase save (a save as long as the test wants). SIGUSR2: faulthandler
+dump of every thread to the rank's stack file.
 
 SIGUSR1 (the watchdog sends it to every rank): rank 0 decides, as the real trainer's agreement
 would: it checkpoints at its next step boundary and exits 75. The other ranks learn it in their
@@ -58,7 +57,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--step-s", type=float, default=0.05)
     p.add_argument("--ckpt-every", type=int, default=5)
-    p.add_argument("--save-s", type=float, default=0.0)
     p.add_argument("--hold-in-save", action="store_true", help="hold inside the save, without beating")
     p.add_argument("--fault", choices=("crash", "stop", "exit", "startup-hang"), default=None)
     p.add_argument("--fault-step", type=int, default=0)
@@ -150,7 +148,6 @@ def worker(a: argparse.Namespace, rank: int) -> int:
         stop = rank == 0 and bool(preempted)
         if stop or step % a.ckpt_every == 0:
             hb.beat(step, Phase.SAVE, force=True)
-            time.sleep(a.save_s)
             if a.hold_in_save and gate is not None and gate.wanted(step):
                 gate.hold(step, lambda: None)
             if rank == 0:
