@@ -127,7 +127,8 @@ def test_sigstop_worker_detected_dumped_resumed(tmp_path, reference):
     """Rank 1 is stopped while held and stays held until its launch ended (the stack dump's SIGCONT
     lets it run, but not past the hold), so the stopped rank is the only silent one."""
     root, gate = tmp_path / "run", held_at(tmp_path)
-    p = start_watch(root, standalone(root), "--hang-timeout", "10", gate=gate)
+    # Held ranks act on the watchdog's SIGTERM only once released: no grace to wait for here.
+    p = start_watch(root, standalone(root), "--hang-timeout", "10", "--kill-grace", "1", gate=gate)
     pid = wait_held(gate, 2, HOLD_AT, proc=p)[1]["pid"]
     os.kill(pid, signal.SIGSTOP)
     wait_for(lambda: watchdog_events(root, "launch_end"), "the hung launch to end", proc=p)
