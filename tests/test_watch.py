@@ -8,7 +8,6 @@ every launch that may be judged by them hangs by construction.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -17,9 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
-from waiting import PATIENCE_S, wait_for, wait_held, watchdog_events
+from waiting import wait_for, wait_held, watchdog_events
+from watch_helpers import events, finish, leftovers, of, start_watchdog
 
-from supervisor.events import events_path, read_state, state_path
+from supervisor.events import read_state, state_path
 from supervisor.exitcodes import Exit
 from supervisor.heartbeat import read_heartbeats
 from train_ref import hold
@@ -33,87 +33,28 @@ FAST += ["--backoff-initial", "0.05", "--backoff-jitter", "0"]
 HANG_S = "2"
 
 
-def watch_cmd(root: Path, watch_args: list[str], trainer_args: list[str]) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "supervisor",
-        "watch",
-        "--ckpt-root",
-        str(root),
-        *FAST,
-        *watch_args,
-        "--",
-        sys.executable,
-        FAKE,
-        "--root",
-        str(root),
-        *trainer_args,
-    ]
-
-
 def start(
     root: Path, watch_args: list[str], trainer_args: list[str], hold_at: int | None = None
 ) -> subprocess.Popen:
-    """Start the watchdog; with ``hold_at``, every rank holds after that step until released."""
-    env = dict(os.environ)
-    env.pop(hold.ENV_HOLD_FILE, None)
+    """The watchdog over the fake trainer; with ``hold_at``, every rank holds after that step until
+    released (the hold file is written before the launch, as the fake trainer needs)."""
+    gate = None
     if hold_at is not None:
-        env[hold.ENV_HOLD_FILE] = str(hold_file(root))
-        root.mkdir(parents=True, exist_ok=True)
-        hold.hold_at(hold_file(root), hold_at)
-    return subprocess.Popen(
-        watch_cmd(root, watch_args, trainer_args),
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
+        gate = hold_file(root)
+        gate.parent.mkdir(parents=True, exist_ok=True)
+        hold.hold_at(gate, hold_at)
+    fake = [sys.executable, FAKE, "--root", str(root), *trainer_args]
+    return start_watchdog(root, [*FAST, *watch_args], fake, gate)
 
 
 def hold_file(root: Path) -> Path:
     return root.parent / "hold"
 
 
-def finish(p: subprocess.Popen) -> tuple[int, str]:
-    try:
-        out, _ = p.communicate(timeout=PATIENCE_S)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        out, _ = p.communicate()
-        pytest.fail(f"watchdog did not finish in {PATIENCE_S:.0f}s:\n{out.decode(errors='replace')}")
-    return p.returncode, out.decode(errors="replace")
-
-
 def run(root: Path, watch_args: list[str], trainer_args: list[str]) -> tuple[int, list[dict]]:
     rc, out = finish(start(root, watch_args, trainer_args))
     assert not leftovers(root), out
     return rc, events(root)
-
-
-def events(root: Path) -> list[dict]:
-    return [json.loads(line) for line in events_path(root).read_text().splitlines()]
-
-
-def of(evs: list[dict], kind: str) -> list[dict]:
-    return [e for e in evs if e["event"] == kind]
-
-
-def leftovers(root: Path) -> list[int]:
-    """Live processes whose command line mentions the run root: must be none after the watchdog."""
-    needle = str(root).encode()
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            cmd = Path(f"/proc/{name}/cmdline").read_bytes()
-            state = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if needle in cmd and state != "Z":
-            out.append(int(name))
-    return out
 
 
 def test_crash_relaunches_from_checkpoint(tmp_path):

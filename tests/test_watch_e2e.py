@@ -15,16 +15,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from waiting import PATIENCE_S, wait_for, wait_held, watchdog_events
+from waiting import wait_for, wait_held, watchdog_events
+from watch_helpers import events, finish, leftovers, start_watchdog
 
 from supervisor import store
-from supervisor.events import events_path
 from supervisor.exitcodes import Exit
 from train_ref import hold
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 STEPS, SAVE_EVERY = 60, 10
 HOLD_AT = 25
@@ -46,23 +45,7 @@ def standalone(root: Path) -> list[str]:
 
 
 def start_watch(root: Path, command: list[str], *extra: str, gate: Path | None = None) -> subprocess.Popen:
-    """The watchdog over ``command``; with ``gate``, the trainer's hold gate on (train_ref/hold.py)."""
-    env = {k: v for k, v in os.environ.items() if k != hold.ENV_HOLD_FILE}
-    if gate is not None:
-        env[hold.ENV_HOLD_FILE] = str(gate)
-    argv = [
-        sys.executable,
-        "-m",
-        "supervisor",
-        "watch",
-        "--ckpt-root",
-        str(root),
-        *WATCH,
-        *extra,
-        "--",
-        *command,
-    ]
-    return subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return start_watchdog(root, [*WATCH, *extra], command, gate)
 
 
 def held_at(tmp_path: Path) -> Path:
@@ -72,34 +55,8 @@ def held_at(tmp_path: Path) -> Path:
     return gate
 
 
-def finish(p: subprocess.Popen) -> tuple[int, str]:
-    try:
-        out, _ = p.communicate(timeout=PATIENCE_S)
-    except subprocess.TimeoutExpired:
-        p.send_signal(signal.SIGTERM)
-        out, _ = p.communicate(timeout=60)
-        pytest.fail(f"watchdog did not finish in {PATIENCE_S:.0f}s:\n{out.decode(errors='replace')[-5000:]}")
-    return p.returncode, out.decode(errors="replace")
-
-
 def digest(root: Path) -> str:
     return json.loads((root / "final.json").read_text())["params_sha256"]
-
-
-def events(root: Path, node: int = 0) -> list[dict]:
-    return [json.loads(line) for line in events_path(root, node).read_text().splitlines()]
-
-
-def no_leftovers(root: Path) -> bool:
-    needle = str(root).encode()
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                if needle in Path(f"/proc/{name}/cmdline").read_bytes():
-                    return False
-            except OSError:
-                pass
-    return True
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +77,7 @@ def test_kill9_worker_resumes_digest_equal(tmp_path, reference):
     ends = [e for e in events(root) if e["event"] == "launch_end"]
     assert [e["outcome"] for e in ends] == ["crash", "done"], out[-3000:]
     assert digest(root) == reference
-    assert no_leftovers(root)
+    assert not leftovers(root)
 
 
 def test_sigstop_worker_detected_dumped_resumed(tmp_path, reference):
@@ -141,7 +98,7 @@ def test_sigstop_worker_detected_dumped_resumed(tmp_path, reference):
     dumps = [e for e in evs if e["event"] == "stack_dump" and e["rank"] == 1]
     assert dumps and "train_ref" in (dumps[0]["stacks"] or ""), dumps
     assert digest(root) == reference
-    assert no_leftovers(root)
+    assert not leftovers(root)
 
 
 def test_corrupt_newest_while_down_then_resume(tmp_path, reference):
@@ -209,4 +166,4 @@ def test_two_nodes_kill_one_node_tree(tmp_path, reference_two_nodes):
         assert rc == Exit.OK, out[-3000:]
     assert any(e["event"] == "relaunch" for e in events(root, 1))
     assert digest(root) == reference_two_nodes
-    assert no_leftovers(root)
+    assert not leftovers(root)
