@@ -52,17 +52,6 @@ def test_a_held_rank_acks_beats_and_goes_on_when_released(tmp_path: Path, how: s
     assert not t.is_alive()
 
 
-def test_release_with_ranks_drops_the_acks(tmp_path: Path) -> None:
-    gate = tmp_path / "hold"
-    hold.hold_at(gate, 2)
-    for r in (0, 1):
-        t = threading.Thread(target=HoldGate(gate, r).hold, args=(2, lambda: None))
-        t.start()
-    assert wait_held(gate, 2, 2)
-    hold.release(gate, ranks=2)
-    assert hold.acks(gate, 2) == {} and not gate.exists()
-
-
 def _rank(rank: int, store: str, gate: str, out: mp.Queue) -> None:
     import torch.distributed as dist
 

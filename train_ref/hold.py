@@ -85,12 +85,10 @@ def hold_at(path: Path, step: int) -> None:
     atomic_write_text(path, f"{step}\n")
 
 
-def release(path: Path, ranks: int = 0) -> None:
-    """Let held ranks go on; with ``ranks``, also drop their acks, so a later ``held`` for the
-    same step waits for a new hold (a relaunch's) instead of reading the old one."""
+def release(path: Path) -> None:
+    """Let the held ranks go on. Their acks stay: to wait for a later hold, hold at another step
+    (or compare the acks' ``launch``)."""
     path.unlink(missing_ok=True)
-    for r in range(ranks):
-        ack_path(path, r).unlink(missing_ok=True)
 
 
 def acks(path: Path, ranks: int) -> dict[int, dict]:
