@@ -1,13 +1,27 @@
 """A small stand-in for ``torchrun ... -m train_ref.train`` in watchdog process tests: no torch.
 
-Launcher mode (the default) behaves like torchrun: it starts ``--ranks`` worker processes, each in
-a session of its own, exits 1 when any worker fails (after killing the rest) and 0 when all finish;
-it has no SIGUSR1 handler, like torchrun's agent. Each worker resumes from the newest valid
-checkpoint in ``--root``, steps with ``--step-s`` sleeps, writes heartbeats through
-supervisor.heartbeat, commits a tiny checkpoint through supervisor.store every ``--ckpt-every``
-steps (phase save, lasting ``--save-s``), and can crash, stop itself, or exit with a code, once or
-on every launch. SIGUSR1: checkpoint at the next step boundary and exit 75. SIGUSR2: faulthandler
+The launcher starts ``--ranks`` worker processes, each in a session of its own, and exits 1 when
+any worker fails, 0 when all finish; it has no SIGUSR1 handler, like torchrun's agent. How it ends
+a launch with a failed worker, ``--launcher``:
+- ``torchrun`` (default): kills the other workers at the first non-zero exit, as torchrun does;
+- ``wait-all``: waits for every worker (a launcher that lets each rank finish on its own).
+The watchdog must be right with either, so the tests run both.
+
+Each worker resumes from the newest valid checkpoint in ``--root``, steps with ``--step-s`` sleeps
+in lockstep with its peers, writes heartbeats through supervisor.heartbeat, commits a tiny
+checkpoint through supervisor.store every ``--ckpt-every`` steps (phase save), and can crash, stop
+itself, or exit with a code, once or on every launch. After each step it honours the hold gate of
+train_ref/hold.py (``TRAIN_REF_HOLD_FILE``; write the file before the launch: these ranks do not
+agree on it as the real trainer's do); with ``--hold-in-save`` every rank holds inside the save of
+that step instead, silent in phase save (a save as long as the test wants). SIGUSR2: faulthandler
 dump of every thread to the rank's stack file.
+
+SIGUSR1 (the watchdog sends it to every rank): rank 0 decides, as the real trainer's agreement
+would: it checkpoints at its next step boundary and exits 75. The other ranks learn it in their
+next "collective" (the lockstep wait for their peers): under ``wait-all`` they record 75 and exit
+75, like the real trainer's ranks; under ``torchrun`` they stay inside that collective until the
+launcher kills them, so their code is never recorded. Each outcome is thus made deterministically,
+never left to a race between a rank and its launcher.
 
 Storage and process-tree cases (tests/test_watch_faults.py): ``--fault read`` reads
 ``--read-file`` in phase verify (blocked there by a faultfs rule, the rank sits in the kernel);
@@ -15,7 +29,8 @@ Storage and process-tree cases (tests/test_watch_faults.py): ``--fault read`` re
 does; ``--no-final-beat`` finishes without the last heartbeat (it could not be written);
 ``--silent`` writes no heartbeat at all; ``--spawn-child`` gives each rank a child like a DataLoader
 worker (no SIGUSR1 handler; it notes a SIGTERM in its file under ``children/``); ``--plain`` runs
-one rank as the launched process itself (a plain script, no launcher).
+one rank as the launched process itself (a plain script, no launcher). A ``--silent`` rank cannot
+learn of a preemption from its peers, so it acts on SIGUSR1 itself.
 """
 
 from __future__ import annotations
@@ -36,8 +51,11 @@ from supervisor import store
 from supervisor.exitcodes import Exit
 from supervisor.heartbeat import ENV_RESTART_COUNT, HeartbeatWriter, Phase, read_heartbeat
 from supervisor.layout import RunDir
+from train_ref.hold import HoldGate
 
 STATE_FILE = "state.txt"
+LAUNCHERS = ("torchrun", "wait-all")
+PEER_POLL_S = 0.005
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -45,10 +63,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--root", required=True, type=Path)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--worker", type=int, default=None, help="(internal) run as this rank")
+    p.add_argument("--launcher", choices=LAUNCHERS, default="torchrun")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--step-s", type=float, default=0.05)
     p.add_argument("--ckpt-every", type=int, default=5)
-    p.add_argument("--save-s", type=float, default=0.0)
+    p.add_argument("--hold-in-save", action="store_true", help="hold inside the save, without beating")
     p.add_argument("--fault", choices=("crash", "stop", "exit", "startup-hang", "read"), default=None)
     p.add_argument("--fault-step", type=int, default=0)
     p.add_argument("--fault-rank", type=int, default=0, help="rank 0 saves: its faults follow its commits")
@@ -61,7 +80,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--silent", action="store_true", help="write no heartbeat")
     p.add_argument("--spawn-child", action="store_true", help="each rank starts a DataLoader-like child")
     p.add_argument("--plain", action="store_true", help="run one rank as the launched process itself")
-    p.add_argument("--save-gate", type=Path, default=None, help="rank 0's save of step N waits for DIR/N")
     return p.parse_args(argv)
 
 
@@ -93,16 +111,6 @@ def spawn_child(root: Path, rank: int) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", CHILD, str(folder / f"rank{rank}_{os.getpid()}.txt")])
 
 
-def wait_for_gate(gate: Path | None, step: int, hb: HeartbeatWriter) -> None:
-    """--save-gate: hold the save of ``step`` in phase save until the test creates ``gate/step``
-    (e.g. once it has filled the disk, so that this save is the one that meets ENOSPC)."""
-    if gate is None:
-        return
-    hb.beat(step, Phase.SAVE, force=True)
-    while not (gate / str(step)).exists():
-        time.sleep(0.02)
-
-
 def read_file(root: Path, name: str, step: int, hb: HeartbeatWriter) -> None:
     """--fault read: read a file in phase verify, naming it in the heartbeat first (a faultfs
     block rule keeps the read from ever returning)."""
@@ -116,7 +124,7 @@ def save_or_report(root: Path, step: int, world: int, hb: HeartbeatWriter) -> No
     """--survive-save-errors: a save that fails is removed and reported in the heartbeat
     (save_failures, last_error), and training goes on, as the real trainer does."""
     try:
-        save(root, step, world, hb, 0.0)
+        save(root, step, world)
     except OSError as e:
         for tmp in root.glob(f"step_{step:08d}.tmp.*"):
             shutil.rmtree(tmp, ignore_errors=True)
@@ -134,33 +142,36 @@ def newest_valid_step(root: Path) -> int:
     return 0
 
 
-def save(root: Path, step: int, world: int, hb: HeartbeatWriter, save_s: float) -> None:
-    hb.beat(step, Phase.SAVE, force=True)
-    time.sleep(save_s)
+def save(root: Path, step: int, world: int) -> None:
     tmp = store.begin(root, step)
     (tmp / STATE_FILE).write_text(str(step))
     store.commit(root, tmp, step=step, world_size=world)
 
 
+class PeerPreempted(Exception):
+    """Rank 0 stopped for a preemption while this rank waited for it."""
+
+
 def wait_for_peers(root: Path, rank: int, world: int, step: int, launch_id: str) -> None:
     """Lockstep like a collective: wait until every other rank of this launch reached ``step``
-    (so a stopped rank stalls the others, and ranks die within one step of each other)."""
+    (so a stopped rank stalls the others, and ranks die within one step of each other). Raises
+    PeerPreempted when rank 0 exited for a preemption instead: every other rank ends up here."""
     run = RunDir.of(root)
     for r in range(world):
         while r != rank:
             hb = read_heartbeat(run.heartbeat(r), r).heartbeat
-            if hb is not None and hb.launch_id == launch_id and hb.step >= step:
-                break
-            time.sleep(0.005)
+            if hb is not None and hb.launch_id == launch_id:
+                if r == 0 and hb.exit_code == Exit.REQUEUE:
+                    raise PeerPreempted
+                if hb.step >= step:
+                    break
+            time.sleep(PEER_POLL_S)
 
 
-def wait_for_rank0_exit(root: Path, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        hb = read_heartbeat(RunDir.of(root).heartbeat(0), 0).heartbeat
-        if hb is not None and hb.exit_code is not None:
-            return
-        time.sleep(0.02)
+def stay_in_collective() -> None:
+    """A rank inside a collective whose peer is gone: nothing happens until it is killed."""
+    while True:
+        time.sleep(3600)
 
 
 def worker(a: argparse.Namespace, rank: int) -> int:
@@ -177,6 +188,7 @@ def worker(a: argparse.Namespace, rank: int) -> int:
     )
     writer = SilentWriter if a.silent else HeartbeatWriter
     hb = writer(a.root, rank=rank, local_rank=rank, world_size=a.ranks, interval_s=0.0)
+    gate = HoldGate.from_env(rank, hb.launch_id)
     if a.spawn_child:
         spawn_child(a.root, rank)
     hb.beat(0, Phase.STARTUP)
@@ -185,8 +197,14 @@ def worker(a: argparse.Namespace, rank: int) -> int:
     step = newest_valid_step(a.root)
     hb.beat(step, Phase.LOAD)
     while step < a.steps:
-        if not a.silent:
-            wait_for_peers(a.root, rank, a.ranks, step, hb.launch_id)
+        try:
+            if not a.silent:
+                wait_for_peers(a.root, rank, a.ranks, step, hb.launch_id)
+        except PeerPreempted:
+            if a.launcher == "torchrun":
+                stay_in_collective()
+            hb.beat(step, Phase.TRAIN, exit_code=Exit.REQUEUE)
+            return Exit.REQUEUE
         if faulty and step == a.fault_step:
             if a.fault == "read":
                 read_file(a.root, a.read_file, step, hb)
@@ -201,20 +219,20 @@ def worker(a: argparse.Namespace, rank: int) -> int:
         time.sleep(a.step_s)
         step += 1
         hb.beat(step, Phase.TRAIN, last_step_s=time.monotonic() - t0)
-        if preempted or step % a.ckpt_every == 0:
+        stop = bool(preempted) and (rank == 0 or a.silent)
+        if stop or step % a.ckpt_every == 0:
+            hb.beat(step, Phase.SAVE, force=True)
+            if a.hold_in_save and gate is not None and gate.wanted(step):
+                gate.hold(step, lambda: None)
             if rank == 0 and a.survive_save_errors:
                 save_or_report(a.root, step, a.ranks, hb)
             elif rank == 0:
-                wait_for_gate(a.save_gate, step, hb)
-                save(a.root, step, a.ranks, hb, a.save_s)
-            else:
-                hb.beat(step, Phase.SAVE, force=True)
-                time.sleep(a.save_s)
-            if preempted:
-                if rank != 0 and not a.silent:  # the real trainer agrees; here: wait for rank 0's save
-                    wait_for_rank0_exit(a.root)
+                save(a.root, step, a.ranks)
+            if stop:
                 hb.beat(step, Phase.TRAIN, exit_code=Exit.REQUEUE)
                 return Exit.REQUEUE
+        if gate is not None and gate.wanted(step):
+            gate.hold(step, lambda: hb.beat(step, Phase.TRAIN))  # noqa: B023 - called right here
     if not a.no_final_beat:
         hb.beat(step, Phase.DONE, exit_code=0)
     return 0
@@ -227,13 +245,14 @@ def launcher(a: argparse.Namespace, argv: list[str]) -> int:
     ]
     while True:
         codes = [p.poll() for p in procs]
-        if any(c not in (None, 0) for c in codes):
+        failed = any(c not in (None, 0) for c in codes)
+        if failed and a.launcher == "torchrun":
             for p in procs:
                 if p.poll() is None:
                     p.kill()
             return 1
-        if all(c == 0 for c in codes):
-            return 0
+        if None not in codes:
+            return 1 if failed else 0
         time.sleep(0.02)
 
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_watch import wait_for
+from waiting import wait_for
 
 from supervisor.blocked import (
     FILE_SYSCALLS,

@@ -3,15 +3,14 @@ resume that restored nothing (the trainer's ablation switches): it must fail, wi
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from waiting import PATIENCE_S, wait_held
 
 from supervisor.drill.judge import judge
 from supervisor.drill.plan import Fault, Kind, plan
@@ -19,8 +18,7 @@ from supervisor.drill.runner import DrillConfig, read_digest, read_metrics, run_
 from supervisor.drill.switch import BLOCKING_FUNCTION
 from supervisor.events import events_path, read_events
 from supervisor.exitcodes import Exit
-from supervisor.heartbeat import read_heartbeats
-from supervisor.store import list_checkpoints
+from train_ref import hold
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -68,34 +66,19 @@ def test_real_hang_named_killed_and_resumed_from_the_periodic_checkpoint(tmp_pat
     assert "hang verdict names the culprit and its stack" in p.stdout and "PASS: 1 of 1 scenarios" in p.stdout
 
 
-def _preempt_when(root: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
-    """SIGUSR1 every rank once the run has committed a checkpoint and logged ``step``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        recs = read_metrics(root)
-        if recs and recs[-1].step >= step and list_checkpoints(root):
-            for snap in read_heartbeats(root):
-                if snap.heartbeat:
-                    signal_pid(snap.heartbeat.pid)
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"run never reached step {step}")
-
-
-def signal_pid(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGUSR1)
-
-
 def test_judge_fails_a_resume_that_restored_nothing(tmp_path):
     cfg = DrillConfig(workdir=tmp_path, ranks=2, steps=30, save_every=10)
     golden, golden_digest = run_golden(cfg, tmp_path / "golden.log")
 
-    root = tmp_path / "ablated"
+    root, gate = tmp_path / "ablated", tmp_path / "hold"
+    hold.hold_at(gate, 15)
     with open(tmp_path / "run.log", "ab") as log:
-        first = subprocess.Popen(cfg.trainer_cmd(root), env=cfg.env(), stdout=log, stderr=log, cwd=REPO)
-        _preempt_when(root, 15, first)
-        assert first.wait(timeout=120) != 0  # torchrun reports the trainer's requeue exit as a failure
+        env = {**cfg.env(), hold.ENV_HOLD_FILE: str(gate)}
+        first = subprocess.Popen(cfg.trainer_cmd(root), env=env, stdout=log, stderr=log, cwd=REPO)
+        for ack in wait_held(gate, cfg.ranks, 15, proc=first).values():
+            os.kill(ack["pid"], signal.SIGUSR1)  # while held: every rank stops after step 16
+        hold.release(gate)
+        assert first.wait(timeout=PATIENCE_S) != 0  # torchrun reports the requeue exit as a failure
         ablate = [a for item in RESTORE_NOTHING for a in ("--ablate", item)]
         second = subprocess.run(
             cfg.trainer_cmd(root) + ablate, env=cfg.env(), stdout=log, stderr=log, cwd=REPO

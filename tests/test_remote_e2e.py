@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -30,21 +29,18 @@ from trainer_helpers import (
     shared_goldens,
     train_args,
     trainer_env,
-    wait_for,
-    worker_pid,
 )
+from waiting import wait_for, wait_held
 
 from supervisor.exitcodes import Exit
 from supervisor.tiers.remote import open_remote
 from supervisor.tiers.uploader import read_remote_status
+from train_ref import hold
 
 pytestmark = pytest.mark.slow
 
 moto = pytest.fixture(scope="module")(rs.serve_moto)
 PARALLEL = "ddp"
-# Each checkpoint's write sleeps this long (async, so training goes on): about one save in flight
-# per 0.3 s keeps a 30-step run alive long enough to signal it or to take its endpoint away.
-PACE = {"TRAIN_REF_SAVE_DELAY_S": "0.3"}
 
 
 @pytest.fixture(scope="module")
@@ -57,23 +53,25 @@ def remote_args(url: str, server: rs.MotoServer | None, *extra: str) -> list[str
     return train_args(PARALLEL, "--remote", url, *endpoint, *extra, save_every=3)
 
 
-def env(**extra: str) -> dict[str, str]:
-    return trainer_env(**rs.FAKE_CREDENTIALS, **extra)
+def env(hold_file: Path | None = None) -> dict[str, str]:
+    return trainer_env(hold_file, **rs.FAKE_CREDENTIALS)
 
 
 def preempt_after(root: Path, args: list[str], step: int) -> int:
-    """Launch, send SIGUSR1 once ``step`` is done; returns the step it checkpointed and stopped at."""
-    t0 = time.time()
-    proc = launch(root, 2, *args, env=env(**PACE))
+    """Launch, send SIGUSR1 while held after ``step``; returns the step it checkpointed and stopped
+    at (the next one)."""
+    gate = root.parent / "hold"
+    hold.hold_at(gate, step)
+    proc = launch(root, 2, *args, env=env(gate))
     try:
-        wait_for(lambda: last_step(root) >= step, 180, f"step {step}", proc)
-        os.kill(worker_pid(root, 1, t0), signal.SIGUSR1)
+        os.kill(wait_held(gate, 2, step, proc=proc)[1]["pid"], signal.SIGUSR1)
+        hold.release(gate)
         r = finish(proc)
     finally:
         kill_group(proc)
     assert set(heartbeat_exit_codes(root).values()) == {Exit.REQUEUE}, r.output[-3000:]
     stopped = last_step(root)
-    assert stopped < STEPS
+    assert stopped == step + 1
     return stopped
 
 
@@ -120,31 +118,40 @@ def test_truncated_newest_remote_walks_back_quarantined_digest_equal(golden, tmp
 
 
 def test_remote_down_mid_run_training_goes_on_and_uploads_catch_up(golden, tmp_path, moto):
+    """Held after step 6 (step 3 committed, its upload under way) until step 3 is on the remote;
+    then the endpoint goes down and the hold moves to step 10: the ranks train on, commit step 6,
+    its upload fails, and remote.json shows the remote down with a lag, all while the run is held
+    at step 10, so it is still running by construction."""
     url = rs.new_bucket(moto)
-    root = tmp_path / "run"
+    root, gate = tmp_path / "run", tmp_path / "hold"
     args = remote_args(url, moto, "--remote-attempts", "2")
-    proc = launch(root, 2, *args, env=env(TRAIN_REF_SAVE_DELAY_S="0.5"))
+    hold.hold_at(gate, 6)
+    proc = launch(root, 2, *args, env=env(gate))
     down_seen = None
     try:
+        wait_held(gate, 2, 6, proc=proc)
         wait_for(
             lambda: (s := read_remote_status(root)) is not None and s.newest_remote is not None,
-            180,
             "a first upload",
-            proc,
+            proc=proc,
         )
         moto.stop()
         try:
-            wait_for(
-                lambda: (s := read_remote_status(root)) is not None and s.state == "down" and s.lag_steps > 0,
-                120,
+            hold.hold_at(gate, 10)
+            wait_held(gate, 2, 10, proc=proc)  # four steps trained while the remote is down
+            down_seen = wait_for(
+                lambda: (
+                    (s := read_remote_status(root)) is not None
+                    and s.state == "down"
+                    and s.lag_steps > 0
+                    and s
+                ),
                 "remote.json to show the remote down with a lag",
-                proc,
+                proc=proc,
             )
-            down_seen = read_remote_status(root)
-            at = last_step(root)
-            wait_for(lambda: last_step(root) > at, 60, "a training step while the remote is down", proc)
         finally:
             moto.start()
+        hold.release(gate)
         r = finish(proc)
     finally:
         kill_group(proc)

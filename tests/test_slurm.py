@@ -2,6 +2,10 @@
 real watchdog, torchrun and reference trainer: completion, preemption twice, the time limit, a
 kill -9 inside the allocation, and a non-retryable failure.
 
+Every fault lands while the ranks are held at a step (train_ref/hold.py; the hold file's variable
+reaches the trainer through sbatch's environment), and a notice counts as delivered once the
+watchdog logged its ``preempt`` event: no test hopes that a run is still training.
+
 The cluster is started once for the session and stopped at the end, also on failure. The tests
 skip only where SLURM cannot be installed (not root, no apt-get, apt-get failing); a cluster that
 is installed but does not start is a failure.
@@ -14,19 +18,18 @@ import os
 import re
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from waiting import wait_for
 
 from supervisor import events, slurm
 from supervisor.exitcodes import Exit
-from supervisor.heartbeat import read_heartbeats
+from train_ref import hold
 
 pytestmark = pytest.mark.slurm
 
@@ -41,13 +44,14 @@ TRAIN = ("-m", "train_ref.train", "--save-every", str(SAVE_EVERY))
 JOB_TIMEOUT_S = 300.0
 POLL_S = 0.25
 DONE_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"}
-# Time-limit test: --time=1 with the notice when 30+7 s are left, i.e. at slurmctld's first 30 s
-# check at least 23 s into the run. Restarting slurmctld just before the submit puts that check
-# ~25 s into the first run, while a requeued run (which starts >= 5 s, cred_expire, after the
-# check that requeued it) reaches its next check before 23 s and its second one at ~50 s.
-TIME_LIMIT_SIGNAL = "--signal=B:USR1@7"
-TIME_LIMIT_TRAIN_S = 25.0
-TIME_LIMIT_SPEEDUP = 2.0
+# Time-limit test: slurmctld checks time limits every 30 s and signals at the first check where at
+# most 60 + 30 s are left: with --time=2 that is a check 30-60 s into each run, leaving >= 60 s
+# to checkpoint. The first run is held at TIME_LIMIT_HOLD until its notice came, so the runs after
+# it have at most STEPS - TIME_LIMIT_HOLD - 1 steps to do; each run does at least one (a notice
+# in startup is acted on at the first step), so at most that many more requeues, within
+# MAX_REQUEUES.
+TIME_LIMIT_OPTS = ("--time=2", "--signal=B:USR1@60")
+TIME_LIMIT_HOLD = 55
 
 
 @dataclass(frozen=True)
@@ -73,12 +77,6 @@ class Cluster:
     def log_tail(self, name: str = "slurmctld.log", lines: int = 30) -> str:
         path = self.dir / name
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
-
-    def restart_ctld(self) -> None:
-        r = subprocess.run(
-            [str(CLUSTER_SH), "restart-ctld", str(self.dir)], capture_output=True, text=True, timeout=120
-        )
-        assert r.returncode == 0, f"cluster.sh restart-ctld failed:\n{r.stderr}"
 
 
 @pytest.fixture(scope="session")
@@ -122,22 +120,37 @@ class Job:
             f"\n--- slurmctld.log (tail)\n{self.cluster.log_tail()}"
         )
 
-    def wait_until(self, what: str, pred: Callable[[], bool], timeout: float = JOB_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while not pred():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{self.explain()}")
-            if self.info().get("JobState") in DONE_STATES and not pred():
+    def wait_until(self, what: str, pred: Callable[[], object]) -> object:
+        """``pred``'s first truthy value; fails at once if the job ends first."""
+
+        def check() -> object:
+            if got := pred():
+                return got
+            if self.info().get("JobState") in DONE_STATES and not (got := pred()):
                 raise AssertionError(f"job ended while waiting for {what}\n{self.explain()}")
-            time.sleep(POLL_S)
+            return got
+
+        return wait_for(check, what, timeout=JOB_TIMEOUT_S, explain=self.explain, poll=POLL_S)
 
     def wait_done(self) -> dict[str, str]:
-        deadline = time.monotonic() + JOB_TIMEOUT_S
-        while (info := self.info()).get("JobState") not in DONE_STATES:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"job not done after {JOB_TIMEOUT_S:.0f}s\n{self.explain()}")
-            time.sleep(POLL_S)
-        return info
+        def done() -> dict[str, str] | None:
+            info = self.info()
+            return info if info.get("JobState") in DONE_STATES else None
+
+        return wait_for(done, "the job to end", timeout=JOB_TIMEOUT_S, explain=self.explain, poll=POLL_S)
+
+    def wait_held(self, gate: Path, step: int) -> dict[int, dict]:
+        """Every rank of the current run held after ``step``; their acks by rank."""
+        return self.wait_until(f"{NPROC} ranks held after step {step}", lambda: hold.held(gate, NPROC, step))
+
+    def wait_notice_forwarded(self) -> None:
+        """The current run's watchdog forwarded a notice to its ranks (its ``preempt`` event)."""
+        self.wait_until("the watchdog to forward the notice to the ranks", self.notice_forwarded)
+
+    def notice_forwarded(self) -> bool:
+        evs = events.read_events(events.events_path(self.run_dir))
+        starts = [i for i, e in enumerate(evs) if e.get("event") == "watchdog_start"]
+        return bool(starts) and any(e.get("event") == "preempt" for e in evs[starts[-1] :])
 
     def notify(self) -> None:
         """A preemption notice as SLURM would deliver it: SIGUSR1 to the batch shell."""
@@ -155,10 +168,6 @@ class Job:
                 continue  # a line being written
         return rows
 
-    def last_step(self) -> int:
-        rows = self.metrics()
-        return rows[-1]["step"] if rows else 0
-
     def digest(self) -> str:
         return json.loads((self.run_dir / "final.json").read_text())["params_sha256"]
 
@@ -167,21 +176,34 @@ class Job:
 
 
 def submit(
-    cluster: Cluster, tmp: Path, *train: str, run_dir: Path | None = None, sbatch_opts: tuple[str, ...] = ()
-) -> Job:
+    cluster: Cluster,
+    tmp: Path,
+    *train: str,
+    run_dir: Path | None = None,
+    sbatch_opts: tuple[str, ...] = (),
+    hold_at: int | None = None,
+) -> tuple[Job, Path]:
+    """Submit the job; with ``hold_at``, its ranks hold after that step until the returned hold
+    file is released or moved on (train_ref/hold.py)."""
     run_dir = run_dir or tmp / "run"
     out = tmp / "job.out"
+    gate = tmp / "hold"
+    extra = {}
+    if hold_at is not None:
+        hold.hold_at(gate, hold_at)
+        extra[hold.ENV_HOLD_FILE] = str(gate)
     env = cluster.env(
         PYTHON=sys.executable,
         RUN_DIR=str(run_dir),
         NPROC_PER_NODE=str(NPROC),
         MAX_REQUEUES="5",
         NOTICE_REPEAT_S="5",
+        **extra,
     )
     cmd = ["sbatch", "--parsable", f"--chdir={tmp}", f"--output={out}", *sbatch_opts, str(JOB_SH), *train]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 0, f"sbatch failed: {r.stderr}"
-    return Job(cluster, r.stdout.strip().split(";")[0], run_dir, out)
+    return Job(cluster, r.stdout.strip().split(";")[0], run_dir, out), gate
 
 
 def assert_no_step_lost(rows: list[dict], steps: int) -> list[str]:
@@ -212,7 +234,7 @@ def golden(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def finished(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> tuple[Job, dict[str, str]]:
     """One plain sbatch run to completion, shared by the tests that need a finished run."""
-    job = submit(cluster, tmp_path_factory.mktemp("finished"), *TRAIN, "--steps", str(STEPS))
+    job, _ = submit(cluster, tmp_path_factory.mktemp("finished"), *TRAIN, "--steps", str(STEPS))
     return job, job.wait_done()
 
 
@@ -231,16 +253,14 @@ def test_sbatch_runs_to_completion_digest_equal(finished: tuple[Job, dict[str, s
 
 
 def test_preemption_twice_requeues_and_loses_no_step(cluster: Cluster, tmp_path: Path, golden: str) -> None:
-    job = submit(cluster, tmp_path, *TRAIN, "--steps", str(STEPS))
-    job.wait_until("training (step >= 8)", lambda: job.last_step() >= 8)
-    job.notify()
-    job.wait_until("the requeued run", lambda: job.info().get("Restarts") == "1")
-    first_stop = job.last_step()
-    job.wait_until(
-        f"training past the resume point (step >= {first_stop + 8})",
-        lambda: job.last_step() >= first_stop + 8,
-    )
-    job.notify()
+    """Held after step 8, notified, released: the run stops at step 9; the requeued run is held
+    after step 20, notified, released: it stops at step 21; the third run finishes."""
+    job, gate = submit(cluster, tmp_path, *TRAIN, "--steps", str(STEPS), hold_at=8)
+    for step, then in ((8, lambda: hold.hold_at(gate, 20)), (20, lambda: hold.release(gate))):
+        job.wait_held(gate, step)
+        job.notify()
+        job.wait_notice_forwarded()
+        then()
     info = job.wait_done()
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "2"), job.explain()
     out = job.output()
@@ -248,21 +268,24 @@ def test_preemption_twice_requeues_and_loses_no_step(cluster: Cluster, tmp_path:
         assert f"SLURM_RESTART_COUNT={n}," in out
     assert out.count(f"scontrol requeue {job.job_id}") == 2
     assert job.requeue_state()["requeues"] == 2
-    assert len(assert_no_step_lost(job.metrics(), STEPS)) == 3, job.explain()
+    rows = job.metrics()
+    launches = assert_no_step_lost(rows, STEPS)
+    assert [max(r["step"] for r in rows if r["launch"] == x) for x in launches] == [9, 21, STEPS], (
+        job.explain()
+    )
     assert job.digest() == golden
 
 
-def test_time_limit_notice_checkpoints_and_requeues(
-    cluster: Cluster, tmp_path: Path, finished: tuple[Job, dict[str, str]]
-) -> None:
-    # Size the run from the step time measured in the finished run (x1.3 for saves), with room for
-    # a machine that got faster since: the run must still be training at the first check.
-    step_s = statistics.median(r["step_time"] for r in finished[0].metrics()) * 1.3
-    steps = max(STEPS, round(TIME_LIMIT_SPEEDUP * TIME_LIMIT_TRAIN_S / step_s))
-    cluster.restart_ctld()
-    job = submit(
-        cluster, tmp_path, *TRAIN, "--steps", str(steps), sbatch_opts=("--time=1", TIME_LIMIT_SIGNAL)
+def test_time_limit_notice_checkpoints_and_requeues(cluster: Cluster, tmp_path: Path, golden: str) -> None:
+    """SLURM's own --signal ahead of the time limit. The run holds after TIME_LIMIT_HOLD until the
+    notice reached its ranks (a run that got it earlier, still starting, stops after a step and
+    the next run holds there instead), so it is still training when the notice comes."""
+    job, gate = submit(
+        cluster, tmp_path, *TRAIN, "--steps", str(STEPS), sbatch_opts=TIME_LIMIT_OPTS, hold_at=TIME_LIMIT_HOLD
     )
+    job.wait_held(gate, TIME_LIMIT_HOLD)
+    job.wait_notice_forwarded()
+    hold.release(gate)
     info = job.wait_done()
     assert info["JobState"] == "COMPLETED", job.explain()
     assert int(info["Restarts"]) >= 1, job.explain()
@@ -270,17 +293,16 @@ def test_time_limit_notice_checkpoints_and_requeues(
     assert "SIGUSR1 (preemption or time limit)" in out
     assert job.requeue_state()["requeues"] == int(info["Restarts"])
     # A notice that lands in a run's startup is acted on at its first step, so count launches loosely.
-    assert len(assert_no_step_lost(job.metrics(), steps)) >= 2, job.explain()
-    assert json.loads((job.run_dir / "final.json").read_text())["step"] == steps
+    assert len(assert_no_step_lost(job.metrics(), STEPS)) >= 2, job.explain()
+    assert job.digest() == golden
 
 
 def test_kill_9_of_a_rank_is_relaunched_inside_the_allocation(
     cluster: Cluster, tmp_path: Path, golden: str
 ) -> None:
-    job = submit(cluster, tmp_path, *TRAIN, "--steps", str(STEPS))
-    job.wait_until("a step past the first checkpoint", lambda: job.last_step() > SAVE_EVERY + 1)
-    victim = next(s.heartbeat for s in read_heartbeats(job.run_dir) if s.rank == 1 and s.heartbeat)
-    os.kill(victim.pid, signal.SIGKILL)
+    job, gate = submit(cluster, tmp_path, *TRAIN, "--steps", str(STEPS), hold_at=SAVE_EVERY + 2)
+    os.kill(job.wait_held(gate, SAVE_EVERY + 2)[1]["pid"], signal.SIGKILL)
+    hold.release(gate)  # before or after the relaunch reaches the hold: either way it goes on
     info = job.wait_done()
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), job.explain()
     state = events.read_state(events.state_path(job.run_dir))
@@ -294,7 +316,7 @@ def test_non_retryable_failure_ends_the_job_without_requeue(
 ) -> None:
     run_dir = tmp_path / "run"
     shutil.copytree(finished[0].run_dir, run_dir)
-    job = submit(cluster, tmp_path, *TRAIN, "--steps", str(STEPS), "--config", "bench", run_dir=run_dir)
+    job, _ = submit(cluster, tmp_path, *TRAIN, "--steps", str(STEPS), "--config", "bench", run_dir=run_dir)
     info = job.wait_done()
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == (
         "FAILED",

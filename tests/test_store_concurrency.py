@@ -10,6 +10,7 @@ import traceback
 from pathlib import Path
 
 from store_helpers import latest_text, make_ckpt, quarantine_dirs
+from waiting import PATIENCE_S
 
 from supervisor import store
 from supervisor.layout import step_dirname
@@ -82,7 +83,7 @@ def test_writer_with_concurrent_listers_pickers_and_pruners(tmp_path: Path) -> N
     procs = [ctx.Process(target=_run, args=(r, root, o)) for r, o in zip(roles, outs, strict=True)]
     for p in procs:
         p.start()
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + PATIENCE_S  # bounds a hang only
     for p in procs:
         p.join(max(1.0, deadline - time.monotonic()))
     for p in procs:

@@ -10,7 +10,6 @@ import json
 import os
 import random
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -32,16 +31,15 @@ from trainer_helpers import (
     shared_goldens,
     train_args,
     trainer_env,
-    wait_for,
-    worker_pid,
 )
+from waiting import wait_for, wait_held
 
 from supervisor.exitcodes import Exit
 from supervisor.fsutil import atomic_write_json
-from supervisor.heartbeat import Phase, read_heartbeats
 from supervisor.layout import MANIFEST, RunDir
 from supervisor.manifest import read_manifest
 from supervisor.store import read_latest
+from train_ref import hold
 from train_ref.data import build_corpus
 
 pytestmark = pytest.mark.slow
@@ -78,17 +76,19 @@ def test_kill9_one_worker_then_relaunch_is_bit_exact(goldens, tmp_path, parallel
     kill_at, victim = rng.randint(SAVE_EVERY + 1, STEPS - 4), rng.randrange(nproc)
     root = tmp_path / "run"
     args = train_args(parallel, "--num-workers", str(workers))
-    t0 = time.time()
-    proc = launch(root, nproc, *args)
+    gate = tmp_path / "hold"
+    hold.hold_at(gate, kill_at)
+    proc = launch(root, nproc, *args, env=trainer_env(gate))
     try:
-        wait_for(lambda: last_step(root) >= kill_at, 180, f"step {kill_at}", proc)
-        os.kill(worker_pid(root, victim, t0), signal.SIGKILL)
+        pid = wait_held(gate, nproc, kill_at, proc=proc)[victim]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        hold.release(gate)  # the others go on into a collective with the dead rank and fail
         r = finish(proc)
     finally:
         kill_group(proc)
     assert r.rc != 0, "torchrun should report the killed worker"
     killed_at = last_step(root)
-    assert killed_at < STEPS, "the kill came too late to interrupt the run"
+    assert killed_at == kill_at, "a step completed without the killed rank"
     r2 = run_ok(root, nproc, *args)
     resumed = int(r2.output.split("resumed from step_")[1].split(",")[0])
     assert resumed <= killed_at and resumed % SAVE_EVERY == 0
@@ -96,16 +96,20 @@ def test_kill9_one_worker_then_relaunch_is_bit_exact(goldens, tmp_path, parallel
 
 
 def test_kill_during_async_save_never_uses_that_checkpoint(goldens, tmp_path):
+    """Held after step 20, the async save of step 20 has begun (its tmp dir exists, step 10 was
+    committed first) and cannot commit: commits happen only at a step boundary."""
     golden = goldens.get("ddp", 2)
     root = tmp_path / "run"
     args = train_args("ddp", "--async-save")
-    t0 = time.time()
-    # Test-only knob: each shard write sleeps 2 s, so the save of step 20 is surely in flight.
-    proc = launch(root, 2, *args, env=trainer_env(TRAIN_REF_SAVE_DELAY_S="2"))
+    gate = tmp_path / "hold"
+    hold.hold_at(gate, 20)
+    proc = launch(root, 2, *args, env=trainer_env(gate))
     try:
-        tmp20 = lambda: any(n.startswith("step_00000020.tmp.") for n in os.listdir(root))  # noqa: E731
-        wait_for(lambda: "step_00000010" in committed(root) and tmp20(), 180, "the save of step 20", proc)
-        os.kill(worker_pid(root, 1, t0), signal.SIGKILL)
+        pid = wait_held(gate, 2, 20, proc=proc)[1]["pid"]
+        assert committed(root) == ["step_00000010"]
+        assert any(n.startswith("step_00000020.tmp.") for n in os.listdir(root)), os.listdir(root)
+        os.kill(pid, signal.SIGKILL)
+        hold.release(gate)
         r = finish(proc)
     finally:
         kill_group(proc)
@@ -124,23 +128,25 @@ def test_sigusr2_dumps_stacks_and_sigusr1_checkpoints_then_exits_requeue(goldens
     golden = goldens.get("ddp", 2)
     root = tmp_path / "run"
     args = train_args("ddp", save_every=1000)  # no periodic save: only the preemption one
-    t0 = time.time()
-    proc = launch(root, 2, *args)
+    gate = tmp_path / "hold"
+    hold.hold_at(gate, 5)
+    proc = launch(root, 2, *args, env=trainer_env(gate))
     try:
-        wait_for(lambda: last_step(root) >= 5, 180, "step 5", proc)
+        pids = {r: a["pid"] for r, a in wait_held(gate, 2, 5, proc=proc).items()}
         stacks = RunDir.of(root).stack_dump(0)
-        os.kill(worker_pid(root, 0, t0), signal.SIGUSR2)  # a stack dump, and training goes on
-        wait_for(lambda: stacks.exists() and "train_ref/train.py" in stacks.read_text(), 60, "a stack dump")
-        at = last_step(root)
-        wait_for(lambda: last_step(root) >= at + 2, 180, "steps after the stack dump", proc)
-        os.kill(worker_pid(root, 1, t0), signal.SIGUSR1)  # one rank told: all must agree
+        os.kill(pids[0], signal.SIGUSR2)  # a stack dump, and training goes on
+        wait_for(lambda: stacks.exists() and "train_ref/train.py" in stacks.read_text(), "a stack dump")
+        hold.hold_at(gate, 8)
+        wait_held(gate, 2, 8, proc=proc)
+        os.kill(pids[1], signal.SIGUSR1)  # one rank told, while held: all must agree at step 9
+        hold.release(gate)
         r = finish(proc)
     finally:
         kill_group(proc)
     assert r.rc != 0  # torchrun reports any non-zero worker as 1; the real code is in heartbeats
     assert set(heartbeat_exit_codes(root).values()) == {Exit.REQUEUE}
     stopped = last_step(root)
-    assert stopped < STEPS
+    assert stopped == 9
     assert committed(root) == [f"step_{stopped:08d}"], "checkpoint is not at the last completed step"
     r2 = run_ok(root, 2, *args)
     assert f"resumed from step_{stopped:08d}, next step {stopped + 1}" in r2.output
@@ -204,16 +210,13 @@ def test_another_global_batch_is_a_one_line_refusal_even_with_allow_config_chang
 
 
 def test_a_preemption_notice_at_the_last_step_finishes_normally(goldens, tmp_path):
-    root = rewind(goldens.get("ddp", 2), tmp_path / "run", 20)
-    t0 = time.time()
-    proc = launch(root, 2, *train_args("ddp", steps=21))  # one step left
+    root = rewind(goldens.get("ddp", 2), tmp_path / "run", 10)
+    gate = tmp_path / "hold"
+    hold.hold_at(gate, 20)  # the notice arrives while held after step 20: step 21 is the last
+    proc = launch(root, 2, *train_args("ddp", steps=21), env=trainer_env(gate))
     try:
-        loading = lambda: any(  # noqa: E731 - the flag is installed; step 21 is the first and last
-            s.heartbeat and s.heartbeat.phase == Phase.LOAD and s.heartbeat.wall_time >= t0
-            for s in read_heartbeats(root)
-        )
-        wait_for(loading, 180, "the load phase", proc)
-        os.kill(worker_pid(root, 0, t0), signal.SIGUSR1)
+        os.kill(wait_held(gate, 2, 20, proc=proc)[0]["pid"], signal.SIGUSR1)
+        hold.release(gate)
         r = finish(proc)
     finally:
         kill_group(proc)

@@ -31,8 +31,8 @@ from trainer_helpers import (
     run_ok,
     shared_goldens,
     train_args,
-    wait_for,
 )
+from waiting import wait_for
 
 from supervisor import store
 from supervisor.exitcodes import Exit
@@ -225,11 +225,11 @@ def test_a_read_blocked_in_the_spread_verify_names_its_file_while_the_waiting_ra
     try:
         (held,) = faultfs.wait_blocked(rid, timeout=180)
         in_read = lambda: (b := beats(root).get(1)) is not None and b.pid == held.pid and bool(b.io_path)  # noqa: E731
-        wait_for(in_read, 180, "rank 1's heartbeat in its read", proc)
+        wait_for(in_read, "rank 1's heartbeat in its read", proc=proc)
         stuck = beats(root)[1]
         assert (stuck.phase, stuck.io_path) == (Phase.VERIFY, f"step_00000020/{name}")
         first = beats(root)[0].mono_time
-        wait_for(lambda: beats(root)[0].mono_time > first, 180, "rank 0 beating while it waits", proc)
+        wait_for(lambda: beats(root)[0].mono_time > first, "rank 0 beating while it waits", proc=proc)
         assert beats(root)[1].mono_time == stuck.mono_time  # silent: no progress in a blocked read
         faultfs.clear(rid)
         r = finish(proc)
@@ -257,7 +257,7 @@ def test_on_a_throttled_file_system_verify_and_load_beat_all_along(goldens, faul
     proc = launch(root, 2, *train_args("ddp"))
     try:
         trained = lambda: log.poll() or log.first(Phase.TRAIN) is not None  # noqa: E731
-        wait_for(trained, 600, "the first step after the throttled resume", proc)
+        wait_for(trained, "the first step after the throttled resume", timeout=600, proc=proc)
         r = finish(proc)
     finally:
         faultfs.clear()

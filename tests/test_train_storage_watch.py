@@ -28,8 +28,8 @@ from trainer_helpers import (
     shared_goldens,
     train_args,
     trainer_env,
-    wait_for,
 )
+from waiting import wait_for
 
 from supervisor.events import events_path
 from supervisor.exitcodes import Exit
@@ -90,7 +90,7 @@ def test_a_throttled_verify_and_load_far_longer_than_their_timeouts_is_no_hang(g
     p = watch(root, "--hang-timeout", "60", "--verify-timeout", t, "--load-timeout", t)
     try:
         trained = lambda: log.poll() or log.first(Phase.TRAIN) is not None  # noqa: E731
-        wait_for(trained, 600, "the first step after the throttled resume", p)
+        wait_for(trained, "the first step after the throttled resume", timeout=600, proc=p)
         rc, out = done(p)
     finally:
         faultfs.clear()
@@ -119,7 +119,7 @@ def test_a_read_that_never_returns_in_the_verify_is_a_hang_naming_rank_phase_and
         (blocked,) = faultfs.wait_blocked(rid, timeout=300)
         # Released once the watchdog sent SIGKILL (the pending kill then ends the rank): released
         # before, the ranks would act on its SIGTERM as a preemption notice and checkpoint.
-        wait_for(lambda: events(root, "kill"), 300, "the kill of the hung launch", p)
+        wait_for(lambda: events(root, "kill"), "the kill of the hung launch", proc=p)
         faultfs.clear(rid)
         rc, out = done(p)
     finally:

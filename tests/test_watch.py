@@ -1,9 +1,13 @@
 """Process tests of ``python -m supervisor watch`` with the fake trainer (real processes, real
-signals, real heartbeat files and checkpoints; no torch). Short timeouts keep each test ~1-4 s."""
+signals, real heartbeat files and checkpoints; no torch).
+
+Nothing here waits on time: a run that must still be running when a signal arrives is held at a
+step (train_ref/hold.py), and the hang timeouts are short only in the tests about hangs, where
+every launch that may be judged by them hangs by construction.
+"""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -12,104 +16,53 @@ import time
 from pathlib import Path
 
 import pytest
+from waiting import wait_for, wait_held, watchdog_events
+from watch_helpers import events, finish, leftovers, of, start_watchdog, watch_argv
 
-from supervisor.events import events_path, read_state, state_path
+from supervisor.events import read_state, state_path
 from supervisor.exitcodes import Exit
 from supervisor.heartbeat import read_heartbeats
+from train_ref import hold
 
 REPO = Path(__file__).resolve().parent.parent
 FAKE = str(REPO / "tests" / "fake_trainer.py")
-FAST = ["--hang-timeout", "2", "--poll-interval", "0.1", "--kill-grace", "1", "--dump-wait", "1"]
+# The fake trainer beats every step (0.05 s): a minute of silence is a real hang, never load.
+FAST = ["--hang-timeout", "60", "--poll-interval", "0.1", "--kill-grace", "1", "--dump-wait", "1"]
 FAST += ["--backoff-initial", "0.05", "--backoff-jitter", "0"]
-LIMIT_S = 60
+# Tests about hangs: the timeout they detect (later options win over FAST's).
+HANG_S = "2"
+
+
+def start(
+    root: Path, watch_args: list[str], trainer_args: list[str], hold_at: int | None = None
+) -> subprocess.Popen:
+    """The watchdog over the fake trainer; with ``hold_at``, every rank holds after that step until
+    released (the hold file is written before the launch, as the fake trainer needs)."""
+    gate = None
+    if hold_at is not None:
+        gate = hold_file(root)
+        gate.parent.mkdir(parents=True, exist_ok=True)
+        hold.hold_at(gate, hold_at)
+    return start_watchdog(root, [*FAST, *watch_args], fake_cmd(root, trainer_args), gate)
+
+
+def fake_cmd(root: Path, trainer_args: list[str]) -> list[str]:
+    return [sys.executable, FAKE, "--root", str(root), *trainer_args]
 
 
 def watch_cmd(root: Path, watch_args: list[str], trainer_args: list[str]) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "supervisor",
-        "watch",
-        "--ckpt-root",
-        str(root),
-        *FAST,
-        *watch_args,
-        "--",
-        sys.executable,
-        FAKE,
-        "--root",
-        str(root),
-        *trainer_args,
-    ]
+    """The watchdog command line over the fake trainer (FAST options first)."""
+    return watch_argv(root, [*FAST, *watch_args], fake_cmd(root, trainer_args))
 
 
-def start(root: Path, watch_args: list[str], trainer_args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(
-        watch_cmd(root, watch_args, trainer_args), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
-
-
-def finish(p: subprocess.Popen) -> tuple[int, str]:
-    try:
-        out, _ = p.communicate(timeout=LIMIT_S)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        out, _ = p.communicate()
-        pytest.fail(f"watchdog did not finish in {LIMIT_S}s:\n{out.decode(errors='replace')}")
-    return p.returncode, out.decode(errors="replace")
+def hold_file(root: Path) -> Path:
+    return root.parent / "hold"
 
 
 def run(root: Path, watch_args: list[str], trainer_args: list[str]) -> tuple[int, list[dict]]:
     rc, out = finish(start(root, watch_args, trainer_args))
     assert not leftovers(root), out
     return rc, events(root)
-
-
-def events(root: Path) -> list[dict]:
-    return [json.loads(line) for line in events_path(root).read_text().splitlines()]
-
-
-def of(evs: list[dict], kind: str) -> list[dict]:
-    return [e for e in evs if e["event"] == kind]
-
-
-def leftovers(root: Path) -> list[int]:
-    """Live processes whose command line mentions the run root: must be none after the watchdog."""
-    needle = str(root).encode()
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            cmd = Path(f"/proc/{name}/cmdline").read_bytes()
-            state = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if needle in cmd and state != "Z":
-            out.append(int(name))
-    return out
-
-
-def wait_for(cond, what: str, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.05)
-    pytest.fail(f"timed out waiting for {what}")
-
-
-def rank_pid_at(root: Path, rank: int, min_step: int) -> int | None:
-    for s in read_heartbeats(root):
-        if (
-            s.rank == rank
-            and s.heartbeat
-            and s.heartbeat.step >= min_step
-            and s.heartbeat.phase.value == "train"
-        ):
-            return s.heartbeat.pid
-    return None
 
 
 def test_crash_relaunches_from_checkpoint(tmp_path):
@@ -125,10 +78,15 @@ def test_crash_relaunches_from_checkpoint(tmp_path):
 
 
 def test_sigstop_hang_dumps_stacks_kills_and_relaunches(tmp_path):
+    """Rank 1 is stopped while held at step 4 and stays held until the launch is over (the stack
+    dump's SIGCONT lets it run again, but not past the hold). The relaunch resumes from step 3 with
+    3 steps to go, so the short hang timeout judges little besides the hang itself."""
     root = tmp_path / "run"
-    p = start(root, [], ["--steps", "30", "--ckpt-every", "5"])
-    pid = wait_for(lambda: rank_pid_at(root, 1, 3), "rank 1 at step 3")
+    p = start(root, ["--hang-timeout", HANG_S], ["--steps", "6", "--ckpt-every", "3"], hold_at=4)
+    pid = wait_held(hold_file(root), 2, 4, proc=p)[1]["pid"]
     os.kill(pid, signal.SIGSTOP)
+    wait_for(lambda: watchdog_events(root, "launch_end"), "the hung launch to end", proc=p)
+    hold.release(hold_file(root))
     rc, out = finish(p)
     assert rc == Exit.OK, out
     assert not leftovers(root)
@@ -139,28 +97,55 @@ def test_sigstop_hang_dumps_stacks_kills_and_relaunches(tmp_path):
     assert dumps[1]["pid"] == pid and "most recent call first" in (dumps[1]["stacks"] or ""), dumps[1]
     assert "fake_trainer.py" in dumps[1]["stacks"]
     assert [e["outcome"] for e in of(evs, "launch_end")] == ["hang", "done"]
+    assert of(evs, "launch")[1]["resumed_from"] == 3
     assert of(evs, "kill")
 
 
 def test_long_save_is_no_false_alarm(tmp_path):
-    """A save 3x the train timeout: phase save has its own timeout."""
+    """A silent save 2x the train timeout: phase save has its own timeout. The run resumes at step
+    9, so the short train timeout judges one step; rank 0's save of step 10 is held (silent) until
+    its heartbeat is 2 train timeouts old."""
     root = tmp_path / "run"
-    watch_args = ["--hang-timeout", "1", "--save-timeout", "20"]
-    rc, evs = run(root, watch_args, ["--steps", "10", "--ckpt-every", "10", "--save-s", "3"])
+    rc, _ = run(root, [], ["--steps", "9", "--ckpt-every", "9"])
     assert rc == Exit.OK
+    watch_args = ["--hang-timeout", HANG_S, "--save-timeout", "300"]
+    p = start(root, watch_args, ["--steps", "10", "--ckpt-every", "10", "--hold-in-save"], hold_at=10)
+    wait_held(hold_file(root), 1, 10, proc=p)
+
+    def save_silent_for() -> float:
+        hb = read_heartbeats(root)[0].heartbeat
+        assert hb is not None and hb.phase.value == "save", hb
+        return time.time() - hb.wall_time
+
+    wait_for(lambda: save_silent_for() > 2 * float(HANG_S), "a save silent for 2 train timeouts", proc=p)
+    hold.release(hold_file(root))
+    rc, out = finish(p)
+    assert rc == Exit.OK, out
+    assert not leftovers(root)
+    evs = events(root)
     assert not of(evs, "hang")
-    assert len(of(evs, "launch")) == 1
+    assert len(of(evs, "launch")) == 2  # the first run's and this one's
 
 
 def test_startup_hang_caught_by_startup_timeout(tmp_path):
+    """Every launch hangs in startup (rank 0), so the short startup timeout judges only hangs: both
+    launches are caught, and the budget of one restart stops the watchdog."""
     root = tmp_path / "run"
-    rc, evs = run(
-        root, ["--startup-timeout", "3", "--hang-timeout", "5"], ["--steps", "5", "--fault", "startup-hang"]
-    )
-    assert rc == Exit.OK
+    watch_args = [
+        "--startup-timeout",
+        "3",
+        "--hang-timeout",
+        "5",
+        "--max-restarts",
+        "1",
+        "--no-progress",
+        "0",
+    ]
+    rc, evs = run(root, watch_args, ["--steps", "5", "--fault", "startup-hang", "--fault-launches", "0"])
+    assert rc == Exit.BUDGET_EXHAUSTED
     hang = of(evs, "hang")
-    assert len(hang) == 1 and "phase startup" in hang[0]["msg"]
-    assert [e["outcome"] for e in of(evs, "launch_end")] == ["hang", "done"]
+    assert len(hang) == 2 and all("phase startup" in h["msg"] for h in hang), hang
+    assert [e["outcome"] for e in of(evs, "launch_end")] == ["hang", "hang"]
 
 
 def test_non_retryable_code_stops_with_reason(tmp_path):
@@ -195,26 +180,34 @@ def test_budget_survives_watchdog_restart(tmp_path):
     assert rc == Exit.OK
 
 
-def test_preemption_checkpoints_and_requests_requeue(tmp_path):
+# torchrun kills the other workers when one exits non-zero, so whether rank 1 records its 75 first
+# is a race in real life; the fake trainer makes each outcome deterministic, and both must requeue.
+@pytest.mark.parametrize(("launcher", "codes"), [("torchrun", {"0": 75}), ("wait-all", {"0": 75, "1": 75})])
+def test_preemption_checkpoints_and_requests_requeue(tmp_path, launcher, codes):
     root = tmp_path / "run"
-    p = start(root, ["--requeue-exit"], ["--steps", "500", "--ckpt-every", "1000"])
-    wait_for(lambda: rank_pid_at(root, 1, 3), "rank 1 at step 3")
+    trainer = ["--steps", "20", "--ckpt-every", "1000", "--launcher", launcher]
+    p = start(root, ["--requeue-exit"], trainer, hold_at=3)
+    wait_held(hold_file(root), 2, 3, proc=p)
     p.send_signal(signal.SIGUSR1)
+    wait_for(lambda: watchdog_events(root, "preempt"), "the watchdog to forward the notice", proc=p)
+    hold.release(hold_file(root))
     rc, out = finish(p)
     assert rc == Exit.REQUEUE_REQUESTED, out
     assert not leftovers(root)
     evs = events(root)
     assert "ranks [0, 1]" in of(evs, "preempt")[0]["msg"]
-    assert of(evs, "launch_end")[0]["rank_exit_codes"] == {"0": 75, "1": 75}
-    assert sorted(p.name for p in root.glob("step_*")), "the preempted rank 0 committed a checkpoint"
+    (end,) = of(evs, "launch_end")
+    assert (end["outcome"], end["rank_exit_codes"]) == ("requeue", codes), end
+    assert [c.name for c in root.glob("step_*")] == ["step_00000004"], "rank 0 checkpointed the next step"
+    assert read_state(state_path(root)).status == "requeued"
 
 
 def test_sigterm_leaves_no_orphans(tmp_path):
     """Workers ignore SIGTERM and the fake agent dies at once, orphaning them (as a SIGKILLed
     torchrun would): the watchdog must still kill every one of them."""
     root = tmp_path / "run"
-    p = start(root, [], ["--steps", "100000", "--ignore-sigterm", "--ranks", "3"])
-    wait_for(lambda: rank_pid_at(root, 2, 2), "rank 2 at step 2")
+    p = start(root, [], ["--ignore-sigterm", "--ranks", "3"], hold_at=2)
+    wait_held(hold_file(root), 3, 2, proc=p)
     assert len(leftovers(root)) >= 4  # agent + 3 workers
     p.send_signal(signal.SIGTERM)
     rc, out = finish(p)
@@ -259,7 +252,8 @@ def test_state_round_trip_and_garbage(tmp_path):
 
 def test_preemption_during_backoff_requests_requeue(tmp_path):
     root = tmp_path / "run"
-    watch = ["--requeue-exit", "--backoff-initial", "30", "--no-progress", "0"]
+    # The notice must land in the backoff: one so long that only the notice can end it.
+    watch = ["--requeue-exit", "--backoff-initial", "3600", "--backoff-max", "3600", "--no-progress", "0"]
     p = start(root, watch, ["--fault", "crash", "--fault-step", "1", "--fault-launches", "0"])
 
     def backing_off() -> bool:
@@ -268,7 +262,7 @@ def test_preemption_during_backoff_requests_requeue(tmp_path):
         except (OSError, ValueError):
             return False
 
-    wait_for(backing_off, "a relaunch with a backoff wait")
+    wait_for(backing_off, "a relaunch with a backoff wait", proc=p)
     p.send_signal(signal.SIGUSR1)
     rc, out = finish(p)
     assert rc == Exit.REQUEUE_REQUESTED, out

@@ -1,7 +1,8 @@
 """End to end: the real reference trainer under torchrun (tiny config, 2 ranks, gloo on CPU),
 supervised by ``python -m supervisor watch``; real kill -9, SIGSTOP, a corrupted checkpoint and a
 killed "node". Each interrupted run must end with final.json's params_sha256 equal to an
-uninterrupted run's."""
+uninterrupted run's. Every fault lands while the ranks are held after step 25 (train_ref/hold.py),
+so the run is still running by construction."""
 
 from __future__ import annotations
 
@@ -11,25 +12,26 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from waiting import wait_for, wait_held, watchdog_events
+from watch_helpers import events, finish, leftovers, start_watchdog
 
 from supervisor import store
-from supervisor.events import events_path
 from supervisor.exitcodes import Exit
-from supervisor.heartbeat import Phase, read_heartbeats
+from train_ref import hold
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 STEPS, SAVE_EVERY = 60, 10
+HOLD_AT = 25
 TRAIN = ["-m", "train_ref.train", "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--seed", "3"]
-WATCH = ["--hang-timeout", "4", "--poll-interval", "0.2", "--kill-grace", "20", "--dump-wait", "2"]
+# A train-phase silence of a minute is a hang, never load (steps take ~0.1 s); the hang test sets
+# its own, shorter one.
+WATCH = ["--hang-timeout", "60", "--poll-interval", "0.2", "--kill-grace", "20", "--dump-wait", "2"]
 WATCH += ["--backoff-initial", "0.5", "--backoff-jitter", "0"]
-LIMIT_S = 240
 
 
 def free_port() -> int:
@@ -42,62 +44,19 @@ def standalone(root: Path) -> list[str]:
     return [TORCHRUN, "--standalone", "--nproc-per-node=2", *TRAIN, "--ckpt-root", str(root)]
 
 
-def start_watch(root: Path, command: list[str], *extra: str) -> subprocess.Popen:
-    argv = [
-        sys.executable,
-        "-m",
-        "supervisor",
-        "watch",
-        "--ckpt-root",
-        str(root),
-        *WATCH,
-        *extra,
-        "--",
-        *command,
-    ]
-    return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+def start_watch(root: Path, command: list[str], *extra: str, gate: Path | None = None) -> subprocess.Popen:
+    return start_watchdog(root, [*WATCH, *extra], command, gate)
 
 
-def finish(p: subprocess.Popen) -> tuple[int, str]:
-    try:
-        out, _ = p.communicate(timeout=LIMIT_S)
-    except subprocess.TimeoutExpired:
-        p.send_signal(signal.SIGTERM)
-        out, _ = p.communicate(timeout=60)
-        pytest.fail(f"watchdog did not finish in {LIMIT_S}s:\n{out.decode(errors='replace')[-5000:]}")
-    return p.returncode, out.decode(errors="replace")
+def held_at(tmp_path: Path) -> Path:
+    """A hold file asking every rank to hold after step HOLD_AT."""
+    gate = tmp_path / "hold"
+    hold.hold_at(gate, HOLD_AT)
+    return gate
 
 
 def digest(root: Path) -> str:
     return json.loads((root / "final.json").read_text())["params_sha256"]
-
-
-def events(root: Path, node: int = 0) -> list[dict]:
-    return [json.loads(line) for line in events_path(root, node).read_text().splitlines()]
-
-
-def train_pid(root: Path, rank: int, min_step: int, timeout: float = 120) -> int:
-    """pid of ``rank`` once its heartbeat shows the train phase at ``min_step`` or later."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for s in read_heartbeats(root):
-            hb = s.heartbeat
-            if hb and hb.rank == rank and hb.phase == Phase.TRAIN and hb.step >= min_step:
-                return hb.pid
-        time.sleep(0.05)
-    pytest.fail(f"rank {rank} never reached step {min_step}")
-
-
-def no_leftovers(root: Path) -> bool:
-    needle = str(root).encode()
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                if needle in Path(f"/proc/{name}/cmdline").read_bytes():
-                    return False
-            except OSError:
-                pass
-    return True
 
 
 @pytest.fixture(scope="module")
@@ -109,22 +68,28 @@ def reference(tmp_path_factory) -> str:
 
 
 def test_kill9_worker_resumes_digest_equal(tmp_path, reference):
-    root = tmp_path / "run"
-    p = start_watch(root, standalone(root))
-    os.kill(train_pid(root, 1, 25), signal.SIGKILL)
+    root, gate = tmp_path / "run", held_at(tmp_path)
+    p = start_watch(root, standalone(root), gate=gate)
+    os.kill(wait_held(gate, 2, HOLD_AT, proc=p)[1]["pid"], signal.SIGKILL)
+    hold.release(gate)  # before or after the relaunch reaches the hold: either way it goes on
     rc, out = finish(p)
     assert rc == Exit.OK, out[-3000:]
     ends = [e for e in events(root) if e["event"] == "launch_end"]
     assert [e["outcome"] for e in ends] == ["crash", "done"], out[-3000:]
     assert digest(root) == reference
-    assert no_leftovers(root)
+    assert not leftovers(root)
 
 
 def test_sigstop_worker_detected_dumped_resumed(tmp_path, reference):
-    root = tmp_path / "run"
-    p = start_watch(root, standalone(root))
-    pid = train_pid(root, 1, 25)
+    """Rank 1 is stopped while held and stays held until its launch ended (the stack dump's SIGCONT
+    lets it run, but not past the hold), so the stopped rank is the only silent one."""
+    root, gate = tmp_path / "run", held_at(tmp_path)
+    # Held ranks act on the watchdog's SIGTERM only once released: no grace to wait for here.
+    p = start_watch(root, standalone(root), "--hang-timeout", "10", "--kill-grace", "1", gate=gate)
+    pid = wait_held(gate, 2, HOLD_AT, proc=p)[1]["pid"]
     os.kill(pid, signal.SIGSTOP)
+    wait_for(lambda: watchdog_events(root, "launch_end"), "the hung launch to end", proc=p)
+    hold.release(gate)
     rc, out = finish(p)
     assert rc == Exit.OK, out[-3000:]
     evs = events(root)
@@ -133,17 +98,20 @@ def test_sigstop_worker_detected_dumped_resumed(tmp_path, reference):
     dumps = [e for e in evs if e["event"] == "stack_dump" and e["rank"] == 1]
     assert dumps and "train_ref" in (dumps[0]["stacks"] or ""), dumps
     assert digest(root) == reference
-    assert no_leftovers(root)
+    assert not leftovers(root)
 
 
 def test_corrupt_newest_while_down_then_resume(tmp_path, reference):
     """Stop the run (SIGTERM: the trainer checkpoints and exits), flip a byte in the newest
     checkpoint, start the watchdog again: --verify deep quarantines it and the run resumes from
     the one before."""
-    root = tmp_path / "run"
-    p = start_watch(root, standalone(root))
-    train_pid(root, 0, 25)
+    root, gate = tmp_path / "run", held_at(tmp_path)
+    p = start_watch(root, standalone(root), gate=gate)
+    wait_held(gate, 2, HOLD_AT, proc=p)
     p.send_signal(signal.SIGTERM)
+    # The watchdog logs "stop", then signals the tree; the trainer checkpoints at its next step.
+    wait_for(lambda: watchdog_events(root, "stop"), "the watchdog to stop the launch", proc=p)
+    hold.release(gate)
     rc, out = finish(p)
     assert rc == 128 + signal.SIGTERM, out[-3000:]
     newest = store.list_checkpoints(root)[0]
@@ -159,13 +127,13 @@ def test_corrupt_newest_while_down_then_resume(tmp_path, reference):
     assert digest(root) == reference
 
 
-def two_nodes(root: Path) -> list[subprocess.Popen]:
+def two_nodes(root: Path, gate: Path | None = None) -> list[subprocess.Popen]:
     """Two watchdogs, each with a torchrun --nnodes=2 --nproc-per-node=1 on one c10d endpoint."""
     port = free_port()
     cmd = [TORCHRUN, "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d"]
     cmd += [f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=e2e", "--max-restarts=0"]
     cmd += [*TRAIN, "--ckpt-root", str(root)]
-    return [start_watch(root, cmd, "--node-rank", str(n)) for n in (0, 1)]
+    return [start_watch(root, cmd, "--node-rank", str(n), gate=gate) for n in (0, 1)]
 
 
 @pytest.fixture(scope="module")
@@ -181,13 +149,14 @@ def reference_two_nodes(tmp_path_factory) -> str:
 def test_two_nodes_kill_one_node_tree(tmp_path, reference_two_nodes):
     """Node 1's torchrun and its worker are SIGKILLed; both watchdogs relaunch and the job ends
     digest-equal."""
-    root = tmp_path / "run"
-    nodes = two_nodes(root)
+    root, gate = tmp_path / "run", held_at(tmp_path)
+    nodes = two_nodes(root, gate)
     try:
-        victim = train_pid(root, 1, 25)
+        victim = wait_held(gate, 2, HOLD_AT, proc=nodes[1])[1]["pid"]
         agent = int(Path(f"/proc/{victim}/stat").read_text().rsplit(")", 1)[1].split()[1])
         os.kill(agent, signal.SIGKILL)
         os.kill(victim, signal.SIGKILL)
+        hold.release(gate)
         results = [finish(p) for p in nodes]
     finally:
         for p in nodes:
@@ -197,4 +166,4 @@ def test_two_nodes_kill_one_node_tree(tmp_path, reference_two_nodes):
         assert rc == Exit.OK, out[-3000:]
     assert any(e["event"] == "relaunch" for e in events(root, 1))
     assert digest(root) == reference_two_nodes
-    assert no_leftovers(root)
+    assert not leftovers(root)

@@ -17,12 +17,15 @@ import threading
 from pathlib import Path
 
 import pytest
-from test_watch import REPO, events, finish, leftovers, of, start, wait_for, watch_cmd
+from test_watch import hold_file, start, watch_cmd
+from waiting import wait_for, wait_held
+from watch_helpers import REPO, events, finish, leftovers, of
 
 from supervisor import store
 from supervisor.events import read_state, state_path
 from supervisor.exitcodes import Exit
 from supervisor.heartbeat import read_heartbeats
+from train_ref import hold
 
 # The fake trainer beats every step (0.05 s): tests that are not about a hang must never see one,
 # however busy the machine; tests that are set the timeout they detect.
@@ -128,20 +131,16 @@ def test_state_and_event_writes_failing_mid_run_are_survived(tmp_path: Path):
     assert not leftovers(root)
 
 
-def test_full_disk_mid_run_watchdog_survives_and_relaunches(small_tmpfs, tmp_path: Path):
+def test_full_disk_mid_run_watchdog_survives_and_relaunches(small_tmpfs):
     """The run dir on a 64 MiB tmpfs filled to ENOSPC during a save: rank 0 crashes on it, the
     watchdog's own writes fail (stderr, kept in memory), and it relaunches while the disk is
     still full; once space returns the run finishes and the event log is complete, in order."""
     root = small_tmpfs.path / "run"
-    gate = tmp_path / "gate"  # off the full disk
-    gate.mkdir()
-    for step in (5, 15):  # these saves go through; the one of step 10 waits in phase save
-        (gate / str(step)).touch()
-    p = start(root, NO_HANG, ["--steps", "15", "--ckpt-every", "5", "--save-gate", str(gate)])
+    p = start(root, NO_HANG, ["--steps", "15", "--ckpt-every", "5", "--hold-in-save"], hold_at=10)
     out = Output(p)
-    wait_for(lambda: in_phase(root, 0, 10, "save"), "rank 0 held in the save of step 10")
+    wait_held(hold_file(root), 2, 10, proc=p)  # every rank held inside the save of step 10
     small_tmpfs.fill()
-    (gate / "10").touch()  # now it writes, to a full disk
+    hold.release(hold_file(root))  # now rank 0 writes, to a full disk
     out.wait_line("not written (ENOSPC")  # the watchdog's own (state) write failed, and it said so
     out.wait_line("launch 2 (id")  # and it relaunched anyway
     small_tmpfs.free()

@@ -9,14 +9,16 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
 
+from waiting import PATIENCE_S
+
 from supervisor.heartbeat import Heartbeat, Phase, read_heartbeats
 from supervisor.manifest import read_manifest
+from train_ref import hold
 from train_ref.resume import split_by_size
 
 REPO = Path(__file__).resolve().parent.parent
@@ -24,14 +26,17 @@ REPO = Path(__file__).resolve().parent.parent
 STEPS = 30
 SAVE_EVERY = 10
 SEED = 7
-LAUNCH_TIMEOUT_S = 240.0
 
 
-def trainer_env(**extra: str) -> dict[str, str]:
+def trainer_env(hold_file: Path | None = None, **extra: str) -> dict[str, str]:
+    """The trainer's environment; with ``hold_file``, its hold gate on (train_ref/hold.py)."""
     env = dict(os.environ)
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # torchrun restarts with gloo (torch-cpu.md)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("SUPERVISOR_LAUNCH_ID", None)
+    env.pop(hold.ENV_HOLD_FILE, None)
+    if hold_file is not None:
+        env[hold.ENV_HOLD_FILE] = str(hold_file)
     env.update(extra)
     return env
 
@@ -62,7 +67,7 @@ class Result:
     output: str
 
 
-def finish(proc: subprocess.Popen[str], timeout: float = LAUNCH_TIMEOUT_S) -> Result:
+def finish(proc: subprocess.Popen[str], timeout: float = PATIENCE_S) -> Result:
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -87,21 +92,6 @@ def kill_group(proc: subprocess.Popen[str]) -> None:
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-
-
-def wait_for(
-    pred: Callable[[], bool], timeout: float, what: str, proc: subprocess.Popen[str] | None = None
-) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(
-                f"launch ended (rc {proc.returncode}) before {what}:\n{proc.communicate()[0][-4000:]}"
-            )
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def read_jsonl(path: Path) -> list[dict]:

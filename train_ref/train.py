@@ -30,6 +30,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -54,6 +55,7 @@ from train_ref.checkpointer import Checkpointer, CommitInfo, SaveOutcome, Storag
 from train_ref.config import CONFIGS, TrainConfig, config_hash, get_config
 from train_ref.data import Corpus, WindowDataset, collate
 from train_ref.drill_faults import DrillFaults, When
+from train_ref.hold import HoldGate
 from train_ref.model import GPT
 from train_ref.parallel import MODES, full_tensor, parallelize, params_digest, sync_grads
 from train_ref.resume import RETRY_LATER, Choice, choose_checkpoint
@@ -207,6 +209,7 @@ class Trainer:
         )
         self.samples_file: LineAppender | None = None
         self.drill = DrillFaults.from_env(d.rank, launch)  # inert unless `supervisor drill` set it
+        self.hold = HoldGate.from_env(d.rank, launch)  # test-only; None unless TRAIN_REF_HOLD_FILE is set
 
     # ------------------------------------------------------------ exits
 
@@ -389,6 +392,8 @@ class Trainer:
             if st.step % args.save_every == 0 and st.step < args.steps:
                 self.save(blocking=False)
                 self.drill.maybe_hang(st.step, When.SAVE)
+            if self.hold is not None:
+                hold_if_asked(self.hold, st.step, lambda: self.hb.beat(st.step, Phase.TRAIN))
         if st.step > start:
             self.final_save()
         self.ckpt.close()
@@ -469,6 +474,17 @@ class Trainer:
 
 def save_policy(args: argparse.Namespace) -> SavePolicy:
     return SavePolicy(max_failed_saves=args.max_failed_saves, max_unsaved_s=args.max_unsaved_s)
+
+
+def hold_if_asked(gate: HoldGate, step: int, beat: Callable[[], object]) -> bool:
+    """Test-only gate (train_ref/hold.py): every rank holds after ``step`` when any rank's view of
+    the hold file says so (one may have read it just before it was written). Agreed by an
+    all-reduce, so no rank goes on into a collective with a held peer. Returns whether it held."""
+    want = torch.tensor([int(gate.wanted(step))], dtype=torch.int64)
+    dist.all_reduce(want, op=dist.ReduceOp.MAX)
+    if want.item():
+        gate.hold(step, beat)
+    return bool(want.item())
 
 
 def deliberate_exit(
