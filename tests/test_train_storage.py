@@ -32,7 +32,7 @@ from trainer_helpers import (
     shared_goldens,
     train_args,
 )
-from waiting import wait_for
+from waiting import wait_for, wait_fs_blocked
 
 from supervisor import store
 from supervisor.exitcodes import Exit
@@ -123,7 +123,7 @@ def test_a_rank_file_missing_from_rank_0s_view_is_refused_like_a_failed_save(gol
     hold = faultfs.block("/run", ops=["readdir"])  # rank 0's pick lists the run dir: held there
     proc = launch(root, 2, *train_args("ddp"))
     try:
-        (held,) = faultfs.wait_blocked(hold, timeout=180)
+        (held,) = wait_fs_blocked(faultfs, hold, proc)
         rank0 = held.pid  # rank 1's shard of step 20 is there for everyone but rank 0
         hide = faultfs.hide("/run/step_00000020.tmp.*/__1_0.distcp", pids=[rank0])
         faultfs.clear(hold)
@@ -200,7 +200,7 @@ def test_a_preemption_checkpoint_that_fails_exits_74_not_75(goldens, faultfs):
     hold = faultfs.block("/run", ops=["readdir"])  # rank 0's pick: the notice lands before step 11
     proc = launch(root, 2, *train_args("ddp", save_every=1000))
     try:
-        (held,) = faultfs.wait_blocked(hold, timeout=180)
+        (held,) = wait_fs_blocked(faultfs, hold, proc)
         os.kill(held.pid, signal.SIGUSR1)
         faultfs.clear(hold)
         r = finish(proc)
@@ -223,7 +223,7 @@ def test_a_read_blocked_in_the_spread_verify_names_its_file_while_the_waiting_ra
     rid = faultfs.block(f"/run/step_00000020/{name}", ops=["read"])
     proc = launch(root, 2, *train_args("ddp"))
     try:
-        (held,) = faultfs.wait_blocked(rid, timeout=180)
+        (held,) = wait_fs_blocked(faultfs, rid, proc)
         in_read = lambda: (b := beats(root).get(1)) is not None and b.pid == held.pid and bool(b.io_path)  # noqa: E731
         wait_for(in_read, "rank 1's heartbeat in its read", proc=proc)
         stuck = beats(root)[1]

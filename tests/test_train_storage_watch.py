@@ -29,7 +29,7 @@ from trainer_helpers import (
     train_args,
     trainer_env,
 )
-from waiting import wait_for
+from waiting import wait_for, wait_fs_blocked
 
 from supervisor.events import events_path
 from supervisor.exitcodes import Exit
@@ -116,7 +116,7 @@ def test_a_read_that_never_returns_in_the_verify_is_a_hang_naming_rank_phase_and
     rid = faultfs.block(f"/run/step_00000020/{name}", ops=["read"])
     p = watch(root, "--hang-timeout", "60", "--verify-timeout", str(VERIFY_TIMEOUT_S))
     try:
-        (blocked,) = faultfs.wait_blocked(rid, timeout=300)
+        (blocked,) = wait_fs_blocked(faultfs, rid, p)
         # Released once the watchdog sent SIGKILL (the pending kill then ends the rank): released
         # before, the ranks would act on its SIGTERM as a preemption notice and checkpoint.
         wait_for(lambda: events(root, "kill"), "the kill of the hung launch", proc=p)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from supervisor.drill.faultctl import Blocked, Controller
 from supervisor.events import read_events
 from supervisor.layout import RunDir
 from train_ref import hold
@@ -61,3 +62,20 @@ def watchdog_events(root: Path, kind: str) -> list[dict]:
 def wait_held(path: Path, ranks: int, step: int, **kw) -> dict[int, dict]:
     """Wait until all ``ranks`` are held after ``step`` (train_ref/hold.py); their acks by rank."""
     return wait_for(lambda: hold.held(path, ranks, step), f"{ranks} ranks held after step {step}", **kw)
+
+
+def wait_fs_blocked(fs: Controller, rule: str, proc: subprocess.Popen, n: int = 1) -> list[Blocked]:
+    """Wait until ``n`` operations are held by the fault filesystem's block ``rule``; fails at once,
+    with ``proc``'s output, when the process ends first (``fs.wait_blocked`` would wait it out)."""
+
+    def held() -> list[Blocked]:
+        got = [b for b in fs.blocked() if rule in b.rules]
+        return got if len(got) >= n else []
+
+    return wait_for(
+        held,
+        f"{n} operation(s) held by faultfs rule {rule}",
+        proc=proc,
+        poll=0.1,
+        explain=lambda: str(fs.status()),
+    )
