@@ -81,7 +81,7 @@ def test_the_saved_stream_goes_onto_the_device_the_rank_uses_now(now):
 def test_without_cuda_on_one_side_nothing_is_restored_and_it_is_said():
     assert cuda_rng_to_restore(None, None, "f") == (None, "")
     state, note = cuda_rng_to_restore(None, GPU_B, "rank_00000.state.pt")
-    assert state is None and "saved without CUDA" in note and "seeded from (seed, rank, step)" in note
+    assert state is None and "saved without CUDA" in note and "keeps this launch's seed" in note
     state, note = cuda_rng_to_restore(record(GPU_A), None, "rank_00000.state.pt")
     assert state is None and "no CUDA device now" in note and "GPU-aaaa" in note
 

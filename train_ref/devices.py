@@ -84,7 +84,7 @@ def cuda_rng_to_restore(saved: Any, now: CudaDevice | None, source: str) -> tupl
             return None, ""
         return None, (
             f"{source} has no CUDA RNG state (saved without CUDA): the CUDA generator of "
-            f"{now.describe()} is seeded from (seed, rank, step), not restored"
+            f"{now.describe()} keeps this launch's seed, not restored"
         )
     if not (isinstance(saved, Mapping) and {"state", "index", "uuid", "visible"} <= saved.keys()):
         raise DeviceError(
