@@ -199,6 +199,8 @@ class Runner:
                 lambda: hold.held(gate, nproc, EVENT_STEP), proc, f"{nproc} ranks held at step {EVENT_STEP}"
             )
             os.kill(acks[nproc - 1]["pid"], sig)
+            if sig == signal.SIGKILL:  # the rest of the job goes too, at once: NCCL peers of a dead
+                kill_group(proc)  # rank would wait in a collective until torchrun's stop timeout
             hold.release(gate)
             out = finish(proc, ok=False)
         finally:
