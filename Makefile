@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 DRILL_ARGS ?=
 
-.PHONY: setup test test-fast drill lint bench clean
+.PHONY: setup test test-fast drill lint bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,11 @@ test-fast: $(STAMP)
 
 drill: $(STAMP)
 	$(PY) -m supervisor drill $(DRILL_ARGS)
+
+# The GPU paths for real (train_ref/gpu_check.py): one PASS/FAIL table in a few minutes on a CUDA
+# machine; without CUDA one line and exit 0. Needs a CUDA torch (see setup above).
+gpu-check: $(STAMP)
+	$(PY) -m train_ref.gpu_check
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -79,6 +79,30 @@ GPU_STAGING = StagingOptions(
 )
 
 
+class OrderedStager(DefaultStager):
+    """DCP's DefaultStager whose copies wait for the work already queued on the caller's stream.
+
+    DefaultStager copies on its own stream from a background thread without waiting for the compute
+    stream: a save called right after an optimizer step that is still running on the GPU copies
+    half-updated parameters (a torn checkpoint). The reference loop happened to be safe only
+    because it reads the loss (a host sync) before saving. Here ``stage``, on the caller's thread,
+    records an event on the current stream, and the staging stream waits for it before the first
+    copy, so any adopter gets the state as of the save call. Without an accelerator there is no
+    stream and nothing to wait for: the copies run after the caller's work by program order.
+    Overrides DefaultStager's private ``_stage`` (torch is pinned by the Makefile)."""
+
+    def stage(self, state_dict: Any, **kwargs: Any) -> Any:
+        ready = (
+            torch.accelerator.current_stream().record_event() if self._staging_stream is not None else None
+        )
+        return super().stage(state_dict, ready=ready, **kwargs)
+
+    def _stage(self, state_dict: Any, ready: torch.Event | None = None, **kwargs: Any) -> Any:
+        if ready is not None:
+            self._staging_stream.wait_event(ready)
+        return super()._stage(state_dict, **kwargs)
+
+
 @dataclass(frozen=True)
 class CommitInfo:
     """What every manifest of this run records besides its files."""
@@ -156,9 +180,9 @@ class Checkpointer:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dcp_group = dist.new_group(backend="gloo")
         self.ctl_group = dist.new_group(backend="gloo")
-        self.stager: DefaultStager | None = None
+        self.stager: OrderedStager | None = None
         if async_save:
-            self.stager = DefaultStager(GPU_STAGING if torch.cuda.is_available() else CPU_STAGING)
+            self.stager = OrderedStager(GPU_STAGING if torch.cuda.is_available() else CPU_STAGING)
         self.in_flight: _InFlight | None = None
         self.last_blocking_s = 0.0  # time the training loop was blocked by the last save call
         self.last_staging_wait_s = 0.0  # ... and then waiting for its staging before a step
@@ -186,7 +210,7 @@ class Checkpointer:
             error = save_error(e, self.rank, self.root)
         if self.async_save and not blocking:
             resp = dcp.async_save(
-                {"app": state},
+                {"app": state.saving(self.rank, self.world_size)},
                 storage_writer=_writer(tmp, self.root),
                 process_group=self.dcp_group,
                 async_stager=self.stager,
@@ -200,7 +224,11 @@ class Checkpointer:
             self.last_blocking_s = time.monotonic() - t0
             return None
         try:
-            dcp.save({"app": state}, storage_writer=_writer(tmp, self.root), process_group=self.dcp_group)
+            dcp.save(
+                {"app": state.saving(self.rank, self.world_size)},
+                storage_writer=_writer(tmp, self.root),
+                process_group=self.dcp_group,
+            )
         except (OSError, CheckpointException) as e:
             error = error or self._storage_error(e)
         outcome = self._commit(state.step, tmp, meta, error)
@@ -470,7 +498,7 @@ class Checkpointer:
         path = ckpt / rank_state_filename(self.rank)
         try:
             with open_progress(path, progress, self.root) as f:
-                RankState.load(f, skip)
+                RankState.load(f, skip, str(path))
         except pickle.UnpicklingError as e:
             raise weights_only_refusal(str(path), e) from None
         return True

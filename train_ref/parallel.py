@@ -5,11 +5,15 @@ registration order and all-reduced at once: the same layout every step, so the s
 order. torch's DDP regroups its buckets after the first iteration (and again after a resume, at
 another step), which changed the order and made 4-rank resumes differ in the last bits
 (torch-cpu.md). One buffer also means one collective per step, not one per parameter.
-``fsdp``: FSDP2 ``fully_shard`` per block and on the root (reduce-scatter order is fixed).
+``fsdp``: FSDP2 ``fully_shard`` per block and on the root (reduce-scatter order is fixed). The model
+is built on the meta device and sharded before any parameter exists, so no rank ever holds the
+whole model; each rank then fills in its shards with exactly the values a whole-model build under
+the same seed would have (``materialize``), whatever the world size.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from collections.abc import Callable
 
@@ -17,9 +21,50 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, init_device_mesh
+from torch.distributed.tensor import DTensor, distribute_tensor, init_device_mesh
 
 MODES = ("ddp", "fsdp")
+
+
+def build(make: Callable[[], nn.Module], mode: str, device: torch.device, seed: int) -> nn.Module:
+    """The model of ``make()`` with its parameters initialized from ``seed``, parallelized.
+
+    Identical initial parameters in every mode and on every world size. fsdp: meta device, then
+    ``fully_shard``, then ``materialize``; ddp: built whole (every rank holds it anyway)."""
+    torch.manual_seed(seed)
+    if mode != "fsdp":
+        return parallelize(make().to(device), mode, device)
+    with torch.device("meta"):
+        model = make()
+    template = copy.deepcopy(model)  # on meta: free; the unsharded shapes, one module at a time
+    parallelize(model, mode, device)
+    model.to_empty(device=device)
+    torch.manual_seed(seed)  # the replay starts where a whole build's draws would
+    materialize(model, template)
+    return model
+
+
+@torch.no_grad()
+def materialize(sharded: nn.Module, template: nn.Module) -> None:
+    """Fill the local shards of ``sharded`` (after ``to_empty``) with what building ``template``'s
+    module whole would have drawn from the current torch RNG.
+
+    Replays each module's ``reset_parameters`` in registration order on a CPU copy of that one
+    module (its constructor's own draws, in the constructor's order: true of torch's layers and of
+    a model that builds its layers in the order it registers them) and keeps this rank's part of
+    each parameter (split locally, no message). Peak extra memory: one module's parameters."""
+    for mod, fresh in zip(sharded.modules(), template.modules(), strict=True):
+        if not hasattr(fresh, "reset_parameters") or next(fresh.parameters(recurse=False), None) is None:
+            continue
+        fresh.to_empty(device="cpu", recurse=False)
+        fresh.reset_parameters()
+        for p, full in zip(mod.parameters(recurse=False), fresh.parameters(recurse=False), strict=True):
+            if isinstance(p, DTensor):
+                part = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+                p.to_local().copy_(part)
+            else:
+                p.copy_(full)
+        fresh.to_empty(device="meta", recurse=False)
 
 
 def parallelize(model: nn.Module, mode: str, device: torch.device) -> nn.Module:

@@ -3,8 +3,10 @@
 ``TrainState`` (a DCP ``Stateful``) holds the state every rank shares or shards: model and optimizer
 (through ``get_state_dict``/``set_state_dict``, so DCP reshards them), LR scheduler, grad scaler,
 step, sampler position and the recent loss window. ``RankState`` is what differs per rank: python
-``random``, numpy and torch CPU/CUDA RNG; it goes to a small per-rank file beside the shards, saved
-as plain tensors and numbers and loaded with ``torch.load(weights_only=True)`` (no arbitrary pickle).
+``random``, numpy, torch CPU RNG and the CUDA RNG of this rank's own device (``devices.py``: keyed
+by the device the rank uses, not by index over the visible devices); it goes to a small per-rank
+file beside the shards, saved as plain tensors and numbers and loaded with
+``torch.load(weights_only=True)`` (no arbitrary pickle).
 
 ``ablate`` (test-only) names items a resume deliberately skips, to prove each one matters.
 """
@@ -12,6 +14,7 @@ as plain tensors and numbers and loaded with ``torch.load(weights_only=True)`` (
 from __future__ import annotations
 
 import io
+import logging
 import random
 from collections import deque
 from pathlib import Path
@@ -28,12 +31,16 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from train_ref.data import mix_seed
+from train_ref.devices import cuda_rng_record, cuda_rng_to_restore, current_cuda_device
 from train_ref.progress_io import naming
+from train_ref.resume import split_by_size
 from train_ref.sampler import ResumableBatchSampler
 
 SHARED_ITEMS = ("optimizer", "scheduler", "sampler")
 RANK_ITEMS = ("python_rng", "numpy_rng", "torch_rng")
 ABLATABLE = SHARED_ITEMS + RANK_ITEMS
+
+log = logging.getLogger(__name__)
 
 
 def rank_state_filename(rank: int) -> str:
@@ -50,12 +57,26 @@ class TrainState(Stateful):
         sampler: ResumableBatchSampler,
         loss_window: int,
         ablate: frozenset[str] = frozenset(),
+        replicated: bool = False,
     ):
+        """``replicated``: every rank holds the whole model and optimizer (ddp); a save then gives
+        DCP only this rank's share of them (``saving``)."""
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.scaler, self.sampler = scaler, sampler
         self.step = 0  # steps completed
         self.losses: deque[float] = deque(maxlen=loss_window)
         self.ablate = ablate
+        self.replicated = replicated
+
+    def saving(self, rank: int, world_size: int) -> Stateful:
+        """What this rank hands DCP to save. Replicated parameters and their optimizer state are
+        split between the ranks (``replica_share``), so each is staged and written by one rank:
+        DCP dedups replicated items only when it plans the writes, after an async save has
+        already staged every rank's full copy (the whole model and optimizer per GPU, in pinned
+        host memory). Loading always reads into the full state (``self``)."""
+        if not self.replicated or world_size == 1:
+            return self
+        return _Share(self, rank, world_size)
 
     def state_dict(self) -> dict[str, Any]:
         if "optimizer" in self.ablate:
@@ -99,6 +120,38 @@ def _item_of(key: str) -> str:
     return {"optim": "optimizer"}.get(key, key)
 
 
+def _nbytes(v: Any) -> int:
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+def replica_share(sd: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """``sd`` (a TrainState dict of replicated model and optimizer) with only the parameters, and
+    their optimizer state, that ``rank`` writes: parameters split by bytes (``split_by_size``, the
+    same split on every rank, no message). The small items (scheduler, sampler, step, param
+    groups...) stay on every rank; DCP keeps one copy of each."""
+    model, optim = sd["model"], sd.get("optim")
+    moments = optim["state"] if optim else {}
+    sizes = {k: _nbytes(v) + sum(_nbytes(m) for m in moments.get(k, {}).values()) for k, v in model.items()}
+    mine = set(split_by_size(sizes, world_size)[rank])
+    out = dict(sd, model={k: v for k, v in model.items() if k in mine})
+    if optim:
+        out["optim"] = dict(optim, state={k: v for k, v in moments.items() if k in mine})
+    return out
+
+
+class _Share(Stateful):
+    """A TrainState as one rank of a replicated (ddp) save sees it: its share only (save only)."""
+
+    def __init__(self, state: TrainState, rank: int, world_size: int):
+        self.state, self.rank, self.world_size = state, rank, world_size
+
+    def state_dict(self) -> dict[str, Any]:
+        return replica_share(self.state.state_dict(), self.rank, self.world_size)
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        raise TypeError("a save share is not loaded into: load into the TrainState itself")
+
+
 class RankState:
     """Per-rank RNG streams as a dict of tensors and numbers (safe to load with weights_only)."""
 
@@ -120,13 +173,17 @@ class RankState:
             },
             "torch_rng": {"cpu": torch.get_rng_state()},
         }
-        if torch.cuda.is_available():
-            sd["torch_rng"]["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
+        dev = current_cuda_device()
+        if dev is not None:
+            sd["torch_rng"]["cuda"] = cuda_rng_record(torch.cuda.get_rng_state(dev.index), dev)
         assert np_name == "MT19937"
         return sd
 
     @staticmethod
-    def restore(sd: dict[str, Any], skip: frozenset[str] = frozenset()) -> None:
+    def restore(
+        sd: dict[str, Any], skip: frozenset[str] = frozenset(), source: str = "per-rank state"
+    ) -> None:
+        """Raises DeviceError (one line naming ``source``) when the CUDA entry is not restorable."""
         if "python_rng" not in skip:
             p = sd["python_rng"]
             random.setstate((p["version"], tuple(p["state"].tolist()), p["gauss"]))
@@ -138,8 +195,12 @@ class RankState:
         if "torch_rng" not in skip:
             t = sd["torch_rng"]
             torch.set_rng_state(t["cpu"])
-            if "cuda" in t and torch.cuda.is_available():
-                torch.cuda.set_rng_state_all(list(t["cuda"]))
+            dev = current_cuda_device()
+            cuda, note = cuda_rng_to_restore(t.get("cuda"), dev, source)
+            if note:
+                log.warning("%s", note)
+            if cuda is not None and dev is not None:
+                torch.cuda.set_rng_state(cuda, dev.index)
 
     @staticmethod
     def save(path: Path) -> None:
@@ -151,8 +212,8 @@ class RankState:
             f.write(buf.getbuffer())
 
     @staticmethod
-    def load(source: Path | IO[bytes], skip: frozenset[str] = frozenset()) -> None:
-        RankState.restore(torch.load(source, weights_only=True), skip)
+    def load(source: Path | IO[bytes], skip: frozenset[str] = frozenset(), name: str = "") -> None:
+        RankState.restore(torch.load(source, weights_only=True), skip, name or str(source))
 
 
 def seed_rank_rng(seed: int, rank: int, step: int) -> None:

@@ -54,10 +54,11 @@ from train_ref.appender import LineAppender
 from train_ref.checkpointer import Checkpointer, CommitInfo, SaveOutcome, StorageGaveUp
 from train_ref.config import CONFIGS, TrainConfig, config_hash, get_config
 from train_ref.data import Corpus, WindowDataset, collate
+from train_ref.devices import ENV_VISIBLE, DeviceError, device_index
 from train_ref.drill_faults import DrillFaults, When
 from train_ref.hold import HoldGate
 from train_ref.model import GPT
-from train_ref.parallel import MODES, full_tensor, parallelize, params_digest, sync_grads
+from train_ref.parallel import MODES, build, full_tensor, params_digest, sync_grads
 from train_ref.resume import RETRY_LATER, Choice, choose_checkpoint
 from train_ref.safe_load import refusal_line
 from train_ref.sampler import ResumableBatchSampler
@@ -122,7 +123,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="also exit 74 when a save fails and nothing was committed for this long (0: no limit)",
     )
     p.add_argument("--log-samples", action="store_true", help="per-rank sample ids of every step")
-    p.add_argument("--amp", choices=("off", "fp16", "bf16"), default="off", help="autocast (CUDA only)")
+    p.add_argument(
+        "--amp",
+        choices=("off", "fp16", "bf16"),
+        default="off",
+        help="autocast; fp16 adds loss scaling (GradScaler), on CUDA and on CPU alike",
+    )
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="torch.use_deterministic_algorithms(True): needed for a bit-exact resume on GPUs",
+    )
     p.add_argument(
         "--verify",
         choices=VERIFY,
@@ -143,18 +154,29 @@ class Dist:
     local_rank: int
     world_size: int
     device: torch.device
+    problem: str = ""  # a device setup this rank cannot train with (one line; exit 78)
 
 
 def init_distributed() -> Dist:
+    """The process group, and this rank's device: ``devices.device_index`` (LOCAL_RANK when every
+    local rank has its own visible GPU, device 0 when the process sees exactly one)."""
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local)
-        dist.init_process_group("cpu:gloo,cuda:nccl")
-        device = torch.device("cuda", local)
-    else:
+    if not torch.cuda.is_available():
         dist.init_process_group("gloo")
-        device = torch.device("cpu")
-    return Dist(rank, local, dist.get_world_size(), device)
+        return Dist(rank, local, dist.get_world_size(), torch.device("cpu"))
+    problem = ""
+    try:
+        index = device_index(
+            local,
+            int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+            torch.cuda.device_count(),
+            os.environ.get(ENV_VISIBLE, ""),
+        )
+        torch.cuda.set_device(index)
+    except DeviceError as e:  # every rank of the node sees the same counts: all refuse alike
+        index, problem = 0, str(e)
+    dist.init_process_group("cpu:gloo,cuda:nccl")
+    return Dist(rank, local, dist.get_world_size(), torch.device("cuda", index), problem)
 
 
 class Trainer:
@@ -176,19 +198,17 @@ class Trainer:
         self.uploader = uploader  # rank 0 with --remote only
 
         tok = corpus.tokenizer
-        torch.manual_seed(args.seed)  # identical initial parameters on every rank
-        self.model = parallelize(GPT(cfg.model).to(d.device), args.parallel, d.device)
+        # Identical initial parameters on every rank; fsdp never builds the whole model (parallel.py).
+        self.model = build(lambda: GPT(cfg.model), args.parallel, d.device, args.seed)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
         )
         self.schedule = WarmupCosine.of(cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule)
         self.amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.amp)
-        # Loss scaling only matters for fp16 on CUDA; elsewhere the scaler is disabled (its state is
-        # still saved and restored, as an empty dict) so the code path is the same everywhere.
-        self.scaler = torch.amp.GradScaler(
-            d.device.type, enabled=d.device.type == "cuda" and args.amp == "fp16"
-        )
+        # Loss scaling for fp16, on CUDA and CPU alike (one code path, tested on CPU); disabled, its
+        # state is an empty dict, saved and restored all the same.
+        self.scaler = torch.amp.GradScaler(d.device.type, enabled=args.amp == "fp16")
         self.dataset = WindowDataset(
             tok.encode(corpus.text), cfg.model.block_size, cfg.crop_max, cfg.mask_prob, tok.mask_id, args.seed
         )
@@ -196,7 +216,13 @@ class Trainer:
             len(self.dataset), cfg.global_batch, d.rank, d.world_size, args.seed
         )
         self.state = TrainState(
-            self.model, self.optimizer, self.scheduler, self.scaler, self.sampler, cfg.loss_window
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.scaler,
+            self.sampler,
+            cfg.loss_window,
+            replicated=args.parallel == "ddp",
         )
         self.ckpt = Checkpointer(
             self.root,
@@ -499,6 +525,9 @@ def deliberate_exit(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.deterministic:  # before CUDA starts: cuBLAS reads its workspace setting once
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     d = init_distributed()
     logging.basicConfig(
         level=logging.INFO if d.rank == 0 else logging.WARNING,
@@ -520,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
         parallelism={"mode": args.parallel, "world_size": d.world_size, "global_batch": cfg.global_batch},
         sign_key=args.sign_key,
     )
-    problem = config_problem(args, cfg, d.world_size) or key_problem
+    problem = d.problem or config_problem(args, cfg, d.world_size) or key_problem
     choice = Choice("", error=f"bad config: {problem}", code=Exit.BAD_CONFIG) if problem else None
     choice = choice or choose_checkpoint(
         args,
@@ -545,6 +574,11 @@ def main(argv: list[str] | None = None) -> int:
     except UnsafePickle as e:  # nothing of it ran; every rank read the same file and refused it
         msg = refusal_line(e, args.ckpt_root, choice.ckpt)
         code = deliberate_exit(hb, d.rank, 0, Phase.LOAD, Exit.UNTRUSTED, msg)
+        dist.destroy_process_group()
+        return code
+    except DeviceError as e:  # every rank's file has the same format: all refuse alike
+        print(f"train_ref: cannot resume: {e}", file=sys.stderr, flush=True)
+        code = deliberate_exit(hb, d.rank, 0, Phase.LOAD, Exit.BAD_CONFIG)
         dist.destroy_process_group()
         return code
     try:
@@ -580,8 +614,6 @@ def config_problem(args: argparse.Namespace, cfg: TrainConfig, world: int) -> st
         return f"--keep {args.keep}: keep at least {store.MIN_KEEP} so a corrupt newest has a fallback"
     if problem := save_policy(args).problem():
         return problem
-    if args.amp != "off" and not torch.cuda.is_available():
-        return f"--amp {args.amp} needs CUDA"
     if args.remote:
         try:
             tiering.policy(args)
