@@ -185,7 +185,8 @@ def run(args: argparse.Namespace) -> int:
     print(verdict_table(verdicts))
     ok = all(v.ok for v in verdicts)
     print(
-        f"\n{summary(verdicts)} in {human_duration(time.monotonic() - started)}. Report: {report} (plot: {png})"
+        f"\n{': '.join(summary(verdicts))} in {human_duration(time.monotonic() - started)}. Report: {report} "
+        f"(plot: {png})"
     )
     if not ok:
         for v in verdicts:

@@ -46,14 +46,14 @@ def verdict_table(verdicts: Sequence[Verdict]) -> str:
     return table(("scenario", "result", "check", "detail"), verdict_rows(verdicts))
 
 
-def summary(verdicts: Sequence[Verdict]) -> str:
-    """PASS/FAIL and how many of the scenarios that ran passed; skipped ones named apart."""
+def summary(verdicts: Sequence[Verdict]) -> tuple[str, str]:
+    """PASS or FAIL, and how many of the scenarios that ran passed; skipped ones named apart."""
     ran = [v for v in verdicts if not v.skipped]
     skipped = [v.scenario for v in verdicts if v.skipped]
-    ok = all(v.ok for v in ran)
-    return f"{'PASS' if ok else 'FAIL'}: {sum(v.ok for v in ran)} of {len(ran)} scenarios" + (
-        f" ({len(skipped)} skipped: {', '.join(skipped)})" if skipped else ""
-    )
+    counts = f"{sum(v.ok for v in ran)} of {len(ran)} scenarios"
+    if skipped:
+        counts += f"; skipped: {', '.join(skipped)}"
+    return ("PASS" if all(v.ok for v in ran) else "FAIL"), counts
 
 
 def resume_table(run: ScenarioRun, v: Verdict) -> str:
@@ -157,7 +157,7 @@ def write_report(
     verdicts: Sequence[Verdict],
     plot_name: str,
 ) -> None:
-    verdict, counts = summary(verdicts).split(": ", 1)
+    verdict, counts = summary(verdicts)
     parts = [
         "# Fault drill report",
         "",
