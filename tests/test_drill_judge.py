@@ -8,7 +8,9 @@ import math
 from dataclasses import replace
 
 import pytest
+from store_helpers import make_ckpt
 
+from supervisor import store
 from supervisor.drill.judge import StepRecord, StorageFacts, Verdict, find_resumes, judge
 from supervisor.drill.plan import (
     CHAOS,
@@ -21,7 +23,7 @@ from supervisor.drill.plan import (
     steps_redone_bound,
 )
 from supervisor.drill.report import summary, verdict_table
-from supervisor.drill.storage import PhaseClock, driver_for
+from supervisor.drill.storage import PhaseClock, at_end, driver_for
 from supervisor.drill_cmd import chosen
 from supervisor.heartbeat import Heartbeat, Phase, write_heartbeat
 
@@ -395,7 +397,7 @@ def test_an_eio_burst_judged_wrong_fails_with_its_reason(events, facts, failing,
 
 
 DISK_FULL = Fault(Kind.DISK_FULL, 12, 0)
-FILLED = StorageFacts(rule_hits=10, save_failures=2, committed_before=(5, 10), committed_after=(5, 10))
+FILLED = StorageFacts(rule_hits=10, committed_before=(5, 10), committed_after=(5, 10))
 
 
 def disk_events(*, recovered: bool = True, most: int = 2) -> list[dict]:
@@ -525,3 +527,14 @@ def test_the_phase_clock_times_each_phase_per_rank_and_the_longest_silence_in_ve
         beat(rank, phase, t)
     assert clock.time_in(Phase.VERIFY) == 3.5 and clock.time_in(Phase.LOAD) == 5.0
     assert clock.gap == 5.0 and clock.time_in(Phase.DIGEST) is None
+
+
+def test_what_the_run_dir_holds_at_the_end_goes_to_the_storage_checks(tmp_path):
+    make_ckpt(tmp_path, 10)
+    make_ckpt(tmp_path, 20)
+    store.quarantine_step(tmp_path, 20, "test: damaged")
+    tmp = store.begin(tmp_path, 30)
+    facts = at_end(StorageFacts(rule_hits=3), tmp_path)
+    assert facts.rule_hits == 3 and facts.tmp_left == (tmp.name,)
+    (q,) = facts.quarantined
+    assert q.startswith("step_00000020-")

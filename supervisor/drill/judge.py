@@ -61,7 +61,6 @@ class StorageFacts:
     rule_hits: int = 0  # operations the fault filesystem's rule failed or slowed
     quarantined: tuple[str, ...] = ()  # the run's quarantine/ at the end
     tmp_left: tuple[str, ...] = ()  # checkpoint tmp dirs at the end
-    save_failures: int = 0  # disk-full: failed saves in a row the heartbeats reported before the clear
     committed_before: tuple[int, ...] = ()  # disk-full: steps committed when the disk filled
     committed_after: tuple[int, ...] = ()  # ... and when it was freed
     verify_s: float | None = None  # slow-storage: the resumed launch's verify and load, measured

@@ -50,14 +50,12 @@ def unavailable() -> str | None:
     return why
 
 
-def quarantined(root: Path) -> list[str]:
-    return [q.path.name for q in list_quarantined(root)]
-
-
 def at_end(facts: StorageFacts, root: Path) -> StorageFacts:
     """``facts`` with what the run dir holds at the end: quarantined checkpoints, tmp dirs left."""
     return dataclasses.replace(
-        facts, quarantined=tuple(quarantined(root)), tmp_left=tuple(t.path.name for t in list_tmp(root))
+        facts,
+        quarantined=tuple(q.path.name for q in list_quarantined(root)),
+        tmp_left=tuple(t.path.name for t in list_tmp(root)),
     )
 
 
@@ -152,9 +150,7 @@ class DiskFull(StorageDriver):
             + ("" if reported else f" (waited for {DISK_FULL_FAILURES} in vain)")
             + f"; {hits} write(s) failed with ENOSPC"
         )
-        return StorageFacts(
-            rule_hits=hits, save_failures=seen, committed_before=before, committed_after=after
-        )
+        return StorageFacts(rule_hits=hits, committed_before=before, committed_after=after)
 
 
 class SlowStorage(StorageDriver):
