@@ -486,7 +486,7 @@ def test_a_skipped_scenario_is_no_pass_and_no_failure():
     ran = storage_verdict(IO_ERROR, io_events(), StorageFacts(rule_hits=3))
     skipped = Verdict("disk-full", (), skipped="no /dev/fuse on this machine")
     assert skipped.ok and skipped.result == "SKIPPED" and ran.result == "PASS"
-    assert summary([ran, skipped]) == ("PASS", "1 of 1 scenarios; skipped: disk-full")
+    assert summary([ran, skipped]) == ("PASS", "1 of 1 scenarios (skipped: disk-full)")
     assert "disk-full  SKIPPED  -" in verdict_table([ran, skipped]) and "no /dev/fuse" in verdict_table(
         [skipped]
     )

@@ -52,7 +52,7 @@ def summary(verdicts: Sequence[Verdict]) -> tuple[str, str]:
     skipped = [v.scenario for v in verdicts if v.skipped]
     counts = f"{sum(v.ok for v in ran)} of {len(ran)} scenarios"
     if skipped:
-        counts += f"; skipped: {', '.join(skipped)}"
+        counts += f" (skipped: {', '.join(skipped)})"
     return ("PASS" if all(v.ok for v in ran) else "FAIL"), counts
 
 
