@@ -11,15 +11,22 @@ import time
 from pathlib import Path
 
 from supervisor.drill import plan as planning
+from supervisor.drill import storage
+from supervisor.drill.faultctl import FaultFSError
 from supervisor.drill.judge import Verdict, judge
-from supervisor.drill.report import plot, verdict_table, write_report
+from supervisor.drill.report import plot, summary, verdict_table, write_report
 from supervisor.drill.runner import DrillConfig, ScenarioRun, run_golden, run_scenario
 from supervisor.exitcodes import Exit
 from supervisor.fmt import human_duration
 
 # Every scenario but sigstop (a stop the watchdog's own SIGCONT cures; `hang` is the real one),
 # which keeps `make drill` near 6 minutes on 2 cores; chaos still draws it, --scenario runs it.
-DEFAULT_SCENARIOS = (*(k.value for k in planning.Kind if k != planning.Kind.SIGSTOP), planning.CHAOS)
+# The storage scenarios need /dev/fuse and run when asked for: --storage, --scenario storage.
+DEFAULT_SCENARIOS = (
+    *(k.value for k in planning.Kind if k != planning.Kind.SIGSTOP and k not in planning.STORAGE),
+    planning.CHAOS,
+)
+STORAGE_SCENARIOS = tuple(k.value for k in planning.STORAGE)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,8 +36,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--scenario",
         action="append",
-        choices=planning.SCENARIOS,
-        help="run only this scenario (repeatable; default: all but sigstop, chaos last)",
+        choices=(*planning.SCENARIOS, planning.STORAGE_GROUP),
+        help="run only this scenario (repeatable; default: all but sigstop and the storage ones, chaos "
+        f"last; '{planning.STORAGE_GROUP}': {', '.join(STORAGE_SCENARIOS)})",
+    )
+    p.add_argument(
+        "--storage",
+        action="store_true",
+        help=f"also run the storage scenarios ({', '.join(STORAGE_SCENARIOS)}): the run dir on a fault "
+        "filesystem; skipped, with the reason, where /dev/fuse is unavailable",
     )
     p.add_argument(
         "--seed", type=int, default=0, help="drives fault steps, ranks and chaos; printed for replay"
@@ -68,8 +82,16 @@ class _Progress:
         )
 
 
+def chosen(asked: list[str] | None, with_storage: bool) -> list[str]:
+    """The scenarios to run, in order, once each: those asked for (the default set when none),
+    the storage group expanded, the storage scenarios added with --storage."""
+    names = [*(asked or DEFAULT_SCENARIOS), *(STORAGE_SCENARIOS if with_storage else ())]
+    expanded = (STORAGE_SCENARIOS if n == planning.STORAGE_GROUP else (n,) for n in names)
+    return list(dict.fromkeys(n for group in expanded for n in group))
+
+
 def run(args: argparse.Namespace) -> int:
-    scenarios = args.scenario or list(DEFAULT_SCENARIOS)
+    scenarios = chosen(args.scenario, args.storage)
     workdir: Path = args.workdir.resolve()
     if workdir.exists() and any(workdir.iterdir()):
         print(f"error: {workdir} is not empty; pass a new --workdir", file=sys.stderr)
@@ -104,6 +126,9 @@ def run(args: argparse.Namespace) -> int:
     )
     for s, faults in plans.items():
         print(f"[drill] plan {s}: " + "; ".join(f.describe() for f in faults), file=sys.stderr)
+    no_storage = storage.unavailable() if set(scenarios) & set(STORAGE_SCENARIOS) else None
+    if no_storage:
+        print(f"[drill] skipping the storage scenarios: {no_storage}", file=sys.stderr)
     print("[drill] golden run (uninterrupted torchrun)...", file=sys.stderr, flush=True)
     try:
         golden, golden_digest = run_golden(cfg, log)
@@ -113,8 +138,15 @@ def run(args: argparse.Namespace) -> int:
     runs: list[ScenarioRun] = []
     verdicts: list[Verdict] = []
     for s, faults in plans.items():
+        if no_storage and s in STORAGE_SCENARIOS:
+            verdicts.append(Verdict(s, (), skipped=no_storage))
+            continue
         print(f"[drill] {s}: starting under the watchdog", file=sys.stderr, flush=True)
-        r = run_scenario(cfg, s, faults, log, _Progress(args.steps))
+        try:
+            r = run_scenario(cfg, s, faults, log, _Progress(args.steps))
+        except FaultFSError as e:
+            print(f"error: {s}: {e}", file=sys.stderr)
+            return Exit.FOUND_PROBLEM
         v = judge(
             s,
             faults=faults,
@@ -129,8 +161,9 @@ def run(args: argparse.Namespace) -> int:
             latest_violations=r.latest_violations,
             events=r.events,
             fault_times=r.fault_times,
+            storage=r.storage,
         )
-        print(f"[drill] {s}: {'PASS' if v.ok else 'FAIL'}", file=sys.stderr, flush=True)
+        print(f"[drill] {s}: {v.result}", file=sys.stderr, flush=True)
         runs.append(r)
         verdicts.append(v)
     report = workdir / "report.md"
@@ -152,8 +185,8 @@ def run(args: argparse.Namespace) -> int:
     print(verdict_table(verdicts))
     ok = all(v.ok for v in verdicts)
     print(
-        f"\n{'PASS' if ok else 'FAIL'}: {sum(v.ok for v in verdicts)} of {len(verdicts)} scenarios in "
-        f"{human_duration(time.monotonic() - started)}. Report: {report} (plot: {png})"
+        f"\n{': '.join(summary(verdicts))} in {human_duration(time.monotonic() - started)}. Report: {report} "
+        f"(plot: {png})"
     )
     if not ok:
         for v in verdicts:

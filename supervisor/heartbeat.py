@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 class Phase(str, Enum):
     """What a rank is doing; each phase has its own no-progress timeout (policy.PhaseTimeouts)."""
 
-    STARTUP = "startup"  # imports, rendezvous, process group, choosing a checkpoint
+    STARTUP = "startup"  # imports, rendezvous, process group, choosing a checkpoint, building the model
     VERIFY = "verify"  # checking a checkpoint's files (deep: every checksum)
     DOWNLOAD = "download"  # fetching a checkpoint from the remote tier
     LOAD = "load"  # reading a checkpoint into memory

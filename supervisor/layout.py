@@ -57,6 +57,9 @@ _DELETING_RE = re.compile(
 # quarantine/step_00000100-20261129T090320Z[-2]: the checkpoint's name, when it was moved (UTC).
 _QUARANTINED_RE = re.compile(rf"({STEP_PREFIX}[0-9]{{{STEP_DIGITS}}})-([0-9]{{8}}T[0-9]{{6}}Z)(?:-([0-9]+))?")
 _RESERVED = frozenset({LATEST, QUARANTINE, HEARTBEATS, SUPERVISOR, LOCK, DOWNLOAD_LOCK})
+# fnmatch globs of the same names (the fault filesystem's rules match paths with them).
+COMMITTED_GLOB = STEP_PREFIX + "[0-9]" * STEP_DIGITS
+TMP_GLOB = f"{STEP_PREFIX}*{TMP_MARK}*"
 
 
 def step_dirname(step: int) -> str:

@@ -22,7 +22,7 @@ TIMEOUT_FLAGS = (
     (
         "--startup-timeout",
         policy.DEFAULT_STARTUP_TIMEOUT_S,
-        "startup (imports, rendezvous), or before any heartbeat",
+        "startup (imports, rendezvous, building the model), or before any heartbeat",
     ),
     ("--verify-timeout", policy.DEFAULT_VERIFY_TIMEOUT_S, "verify (checking a checkpoint's files)"),
     ("--download-timeout", policy.DEFAULT_DOWNLOAD_TIMEOUT_S, "download (from the remote tier)"),

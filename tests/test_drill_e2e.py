@@ -1,5 +1,6 @@
-"""The drill end to end (real torchrun, real watchdog): a kill and a real hang; and its judge fed a
-resume that restored nothing (the trainer's ablation switches): it must fail, with the right reasons."""
+"""The drill end to end (real torchrun, real watchdog): a kill, a real hang, and the storage faults on
+the fault filesystem; and its judge fed a resume that restored nothing (the trainer's ablation
+switches): it must fail, with the right reasons."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from waiting import PATIENCE_S, wait_held
 
 from supervisor.drill.judge import judge
+from supervisor.drill.mounts import is_mounted
 from supervisor.drill.plan import Fault, Kind, plan
 from supervisor.drill.runner import DrillConfig, read_digest, read_metrics, run_golden
 from supervisor.drill.switch import BLOCKING_FUNCTION
@@ -64,6 +66,34 @@ def test_real_hang_named_killed_and_resumed_from_the_periodic_checkpoint(tmp_pat
     (resumed,) = [e for e in evs if e["event"] == "launch" and e["launch"] == 2]
     assert resumed["resumed_from"] == first["newest_checkpoint"] and resumed["resumed_from"] % 10 == 0
     assert "hang verdict names the culprit and its stack" in p.stdout and "PASS: 1 of 1 scenarios" in p.stdout
+
+
+def test_storage_scenarios_ride_out_eio_a_full_disk_and_slow_storage(tmp_path, need_fuse):
+    """io-error, disk-full and slow-storage in one drill (2 ranks, ddp): each passes, and the
+    watchdog's own events say why: the EIO was retried and nothing quarantined, the full disk cost
+    saves but no launch, the slow verify and load were no hang. Every mount is gone afterwards."""
+    work = tmp_path / "drill"
+    cmd = [sys.executable, "-m", "supervisor", "drill", "--scenario", "storage", "--ranks", "2"]
+    cmd += ["--parallel", "ddp", "--steps", "40", "--save-every", "5", "--workdir", str(work)]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    assert "PASS: 3 of 3 scenarios" in p.stdout
+    evs = {s: read_events(events_path(work / s)) for s in ("io-error", "disk-full", "slow-storage")}
+    names = {s: [e["event"] for e in e_s] for s, e_s in evs.items()}
+    assert all("quarantine" not in n and not list((work / s).glob("quarantine/*")) for s, n in names.items())
+    assert not any(is_mounted(work / "mnt" / s) for s in evs)
+
+    assert "io_retry" in names["io-error"], names["io-error"]  # the watchdog's pick met the EIO
+    end, resumed = [e for e in evs["io-error"] if e["event"] in ("launch_end", "launch")][1:3]
+    assert resumed["resumed_from"] == end["newest_checkpoint"]
+
+    failed = [e for e in evs["disk-full"] if e["event"] == "save_failed"]
+    assert max(e["save_failures"] for e in failed) >= 2 and "ENOSPC" in failed[-1]["last_error"]
+    assert "save_recovered" in names["disk-full"] and names["disk-full"].count("launch") == 1
+
+    assert "hang" not in names["slow-storage"] and names["slow-storage"].count("launch") == 2
+    assert [e["outcome"] for e in evs["slow-storage"] if e["event"] == "launch_end"][-1] == "done"
+    assert "storage slower than the phase timeouts" in p.stdout
 
 
 def test_judge_fails_a_resume_that_restored_nothing(tmp_path):

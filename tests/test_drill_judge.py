@@ -1,14 +1,31 @@
-"""The drill's plan and judge are pure: tested here on synthetic runs, without processes."""
+"""The drill's plan and judge are pure: tested here on synthetic runs, without processes (and the
+storage scenarios' phase clock on heartbeat files written as the trainer writes them)."""
 
 from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
+from store_helpers import make_ckpt
 
-from supervisor.drill.judge import StepRecord, find_resumes, judge
-from supervisor.drill.plan import CHAOS, CORRUPTIONS, SCENARIOS, Fault, Kind, plan, steps_redone_bound
+from supervisor import store
+from supervisor.drill.judge import StepRecord, StorageFacts, Verdict, find_resumes, judge
+from supervisor.drill.plan import (
+    CHAOS,
+    CORRUPTIONS,
+    DISK_FULL_INTERVALS,
+    SCENARIOS,
+    Fault,
+    Kind,
+    plan,
+    steps_redone_bound,
+)
+from supervisor.drill.report import summary, verdict_table
+from supervisor.drill.storage import PhaseClock, at_end, driver_for
+from supervisor.drill_cmd import chosen
+from supervisor.heartbeat import Heartbeat, Phase, write_heartbeat
 
 STEPS, EVERY = 40, 10
 
@@ -278,3 +295,246 @@ def test_hang_during_save_strikes_at_a_save_step():
     for seed in range(20):
         (f,) = plan("hang-during-save", seed=seed, steps=80, save_every=10, ranks=4)
         assert f.at_step % 10 == 0 and 20 <= f.at_step < 70
+
+
+# ---------------------------------------------------------------- storage faults
+
+STORAGE_KINDS = {Kind.IO_ERROR, Kind.DISK_FULL, Kind.SLOW_STORAGE}
+
+
+def test_storage_scenarios_plan_one_fault_and_chaos_never_draws_them():
+    for seed in range(20):
+        assert not {f.kind for f in plan(CHAOS, seed=seed, steps=80, save_every=10, ranks=4)} & STORAGE_KINDS
+        for kind in STORAGE_KINDS:
+            (f,) = plan(kind.value, seed=seed, steps=80, save_every=10, ranks=4)
+            assert f.kind == kind and 0 <= f.rank < 4
+            # A full disk leaves room for two failed saves and one that works again.
+            room = DISK_FULL_INTERVALS * 10 if kind == Kind.DISK_FULL else 10
+            assert 20 < f.at_step <= 80 - room, (kind, f)
+    with pytest.raises(ValueError, match="too few"):
+        plan("disk-full", seed=0, steps=50, save_every=10, ranks=2)
+
+
+def storage_verdict(fault: Fault, events: list[dict], facts: StorageFacts, drill=None) -> Verdict:
+    drill = drill if drill is not None else faithful_run()
+    drill = [StepRecord(r.step, r.loss, r.lr, r.launch, T0 + (30 if r.launch == "b" else -1)) for r in drill]
+    return judge(
+        fault.kind.value,
+        faults=[fault],
+        injected=[fault],
+        save_in_flight=[False],
+        golden=GOLDEN,
+        drill=drill,
+        steps=STEPS,
+        save_every=EVERY,
+        golden_digest="d0",
+        drill_digest="d0",
+        latest_violations=[],
+        events=events,
+        fault_times=[T0],
+        storage=facts,
+    )
+
+
+IO_ERROR = Fault(Kind.IO_ERROR, 17, 1)
+
+
+def io_events(newest: int = 10) -> list[dict]:
+    return [
+        {"t": T0 - 20, "event": "launch", "launch": 1},
+        {"t": T0 + 2, "event": "launch_end", "outcome": "crash", "newest_checkpoint": newest},
+        {"t": T0 + 3, "event": "io_retry", "msg": "step_00000010/manifest.json: EIO"},
+        {"t": T0 + 5, "event": "pick", "checkpoint": "step_00000010"},
+        {"t": T0 + 5, "event": "launch", "launch": 2},
+    ]
+
+
+def test_an_eio_burst_met_and_ridden_out_passes():
+    v = storage_verdict(IO_ERROR, io_events(), StorageFacts(rule_hits=3))
+    assert v.ok, v.failures()
+    detail = {c.name: c.detail for c in v.checks}
+    assert (
+        "3 checkpoint read(s) failed with EIO; the watchdog retried 1 time(s)"
+        in detail["EIO met by the resume"]
+    )
+    assert (
+        "resumed from step 10, newest committed when the launch ended: step 10"
+        in detail["resumed from the newest committed checkpoint"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("events", "facts", "failing", "says"),
+    [
+        (io_events(), StorageFacts(rule_hits=0), "EIO met by the resume", "never fired"),
+        (
+            io_events(newest=20),
+            StorageFacts(rule_hits=3),
+            "resumed from the newest committed checkpoint",
+            "step 20",
+        ),
+        (
+            [
+                *io_events(),
+                {"t": T0 + 4, "event": "quarantine", "why": "step_00000010: manifest.json unreadable"},
+            ],
+            StorageFacts(rule_hits=3),
+            "nothing quarantined",
+            "step_00000010: manifest.json unreadable",
+        ),
+        (
+            io_events(),
+            StorageFacts(rule_hits=3, quarantined=("step_00000010-20261130T120000Z",)),
+            "nothing quarantined",
+            "step_00000010-20261130T120000Z",
+        ),
+    ],
+)
+def test_an_eio_burst_judged_wrong_fails_with_its_reason(events, facts, failing, says):
+    v = storage_verdict(IO_ERROR, events, facts)
+    assert failed(v) == {failing}, v.failures()
+    assert says in {c.name: c.detail for c in v.checks}[failing]
+
+
+DISK_FULL = Fault(Kind.DISK_FULL, 12, 0)
+FILLED = StorageFacts(rule_hits=10, committed_before=(5, 10), committed_after=(5, 10))
+
+
+def disk_events(*, recovered: bool = True, most: int = 2) -> list[dict]:
+    evs = [{"t": T0 - 20, "event": "launch", "launch": 1}]
+    evs += [
+        {
+            "t": T0 + n,
+            "event": "save_failed",
+            "save_failures": n,
+            "last_error": "rank 0: ENOSPC",
+            "step": 10 * n,
+        }
+        for n in range(1, most + 1)
+    ]
+    if recovered:
+        evs.append({"t": T0 + 5, "event": "save_recovered", "save_failures": 0, "step": 40})
+    return [*evs, {"t": T0 + 9, "event": "launch_end", "outcome": "done", "newest_checkpoint": 40}]
+
+
+def test_a_full_disk_ridden_out_in_one_launch_passes():
+    v = storage_verdict(DISK_FULL, disk_events(), FILLED, drill=GOLDEN)
+    assert v.ok, v.failures()
+    names = {c.name for c in v.checks}
+    assert "resumed after each fault" not in names  # nothing to resume: the job rode it out
+    assert {"saves failed, then recovered", "one launch, no relaunch", "no tmp dir left"} <= names
+    assert "save_recovered at step 40" in {c.name: c.detail for c in v.checks}["saves failed, then recovered"]
+
+
+@pytest.mark.parametrize(
+    ("events", "facts", "drill", "failing"),
+    [
+        (disk_events(recovered=False), FILLED, GOLDEN, {"saves failed, then recovered"}),
+        (disk_events(most=1), FILLED, GOLDEN, {"saves failed, then recovered"}),
+        (
+            [*disk_events(), {"t": T0 + 6, "event": "launch", "launch": 2}],
+            FILLED,
+            faithful_run(),
+            {"one launch, no relaunch"},
+        ),
+        (disk_events(), replace(FILLED, tmp_left=("step_00000020.tmp.77.h",)), GOLDEN, {"no tmp dir left"}),
+        (disk_events(), replace(FILLED, committed_after=(5,)), GOLDEN, {"no committed checkpoint lost"}),
+    ],
+)
+def test_a_full_disk_judged_wrong_fails_with_its_reason(events, facts, drill, failing):
+    assert failed(storage_verdict(DISK_FULL, events, facts, drill=drill)) == failing
+
+
+SLOW = Fault(Kind.SLOW_STORAGE, 17, 1)
+THROTTLED = StorageFacts(rule_hits=400, verify_s=6.0, load_s=9.0, beat_gap_s=1.5, timeout_s=4.0)
+
+
+def slow_events(*, hang: bool = False, resumed_outcome: str = "done") -> list[dict]:
+    evs = [
+        {"t": T0 - 20, "event": "launch", "launch": 1},
+        {"t": T0 + 2, "event": "launch_end", "outcome": "crash", "newest_checkpoint": 10},
+        {"t": T0 + 9, "event": "launch", "launch": 2},
+    ]
+    if hang:
+        evs.append({"t": T0 + 20, "event": "hang", "msg": "rank 0 made no progress for 4.2s in phase verify"})
+    return [*evs, {"t": T0 + 60, "event": "launch_end", "outcome": resumed_outcome}]
+
+
+def test_slow_storage_that_progresses_passes():
+    v = storage_verdict(SLOW, slow_events(), THROTTLED)
+    assert v.ok, v.failures()
+    assert (
+        "verify 6.0s + load 9.0s = 15.0s: 3.8x the --verify-timeout/--load-timeout 4s"
+        in {c.name: c.detail for c in v.checks}["storage slower than the phase timeouts"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("events", "facts", "failing"),
+    [
+        (slow_events(hang=True), THROTTLED, {"no hang verdict on slow storage"}),
+        (slow_events(resumed_outcome="hang"), THROTTLED, {"resumed launch finished"}),
+        (slow_events(), replace(THROTTLED, load_s=1.0), {"storage slower than the phase timeouts"}),
+        (slow_events(), replace(THROTTLED, verify_s=None), {"storage slower than the phase timeouts"}),
+    ],
+)
+def test_slow_storage_judged_wrong_fails_with_its_reason(events, facts, failing):
+    assert failed(storage_verdict(SLOW, events, facts)) == failing
+
+
+def test_a_skipped_scenario_is_no_pass_and_no_failure():
+    ran = storage_verdict(IO_ERROR, io_events(), StorageFacts(rule_hits=3))
+    skipped = Verdict("disk-full", (), skipped="no /dev/fuse on this machine")
+    assert skipped.ok and skipped.result == "SKIPPED" and ran.result == "PASS"
+    assert summary([ran, skipped]) == ("PASS", "1 of 1 scenarios (skipped: disk-full)")
+    assert "disk-full  SKIPPED  -" in verdict_table([ran, skipped]) and "no /dev/fuse" in verdict_table(
+        [skipped]
+    )
+
+
+def test_storage_scenarios_run_when_asked_for():
+    assert (
+        not set(chosen(None, False)) & {k.value for k in STORAGE_KINDS} and chosen(None, False)[-1] == CHAOS
+    )
+    assert chosen(None, True)[-3:] == ["io-error", "disk-full", "slow-storage"]
+    assert chosen(["storage"], False) == ["io-error", "disk-full", "slow-storage"]
+    assert chosen(["kill9", "disk-full"], True) == ["kill9", "disk-full", "io-error", "slow-storage"]
+    assert driver_for([IO_ERROR]).kind == Kind.IO_ERROR and driver_for([HUNG]) is None
+
+
+def test_the_phase_clock_times_each_phase_per_rank_and_the_longest_silence_in_verify_or_load(tmp_path):
+    """The beats a poll sees, written as the trainer would: the old launch is ignored; the time in
+    a phase runs from a rank's first beat in it to its first beat in the next; building the model
+    (startup, between verify and load) is no gap of the I/O phases, leaving load for train is."""
+    clock = PhaseClock(tmp_path, "old")
+
+    def beat(rank: int, phase: Phase, t: float, launch: str = "new") -> None:
+        write_heartbeat(tmp_path, Heartbeat(rank, rank, "h", 100 + rank, 20, phase, t, launch_id=launch))
+        clock.poll()
+
+    beat(0, Phase.TRAIN, 1.0, launch="old")
+    for rank, phase, t in [
+        (0, Phase.VERIFY, 10.0),
+        (1, Phase.VERIFY, 10.5),
+        (0, Phase.VERIFY, 11.5),  # 1.5 s since its last beat
+        (0, Phase.STARTUP, 13.0),  # verify done: 3 s
+        (1, Phase.STARTUP, 14.0),  # verify done: 3.5 s
+        (0, Phase.LOAD, 20.0),  # 7 s building the model: not an I/O gap
+        (1, Phase.LOAD, 20.0),
+        (0, Phase.TRAIN, 25.0),  # load: 5 s, all in one silence
+        (1, Phase.TRAIN, 22.0),
+    ]:
+        beat(rank, phase, t)
+    assert clock.time_in(Phase.VERIFY) == 3.5 and clock.time_in(Phase.LOAD) == 5.0
+    assert clock.gap == 5.0 and clock.time_in(Phase.DIGEST) is None
+
+
+def test_what_the_run_dir_holds_at_the_end_goes_to_the_storage_checks(tmp_path):
+    make_ckpt(tmp_path, 10)
+    make_ckpt(tmp_path, 20)
+    store.quarantine_step(tmp_path, 20, "test: damaged")
+    tmp = store.begin(tmp_path, 30)
+    facts = at_end(StorageFacts(rule_hits=3), tmp_path)
+    assert facts.rule_hits == 3 and facts.tmp_left == (tmp.name,)
+    (q,) = facts.quarantined
+    assert q.startswith("step_00000020-")

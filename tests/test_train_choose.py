@@ -7,13 +7,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 from store_helpers import corrupt, make_ckpt, quarantine_dirs
 
 from supervisor import store
 from supervisor.exitcodes import NON_RETRYABLE, Exit
+from supervisor.heartbeat import HeartbeatWriter, Phase, read_heartbeats
 from train_ref.config import get_config
 from train_ref.data import Corpus
-from train_ref.resume import _choose
+from train_ref.resume import _choose, choose_checkpoint
 from train_ref.train import parse_args
 
 
@@ -53,3 +55,36 @@ def test_an_unreadable_checkpoint_is_74_and_nothing_is_moved(faultfs, cfg) -> No
     assert "ckpt quarantine" in c.error and not quarantine_dirs(root)
     faultfs.clear(rid)
     assert choose(root, cfg).ckpt == root / "step_00000010"
+
+
+class PhaseLog(HeartbeatWriter):
+    """A real heartbeat writer that also remembers the phase of every beat it wrote."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.written: list[Phase] = []
+
+    def beat(self, step: int, phase: Phase, *a, **kw) -> bool:
+        wrote = super().beat(step, phase, *a, **kw)
+        if wrote:
+            self.written.append(phase)
+        return wrote
+
+
+def test_after_the_choice_the_heartbeat_is_back_in_startup(tmp_path: Path, cfg) -> None:
+    """Building the model after the choice is startup work, not verify: a drill on throttled storage
+    (--scenario slow-storage, --verify-timeout 4) got a hang verdict "no progress in phase verify
+    (100%)" while the ranks were building the model."""
+    root = tmp_path / "run"
+    make_ckpt(root, 10)
+    hb = PhaseLog(root, rank=0, local_rank=0, world_size=1)
+    args = parse_args(["--ckpt-root", str(root), "--steps", "1", "--verify", "quick"])
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        choice = choose_checkpoint(args, store.Expectation(), cfg, hb)
+    finally:
+        dist.destroy_process_group()
+    assert choice.ckpt == root / "step_00000010" and not choice.error
+    assert hb.written[0] == Phase.VERIFY and hb.written[-1] == Phase.STARTUP, hb.written
+    (snap,) = read_heartbeats(root)
+    assert snap.heartbeat is not None and snap.heartbeat.phase == Phase.STARTUP

@@ -102,7 +102,19 @@ def combine(verdicts: list[ShareVerdict]) -> ShareVerdict:
 def choose_checkpoint(
     args: argparse.Namespace, expect: store.Expectation, cfg: TrainConfig, hb: HeartbeatWriter
 ) -> Choice:
-    """Every rank: the checkpoint to load (verified as ``--verify`` says), or why none may be."""
+    """Every rank: the checkpoint to load (verified as ``--verify`` says), or why none may be.
+
+    Ends back in phase STARTUP: what comes next until the load (building the model, the optimizer,
+    the parallel wrappers: seconds, minutes for a large model, without a beat) is startup work,
+    held to the startup timeout, not to the verify timeout of the last file checked."""
+    choice = _choose_verified(args, expect, cfg, hb)
+    hb.beat(0, Phase.STARTUP, force=True)
+    return choice
+
+
+def _choose_verified(
+    args: argparse.Namespace, expect: store.Expectation, cfg: TrainConfig, hb: HeartbeatWriter
+) -> Choice:
     rank0 = dist.get_rank() == 0
     retry = _Retry(args.ckpt_root, args.io_retry) if rank0 else None
     launch = (

@@ -11,9 +11,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from supervisor.drill.plan import HANGS, SELF_INFLICTED, Fault, steps_redone_bound
+from supervisor.drill.plan import (
+    DISK_FULL_FAILURES,
+    HANGS,
+    NO_RESUME,
+    SELF_INFLICTED,
+    STORAGE,
+    Fault,
+    Kind,
+    steps_redone_bound,
+)
 from supervisor.drill.switch import BLOCKING_FUNCTION
 from supervisor.exitcodes import Exit
+
+# slow-storage: the resumed launch's verify + load must take this many times their timeout, or
+# the scenario proves nothing about long phases.
+SLOW_FACTOR = 3.0
 
 
 @dataclass(frozen=True)
@@ -42,6 +55,21 @@ class Resume:
 
 
 @dataclass(frozen=True)
+class StorageFacts:
+    """What a storage fault's driver saw (storage.py), judged by ``storage_checks``."""
+
+    rule_hits: int = 0  # operations the fault filesystem's rule failed or slowed
+    quarantined: tuple[str, ...] = ()  # the run's quarantine/ at the end
+    tmp_left: tuple[str, ...] = ()  # checkpoint tmp dirs at the end
+    committed_before: tuple[int, ...] = ()  # disk-full: steps committed when the disk filled
+    committed_after: tuple[int, ...] = ()  # ... and when it was freed
+    verify_s: float | None = None  # slow-storage: the resumed launch's verify and load, measured
+    load_s: float | None = None
+    beat_gap_s: float = 0.0  # slow-storage: the largest gap between two beats of a rank in them
+    timeout_s: float = 0.0  # slow-storage: the watchdog's --verify-timeout and --load-timeout
+
+
+@dataclass(frozen=True)
 class Check:
     name: str
     ok: bool
@@ -53,10 +81,15 @@ class Verdict:
     scenario: str
     checks: tuple[Check, ...]
     resumes: tuple[Resume, ...] = ()
+    skipped: str = ""  # why the scenario could not run here (not a pass, not a failure)
 
     @property
     def ok(self) -> bool:
         return all(c.ok for c in self.checks)
+
+    @property
+    def result(self) -> str:
+        return "SKIPPED" if self.skipped else "PASS" if self.ok else "FAIL"
 
     def failures(self) -> list[str]:
         return [f"{c.name}: {c.detail}" for c in self.checks if not c.ok]
@@ -97,13 +130,17 @@ def judge(
     latest_violations: Sequence[str],
     events: Sequence[dict[str, Any]] = (),
     fault_times: Sequence[float] = (),
+    storage: StorageFacts | None = None,
     loss_tol: float = 0.0,
 ) -> Verdict:
     """Judge one scenario. ``loss_tol`` is 0 on CPU: the resumed run must match golden exactly.
-    ``events`` (the watchdog's) and ``fault_times`` (one per injected fault) judge the hangs."""
+    ``events`` (the watchdog's) and ``fault_times`` (one per injected fault) judge the hangs and
+    the storage faults; ``storage`` is what a storage fault's driver saw."""
     checks: list[Check] = []
     gold = {r.step: r for r in golden}
     resumes = find_resumes(drill)
+    # A fault the job rides out in the same launch (a full disk) has no resume to judge.
+    resumable = [(f, s) for f, s in zip(injected, save_in_flight, strict=False) if f.kind not in NO_RESUME]
 
     missing = [f.describe() for f in faults if f not in injected]
     checks.append(
@@ -114,16 +151,17 @@ def judge(
             + (f"; not injected: {'; '.join(missing)}" if missing else ""),
         )
     )
-    checks.append(
-        Check(
-            "resumed after each fault",
-            len(resumes) >= len(injected),
-            f"{len(resumes)} resume(s) for {len(injected)} fault(s)",
+    if resumable or not injected:
+        checks.append(
+            Check(
+                "resumed after each fault",
+                len(resumes) >= len(resumable),
+                f"{len(resumes)} resume(s) for {len(resumable)} fault(s)",
+            )
         )
-    )
 
     over = []
-    for res, fault, in_flight in zip(resumes, injected, save_in_flight, strict=False):
+    for res, (fault, in_flight) in zip(resumes, resumable, strict=False):
         bound = steps_redone_bound(fault.kind, save_every, in_flight)
         if res.redone > bound:
             over.append(f"{fault.kind.value} redid {res.redone} steps (bound {bound})")
@@ -132,6 +170,8 @@ def judge(
 
     if any(f.kind in HANGS for f in faults):
         checks += hang_checks(injected, fault_windows(events, fault_times, resumes), resumes, save_every)
+    if any(f.kind in STORAGE for f in faults):
+        checks += storage_checks(injected, storage or StorageFacts(), events, fault_times, resumes)
 
     lr_bad = [r.step for r in drill if r.step in gold and r.lr != gold[r.step].lr]
     checks.append(
@@ -285,6 +325,154 @@ def _resumed_periodic(
     if problems:
         return False, f"{kind}: " + ", ".join(problems)
     return True, f"{kind}: resumed from step {resume.ckpt_step} (rank exit codes {codes or 'none'})"
+
+
+def storage_checks(
+    injected: Sequence[Fault],
+    facts: StorageFacts,
+    events: Sequence[dict[str, Any]],
+    fault_times: Sequence[float],
+    resumes: Sequence[Resume],
+) -> list[Check]:
+    """For a storage fault: nothing quarantined (an I/O error is no evidence of corruption), and
+    the checks of its kind on the watchdog's events from the fault on."""
+    checks = [_nothing_quarantined(facts, events)]
+    for i, (fault, t0) in enumerate(zip(injected, fault_times, strict=False)):
+        if fault.kind in _STORAGE_CHECKS:
+            after = [e for e in events if e.get("t", 0) >= t0]
+            resume = resumes[i] if i < len(resumes) else None
+            checks += _STORAGE_CHECKS[fault.kind](facts, events, after, resume)
+    return checks
+
+
+def _events(events: Sequence[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [e for e in events if e.get("event") == name]
+
+
+def _nothing_quarantined(facts: StorageFacts, events: Sequence[dict[str, Any]]) -> Check:
+    moved = [str(e.get("why")) for e in _events(events, "quarantine")] + list(facts.quarantined)
+    return Check(
+        "nothing quarantined",
+        not moved,
+        "; ".join(moved) or "quarantine/ is empty and the watchdog moved nothing",
+    )
+
+
+def _io_error_checks(
+    facts: StorageFacts,
+    events: Sequence[dict[str, Any]],
+    after: Sequence[dict[str, Any]],
+    resume: Resume | None,
+) -> list[Check]:
+    retries = len(_events(after, "io_retry"))
+    hit = Check(
+        "EIO met by the resume",
+        facts.rule_hits > 0,
+        f"{facts.rule_hits} checkpoint read(s) failed with EIO; the watchdog retried {retries} time(s)"
+        if facts.rule_hits
+        else "the EIO rule never fired: no checkpoint file was read after it was set (nothing was tested)",
+    )
+    end = _first(after, "launch_end")
+    newest = end.get("newest_checkpoint") if end else None
+    if resume is None or newest is None:
+        detail = "no end of the faulted launch and resume seen"
+    else:
+        detail = (
+            f"resumed from step {resume.ckpt_step}, newest committed when the launch ended: step {newest}"
+        )
+    return [
+        hit,
+        Check(
+            "resumed from the newest committed checkpoint",
+            resume is not None and newest is not None and resume.ckpt_step == newest,
+            detail,
+        ),
+    ]
+
+
+def _disk_full_checks(
+    facts: StorageFacts,
+    events: Sequence[dict[str, Any]],
+    after: Sequence[dict[str, Any]],
+    resume: Resume | None,
+) -> list[Check]:
+    failed, recovered = _events(after, "save_failed"), _events(after, "save_recovered")
+    most = max((int(e.get("save_failures") or 0) for e in failed), default=0)
+    recovered = [e for e in recovered if failed and e.get("t", 0) >= failed[-1].get("t", 0)]
+    launches = _events(events, "launch")
+    before, kept = facts.committed_before, facts.committed_after
+    lost = sorted(set(before) - set(kept))
+    return [
+        Check(
+            "saves failed, then recovered",
+            most >= DISK_FULL_FAILURES and bool(recovered),
+            f"{len(failed)} save_failed event(s), up to {most} failed in a row"
+            + (f" ({failed[-1].get('last_error')})" if failed else "")
+            + (
+                f"; save_recovered at step {recovered[0].get('step')}" if recovered else "; no save_recovered"
+            ),
+        ),
+        Check(
+            "one launch, no relaunch",
+            len(launches) == 1 and resume is None,
+            f"{len(launches)} launch(es)" + (f", resumed from step {resume.ckpt_step}" if resume else ""),
+        ),
+        Check(
+            "no tmp dir left",
+            not facts.tmp_left,
+            ", ".join(facts.tmp_left) or "no step_*.tmp.* dir in the run dir at the end",
+        ),
+        Check(
+            "no committed checkpoint lost",
+            bool(before) and not lost,
+            f"committed when the disk filled: steps {_steps(before)}; when it was freed: {_steps(kept)}"
+            + (f"; lost: {_steps(lost)}" if lost else ""),
+        ),
+    ]
+
+
+def _slow_storage_checks(
+    facts: StorageFacts,
+    events: Sequence[dict[str, Any]],
+    after: Sequence[dict[str, Any]],
+    resume: Resume | None,
+) -> list[Check]:
+    hangs = _events(after, "hang")
+    ends = _events(after, "launch_end")  # the faulted launch's, then the resumed one's
+    outcome = ends[1].get("outcome") if len(ends) > 1 else None
+    t = facts.timeout_s
+    if facts.verify_s is None or facts.load_s is None:
+        slow, how = False, "the resumed launch's verify and load were not seen in its heartbeats"
+    else:
+        total = facts.verify_s + facts.load_s
+        slow = t > 0 and total >= SLOW_FACTOR * t
+        how = (
+            f"verify {facts.verify_s:.1f}s + load {facts.load_s:.1f}s = {total:.1f}s: "
+            f"{total / t if t else 0:.1f}x the --verify-timeout/--load-timeout {t:g}s (needs {SLOW_FACTOR:g}x); "
+            f"a rank's heartbeats at most {facts.beat_gap_s:.1f}s apart"
+        )
+    return [
+        Check("storage slower than the phase timeouts", slow, how),
+        Check(
+            "no hang verdict on slow storage",
+            not hangs,
+            str(hangs[0].get("msg")) if hangs else "no hang event after the throttle: progress kept it alive",
+        ),
+        Check(
+            "resumed launch finished", outcome == "done", f"the resumed launch ended: {outcome or 'not seen'}"
+        ),
+    ]
+
+
+def _steps(steps: Sequence[int]) -> str:
+    return ", ".join(map(str, steps)) or "none"
+
+
+_STORAGE_CHECKS = {
+    Kind.IO_ERROR: _io_error_checks,
+    Kind.DISK_FULL: _disk_full_checks,
+    Kind.SLOW_STORAGE: _slow_storage_checks,
+}
 
 
 def _lr_at(records: Sequence[StepRecord], step: int) -> float:

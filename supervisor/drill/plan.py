@@ -15,6 +15,9 @@ class Kind(str, Enum):
     DURING_SAVE = "during-save"
     CORRUPT_LATEST = "corrupt-latest"
     PREEMPT = "preempt"
+    IO_ERROR = "io-error"
+    DISK_FULL = "disk-full"
+    SLOW_STORAGE = "slow-storage"
 
 
 # Hangs the trainer inflicts on itself through the drill switch (switch.py): no signal cures them.
@@ -23,7 +26,17 @@ SELF_INFLICTED = frozenset({Kind.HANG, Kind.HANG_DURING_SAVE})
 HANGS = frozenset({Kind.SIGSTOP, *SELF_INFLICTED})
 # Faults that land while an async save is in flight, by construction.
 IN_SAVE = frozenset({Kind.DURING_SAVE, Kind.HANG_DURING_SAVE})
+# Faults of the storage under the run dir (the fault filesystem, storage.py): they need /dev/fuse,
+# run only when asked for (--storage, --scenario storage) and chaos does not draw them.
+STORAGE = (Kind.IO_ERROR, Kind.DISK_FULL, Kind.SLOW_STORAGE)
+# Faults the job survives without a relaunch: nothing to resume from, nothing redone.
+NO_RESUME = frozenset({Kind.DISK_FULL})
+# A full disk lasts until this many saves in a row have failed; it needs an interval for each, and
+# one more for a save that works again.
+DISK_FULL_FAILURES = 2
+DISK_FULL_INTERVALS = DISK_FULL_FAILURES + 1
 CHAOS = "chaos"
+STORAGE_GROUP = "storage"
 SCENARIOS = (*(k.value for k in Kind), CHAOS)
 CORRUPTIONS = ("truncate", "bitflip", "delete-metadata")
 
@@ -44,6 +57,9 @@ class Fault:
             Kind.DURING_SAVE: f"kill -9 rank {self.rank} while an async save is in flight",
             Kind.CORRUPT_LATEST: f"stop the job, {self.corruption} the newest checkpoint, start again",
             Kind.PREEMPT: "SIGUSR1 (preemption notice) to the watchdog",
+            Kind.IO_ERROR: f"EIO on the next reads of checkpoint files, then kill -9 rank {self.rank}",
+            Kind.DISK_FULL: f"ENOSPC on every checkpoint write until {DISK_FULL_FAILURES} saves have failed",
+            Kind.SLOW_STORAGE: f"throttle checkpoint reads and writes, then kill -9 rank {self.rank}",
         }[self.kind]
         return f"{what} after step {self.at_step}"
 
@@ -78,10 +94,11 @@ def plan(scenario: str, *, seed: int, steps: int, save_every: int, ranks: int) -
     # Faults land after the second save (so a resume has a checkpoint to come back to, and one to
     # fall back to) and before the last interval (so the resumed run still has steps to prove).
     lo, hi = 2 * save_every + 1, max(2 * save_every + 2, steps - save_every - 2)
+    if scenario == Kind.DISK_FULL.value:
+        hi = steps - DISK_FULL_INTERVALS * save_every - 1
     if scenario == CHAOS:
-        draws = (
-            [Kind(rng.choice([k.value for k in Kind])) for _ in range(rng.randint(3, 4))] for _ in range(100)
-        )
+        drawable = [k.value for k in Kind if k not in STORAGE]
+        draws = ([Kind(rng.choice(drawable)) for _ in range(rng.randint(3, 4))] for _ in range(100))
     elif scenario == Kind.CORRUPT_LATEST.value:
         draws = iter([[Kind.CORRUPT_LATEST] * len(CORRUPTIONS)])
     elif scenario in SCENARIOS:

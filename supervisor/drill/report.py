@@ -25,15 +25,35 @@ TIMELINE_EVENTS = (
     "quarantine",
     "pick",
     "launch",
+    "io_retry",
+    "save_failed",
+    "save_recovered",
 )
 
 
-def verdict_table(verdicts: Sequence[Verdict]) -> str:
+def verdict_rows(verdicts: Sequence[Verdict], fail: str = "FAIL") -> list[tuple[str, str, str, str]]:
+    """(scenario, result, check, detail) per check; a skipped scenario is one row with its reason."""
     rows = []
     for v in verdicts:
+        if v.skipped:
+            rows.append((v.scenario, "SKIPPED", "-", v.skipped))
         for i, c in enumerate(v.checks):
-            rows.append((v.scenario if i == 0 else "", "PASS" if c.ok else "FAIL", c.name, c.detail))
-    return table(("scenario", "result", "check", "detail"), rows)
+            rows.append((v.scenario if i == 0 else "", "PASS" if c.ok else fail, c.name, c.detail))
+    return rows
+
+
+def verdict_table(verdicts: Sequence[Verdict]) -> str:
+    return table(("scenario", "result", "check", "detail"), verdict_rows(verdicts))
+
+
+def summary(verdicts: Sequence[Verdict]) -> tuple[str, str]:
+    """PASS or FAIL, and how many of the scenarios that ran passed; skipped ones named apart."""
+    ran = [v for v in verdicts if not v.skipped]
+    skipped = [v.scenario for v in verdicts if v.skipped]
+    counts = f"{sum(v.ok for v in ran)} of {len(ran)} scenarios"
+    if skipped:
+        counts += f" (skipped: {', '.join(skipped)})"
+    return ("PASS" if all(v.ok for v in ran) else "FAIL"), counts
 
 
 def resume_table(run: ScenarioRun, v: Verdict) -> str:
@@ -53,6 +73,8 @@ def resume_table(run: ScenarioRun, v: Verdict) -> str:
             if res.ckpt_step < t.step <= res.reached
         ]
         rows.append((fault.kind.value, used, res.reached, res.redone, "; ".join(skipped) or "-"))
+    if not rows:
+        return "No resume: the run had one launch."
     return _md_table(("fault", "resumed from", "had reached", "steps redone", "skipped, and why"), rows)
 
 
@@ -90,6 +112,7 @@ def plot(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    verdicts = [v for v in verdicts if not v.skipped]  # a skipped scenario has no run
     n = max(len(runs), 1)
     fig, axes = plt.subplots(n, 1, figsize=(9, 2.6 * n), sharex=True, squeeze=False)
     gx = [r.step for r in golden]
@@ -134,29 +157,22 @@ def write_report(
     verdicts: Sequence[Verdict],
     plot_name: str,
 ) -> None:
-    ok = all(v.ok for v in verdicts)
+    verdict, counts = summary(verdicts)
     parts = [
         "# Fault drill report",
         "",
-        f"**Verdict: {'PASS' if ok else 'FAIL'}** ({sum(v.ok for v in verdicts)} of {len(verdicts)} scenarios)",
+        f"**Verdict: {verdict}** ({counts})",
         "",
         f"Settings: {settings}. Golden digest `{golden_digest[:16]}`.",
         "",
         "## Verdicts",
         "",
-        _md_table(
-            ("scenario", "result", "check", "detail"),
-            [
-                (v.scenario if i == 0 else "", "PASS" if c.ok else "**FAIL**", c.name, c.detail)
-                for v in verdicts
-                for i, c in enumerate(v.checks)
-            ],
-        ),
+        _md_table(("scenario", "result", "check", "detail"), verdict_rows(verdicts, fail="**FAIL**")),
         "",
         f"![loss curves]({plot_name})",
         "",
     ]
-    for run, v in zip(runs, verdicts, strict=True):
+    for run, v in zip(runs, [v for v in verdicts if not v.skipped], strict=True):
         parts += [f"## {run.scenario}", "", resume_table(run, v), "", "### What the drill did", ""]
         parts += [f"- {n}" for n in run.notes] + [""]
         parts += [

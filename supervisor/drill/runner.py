@@ -3,6 +3,7 @@ it runs, and a monitor that checks ``latest`` the whole time."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -10,17 +11,20 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from supervisor.drill import inject, switch
-from supervisor.drill.judge import StepRecord
+from supervisor.drill import inject, storage, switch
+from supervisor.drill.faultctl import Controller, FaultFS
+from supervisor.drill.judge import StepRecord, StorageFacts
 from supervisor.drill.plan import IN_SAVE, SELF_INFLICTED, Fault, Kind
 from supervisor.events import events_path, read_events
 from supervisor.layout import FINAL, MANIFEST, METRICS, RunDir, parse_committed
+from supervisor.store import list_checkpoints
 
 POLL_S = 0.02
+MOUNTS = "mnt"  # workdir/mnt/<scenario>: where a storage scenario's fault filesystem is mounted
 # Test-only knob of the reference trainer: widens the async write so a kill lands inside it.
 ENV_SAVE_DELAY = "TRAIN_REF_SAVE_DELAY_S"
 
@@ -38,7 +42,7 @@ class DrillConfig:
     fault_timeout_s: float = 180.0
     python: str = sys.executable
 
-    def trainer_cmd(self, root: Path) -> list[str]:
+    def trainer_cmd(self, root: Path, extra: Sequence[str] = ()) -> list[str]:
         return [
             self.python, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={self.ranks}",
@@ -49,17 +53,21 @@ class DrillConfig:
             "--seed", str(self.seed),
             "--config", "tiny",
             "--parallel", self.parallel,
+            *extra,
         ]  # fmt: skip
 
-    def watch_cmd(self, root: Path) -> list[str]:
+    def watch_cmd(
+        self, root: Path, watch_args: Sequence[str] = (), train_args: Sequence[str] = ()
+    ) -> list[str]:
         return [
             self.python, "-m", "supervisor", "watch",
             "--ckpt-root", str(root),
             "--verify", "deep",
             "--hang-timeout", str(self.hang_timeout_s),
             "--backoff-initial", "0.2",
+            *watch_args,
             "--",
-            *self.trainer_cmd(root),
+            *self.trainer_cmd(root, train_args),
         ]  # fmt: skip
 
     def env(self) -> dict[str, str]:
@@ -165,6 +173,7 @@ class ScenarioRun:
     latest_violations: list[str] = field(default_factory=list)
     latest_reads: int = 0
     events: list[dict] = field(default_factory=list)
+    storage: StorageFacts | None = None  # what a storage fault's driver saw
 
 
 def read_digest(root: Path) -> str | None:
@@ -186,20 +195,28 @@ def run_golden(cfg: DrillConfig, log: Path) -> tuple[list[StepRecord], str]:
     return read_metrics(root), digest
 
 
+@dataclass(frozen=True)
+class Job:
+    """What a scenario runs under the watchdog: the run dir as the job sees it (for a storage fault
+    the fault filesystem's mount; the drill reads the backing dir), its environment, extra flags."""
+
+    root: Path
+    env: dict[str, str]
+    watch_args: tuple[str, ...] = ()
+    train_args: tuple[str, ...] = ()
+
+
 class Watchdog:
     """One watchdog process (its own session, so a stop reaches every child)."""
 
-    def __init__(
-        self, cfg: DrillConfig, root: Path, log: Path, slow_saves: bool, hangs: switch.Switch | None
-    ) -> None:
+    def __init__(self, cfg: DrillConfig, job: Job, log: Path) -> None:
         self.out = open(log, "ab")  # noqa: SIM115 - closed in wait()
-        env = cfg.env()
-        if slow_saves:
-            env[ENV_SAVE_DELAY] = str(cfg.save_delay_s)
-        if hangs is not None:
-            env[switch.ENV] = hangs.encode()
         self.proc = subprocess.Popen(
-            cfg.watch_cmd(root), env=env, stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True
+            cfg.watch_cmd(job.root, job.watch_args, job.train_args),
+            env=job.env,
+            stdout=self.out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
     def signal(self, sig: signal.Signals) -> None:
@@ -214,6 +231,117 @@ class Watchdog:
         finally:
             self.out.close()
 
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@dataclass
+class Scene:
+    """A scenario while it runs, as the code that injects a fault sees it: wait on the run (an
+    event: a step, a file, a heartbeat), strike, record what was done, wait for the resume."""
+
+    cfg: DrillConfig
+    run: ScenarioRun
+    tail: MetricsTail
+    dog: Watchdog
+    progress: Callable[[str, ScenarioRun], None]
+    fs: Controller | None = None  # the fault filesystem's, for a storage fault
+
+    @property
+    def root(self) -> Path:
+        """The run dir as the drill reads it (past every fault rule)."""
+        return self.run.root
+
+    def note(self, msg: str) -> None:
+        self.run.notes.append(msg)
+
+    def step(self) -> int:
+        """The last step the run logged."""
+        return self.tail.last.step if self.tail.last else 0
+
+    def save_in_flight(self) -> bool:
+        return inject.tmp_save_in_flight(self.root, 0)
+
+    def wait(
+        self,
+        cond: Callable[[], bool],
+        observe: Callable[[], None] | None = None,
+        timeout: float | None = None,
+    ) -> bool:
+        """Until ``cond()`` holds (``observe()`` on every poll), the watchdog ends, or the timeout
+        (the fault timeout unless given)."""
+        deadline = time.monotonic() + (self.cfg.fault_timeout_s if timeout is None else timeout)
+        while time.monotonic() < deadline:
+            self.tail.poll()
+            if observe is not None:
+                observe()
+            self.progress("", self.run)  # a periodic status line; the callback throttles it
+            if cond():
+                return True
+            if self.dog.proc.poll() is not None:
+                self.tail.poll()
+                return cond()
+            time.sleep(POLL_S)
+        return False
+
+    def reach(self, fault: Fault, committed: int = 0) -> str | None:
+        """Wait until the run logged the fault's step (and committed ``committed`` checkpoints);
+        the launch running then, or None (noted: the fault was not injected)."""
+        if not self.wait(
+            lambda: (
+                self.tail.last is not None
+                and self.tail.last.step >= fault.at_step
+                and (not committed or len(list_checkpoints(self.root)) >= committed)
+            )
+        ):
+            more = f" with {committed} committed checkpoints" if committed else ""
+            self.note(f"not injected: the run never reached step {fault.at_step}{more}")
+            return None
+        return self.tail.last.launch if self.tail.last else ""
+
+    def kill(self, fault: Fault, launch: str, sig: signal.Signals = signal.SIGKILL) -> bool:
+        pid = inject.signal_worker(self.root, fault.rank, launch, sig)
+        if pid is None:
+            self.note(f"not injected: no heartbeat of rank {fault.rank} in launch {launch}")
+            return False
+        self.note(f"{fault.describe()}: sent {sig.name} to pid {pid} at step {self.step()}")
+        return True
+
+    def struck(self, fault: Fault, t0: float, in_flight: bool) -> None:
+        self.run.injected.append(fault)
+        self.run.fault_times.append(t0)
+        self.run.save_in_flight.append(in_flight)
+        self.progress(f"injected {fault.kind.value}", self.run)
+
+    def await_resume(self, fault: Fault, launch: str, observe: Callable[[], None] | None = None) -> bool:
+        """Wait for a step of a launch not seen before: the one the fault hit may not have logged a
+        step yet when the trainer hung itself, so "a launch other than the last one seen" would be
+        too early."""
+        seen = {r.launch for r in self.tail.records} | {launch}
+        if not self.wait(lambda: self.tail.last is not None and self.tail.last.launch not in seen, observe):
+            self.note(f"no resumed step seen within {self.cfg.fault_timeout_s:.0f}s after {fault.kind.value}")
+            return False
+        self.progress(f"resumed at step {self.tail.last.step}", self.run)
+        return True
+
+
+def job_for(
+    cfg: DrillConfig,
+    root: Path,
+    faults: list[Fault],
+    hangs: switch.Switch | None,
+    driver: storage.StorageDriver | None,
+) -> Job:
+    env = cfg.env()
+    if any(f.kind == Kind.DURING_SAVE for f in faults):
+        env[ENV_SAVE_DELAY] = str(cfg.save_delay_s)
+    if hangs is not None:
+        env[switch.ENV] = hangs.encode()
+    watch_args, train_args = driver.job_args(cfg) if driver else ((), ())
+    return Job(root, env, watch_args, train_args)
+
 
 def run_scenario(
     cfg: DrillConfig,
@@ -222,31 +350,39 @@ def run_scenario(
     log: Path,
     progress: Callable[[str, ScenarioRun], None],
 ) -> ScenarioRun:
+    """Run one scenario under the watchdog. A storage fault puts the run dir on the fault
+    filesystem (mounted over ``workdir/<scenario>``, unmounted at the end whatever happens)."""
     root = cfg.workdir / scenario
     run = ScenarioRun(scenario, root)
     root.mkdir(parents=True, exist_ok=True)
     tail = MetricsTail(root)
     run.records = tail.records  # the same list: progress lines see the live step
-    monitor = LatestMonitor(root)
-    monitor.start()
-    slow_saves = any(f.kind == Kind.DURING_SAVE for f in faults)
     hangs = hang_switch(cfg, scenario, faults)
-    dog = Watchdog(cfg, root, log, slow_saves, hangs)
-    try:
-        for fault in faults:
-            dog = _inject(cfg, run, fault, dog, tail, log, progress, slow_saves, hangs)
-        _wait_for(lambda: dog.proc.poll() is not None, tail, cfg.fault_timeout_s * 2, dog, run, progress)
-        run.exit_codes.append(dog.wait(timeout=5))
-        tail.poll()
-    finally:
-        if dog.proc.poll() is None:
-            os.killpg(dog.proc.pid, signal.SIGKILL)
-            dog.proc.wait()
-        monitor.stop()
+    driver = storage.driver_for(faults)
+    monitor = LatestMonitor(root)
+    with contextlib.ExitStack() as mounted:
+        fs = mounted.enter_context(FaultFS.start(root, cfg.workdir / MOUNTS / scenario)) if driver else None
+        job = job_for(cfg, fs.mountpoint if fs else root, faults, hangs, driver)
+        monitor.start()
+        scene = Scene(cfg, run, tail, Watchdog(cfg, job, log), progress, fs)
+        try:
+            for fault in faults:
+                if driver is not None:
+                    run.storage = driver.drive(scene, fault)
+                else:
+                    _inject(scene, fault, job, log, hangs)
+            scene.wait(lambda: scene.dog.proc.poll() is not None, timeout=cfg.fault_timeout_s * 2)
+            run.exit_codes.append(scene.dog.wait(timeout=5))
+            tail.poll()
+        finally:
+            scene.dog.kill()
+            monitor.stop()
     run.digest = read_digest(root)
     run.latest_violations = monitor.violations
     run.latest_reads = monitor.reads
     run.events = read_events(events_path(root))
+    if run.storage is not None:
+        run.storage = storage.at_end(run.storage, root)
     return run
 
 
@@ -260,92 +396,45 @@ def switch_hang(f: Fault) -> switch.Hang:
     return switch.Hang(f.rank, f.at_step, switch.When.SAVE if f.kind in IN_SAVE else switch.When.STEP)
 
 
-def _wait_for(
-    cond: Callable[[], bool],
-    tail: MetricsTail,
-    timeout: float,
-    dog: Watchdog,
-    run: ScenarioRun,
-    progress: Callable[[str, ScenarioRun], None],
-) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        tail.poll()
-        progress("", run)  # a periodic status line; the callback throttles it
-        if cond():
-            return True
-        if dog.proc.poll() is not None:
-            tail.poll()
-            return cond()
-        time.sleep(POLL_S)
-    return False
-
-
-def _inject(
-    cfg: DrillConfig,
-    run: ScenarioRun,
-    fault: Fault,
-    dog: Watchdog,
-    tail: MetricsTail,
-    log: Path,
-    progress: Callable[[str, ScenarioRun], None],
-    slow_saves: bool,
-    hangs: switch.Switch | None,
-) -> Watchdog:
+def _inject(scene: Scene, fault: Fault, job: Job, log: Path, hangs: switch.Switch | None) -> None:
     """Wait for the fault's step, inject it (or, for a self-inflicted hang, wait until the trainer
-    says it blocked), and wait for the run to resume; return the watchdog now running (a new one
-    after corrupt-latest, which stops the job)."""
-
-    def wait(cond: Callable[[], bool]) -> bool:
-        return _wait_for(cond, tail, cfg.fault_timeout_s, dog, run, progress)
-
+    says it blocked), and wait for the run to resume; corrupt-latest stops the job and starts a new
+    watchdog (``scene.dog``)."""
+    run, tail = scene.run, scene.tail
     if fault.kind in SELF_INFLICTED:
         assert hangs is not None, "hang_switch() makes a switch for every self-inflicted hang"
-        blocked = _await_self_inflicted(run, fault, hangs, wait)
+        blocked = _await_self_inflicted(run, fault, hangs, scene.wait)
         if blocked is None:
-            return dog
+            return
         launch, t0, in_flight = blocked
     else:
-        if not wait(lambda: tail.last is not None and tail.last.step >= fault.at_step):
-            run.notes.append(f"not injected: the run never reached step {fault.at_step}")
-            return dog
-        if fault.kind == Kind.DURING_SAVE and not wait(
+        launch = scene.reach(fault)
+        if launch is None:
+            return
+        if fault.kind == Kind.DURING_SAVE and not scene.wait(
             lambda: inject.tmp_save_in_flight(run.root, fault.at_step)
         ):
-            run.notes.append(f"not injected: no async save of step >= {fault.at_step} was seen in flight")
-            return dog
-        launch = tail.last.launch if tail.last else ""
-        in_flight = inject.tmp_save_in_flight(run.root, 0)
+            scene.note(f"not injected: no async save of step >= {fault.at_step} was seen in flight")
+            return
+        in_flight = scene.save_in_flight()
         t0 = time.time()
         if fault.kind in (Kind.KILL9, Kind.DURING_SAVE, Kind.SIGSTOP):
-            sig = signal.SIGSTOP if fault.kind == Kind.SIGSTOP else signal.SIGKILL
-            pid = inject.signal_worker(run.root, fault.rank, launch, sig)
-            if pid is None:
-                run.notes.append(f"not injected: no heartbeat of rank {fault.rank} in launch {launch}")
-                return dog
-            run.notes.append(f"{fault.describe()}: sent {sig.name} to pid {pid} at step {tail.last.step}")
+            if not scene.kill(
+                fault, launch, signal.SIGSTOP if fault.kind == Kind.SIGSTOP else signal.SIGKILL
+            ):
+                return
         elif fault.kind == Kind.PREEMPT:
-            dog.signal(signal.SIGUSR1)
-            run.notes.append(f"{fault.describe()}: at step {tail.last.step}")
+            scene.dog.signal(signal.SIGUSR1)
+            scene.note(f"{fault.describe()}: at step {scene.step()}")
         else:
-            dog.signal(signal.SIGTERM)
-            run.exit_codes.append(dog.wait(timeout=cfg.fault_timeout_s))
+            scene.dog.signal(signal.SIGTERM)
+            run.exit_codes.append(scene.dog.wait(timeout=scene.cfg.fault_timeout_s))
             tail.poll()
             did = inject.corrupt_newest(run.root, fault.corruption)
-            run.notes.append(f"{fault.describe()}: job stopped at step {tail.last.step}; {did}")
-            dog = Watchdog(cfg, run.root, log, slow_saves, hangs)
-    run.injected.append(fault)
-    run.fault_times.append(t0)
-    run.save_in_flight.append(in_flight)
-    progress(f"injected {fault.kind.value}", run)
-    # A launch not seen before: the one the fault hit may not have logged a step yet when the
-    # trainer hung itself, so "a launch other than the last one seen" would be too early.
-    seen = {r.launch for r in tail.records} | {launch}
-    if not wait(lambda: tail.last is not None and tail.last.launch not in seen):
-        run.notes.append(f"no resumed step seen within {cfg.fault_timeout_s:.0f}s after {fault.kind.value}")
-    else:
-        progress(f"resumed at step {tail.last.step}", run)
-    return dog
+            scene.note(f"{fault.describe()}: job stopped at step {scene.step()}; {did}")
+            scene.dog = Watchdog(scene.cfg, job, log)
+    scene.struck(fault, t0, in_flight)
+    scene.await_resume(fault, launch)
 
 
 def _await_self_inflicted(

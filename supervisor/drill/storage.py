@@ -1,0 +1,254 @@
+"""Storage faults in the drill: the run dir on the fault filesystem (faultfs.py, mounted by the
+runner over the scenario's dir), and one small driver per fault kind that sets its rule, strikes,
+waits for the event that ends the fault, and records what it saw for the judge.
+
+The watchdog and the trainer see the run dir through the mount; the drill reads the backing dir
+(the truth on disk, past every rule), so its own reads neither meet nor use up a fault.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import itertools
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+from supervisor.drill.faultctl import fuse_unavailable
+from supervisor.drill.judge import StorageFacts
+from supervisor.drill.plan import DISK_FULL_FAILURES, STORAGE, Fault, Kind
+from supervisor.heartbeat import Phase, read_heartbeats
+from supervisor.layout import COMMITTED_GLOB, STEP_PREFIX, TMP_GLOB
+from supervisor.store import list_checkpoints, list_quarantined, list_tmp
+
+if TYPE_CHECKING:
+    from supervisor.drill.runner import DrillConfig, Scene
+
+# io-error: this many reads of committed checkpoint files fail (a count, not a time window: they
+# land on the resume whenever it comes, and the count shows they did).
+EIO_READS = 3
+# Faults that strike a running job wait for this many committed checkpoints: one to resume from,
+# one to fall back to.
+MIN_COMMITTED = 2
+# slow-storage: the throttle lets the newest checkpoint be read once in this many seconds (the
+# resume reads it about three times: the watchdog's deep pick, the trainer's verify and its load)...
+SLOW_READ_S = 6.0
+# ... against these phase timeouts for the watchdog (--verify-timeout, --load-timeout): above a
+# rank's heartbeat gap (a beat per second, a 64 KiB chunk at its share of the throttle, the
+# watchdog's 0.5 s poll), well below the phases themselves.
+SLOW_TIMEOUT_S = 4.0
+IO_PHASES = (Phase.VERIFY, Phase.LOAD)
+
+
+def unavailable() -> str | None:
+    """Why the storage scenarios cannot run here (they are then skipped), or None."""
+    why = fuse_unavailable()
+    if why is None and importlib.util.find_spec("mfusepy") is None:
+        why = "the Python package mfusepy is missing: pip install -e '.[drill]'"
+    return why
+
+
+def at_end(facts: StorageFacts, root: Path) -> StorageFacts:
+    """``facts`` with what the run dir holds at the end: quarantined checkpoints, tmp dirs left."""
+    return dataclasses.replace(
+        facts,
+        quarantined=tuple(q.path.name for q in list_quarantined(root)),
+        tmp_left=tuple(t.path.name for t in list_tmp(root)),
+    )
+
+
+def committed_steps(root: Path) -> tuple[int, ...]:
+    return tuple(sorted(c.step for c in list_checkpoints(root)))
+
+
+def checkpoint_bytes(root: Path) -> int:
+    """Size of the newest committed checkpoint (0 when there is none)."""
+    newest = next(iter(list_checkpoints(root)), None)
+    if newest is None:
+        return 0
+    return sum(e.stat().st_size for e in os.scandir(newest.path) if e.is_file())
+
+
+class StorageDriver:
+    """One storage fault kind: the job's extra flags, and ``drive`` (strike, wait, record)."""
+
+    kind: ClassVar[Kind]
+
+    def job_args(self, cfg: DrillConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Extra flags for the watchdog and for the trainer."""
+        return (), ()
+
+    def drive(self, scene: Scene, fault: Fault) -> StorageFacts | None:
+        """Inject the fault into the running scene and wait until it is over; None: not injected."""
+        raise NotImplementedError
+
+
+class IoError(StorageDriver):
+    """EIO on the next reads of committed checkpoint files, then kill -9 a rank: the resume's pick
+    (the watchdog's, then the trainer's) meets the errors and must retry, not quarantine."""
+
+    kind = Kind.IO_ERROR
+
+    def drive(self, scene: Scene, fault: Fault) -> StorageFacts | None:
+        assert scene.fs is not None
+        launch = scene.reach(fault, MIN_COMMITTED)
+        if launch is None:
+            return None
+        rule = scene.fs.fail(f"/{COMMITTED_GLOB}/*", "EIO", ops=["read"], count=EIO_READS)
+        t0, in_flight = time.time(), scene.save_in_flight()
+        scene.note(
+            f"EIO set on the next {EIO_READS} reads of committed checkpoint files "
+            f"(committed: steps {', '.join(map(str, committed_steps(scene.root)))})"
+        )
+        if not scene.kill(fault, launch):
+            scene.fs.clear(rule)
+            return None
+        scene.struck(fault, t0, in_flight)
+        scene.await_resume(fault, launch)
+        hits = scene.fs.hits(rule)
+        scene.note(f"the EIO rule fired {hits} time(s) of {EIO_READS}")
+        return StorageFacts(rule_hits=hits)
+
+
+class DiskFull(StorageDriver):
+    """ENOSPC on every write into a checkpoint tmp dir until the heartbeats report
+    DISK_FULL_FAILURES failed saves in a row (an event, not a time), then space again. The job must
+    ride it out in the same launch.
+
+    Only checkpoint writes fail: heartbeats, metrics and the watchdog's own files on a truly full
+    disk are tested with a real full tmpfs (tests/test_watch_faults.py, tests/test_train_storage.py).
+    The trainer's give-up policy is set out of reach, so how soon the drill frees the disk cannot
+    turn into a relaunch (the policy has tests of its own)."""
+
+    kind = Kind.DISK_FULL
+
+    def job_args(self, cfg: DrillConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        return (), ("--max-failed-saves", str(cfg.steps // cfg.save_every + 1))
+
+    def drive(self, scene: Scene, fault: Fault) -> StorageFacts | None:
+        assert scene.fs is not None
+        launch = scene.reach(fault)
+        if launch is None:
+            return None
+        before = committed_steps(scene.root)
+        t0, in_flight = time.time(), scene.save_in_flight()
+        rule = scene.fs.fail(f"/{TMP_GLOB}/*", "ENOSPC", ops=["write"])
+        scene.note(f"{fault.describe()}: set at step {scene.step()}")
+        scene.struck(fault, t0, in_flight)
+
+        def failures() -> int:
+            beats = (s.heartbeat for s in read_heartbeats(scene.root))
+            return max((hb.save_failures for hb in beats if hb and hb.launch_id == launch), default=0)
+
+        reported = scene.wait(lambda: failures() >= DISK_FULL_FAILURES)
+        after, hits, seen = committed_steps(scene.root), scene.fs.hits(rule), failures()
+        scene.fs.clear(rule)
+        scene.note(
+            f"space again at step {scene.step()}: the heartbeats reported {seen} failed save(s) in a row"
+            + ("" if reported else f" (waited for {DISK_FULL_FAILURES} in vain)")
+            + f"; {hits} write(s) failed with ENOSPC"
+        )
+        return StorageFacts(rule_hits=hits, committed_before=before, committed_after=after)
+
+
+class SlowStorage(StorageDriver):
+    """Checkpoint reads and writes throttled so that the newest checkpoint takes SLOW_READ_S to read
+    once, then kill -9 a rank: the resume's verify and load run for several times their timeouts
+    (SLOW_TIMEOUT_S, passed to the watchdog) and must not be taken for a hang, since they progress.
+    The throttle is lifted at the first resumed step."""
+
+    kind = Kind.SLOW_STORAGE
+
+    def job_args(self, cfg: DrillConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        t = f"{SLOW_TIMEOUT_S:g}"
+        return ("--verify-timeout", t, "--load-timeout", t), ()
+
+    def drive(self, scene: Scene, fault: Fault) -> StorageFacts | None:
+        assert scene.fs is not None
+        launch = scene.reach(fault, MIN_COMMITTED)
+        if launch is None:
+            return None
+        size = checkpoint_bytes(scene.root)
+        rate = max(size / SLOW_READ_S, 1.0)
+        rule = scene.fs.throttle(f"/{STEP_PREFIX}*", rate)
+        t0, in_flight = time.time(), scene.save_in_flight()
+        scene.note(
+            f"checkpoint reads and writes throttled to {rate / 1024:.0f} KiB/s "
+            f"(the newest checkpoint, {size / 1024:.0f} KiB, in {SLOW_READ_S:g}s)"
+        )
+        if not scene.kill(fault, launch):
+            scene.fs.clear(rule)
+            return None
+        scene.struck(fault, t0, in_flight)
+        clock = PhaseClock(scene.root, launch)
+        scene.await_resume(fault, launch, observe=clock.poll)
+        clock.poll()
+        hits = scene.fs.hits(rule)
+        scene.fs.clear(rule)
+        verify_s, load_s = clock.time_in(Phase.VERIFY), clock.time_in(Phase.LOAD)
+        scene.note(
+            f"the resumed launch's verify took {_secs(verify_s)} and its load {_secs(load_s)} (the slowest "
+            f"rank), a rank's "
+            f"heartbeats at most {clock.gap:.1f}s apart (--verify-timeout/--load-timeout {SLOW_TIMEOUT_S:g}s); "
+            f"{hits} reads and writes throttled; lifted at the first resumed step"
+        )
+        return StorageFacts(
+            rule_hits=hits, verify_s=verify_s, load_s=load_s, beat_gap_s=clock.gap, timeout_s=SLOW_TIMEOUT_S
+        )
+
+
+class PhaseClock:
+    """The phases of the launch after ``old_launch`` as its ranks' heartbeats tell them, read while
+    it runs (the files are overwritten as it goes): when each rank entered each phase, and the
+    largest gap between two beats of a rank held to the verify or load timeout."""
+
+    def __init__(self, root: Path, old_launch: str) -> None:
+        self.root, self.old_launch = root, old_launch
+        self.stretches: dict[int, list[tuple[Phase, float]]] = {}  # rank -> (phase, first beat in it)
+        self.gap = 0.0
+        self._last: dict[int, float] = {}  # rank -> its last beat, while in verify or load
+
+    def poll(self) -> None:
+        for snap in read_heartbeats(self.root):
+            hb = snap.heartbeat
+            if hb is None or not hb.launch_id or hb.launch_id == self.old_launch:
+                continue
+            seen = self.stretches.setdefault(hb.rank, [])
+            if not seen or seen[-1][0] != hb.phase:
+                seen.append((hb.phase, hb.wall_time))
+            # A beat that leaves verify or load still closes a gap judged by their timeouts.
+            if hb.phase in IO_PHASES or hb.rank in self._last:
+                self.gap = max(self.gap, hb.wall_time - self._last.get(hb.rank, hb.wall_time))
+                self._last[hb.rank] = hb.wall_time
+            if hb.phase not in IO_PHASES:
+                self._last.pop(hb.rank, None)
+
+    def time_in(self, phase: Phase) -> float | None:
+        """The longest a rank spent in ``phase`` (None: no rank was seen to leave it)."""
+        per_rank = [
+            [b[1] - a[1] for a, b in itertools.pairwise(seen) if a[0] == phase]
+            for seen in self.stretches.values()
+        ]
+        return max((sum(spans) for spans in per_rank if spans), default=None)
+
+
+def _secs(s: float | None) -> str:
+    return "?" if s is None else f"{s:.1f}s"
+
+
+DRIVERS: dict[Kind, type[StorageDriver]] = {d.kind: d for d in (IoError, DiskFull, SlowStorage)}
+assert set(DRIVERS) == set(STORAGE), "a driver for every storage fault kind"
+
+
+def driver_for(faults: list[Fault]) -> StorageDriver | None:
+    """The driver of a storage scenario (its one fault), or None for any other scenario."""
+    kinds = {f.kind for f in faults if f.kind in DRIVERS}
+    if not kinds:
+        return None
+    if len(faults) != 1:
+        raise ValueError(
+            f"a storage scenario injects one fault, not {', '.join(f.kind.value for f in faults)}"
+        )
+    return DRIVERS[faults[0].kind]()
