@@ -161,8 +161,18 @@ def init_distributed() -> Dist:
     """The process group, and this rank's device: ``devices.device_index`` (LOCAL_RANK when every
     local rank has its own visible GPU, device 0 when the process sees exactly one)."""
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    # Started without torchrun (no RANK/WORLD_SIZE): one process, its group on an in-memory store,
+    # rather than env://'s traceback about MASTER_ADDR.
+    alone = {} if "WORLD_SIZE" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+    if alone:
+        print(
+            "train_ref: not started by torchrun: running as one process (world size 1); for N ranks: "
+            "torchrun --nproc-per-node=N -m train_ref.train ...",
+            file=sys.stderr,
+            flush=True,
+        )
     if not torch.cuda.is_available():
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", **alone)
         return Dist(rank, local, dist.get_world_size(), torch.device("cpu"))
     problem = ""
     try:
@@ -175,7 +185,7 @@ def init_distributed() -> Dist:
         torch.cuda.set_device(index)
     except DeviceError as e:  # every rank of the node sees the same counts: all refuse alike
         index, problem = 0, str(e)
-    dist.init_process_group("cpu:gloo,cuda:nccl")
+    dist.init_process_group("cpu:gloo,cuda:nccl", **alone)
     return Dist(rank, local, dist.get_world_size(), torch.device("cuda", index), problem)
 
 
