@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         verdicts.append(v)
     report = workdir / "report.md"
     png = workdir / "loss.png"
-    plot(png, golden, runs, verdicts)
+    plot_line = plot(png, golden, runs, verdicts)
     settings = (
         f"seed {args.seed}, {args.ranks} ranks ({args.parallel}), {args.steps} steps, save every "
         f"{args.save_every}, hang timeout {args.hang_timeout:g}s; replay with `python -m supervisor drill "
@@ -180,13 +180,13 @@ def run(args: argparse.Namespace) -> int:
         golden_digest=golden_digest,
         runs=runs,
         verdicts=verdicts,
-        plot_name=png.name,
+        plot_line=plot_line,
     )
     print(verdict_table(verdicts))
     ok = all(v.ok for v in verdicts)
     print(
         f"\n{': '.join(summary(verdicts))} in {human_duration(time.monotonic() - started)}. Report: {report} "
-        f"(plot: {png})"
+        + (f"(plot: {png})" if png.exists() else "(no plot: matplotlib is not installed)")
     )
     if not ok:
         for v in verdicts:

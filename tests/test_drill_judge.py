@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 from dataclasses import replace
 
 import pytest
 from store_helpers import make_ckpt
 
 from supervisor import store
+from supervisor.drill import report
 from supervisor.drill.judge import StepRecord, StorageFacts, Verdict, find_resumes, judge
 from supervisor.drill.plan import (
     CHAOS,
@@ -538,3 +540,13 @@ def test_what_the_run_dir_holds_at_the_end_goes_to_the_storage_checks(tmp_path):
     assert facts.rule_hits == 3 and facts.tmp_left == (tmp.name,)
     (q,) = facts.quarantined
     assert q.startswith("step_00000020-")
+
+
+def test_the_report_says_why_there_is_no_plot_without_matplotlib(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    line = report.plot(tmp_path / "loss.png", [], [], [])
+    assert "matplotlib is not installed" in line and not (tmp_path / "loss.png").exists()
+    report.write_report(
+        tmp_path / "report.md", settings="s", golden_digest="0" * 64, runs=[], verdicts=[], plot_line=line
+    )
+    assert line in (tmp_path / "report.md").read_text()

@@ -170,7 +170,12 @@ def test_unusable_remote_url_errors_are_redacted(url: str) -> None:
 def test_drill_report_is_redacted(tmp_path: Path) -> None:
     report = tmp_path / "report.md"
     write_report(
-        report, settings=f"--remote {URL}", golden_digest="0" * 64, runs=[], verdicts=[], plot_name="p.png"
+        report,
+        settings=f"--remote {URL}",
+        golden_digest="0" * 64,
+        runs=[],
+        verdicts=[],
+        plot_line="![loss curves](p.png)",
     )
     assert leaks(report.read_text()) == [] and "s3://REDACTED@bucket/run" in report.read_text()
 

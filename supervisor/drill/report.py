@@ -104,10 +104,15 @@ def _md_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 
 def plot(
     path: Path, golden: Sequence[StepRecord], runs: Sequence[ScenarioRun], verdicts: Sequence[Verdict]
-) -> None:
+) -> str:
     """One panel per scenario: golden loss as a thick line, the drill's as dots on top (each launch
-    its own colour), faults as red dashed lines, resumes as green dotted lines."""
-    import matplotlib
+    its own colour), faults as red dashed lines, resumes as green dotted lines. Returns the
+    report's line for it: the image, or why there is none (matplotlib is optional: the verdict
+    does not need it)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return "No loss plot: matplotlib is not installed (`pip install matplotlib`, or the `drill` extra)."
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -146,6 +151,7 @@ def plot(
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return f"![loss curves]({path.name})"
 
 
 def write_report(
@@ -155,7 +161,7 @@ def write_report(
     golden_digest: str,
     runs: Sequence[ScenarioRun],
     verdicts: Sequence[Verdict],
-    plot_name: str,
+    plot_line: str,
 ) -> None:
     verdict, counts = summary(verdicts)
     parts = [
@@ -169,7 +175,7 @@ def write_report(
         "",
         _md_table(("scenario", "result", "check", "detail"), verdict_rows(verdicts, fail="**FAIL**")),
         "",
-        f"![loss curves]({plot_name})",
+        plot_line,
         "",
     ]
     for run, v in zip(runs, [v for v in verdicts if not v.skipped], strict=True):
