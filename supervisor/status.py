@@ -29,6 +29,10 @@ _SEVERITY = (events.FAILED, events.STOPPED, events.REQUEUED, events.RESTARTING, 
 RECENT_LAUNCHES = 10
 
 
+# `status --json`'s layout: raised when a field changes meaning or goes away (new fields do not).
+STATUS_SCHEMA = 1
+
+
 @dataclass(frozen=True)
 class NodeRow:
     node: int
@@ -109,7 +113,7 @@ class StatusReport:
 
     def to_dict(self) -> dict[str, Any]:
         """Shallow per row: ``dataclasses.asdict`` deep-copies and costs 10x on 4096 ranks."""
-        d = dict(self.__dict__)
+        d = {"schema": STATUS_SCHEMA, **self.__dict__}
         for key in ("nodes", "launches", "ranks", "checkpoints", "quarantined"):
             d[key] = [row.__dict__ for row in d[key]]
         d["in_progress"] = list(self.in_progress)

@@ -27,7 +27,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ckpt-root", required=True, type=Path, help="the run's checkpoint root")
     p.add_argument("--json", action="store_true", help="one JSON object (every rank listed)")
     p.add_argument(
-        "--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS", help="refresh in place"
+        "--watch",
+        nargs="?",
+        type=float,
+        const=2.0,
+        default=None,
+        metavar="SECONDS",
+        help="refresh every SECONDS (2): in place on a terminal, appended otherwise",
     )
     p.set_defaults(func=run)
 
@@ -46,8 +52,8 @@ def _run(args: argparse.Namespace) -> None:
         return
     while True:
         report = build_report(args.ckpt_root)
-        if not args.json:
-            sys.stdout.write(CLEAR)
+        if not args.json:  # redraw in place on a terminal; into a file or pipe, one after another
+            sys.stdout.write(CLEAR if sys.stdout.isatty() else f"--- {time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
         _show(report, args.json)
         sys.stdout.flush()
         time.sleep(max(args.watch, 0.2))

@@ -18,7 +18,7 @@ from supervisor.events import RunState, write_state
 from supervisor.heartbeat import Heartbeat, Phase, write_heartbeat
 from supervisor.layout import RunDir
 from supervisor.policy import LaunchRecord, Outcome
-from supervisor.status import build_report
+from supervisor.status import STATUS_SCHEMA, build_report
 from supervisor.status_cmd import render
 
 REPO = Path(__file__).resolve().parent.parent
@@ -196,7 +196,12 @@ def test_cli_json_and_table(run_dir: Path):
     p = cli("--ckpt-root", str(run_dir), "--json")
     assert p.returncode == 0, p.stderr
     d = json.loads(p.stdout)
-    assert d["state"] == "running" and len(d["ranks"]) == 5 and len(d["checkpoints"]) == 2
+    assert (
+        d["schema"] == STATUS_SCHEMA
+        and d["state"] == "running"
+        and len(d["ranks"]) == 5
+        and len(d["checkpoints"]) == 2
+    )
     p = cli("--ckpt-root", str(run_dir))
     assert p.returncode == 0 and "checkpoints:" in p.stdout
 
@@ -225,5 +230,10 @@ def test_cli_watch_refreshes_until_interrupted(run_dir: Path):
         out += p.stdout.readline()
     p.send_signal(signal.SIGINT)
     p.communicate(timeout=30)
-    assert out.count("checkpoints:") >= 2 and "\x1b[2J" in out
+    # Into a pipe: each refresh appended under a time line, no terminal escapes.
+    assert (
+        out.count("checkpoints:") >= 2
+        and "\x1b" not in out
+        and out.count("\n--- ") + out.startswith("--- ") >= 2
+    )
     assert p.returncode == 130
