@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from supervisor.exitcodes import Exit
@@ -22,8 +23,34 @@ COMMANDS = {
 }
 
 
+class _DefaultsFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every option's help ends with its default, unless it says it already (or has none)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if not action.option_strings or default in (None, False, argparse.SUPPRESS) or "%(default)" in text:
+            return text
+        shown = str(default)
+        return text if shown in text else f"{text} (default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """Subcommand parsers are made of this class too (argparse uses the parent's type)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("formatter_class", _DefaultsFormatter)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+
+def program_name(argv0: str) -> str:
+    """``python -m supervisor`` or the console script's own name, whichever the user typed."""
+    name = os.path.basename(argv0)
+    return "python -m supervisor" if name in ("__main__.py", "") else name
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m supervisor", description=__doc__)
+    p = _Parser(prog=program_name(sys.argv[0]), description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     for name, module in COMMANDS.items():
         if only in (None, name):

@@ -228,3 +228,14 @@ def test_cli_never_imports_torch(root200: Path) -> None:
     }
     assert "supervisor.store" in imported  # the probe sees our own imports
     assert not {m for m in imported if m == "torch" or m.startswith("torch.")}
+
+
+def test_help_shows_each_default_once_and_the_program_name_typed():
+    from supervisor.cli import build_parser, program_name
+
+    assert program_name("/usr/bin/resumable-supervisor") == "resumable-supervisor"
+    assert program_name("/x/supervisor/__main__.py") == "python -m supervisor"
+    watch = build_parser("watch")._subparsers._group_actions[0].choices["watch"]
+    text = " ".join(watch.format_help().split())
+    assert "(default: 120.0)" in text  # --hang-timeout: no default in its own words
+    assert "(default: quick)" in text and "(default: quick) (default" not in text  # said once
