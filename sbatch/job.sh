@@ -20,17 +20,19 @@
 #   RDZV_PORT        c10d rendezvous port              default: 20000 + (job id mod 10000)
 #   TORCHRUN_OPTS    more torchrun options (e.g. --max-restarts=3 --local-addr=...)   default: none
 #   WATCH_OPTS       more watchdog options (python -m supervisor watch --help)        default: none
-#   MAX_REQUEUES     requeues this job may do (after exit 13 or 14); counted in
-#                    RUN_DIR/supervisor/slurm.json, or by SLURM when that cannot be read  default: 10
+#   MAX_PREEMPT_REQUEUES  requeues after a preemption or time-limit checkpoint (exit 13)  default: 100
+#   MAX_REQUEUES     requeues after a failure (storage unavailable, exit 14)          default: 10
+#                    both counted in RUN_DIR/supervisor/slurm.json (shown by `supervisor status`),
+#                    or by SLURM when that cannot be read
 #   NOTICE_REPEAT_S  repeat a notice to the nodes every N s until they are done      default: 30
 #
 # Preemption and time limit: SLURM sends SIGUSR1 to this shell (--signal=B:USR1@SECONDS before the
 # limit; keep B: and USR1, change the seconds to cover one checkpoint; or scancel --signal=USR1
 # --batch JOBID). The trap only notes it; the loop forwards it to the watchdogs, which tell the
 # ranks; they checkpoint at the next step boundary and exit 75; the watchdogs exit 13; this script
-# then runs `scontrol requeue` once (while MAX_REQUEUES lasts) and exits. Storage that stayed
+# then runs `scontrol requeue` once (while MAX_PREEMPT_REQUEUES lasts) and exits. Storage that stayed
 # unavailable past the watchdog's retries (exit 14: committed checkpoints intact) requeues the same
-# way, against the same MAX_REQUEUES. A finished run (0) and a non-retryable failure (12) end the
+# way, against MAX_REQUEUES instead. A finished run (0) and a non-retryable failure (12) end the
 # job without a requeue.
 #
 #SBATCH --job-name=resumable
@@ -51,10 +53,10 @@ set -uo pipefail
 : "${NPROC_PER_NODE:=${SLURM_GPUS_ON_NODE:-1}}"
 : "${NNODES:=${SLURM_JOB_NUM_NODES:-1}}"
 : "${RDZV_HOST:=}" "${RDZV_PORT:=}" "${TORCHRUN_OPTS:=}" "${WATCH_OPTS:=}"
-: "${MAX_REQUEUES:=10}"
+: "${MAX_PREEMPT_REQUEUES:=100}" "${MAX_REQUEUES:=10}"
 : "${NOTICE_REPEAT_S:=30}"
 export RUN_DIR PYTHON TRAIN_ARGS CKPT_FLAG NPROC_PER_NODE NNODES RDZV_HOST RDZV_PORT TORCHRUN_OPTS \
-  WATCH_OPTS MAX_REQUEUES
+  WATCH_OPTS MAX_PREEMPT_REQUEUES MAX_REQUEUES
 
 case "$NOTICE_REPEAT_S" in '' | *[!0-9]*)
   echo "job.sh: NOTICE_REPEAT_S='$NOTICE_REPEAT_S': set a whole number of seconds" >&2

@@ -23,10 +23,10 @@ from typing import Any
 
 from supervisor.exitcodes import Exit
 from supervisor.fsutil import atomic_write_json
-from supervisor.layout import RunDir
+from supervisor.layout import SLURM_REQUEUE, RunDir
 
-REQUEUE_FILE = "slurm.json"
-REQUEUE_VERSION = 1
+REQUEUE_FILE = SLURM_REQUEUE
+REQUEUE_VERSION = 2  # 2: separate preemption and failure counts (1 is read too)
 KEEP_HISTORY = 50
 # Default rendezvous port: BASE + job id mod SPAN, below Linux's ephemeral range (32768+), so two
 # jobs sharing a node rarely pick the same port.
@@ -86,7 +86,8 @@ class Knobs:
     rdzv_port: int | None
     torchrun_opts: tuple[str, ...]
     watch_opts: tuple[str, ...]
-    max_requeues: int
+    max_requeues: int  # requeues after a failure (storage unavailable, exit 14)
+    max_preempt_requeues: int  # requeues after a preemption or time-limit checkpoint (exit 13)
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str], argv: Sequence[str] = ()) -> Knobs:
@@ -97,9 +98,8 @@ class Knobs:
             raise SlurmError(
                 "RUN_DIR is not set: export RUN_DIR=/path/to/checkpoint/root (sbatch/job.sh sets a default)"
             )
-        max_requeues = _env_int(env, "MAX_REQUEUES", -1)
-        if max_requeues < 0:
-            raise SlurmError(f"MAX_REQUEUES={env.get('MAX_REQUEUES', '')!r}: set it to a whole number >= 0")
+        max_requeues = _budget(env, "MAX_REQUEUES")
+        max_preempt = _budget(env, "MAX_PREEMPT_REQUEUES")
         port = env.get("RDZV_PORT", "")
         train = tuple(argv) or _split(env, "TRAIN_ARGS")
         if not train:
@@ -119,6 +119,7 @@ class Knobs:
             torchrun_opts=_split(env, "TORCHRUN_OPTS"),
             watch_opts=_split(env, "WATCH_OPTS"),
             max_requeues=max_requeues,
+            max_preempt_requeues=max_preempt,
         )
         check_nnodes(knobs.nnodes)
         return knobs
@@ -132,6 +133,15 @@ def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
         return int(raw)
     except ValueError:
         raise SlurmError(f"{name}={raw!r} is not a whole number") from None
+
+
+def _budget(env: Mapping[str, str], name: str) -> int:
+    n = _env_int(env, name, -1)
+    if n < 0:
+        raise SlurmError(
+            f"{name}={env.get(name, '')!r}: set it to a whole number >= 0 (sbatch/job.sh sets a default)"
+        )
+    return n
 
 
 def _split(env: Mapping[str, str], name: str) -> tuple[str, ...]:
@@ -280,13 +290,6 @@ def launch_command(knobs: Knobs, rdzv: Rendezvous) -> list[str]:
 # ---------------------------------------------------------------- requeue decision and budget
 
 
-@dataclass(frozen=True)
-class Decision:
-    requeue: bool
-    exit_code: int
-    reason: str
-
-
 _NO_REQUEUE: dict[int, str] = {
     Exit.CHILD_NONRETRYABLE: "non-retryable failure: a rerun would fail the same way",
     Exit.BUDGET_EXHAUSTED: "the watchdog's restart budget ran out inside this allocation",
@@ -294,31 +297,64 @@ _NO_REQUEUE: dict[int, str] = {
     Exit.USAGE: "bad usage or input (see the lines above)",
 }
 
+PREEMPT = "preempt"
+FAILURE = "failure"
+# The knob that sets each budget, for the "raise it" hint.
+BUDGET_KNOB = {PREEMPT: "MAX_PREEMPT_REQUEUES", FAILURE: "MAX_REQUEUES"}
 
-# Watchdog exits that requeue the job, while the requeue budget lasts, and why.
-_REQUEUE: dict[int, str] = {
-    Exit.REQUEUE_REQUESTED: "checkpointed after a preemption or time-limit notice",
+
+@dataclass(frozen=True)
+class Budgets:
+    """Requeues used, or allowed, per kind: a preemptible job is preempted dozens of times and must
+    not run out for that, while one that keeps failing must stop."""
+
+    preempt: int = 0
+    failure: int = 0
+
+    def of(self, kind: str) -> int:
+        return self.preempt if kind == PREEMPT else self.failure
+
+    def plus_one(self, kind: str) -> Budgets:
+        return replace(self, **{kind: self.of(kind) + 1})
+
+
+# Watchdog exits that requeue the job while their budget lasts: which budget, and why.
+_REQUEUE: dict[int, tuple[str, str]] = {
+    Exit.REQUEUE_REQUESTED: (PREEMPT, "checkpointed after a preemption or time-limit notice"),
     Exit.STORAGE_UNAVAILABLE: (
+        FAILURE,
         "storage unavailable past the watchdog's retries (committed checkpoints intact); "
-        "another allocation may see it back"
+        "another allocation may see it back",
     ),
 }
 
 
-def decide(exit_code: int, requeues_used: int, max_requeues: int) -> Decision:
-    """What the job does once its watchdogs are done: a preemption checkpoint (exit 13) or
-    storage that stayed unavailable (14) requeues, and only while the budget lasts."""
+@dataclass(frozen=True)
+class Decision:
+    requeue: bool
+    exit_code: int
+    reason: str
+    kind: str = ""  # the budget a requeue counts against (PREEMPT or FAILURE)
+
+
+def decide(exit_code: int, used: Budgets, limits: Budgets) -> Decision:
+    """What the job does once its watchdogs are done: a preemption checkpoint (exit 13) requeues
+    against the preemption budget, storage that stayed unavailable (14) against the failure
+    budget; anything else ends the job."""
     if exit_code == Exit.OK:
         return Decision(False, Exit.OK, "run finished")
-    why = _REQUEUE.get(exit_code)
-    if why is not None:
-        if requeues_used < max_requeues:
-            return Decision(True, Exit.OK, f"{why}; requeue {requeues_used + 1} of {max_requeues}")
+    if exit_code in _REQUEUE:
+        kind, why = _REQUEUE[exit_code]
+        n, limit = used.of(kind), limits.of(kind)
+        label = "preemption" if kind == PREEMPT else "failure"
+        if n < limit:
+            return Decision(True, Exit.OK, f"{why}; {label} requeue {n + 1} of {limit}", kind)
         return Decision(
             False,
             exit_code,
-            f"{why}, but the requeue budget is used up ({requeues_used} of {max_requeues}); "
-            "resubmit, or raise MAX_REQUEUES",
+            f"{why}, but the {label} requeue budget is used up ({n} of {limit}); "
+            f"resubmit, or raise {BUDGET_KNOB[kind]}",
+            kind,
         )
     known = _NO_REQUEUE.get(exit_code)
     what = f"{known} (watchdog exit {exit_code})" if known else f"failed with exit code {exit_code}"
@@ -327,19 +363,44 @@ def decide(exit_code: int, requeues_used: int, max_requeues: int) -> Decision:
 
 @dataclass(frozen=True)
 class RequeueState:
-    """``ROOT/supervisor/slurm.json``: this job's requeues so far, so the budget survives them.
-    A different job id (a fresh ``sbatch``) starts a fresh budget."""
+    """``ROOT/supervisor/slurm.json``: this job's requeues so far, per budget, so the budgets
+    survive them. A different job id (a fresh ``sbatch``) starts fresh budgets."""
 
     job_id: str
-    requeues: int = 0
+    preempt_requeues: int = 0
+    failure_requeues: int = 0
+    max_preempt_requeues: int = 0
     max_requeues: int = 0
     restart_count: int = 0
     history: tuple[dict[str, Any], ...] = field(default=())
     version: int = REQUEUE_VERSION
 
+    @property
+    def used(self) -> Budgets:
+        return Budgets(self.preempt_requeues, self.failure_requeues)
+
+    @property
+    def limits(self) -> Budgets:
+        return Budgets(self.max_preempt_requeues, self.max_requeues)
+
+    def counted(self, kind: str) -> RequeueState:
+        used = self.used.plus_one(kind)
+        return replace(self, preempt_requeues=used.preempt, failure_requeues=used.failure)
+
+    def with_limits(self, limits: Budgets) -> RequeueState:
+        return replace(self, max_preempt_requeues=limits.preempt, max_requeues=limits.failure)
+
     def with_event(self, event: str, **fields: Any) -> RequeueState:
         entry = {"time": round(time.time(), 3), "event": event, "job_id": self.job_id, **fields}
         return replace(self, history=(*self.history, entry)[-KEEP_HISTORY:])
+
+
+def budget_line(state: RequeueState) -> str:
+    """Both budgets in one line, for the job log and ``supervisor status``."""
+    return (
+        f"requeues used: preemption {state.preempt_requeues} of {state.max_preempt_requeues}, "
+        f"failure {state.failure_requeues} of {state.max_requeues}"
+    )
 
 
 def requeue_path(root: str | Path) -> Path:
@@ -347,45 +408,75 @@ def requeue_path(root: str | Path) -> Path:
 
 
 def parse_requeue_state(d: Any) -> RequeueState:
+    """Version 2, or version 1 (one ``requeues`` count for both kinds): its requeues after exit 13
+    found in the history count as preemptions, the rest as failures."""
     if not isinstance(d, dict):
         raise ValueError("not a JSON object")
     try:
+        job_id = str(d["job_id"])
+        history = tuple(d.get("history", ()))
+        if "preempt_requeues" in d:
+            preempt, failure = int(d["preempt_requeues"]), int(d["failure_requeues"])
+        else:
+            total = int(d["requeues"])
+            preempt = min(total, sum(_is_preempt_requeue(h, job_id) for h in history))
+            failure = total - preempt
         return RequeueState(
-            job_id=str(d["job_id"]),
-            requeues=int(d["requeues"]),
+            job_id=job_id,
+            preempt_requeues=preempt,
+            failure_requeues=failure,
+            max_preempt_requeues=int(d.get("max_preempt_requeues", 0)),
             max_requeues=int(d.get("max_requeues", 0)),
             restart_count=int(d.get("restart_count", 0)),
-            history=tuple(d.get("history", ())),
+            history=history,
             version=int(d.get("version", REQUEUE_VERSION)),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"bad field ({e})") from None
 
 
-def load_requeue_state(root: str | Path, job: JobEnv, max_requeues: int) -> tuple[RequeueState, str]:
+def _is_preempt_requeue(h: Any, job_id: str) -> bool:
+    return (
+        isinstance(h, dict)
+        and h.get("event") == "requeue"
+        and str(h.get("job_id")) == job_id
+        and h.get("exit_code") == Exit.REQUEUE_REQUESTED
+    )
+
+
+def read_requeue_state(root: str | Path) -> RequeueState | None:
+    """The file as it is (None when there is none); ValueError or OSError when it cannot be used."""
+    try:
+        return parse_requeue_state(json.loads(requeue_path(root).read_text()))
+    except FileNotFoundError:
+        return None
+
+
+def load_requeue_state(root: str | Path, job: JobEnv, limits: Budgets) -> tuple[RequeueState, str]:
     """This job's state, and a note for the log when the file was garbage (kept as ``.bad``),
-    could not be read (the storage failed: SLURM's own restart count stands in for the count,
+    could not be read (the storage failed: SLURM's own restart count stands in for each count,
     an upper bound of this script's requeues), or belonged to another job."""
     path = requeue_path(root)
-    fresh = RequeueState(job_id=job.job_id, max_requeues=max_requeues, restart_count=job.restart_count)
+    fresh = RequeueState(job_id=job.job_id, restart_count=job.restart_count).with_limits(limits)
     try:
-        prev = parse_requeue_state(json.loads(path.read_text()))
-    except FileNotFoundError:
-        return fresh, ""
+        prev = read_requeue_state(root)
     except OSError as e:
         note = f"{path} cannot be read ({e}); counting SLURM's restarts of this job ({job.restart_count}) instead"
-        return replace(fresh, requeues=job.restart_count), note
+        n = job.restart_count
+        return replace(fresh, preempt_requeues=n, failure_requeues=n), note
     except ValueError as e:
         bad = path.with_name(path.name + ".bad")
         os.replace(path, bad)
-        return fresh, f"{path} was unreadable ({e}); kept as {bad.name}, the requeue count starts over"
+        return fresh, f"{path} was unreadable ({e}); kept as {bad.name}, the requeue counts start over"
+    if prev is None:
+        return fresh, ""
     if prev.job_id != job.job_id:
         note = (
-            f"{path.name} counted job {prev.job_id}'s {prev.requeues} requeues; "
-            f"job {job.job_id} starts a fresh budget"
+            f"{path.name} counted job {prev.job_id}'s requeues ({budget_line(prev)}); "
+            f"job {job.job_id} starts fresh budgets"
         )
         return replace(fresh, history=prev.history), note
-    return replace(prev, max_requeues=max_requeues, restart_count=job.restart_count), ""
+    return replace(prev, restart_count=job.restart_count, version=REQUEUE_VERSION).with_limits(limits), ""
 
 
 def save_requeue_state(root: str | Path, state: RequeueState) -> None:
@@ -393,6 +484,7 @@ def save_requeue_state(root: str | Path, state: RequeueState) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     d = asdict(state)
     d["history"] = list(state.history)
+    d["requeues"] = state.preempt_requeues + state.failure_requeues  # what version 1 readers count
     atomic_write_json(path, d)
 
 

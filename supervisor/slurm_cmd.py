@@ -18,7 +18,6 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import replace
 
 from supervisor import events, slurm
 from supervisor.exitcodes import Exit
@@ -74,21 +73,26 @@ def _context(args: argparse.Namespace) -> tuple[JobEnv, Knobs]:
     return JobEnv.from_environ(os.environ), Knobs.from_environ(os.environ, train)
 
 
+def _limits(knobs: Knobs) -> slurm.Budgets:
+    return slurm.Budgets(preempt=knobs.max_preempt_requeues, failure=knobs.max_requeues)
+
+
 def start(args: argparse.Namespace) -> int:
     job, knobs = _context(args)
-    state, note = slurm.load_requeue_state(knobs.run_dir, job, knobs.max_requeues)
+    state, note = slurm.load_requeue_state(knobs.run_dir, job, _limits(knobs))
     hosts, host_note = slurm.hostnames(job.nodelist)
     rdzv = slurm.rendezvous(job, knobs, hosts[0])
     say(
         f"job {job.job_id} start, SLURM_RESTART_COUNT={job.restart_count}, {job.num_nodes} node(s): "
-        f"{','.join(hosts)}; run dir {knobs.run_dir}; requeues used {state.requeues} of {knobs.max_requeues}"
+        f"{','.join(hosts)}; run dir {knobs.run_dir}; {slurm.budget_line(state)}"
     )
     for line in (note, host_note):
         if line:
             say(line)
-    if job.restart_count > state.requeues:
+    ours = state.preempt_requeues + state.failure_requeues
+    if job.restart_count > ours:
         say(
-            f"SLURM restarted this job {job.restart_count} time(s), {state.requeues} of them requeued "
+            f"SLURM restarted this job {job.restart_count} time(s), {ours} of them requeued "
             "by this script (the others by SLURM's preemption, a node failure or an operator)"
         )
     if slurm.scontrol_path() is None:
@@ -131,10 +135,10 @@ def torchrun(args: argparse.Namespace) -> int:
 
 def finish(args: argparse.Namespace) -> int:
     job, knobs = _context(args)
-    state, note = slurm.load_requeue_state(knobs.run_dir, job, knobs.max_requeues)
+    state, note = slurm.load_requeue_state(knobs.run_dir, job, _limits(knobs))
     if note:
         say(note)
-    d = slurm.decide(args.exit_code, state.requeues, knobs.max_requeues)
+    d = slurm.decide(args.exit_code, state.used, state.limits)
     why = _watchdog_reason(knobs) if args.exit_code not in (Exit.OK, Exit.REQUEUE_REQUESTED) else ""
     reason = f"{d.reason}: {why}" if why else d.reason
     if not d.requeue:
@@ -144,8 +148,7 @@ def finish(args: argparse.Namespace) -> int:
     # Count first: SLURM sends SIGTERM right after the requeue, and an uncounted requeue could
     # repeat forever. Where the count cannot be written (the storage is what failed, exit 14),
     # SLURM's own restart count bounds the requeues: load_requeue_state falls back to it.
-    state = replace(state, requeues=state.requeues + 1)
-    state = state.with_event("requeue", exit_code=args.exit_code, reason=reason)
+    state = state.counted(d.kind).with_event("requeue", exit_code=args.exit_code, reason=reason)
     _record(knobs, state)
     say(f"job {job.job_id}: {reason}; scontrol requeue {job.job_id}")
     try:

@@ -196,7 +196,8 @@ def submit(
         PYTHON=sys.executable,
         RUN_DIR=str(run_dir),
         NPROC_PER_NODE=str(NPROC),
-        MAX_REQUEUES="5",
+        MAX_PREEMPT_REQUEUES="5",
+        MAX_REQUEUES="1",
         NOTICE_REPEAT_S="5",
         **extra,
     )
@@ -267,7 +268,9 @@ def test_preemption_twice_requeues_and_loses_no_step(cluster: Cluster, tmp_path:
     for n in (0, 1, 2):
         assert f"SLURM_RESTART_COUNT={n}," in out
     assert out.count(f"scontrol requeue {job.job_id}") == 2
-    assert job.requeue_state()["requeues"] == 2
+    assert "preemption requeue 2 of 5" in out
+    assert "requeues used: preemption 2 of 5, failure 0 of 1" in out  # the third start's line
+    assert (job.requeue_state()["preempt_requeues"], job.requeue_state()["failure_requeues"]) == (2, 0)
     rows = job.metrics()
     launches = assert_no_step_lost(rows, STEPS)
     assert [max(r["step"] for r in rows if r["launch"] == x) for x in launches] == [9, 21, STEPS], (
@@ -291,7 +294,7 @@ def test_time_limit_notice_checkpoints_and_requeues(cluster: Cluster, tmp_path: 
     assert int(info["Restarts"]) >= 1, job.explain()
     out = job.output()
     assert "SIGUSR1 (preemption or time limit)" in out
-    assert job.requeue_state()["requeues"] == int(info["Restarts"])
+    assert job.requeue_state()["preempt_requeues"] == int(info["Restarts"])
     # A notice that lands in a run's startup is acted on at its first step, so count launches loosely.
     assert len(assert_no_step_lost(job.metrics(), STEPS)) >= 2, job.explain()
     assert job.digest() == golden

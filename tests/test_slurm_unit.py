@@ -19,7 +19,13 @@ JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_NU
 
 
 def knob_env(root: Path, **extra: str) -> dict[str, str]:
-    return {"RUN_DIR": str(root), "MAX_REQUEUES": "3", "TRAIN_ARGS": "-m train_ref.train", **extra}
+    return {
+        "RUN_DIR": str(root),
+        "MAX_PREEMPT_REQUEUES": "3",
+        "MAX_REQUEUES": "2",
+        "TRAIN_ARGS": "-m train_ref.train",
+        **extra,
+    }
 
 
 # ---------------------------------------------------------------- host lists
@@ -64,6 +70,7 @@ def test_job_env_reads_restart_count() -> None:
         ({"RUN_DIR": ""}, "RUN_DIR is not set"),
         ({"MAX_REQUEUES": "many"}, "MAX_REQUEUES='many' is not a whole number"),
         ({"MAX_REQUEUES": "-1"}, "MAX_REQUEUES='-1'"),
+        ({"MAX_PREEMPT_REQUEUES": ""}, "MAX_PREEMPT_REQUEUES='': set it to a whole number"),
         ({"NNODES": "2-4"}, "MIN:MAX"),
         ({"RDZV_PORT": "70000"}, "RDZV_PORT='70000'"),
         ({"TRAIN_ARGS": "-m 'unclosed"}, "TRAIN_ARGS=.*quote it"),
@@ -122,63 +129,99 @@ def test_default_rdzv_port_stays_below_the_ephemeral_range() -> None:
 # ---------------------------------------------------------------- decision and budget
 
 
+LIMITS = slurm.Budgets(preempt=3, failure=2)
+
+
 @pytest.mark.parametrize(
     ("code", "used", "requeue", "exit_code", "says"),
     [
-        (Exit.OK, 0, False, 0, "run finished"),
-        (Exit.REQUEUE_REQUESTED, 0, True, 0, "requeue 1 of 3"),
-        (Exit.REQUEUE_REQUESTED, 2, True, 0, "requeue 3 of 3"),
-        (Exit.REQUEUE_REQUESTED, 3, False, 13, "budget is used up (3 of 3)"),
-        (Exit.STORAGE_UNAVAILABLE, 0, True, 0, "storage unavailable past the watchdog's retries"),
-        (Exit.STORAGE_UNAVAILABLE, 1, True, 0, "requeue 2 of 3"),
-        (Exit.STORAGE_UNAVAILABLE, 3, False, 14, "budget is used up (3 of 3)"),
-        (Exit.CHILD_NONRETRYABLE, 0, False, 12, "non-retryable"),
-        (Exit.BUDGET_EXHAUSTED, 0, False, 10, "restart budget"),
-        (Exit.NO_PROGRESS, 0, False, 11, "without a newer checkpoint"),
-        (1, 0, False, 1, "failed with exit code 1; not requeueing"),
-        (143, 0, False, 143, "exit code 143"),
+        (Exit.OK, (0, 0), False, 0, "run finished"),
+        (Exit.REQUEUE_REQUESTED, (0, 0), True, 0, "preemption requeue 1 of 3"),
+        (Exit.REQUEUE_REQUESTED, (2, 2), True, 0, "preemption requeue 3 of 3"),  # failures do not count
+        (Exit.REQUEUE_REQUESTED, (3, 0), False, 13, "preemption requeue budget is used up (3 of 3)"),
+        (Exit.REQUEUE_REQUESTED, (3, 0), False, 13, "raise MAX_PREEMPT_REQUEUES"),
+        (Exit.STORAGE_UNAVAILABLE, (0, 0), True, 0, "storage unavailable past the watchdog's retries"),
+        (Exit.STORAGE_UNAVAILABLE, (3, 1), True, 0, "failure requeue 2 of 2"),  # preemptions do not count
+        (Exit.STORAGE_UNAVAILABLE, (0, 2), False, 14, "failure requeue budget is used up (2 of 2)"),
+        (Exit.STORAGE_UNAVAILABLE, (0, 2), False, 14, "raise MAX_REQUEUES"),
+        (Exit.CHILD_NONRETRYABLE, (0, 0), False, 12, "non-retryable"),
+        (Exit.BUDGET_EXHAUSTED, (0, 0), False, 10, "restart budget"),
+        (Exit.NO_PROGRESS, (0, 0), False, 11, "without a newer checkpoint"),
+        (1, (0, 0), False, 1, "failed with exit code 1; not requeueing"),
+        (143, (0, 0), False, 143, "exit code 143"),
     ],
 )
-def test_decide(code: int, used: int, requeue: bool, exit_code: int, says: str) -> None:
-    d = slurm.decide(code, used, 3)
+def test_decide_counts_preemptions_and_failures_separately(
+    code: int, used: tuple[int, int], requeue: bool, exit_code: int, says: str
+) -> None:
+    d = slurm.decide(code, slurm.Budgets(*used), LIMITS)
     assert (d.requeue, d.exit_code) == (requeue, exit_code)
     assert says in d.reason
 
 
 def test_requeue_state_round_trip_and_new_job(tmp_path: Path) -> None:
     job = JobEnv.from_environ(JOB)
-    state, note = slurm.load_requeue_state(tmp_path, job, 5)
-    assert (state.requeues, note) == (0, "")
-    slurm.save_requeue_state(tmp_path, slurm.RequeueState(job_id="4242", requeues=2))
-    again, note = slurm.load_requeue_state(tmp_path, job, 5)
-    assert (again.requeues, again.max_requeues, note) == (2, 5, "")
+    state, note = slurm.load_requeue_state(tmp_path, job, LIMITS)
+    assert (state.used, note) == (slurm.Budgets(), "")
+    slurm.save_requeue_state(
+        tmp_path, state.counted(slurm.PREEMPT).counted(slurm.PREEMPT).counted(slurm.FAILURE)
+    )
+    again, note = slurm.load_requeue_state(tmp_path, job, slurm.Budgets(100, 10))
+    assert (again.used, again.limits, note) == (slurm.Budgets(2, 1), slurm.Budgets(100, 10), "")
+    assert slurm.budget_line(again) == "requeues used: preemption 2 of 100, failure 1 of 10"
+    assert json.loads(slurm.requeue_path(tmp_path).read_text())["requeues"] == 3  # for version 1 readers
     other = JobEnv.from_environ({**JOB, "SLURM_JOB_ID": "5000"})
-    fresh, note = slurm.load_requeue_state(tmp_path, other, 5)
-    assert fresh.requeues == 0
-    assert "job 5000 starts a fresh budget" in note
+    fresh, note = slurm.load_requeue_state(tmp_path, other, LIMITS)
+    assert fresh.used == slurm.Budgets()
+    assert "job 5000 starts fresh budgets" in note
+
+
+def test_version_1_file_is_read_and_split_by_its_history(tmp_path: Path) -> None:
+    """A slurm.json written before the budgets were split: one count; its history tells which
+    requeues followed a preemption (exit 13) and which a failure (exit 14)."""
+    old = {
+        "job_id": "4242",
+        "requeues": 3,
+        "max_requeues": 10,
+        "restart_count": 3,
+        "history": [
+            {"event": "requeue", "job_id": "4242", "exit_code": 13},
+            {"event": "requeue", "job_id": "4242", "exit_code": 14},
+            {"event": "requeue", "job_id": "4242", "exit_code": 13},
+            {"event": "requeue", "job_id": "1", "exit_code": 13},  # another job's
+        ],
+        "version": 1,
+    }
+    path = slurm.requeue_path(tmp_path)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(old))
+    state, note = slurm.load_requeue_state(tmp_path, JobEnv.from_environ(JOB), LIMITS)
+    assert (state.used, note, state.version) == (slurm.Budgets(preempt=2, failure=1), "", 2)
+    assert len(state.history) == 4
 
 
 def test_unreadable_requeue_state_is_kept_not_deleted(tmp_path: Path) -> None:
     path = slurm.requeue_path(tmp_path)
     path.parent.mkdir(parents=True)
     path.write_text("{garbage")
-    state, note = slurm.load_requeue_state(tmp_path, JobEnv.from_environ(JOB), 5)
-    assert state.requeues == 0
+    state, note = slurm.load_requeue_state(tmp_path, JobEnv.from_environ(JOB), LIMITS)
+    assert state.used == slurm.Budgets()
     assert "unreadable" in note
     assert path.with_name("slurm.json.bad").read_text() == "{garbage"
 
 
 def test_requeue_state_that_cannot_be_read_falls_back_to_slurms_restart_count(tmp_path: Path) -> None:
     """Storage that fails (exit 14's case) is not garbage: nothing is moved aside, and SLURM's own
-    restart count (an upper bound of this script's requeues) stands in for the count."""
+    restart count (an upper bound of this script's requeues of either kind) stands in for each count."""
     path = slurm.requeue_path(tmp_path)
     path.mkdir(parents=True)  # a read that fails for real (EISDIR), as EIO would
     job = JobEnv.from_environ({**JOB, "SLURM_RESTART_COUNT": "2"})
-    state, note = slurm.load_requeue_state(tmp_path, job, 3)
-    assert (state.requeues, state.max_requeues) == (2, 3) and "SLURM's restarts of this job (2)" in note
+    state, note = slurm.load_requeue_state(tmp_path, job, LIMITS)
+    assert (state.used, state.limits) == (slurm.Budgets(2, 2), LIMITS)
+    assert "SLURM's restarts of this job (2)" in note
     assert path.is_dir() and not path.with_name("slurm.json.bad").exists()
-    assert slurm.decide(Exit.STORAGE_UNAVAILABLE, state.requeues, 3).requeue
-    assert not slurm.decide(Exit.STORAGE_UNAVAILABLE, 3, 3).requeue
+    assert slurm.decide(Exit.REQUEUE_REQUESTED, state.used, LIMITS).requeue
+    assert not slurm.decide(Exit.STORAGE_UNAVAILABLE, state.used, LIMITS).requeue
 
 
 def test_history_is_capped(tmp_path: Path) -> None:
@@ -227,20 +270,27 @@ def scontrol_calls(tmp_path: Path) -> list[str]:
     return log.read_text().splitlines() if log.exists() else []
 
 
-def requeues(tmp_path: Path) -> int:
-    return json.loads(slurm.requeue_path(tmp_path / "run").read_text())["requeues"]
+def requeues(tmp_path: Path) -> tuple[int, int]:
+    d = json.loads(slurm.requeue_path(tmp_path / "run").read_text())
+    return d["preempt_requeues"], d["failure_requeues"]
 
 
-def test_finish_requeues_until_the_budget_is_used_up(tmp_path: Path) -> None:
-    for _ in range(3):
-        r = run_finish(tmp_path, Exit.REQUEUE_REQUESTED)
+def test_finish_requeues_until_each_budget_is_used_up(tmp_path: Path) -> None:
+    """Preemptions (13) and failures (14) draw on their own budgets (3 and 2 here), whatever the
+    order; each budget used up ends the job with its own code and the knob to raise."""
+    for code in (13, 14, 13, 14, 13):
+        r = run_finish(tmp_path, code)
         assert r.returncode == 0, r.stdout + r.stderr
-    assert scontrol_calls(tmp_path) == ["requeue 4242"] * 3
+    assert scontrol_calls(tmp_path) == ["requeue 4242"] * 5
+    assert requeues(tmp_path) == (3, 2)
+    r = run_finish(tmp_path, Exit.STORAGE_UNAVAILABLE)
+    assert r.returncode == Exit.STORAGE_UNAVAILABLE
+    assert "failure requeue budget is used up (2 of 2); resubmit, or raise MAX_REQUEUES" in r.stdout
     r = run_finish(tmp_path, Exit.REQUEUE_REQUESTED)
     assert r.returncode == Exit.REQUEUE_REQUESTED
-    assert "budget is used up (3 of 3)" in r.stdout
-    assert len(scontrol_calls(tmp_path)) == 3
-    assert requeues(tmp_path) == 3
+    assert "preemption requeue budget is used up (3 of 3)" in r.stdout
+    assert len(scontrol_calls(tmp_path)) == 5
+    assert requeues(tmp_path) == (3, 2)
 
 
 @pytest.mark.parametrize("code", [Exit.OK, Exit.CHILD_NONRETRYABLE, 1])
@@ -294,3 +344,21 @@ def test_start_without_scontrol_warns_and_expands_the_host_list_itself(tmp_path:
     assert "built-in parser" in r.stdout
     assert "WARNING: scontrol not found on PATH: this job cannot requeue itself" in r.stdout
     assert "--rdzv-endpoint=gpu07:24242" in r.stdout
+
+
+def test_status_shows_both_budgets(tmp_path: Path) -> None:
+    from supervisor.status import build_report
+    from supervisor.status_cmd import render
+
+    assert build_report(tmp_path).slurm == ""  # a run not started by sbatch/job.sh
+    state = slurm.RequeueState(job_id="4242", restart_count=3).with_limits(slurm.Budgets(100, 10))
+    state = state.counted(slurm.PREEMPT).counted(slurm.PREEMPT).counted(slurm.FAILURE).with_event("start")
+    slurm.save_requeue_state(tmp_path, state)
+    report = build_report(tmp_path)
+    assert report.slurm == (
+        "job 4242: requeues used: preemption 2 of 100, failure 1 of 10; SLURM restarts 3; last event start"
+    )
+    assert f"slurm {report.slurm}" in render(report)
+    assert report.to_dict()["slurm"] == report.slurm
+    slurm.requeue_path(tmp_path).write_text("[]")
+    assert "slurm.json cannot be used: not a JSON object" in build_report(tmp_path).slurm
