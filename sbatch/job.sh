@@ -25,9 +25,12 @@
 #                    both counted in RUN_DIR/supervisor/slurm.json (shown by `supervisor status`),
 #                    or by SLURM when that cannot be read
 #   NOTICE_REPEAT_S  repeat a notice to the nodes every N s until they are done      default: 30
+#   REQUEUE_SIGNAL   the notice's signal: USR1 or URG (NCCL builds have caught USR1); the
+#                    #SBATCH --signal line below cannot follow it: edit it to match, or pass
+#                    --signal=B:URG@120 (or SBATCH_SIGNAL=B:URG@120) to sbatch   default: USR1
 #
-# Preemption and time limit: SLURM sends SIGUSR1 to this shell (--signal=B:USR1@SECONDS before the
-# limit; keep B: and USR1, change the seconds to cover one checkpoint; or scancel --signal=USR1
+# Preemption and time limit: SLURM sends REQUEUE_SIGNAL to this shell (--signal=B:USR1@SECONDS
+# before the limit; keep B:, change the seconds to cover one checkpoint; or scancel --signal=USR1
 # --batch JOBID). The trap only notes it; the loop forwards it to the watchdogs, which tell the
 # ranks; they checkpoint at the next step boundary and exit 75; the watchdogs exit 13; this script
 # then runs `scontrol requeue` once (while MAX_PREEMPT_REQUEUES lasts) and exits. Storage that stayed
@@ -55,8 +58,11 @@ set -uo pipefail
 : "${RDZV_HOST:=}" "${RDZV_PORT:=}" "${TORCHRUN_OPTS:=}" "${WATCH_OPTS:=}"
 : "${MAX_PREEMPT_REQUEUES:=100}" "${MAX_REQUEUES:=10}"
 : "${NOTICE_REPEAT_S:=30}"
+: "${REQUEUE_SIGNAL:=USR1}"
+REQUEUE_SIGNAL=${REQUEUE_SIGNAL^^}
+REQUEUE_SIGNAL=${REQUEUE_SIGNAL#SIG}
 export RUN_DIR PYTHON TRAIN_ARGS CKPT_FLAG NPROC_PER_NODE NNODES RDZV_HOST RDZV_PORT TORCHRUN_OPTS \
-  WATCH_OPTS MAX_PREEMPT_REQUEUES MAX_REQUEUES
+  WATCH_OPTS MAX_PREEMPT_REQUEUES MAX_REQUEUES REQUEUE_SIGNAL
 
 case "$NOTICE_REPEAT_S" in '' | *[!0-9]*)
   echo "job.sh: NOTICE_REPEAT_S='$NOTICE_REPEAT_S': set a whole number of seconds" >&2
@@ -66,16 +72,31 @@ esac
 STEP_START_S=5
 
 notice=0
-trap 'notice=1' USR1 # keep it short: the loop below forwards the notice
+# Keep it short: the loop below forwards the notice. `slurm start` says which signals may be used.
+if ! trap 'notice=1' "$REQUEUE_SIGNAL" 2>/dev/null; then
+  echo "job.sh: REQUEUE_SIGNAL='$REQUEUE_SIGNAL' is not a signal name; use USR1 or URG" >&2
+  exit 2
+fi
 
-"$PYTHON" -m supervisor slurm start -- "$@" || exit $?
+"$PYTHON" -m supervisor slurm start --job-script "$0" -- "$@" || exit $?
 
 srun --ntasks-per-node=1 --cpus-per-task="${SLURM_CPUS_ON_NODE:-1}" --kill-on-bad-exit=0 \
   "$PYTHON" -m supervisor slurm launch -- "$@" &
 srun_pid=$!
+# srun forwards USR1 (and USR2) to the step but drops URG, so URG goes to the steps through
+# slurmctld: scancel without --batch signals every process of the job's steps, not this shell.
+job_ref=${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}
+job_ref=${job_ref:-$SLURM_JOB_ID}
+notify_step() {
+  if [ "$REQUEUE_SIGNAL" = USR1 ]; then
+    kill -s USR1 "$srun_pid" 2>/dev/null
+  else
+    scancel --quiet --signal="$REQUEUE_SIGNAL" "$job_ref"
+  fi
+}
 
 told=0
-next_forward=$((SECONDS + STEP_START_S)) # until the step's python has set SIGUSR1 to ignored
+next_forward=$((SECONDS + STEP_START_S)) # until the step's python ignores the notice's signal
 while kill -0 "$srun_pid" 2>/dev/null; do
   sleep 1 &
   wait $! # a notice interrupts this wait at once
@@ -83,10 +104,10 @@ while kill -0 "$srun_pid" 2>/dev/null; do
     # srun hands the signal to every process of the step; a rank still starting up ignores it, so
     # repeat it until the step ends.
     if [ "$told" = 0 ]; then
-      echo "[job.sh $(date -u +%FT%TZ)] SIGUSR1 (preemption or time limit): telling the watchdogs to checkpoint"
+      echo "[job.sh $(date -u +%FT%TZ)] SIG$REQUEUE_SIGNAL (preemption or time limit): telling the watchdogs to checkpoint"
       told=1
     fi
-    kill -USR1 "$srun_pid" 2>/dev/null
+    notify_step
     next_forward=$((SECONDS + NOTICE_REPEAT_S))
   fi
 done

@@ -13,6 +13,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -36,6 +37,14 @@ SCONTROL_TIMEOUT_S = 60.0
 TORCHRUN_MODULE = "torch.distributed.run"
 
 _RANGE_RE = re.compile(r"^(\d+)(?:-(\d+))?$")
+# The preemption notice's signal (REQUEUE_SIGNAL): SLURM sends it to the batch shell, which hands
+# it to srun, which signals every process of the step. USR2 is the watchdog's stack-dump request
+# (train_ref's faulthandler); HUP, INT, QUIT and TERM are torchrun's own shutdown signals; URG is
+# ignored by default, so a process that does not expect it survives it.
+NOTICE_SIGNALS = ("USR1", "URG")
+DEFAULT_NOTICE_SIGNAL = "USR1"
+# sbatch's --signal when no @TIME is given: 60 s before the limit.
+SIGNAL_DEFAULT_LEAD_S = 60
 
 
 class SlurmError(Exception):
@@ -88,6 +97,7 @@ class Knobs:
     watch_opts: tuple[str, ...]
     max_requeues: int  # requeues after a failure (storage unavailable, exit 14)
     max_preempt_requeues: int  # requeues after a preemption or time-limit checkpoint (exit 13)
+    requeue_signal: str = DEFAULT_NOTICE_SIGNAL  # the notice's signal name, without SIG
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str], argv: Sequence[str] = ()) -> Knobs:
@@ -120,6 +130,7 @@ class Knobs:
             watch_opts=_split(env, "WATCH_OPTS"),
             max_requeues=max_requeues,
             max_preempt_requeues=max_preempt,
+            requeue_signal=notice_signal(env.get("REQUEUE_SIGNAL", "")).name.removeprefix("SIG"),
         )
         check_nnodes(knobs.nnodes)
         return knobs
@@ -155,6 +166,79 @@ def _port(raw: str) -> int:
     if not raw.isdigit() or not 0 < int(raw) < 65536:
         raise SlurmError(f"RDZV_PORT={raw!r}: set a TCP port between 1 and 65535")
     return int(raw)
+
+
+def notice_signal(raw: str, var: str = "REQUEUE_SIGNAL") -> signal.Signals:
+    """The preemption notice's signal from its name (``USR1``, ``SIGURG``); empty is the default."""
+    name = (raw.strip() or DEFAULT_NOTICE_SIGNAL).upper().removeprefix("SIG")
+    if name not in NOTICE_SIGNALS:
+        raise SlurmError(
+            f"{var}={raw!r}: use {' or '.join(NOTICE_SIGNALS)} (USR2 is the stack-dump signal; "
+            "HUP, INT, QUIT and TERM make torchrun shut its workers down)"
+        )
+    return signal.Signals[f"SIG{name}"]
+
+
+@dataclass(frozen=True)
+class SignalSpec:
+    """sbatch's ``--signal=[{R|B}:]SIG[@TIME]``."""
+
+    flags: str
+    signal: str  # the name without SIG, or the number as given
+    lead_s: int
+
+
+def parse_signal_spec(spec: str) -> SignalSpec:
+    m = re.fullmatch(r"(?:([A-Za-z]+):)?([A-Za-z0-9]+)(?:@(\d+))?", spec.strip())
+    if not m:
+        raise SlurmError(f"cannot parse --signal={spec!r}: expected [B:]SIGNAL[@SECONDS]")
+    flags, sig, lead = m.groups()
+    if sig.isdigit() and int(sig) in {s.value for s in signal.Signals}:
+        sig = signal.Signals(int(sig)).name
+    return SignalSpec(
+        (flags or "").upper(), sig.upper().removeprefix("SIG"), int(lead or SIGNAL_DEFAULT_LEAD_S)
+    )
+
+
+def script_signal_spec(script: str) -> str | None:
+    """The last ``#SBATCH --signal`` of a job script, read as sbatch reads them: up to the first
+    line that is neither blank nor a comment."""
+    found = None
+    for line in script.splitlines()[1:]:
+        text = line.strip()
+        if text and not text.startswith("#"):
+            break
+        m = re.match(r"#SBATCH\s+--signal(?:=|\s+)(\S+)", text)
+        if m:
+            found = m.group(1)
+    return found
+
+
+def notice_problem(spec: str | None, where: str, requeue_signal: str) -> str:
+    """Why the job's preemption notice can never reach this script, or "" when it can. ``spec``
+    is the job's --signal as found in ``where`` (None: none found)."""
+    want = f"--signal=B:{requeue_signal}@120"
+    if spec is None:
+        return (
+            f"no --signal found ({where}): no notice comes before the time limit, so the run loses "
+            f"the steps since its last checkpoint there; add #SBATCH {want} (a --signal given on the "
+            "sbatch command line cannot be seen from inside the job)"
+        )
+    try:
+        s = parse_signal_spec(spec)
+    except SlurmError as e:
+        return f"{e} ({where}); use {want}"
+    if "B" not in s.flags:
+        return (
+            f"--signal={spec} ({where}) has no B:, so SLURM signals the job steps but never this "
+            f"script, and nothing requeues the job at the time limit; use --signal=B:{s.signal}@{s.lead_s}"
+        )
+    if s.signal != requeue_signal:
+        return (
+            f"--signal={spec} ({where}) sends SIG{s.signal} but REQUEUE_SIGNAL={requeue_signal}: the "
+            f"notice would end this script instead of checkpointing; make them match ({want})"
+        )
+    return ""
 
 
 def check_nnodes(nnodes: str) -> None:
@@ -278,12 +362,24 @@ def torchrun_args(knobs: Knobs, rdzv: Rendezvous) -> list[str]:
 
 
 def launch_command(knobs: Knobs, rdzv: Rendezvous) -> list[str]:
-    """What each node's srun task runs: the watchdog, whose child is torchrun started through
-    ``slurm torchrun`` (which ignores SIGUSR1: SLURM signals every process of a step, and torchrun
-    would die of the preemption notice meant for the watchdog and the ranks)."""
-    py = knobs.python
+    """What each node's srun task runs: the watchdog (taking REQUEUE_SIGNAL as the notice), whose
+    child is torchrun started through ``slurm torchrun`` (which ignores that signal: SLURM signals
+    every process of a step, and torchrun would die of the notice meant for the watchdog and the
+    ranks)."""
+    py, sig = knobs.python, knobs.requeue_signal
     watch = [py, "-m", "supervisor", "watch", "--ckpt-root", str(knobs.run_dir), "--requeue-exit"]
-    child = [py, "-m", "supervisor", "slurm", "torchrun", "--", *torchrun_args(knobs, rdzv)]
+    watch += ["--notice-signal", sig]
+    child = [
+        py,
+        "-m",
+        "supervisor",
+        "slurm",
+        "torchrun",
+        "--ignore-signal",
+        sig,
+        "--",
+        *torchrun_args(knobs, rdzv),
+    ]
     return [*watch, *knobs.watch_opts, "--", *child]
 
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 from pathlib import Path
 
-from supervisor import policy, watch_config
+from supervisor import policy, slurm, watch_config
 from supervisor.checkpoints import StoreError
 from supervisor.policy import Backoff, Budget, PhaseTimeouts, RestartPolicy
 from supervisor.signing import SigningKeyError, add_signing_key_arg, load_key
@@ -77,6 +78,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="seconds a rank gone without an exit code may be a clean exit before it counts as dead",
     )
     g.add_argument(
+        "--notice-signal",
+        type=_notice_signal,
+        default=signal.SIGUSR1,
+        metavar="SIG",
+        help="the preemption notice's signal, taken and forwarded to the ranks: USR1 (default) or URG",
+    )
+    g.add_argument(
         "--preempt-fallback",
         type=float,
         default=watch_config.DEFAULT_PREEMPT_FALLBACK_S,
@@ -139,6 +147,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run, parser=p)
 
 
+def _notice_signal(raw: str) -> signal.Signals:
+    try:
+        return slurm.notice_signal(raw, "--notice-signal")
+    except slurm.SlurmError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _signing_key(args: argparse.Namespace) -> bytes | None:
     """--signing-key's key; a bad one is a one-line error (exit 2) before anything is launched."""
     if not args.signing_key:
@@ -197,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
         reap_timeout_s=args.reap_timeout,
         dead_rank_grace_s=args.dead_rank_grace,
         preempt_fallback_s=args.preempt_fallback,
+        notice_signal=args.notice_signal,
         sign_key=_signing_key(args),
     )
     from supervisor.watch import watch  # the loop and its process machinery: only when watching

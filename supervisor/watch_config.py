@@ -3,6 +3,7 @@ importing the loop (``supervisor status`` must start fast)."""
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,5 +53,7 @@ class WatchConfig:
     reap_timeout_s: float = DEFAULT_REAP_TIMEOUT_S
     dead_rank_grace_s: float = DEFAULT_DEAD_RANK_GRACE_S
     preempt_fallback_s: float = DEFAULT_PREEMPT_FALLBACK_S
+    # The preemption notice's signal: taken from SLURM (through srun) and forwarded to the ranks.
+    notice_signal: int = signal.SIGUSR1
     # --signing-key's key (docs/security.md): picks skip checkpoints not signed with it. Never printed.
     sign_key: bytes | None = field(default=None, repr=False)

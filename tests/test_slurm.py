@@ -152,9 +152,9 @@ class Job:
         starts = [i for i, e in enumerate(evs) if e.get("event") == "watchdog_start"]
         return bool(starts) and any(e.get("event") == "preempt" for e in evs[starts[-1] :])
 
-    def notify(self) -> None:
-        """A preemption notice as SLURM would deliver it: SIGUSR1 to the batch shell."""
-        self.cluster.run("scancel", "--signal=USR1", "--batch", self.job_id)
+    def notify(self, sig: str = "USR1") -> None:
+        """A preemption notice as SLURM would deliver it: the signal to the batch shell."""
+        self.cluster.run("scancel", f"--signal={sig}", "--batch", self.job_id)
 
     def metrics(self) -> list[dict]:
         path = self.run_dir / "metrics.jsonl"
@@ -182,6 +182,7 @@ def submit(
     run_dir: Path | None = None,
     sbatch_opts: tuple[str, ...] = (),
     hold_at: int | None = None,
+    **env: str,
 ) -> tuple[Job, Path]:
     """Submit the job; with ``hold_at``, its ranks hold after that step until the returned hold
     file is released or moved on (train_ref/hold.py)."""
@@ -193,6 +194,7 @@ def submit(
         hold.hold_at(gate, hold_at)
         extra[hold.ENV_HOLD_FILE] = str(gate)
     env = cluster.env(
+        **env,
         PYTHON=sys.executable,
         RUN_DIR=str(run_dir),
         NPROC_PER_NODE=str(NPROC),
@@ -276,6 +278,39 @@ def test_preemption_twice_requeues_and_loses_no_step(cluster: Cluster, tmp_path:
     assert [max(r["step"] for r in rows if r["launch"] == x) for x in launches] == [9, 21, STEPS], (
         job.explain()
     )
+    assert job.digest() == golden
+
+
+def test_requeue_signal_urg_is_trapped_forwarded_and_acted_on(
+    cluster: Cluster, tmp_path: Path, golden: str
+) -> None:
+    """REQUEUE_SIGNAL=URG end to end: the batch shell traps it, scancel hands it to the step (srun
+    drops URG), the watchdog takes it as the notice and forwards it, the ranks checkpoint on it. SBATCH_SIGNAL
+    sets the matching --signal (sbatch reads it; the job sees it), so the start-up check is quiet."""
+    job, gate = submit(
+        cluster,
+        tmp_path,
+        *TRAIN,
+        "--steps",
+        str(STEPS),
+        hold_at=8,
+        REQUEUE_SIGNAL="URG",
+        SBATCH_SIGNAL="B:URG@60",
+    )
+    job.wait_held(gate, 8)
+    job.notify("URG")
+    job.wait_notice_forwarded()
+    hold.release(gate)
+    info = job.wait_done()
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), job.explain()
+    out = job.output()
+    assert "SIGURG (preemption or time limit): telling the watchdogs to checkpoint" in out
+    assert "preemption notice (SIGURG) forwarded" in out
+    assert "--notice-signal URG" in out and "--ignore-signal URG" in out
+    assert "] WARNING: job" not in out, job.explain()  # slurm start's --signal check
+    rows = job.metrics()
+    launches = assert_no_step_lost(rows, STEPS)
+    assert [max(r["step"] for r in rows if r["launch"] == x) for x in launches] == [9, STEPS], job.explain()
     assert job.digest() == golden
 
 

@@ -101,14 +101,62 @@ def test_launch_command_keeps_every_value_one_argument(tmp_path: Path) -> None:
     sep = cmd.index("--")
     assert cmd[:sep] == [
         "/opt/my env/bin/python", "-m", "supervisor", "watch", "--ckpt-root", str(root), "--requeue-exit",
-        "--hang-timeout", "30",
+        "--notice-signal", "USR1", "--hang-timeout", "30",
     ]  # fmt: skip
     assert cmd[sep + 1 :] == [
-        "/opt/my env/bin/python", "-m", "supervisor", "slurm", "torchrun", "--",
+        "/opt/my env/bin/python", "-m", "supervisor", "slurm", "torchrun", "--ignore-signal", "USR1", "--",
         "--nnodes=2", "--nproc-per-node=4", "--rdzv-backend=c10d", "--rdzv-endpoint=gpu07:24242",
         "--rdzv-id=4242", "--log-dir", "/tmp/a b",
         "-m", "train_ref.train", "--corpus", "my corpus.txt", "--ckpt-root", str(root),
     ]  # fmt: skip
+
+
+def test_requeue_signal_follows_into_the_watchdog_and_torchrun(tmp_path: Path) -> None:
+    knobs = Knobs.from_environ(knob_env(tmp_path, REQUEUE_SIGNAL="sigurg"))
+    cmd = slurm.launch_command(knobs, slurm.rendezvous(JobEnv.from_environ(JOB), knobs, "gpu07"))
+    assert cmd[cmd.index("--notice-signal") + 1] == "URG"
+    assert cmd[cmd.index("--ignore-signal") + 1] == "URG"
+
+
+@pytest.mark.parametrize("raw", ["HUP", "USR2", "TERM", "SIGINT", "QUIT", "KILL", "12"])
+def test_requeue_signal_that_would_kill_torchrun_or_mean_a_stack_dump_is_refused(
+    tmp_path: Path, raw: str
+) -> None:
+    with pytest.raises(SlurmError, match=rf"REQUEUE_SIGNAL='{raw}': use USR1 or URG") as e:
+        Knobs.from_environ(knob_env(tmp_path, REQUEUE_SIGNAL=raw))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("B:USR1@120", ""),
+        ("b:SIGUSR1@30", ""),
+        ("RB:10@300", ""),  # by number; R: (reservation) as well
+        ("B:USR1", ""),  # @60 by default
+        (None, "no --signal found (where): no notice comes before the time limit"),
+        ("USR1@120", "has no B:, so SLURM signals the job steps but never this script"),
+        ("R:USR1@120", "use --signal=B:USR1@120"),
+        ("B:URG@90", "sends SIGURG but REQUEUE_SIGNAL=USR1"),
+        ("B:USR1@soon", "cannot parse --signal='B:USR1@soon'"),
+    ],
+)
+def test_notice_problem(spec: str | None, says: str) -> None:
+    got = slurm.notice_problem(spec, "where", "USR1")
+    assert (says in got) if says else got == "", got
+    assert "\n" not in got
+
+
+def test_script_signal_spec_reads_sbatch_lines_as_sbatch_does() -> None:
+    script = "#!/bin/bash\n# a comment\n#SBATCH --time=1\n#SBATCH --signal=B:USR1@120\n\n#SBATCH --signal B:URG@60\n"
+    assert slurm.script_signal_spec(script) == "B:URG@60"  # the last one wins
+    assert (
+        slurm.script_signal_spec(script + "srun x\n#SBATCH --signal=USR1\n") == "B:URG@60"
+    )  # after a command: ignored
+    assert slurm.script_signal_spec("#!/bin/bash\n##SBATCH --signal=B:USR1@1\necho\n") is None  # disabled
+    assert slurm.script_signal_spec(
+        Path(__file__).resolve().parents[1].joinpath("sbatch/job.sh").read_text()
+    ) == ("B:USR1@120")
 
 
 def test_elastic_nnodes_and_overrides(tmp_path: Path) -> None:
@@ -326,6 +374,60 @@ def test_start_outside_a_job_is_a_usage_error(tmp_path: Path) -> None:
     )
     assert r.returncode == Exit.USAGE
     assert "not inside a SLURM job" in r.stdout
+
+
+def run_start(tmp_path: Path, script_text: str, **env: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "slurm_script"
+    script.write_text(script_text)
+    return subprocess.run(
+        [sys.executable, "-m", "supervisor", "slurm", "start", "--job-script", str(script)],
+        env={"PATH": "/nonexistent", **JOB, **knob_env(tmp_path / "run"), **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+
+
+def test_start_warns_when_the_notice_can_never_arrive(tmp_path: Path) -> None:
+    r = run_start(tmp_path, "#!/bin/bash\n#SBATCH --signal=USR1@120\nsrun true\n")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "WARNING: job 4242: --signal=USR1@120 (#SBATCH lines of" in r.stdout
+    assert "has no B:" in r.stdout
+    r = run_start(tmp_path, "#!/bin/bash\nsrun true\n")
+    assert "WARNING: job 4242: no --signal found" in r.stdout
+    # SBATCH_SIGNAL overrides the script's line, as in sbatch; URG goes to the steps by scancel
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scancel").write_text("#!/bin/sh\n")
+    (bin_dir / "scancel").chmod(0o755)
+    r = run_start(tmp_path, "#!/bin/bash\nsrun true\n", SBATCH_SIGNAL="B:URG@60", REQUEUE_SIGNAL="URG")
+    assert r.returncode == Exit.USAGE
+    assert "error: REQUEUE_SIGNAL=URG reaches the ranks through scancel" in r.stdout
+    r = run_start(
+        tmp_path,
+        "#!/bin/bash\nsrun true\n",
+        SBATCH_SIGNAL="B:URG@60",
+        REQUEUE_SIGNAL="URG",
+        PATH=str(bin_dir),
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "WARNING: job 4242:" not in r.stdout, r.stdout
+    r = run_start(tmp_path, "#!/bin/bash\n#SBATCH --signal=B:USR1@120\n", REQUEUE_SIGNAL="HUP")
+    assert r.returncode == Exit.USAGE
+    assert "error: REQUEUE_SIGNAL='HUP': use USR1 or URG" in r.stdout
+
+
+def test_torchrun_refuses_a_signal_it_cannot_ignore_safely() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "supervisor", "slurm", "torchrun", "--ignore-signal", "TERM", "--", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert r.returncode == Exit.USAGE
+    assert "error: --ignore-signal='TERM': use USR1 or URG" in r.stdout
 
 
 def test_start_without_scontrol_warns_and_expands_the_host_list_itself(tmp_path: Path) -> None:
