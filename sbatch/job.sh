@@ -28,6 +28,9 @@
 #   REQUEUE_SIGNAL   the notice's signal: USR1 or URG (NCCL builds have caught USR1); the
 #                    #SBATCH --signal line below cannot follow it: edit it to match, or pass
 #                    --signal=B:URG@120 (or SBATCH_SIGNAL=B:URG@120) to sbatch   default: USR1
+#   STOP_GRACE_S     when SLURM sends SIGTERM to the step (PreemptMode=REQUEUE), seconds each
+#                    watchdog gives its ranks to checkpoint before SIGKILL; torchrun gives them
+#                    30 s (fixed in torch), and the partition's GraceTime must cover it   default: 30
 #
 # Preemption and time limit: SLURM sends REQUEUE_SIGNAL to this shell (--signal=B:USR1@SECONDS
 # before the limit; keep B:, change the seconds to cover one checkpoint; or scancel --signal=USR1
@@ -59,10 +62,11 @@ set -uo pipefail
 : "${MAX_PREEMPT_REQUEUES:=100}" "${MAX_REQUEUES:=10}"
 : "${NOTICE_REPEAT_S:=30}"
 : "${REQUEUE_SIGNAL:=USR1}"
+: "${STOP_GRACE_S:=30}"
 REQUEUE_SIGNAL=${REQUEUE_SIGNAL^^}
 REQUEUE_SIGNAL=${REQUEUE_SIGNAL#SIG}
 export RUN_DIR PYTHON TRAIN_ARGS CKPT_FLAG NPROC_PER_NODE NNODES RDZV_HOST RDZV_PORT TORCHRUN_OPTS \
-  WATCH_OPTS MAX_PREEMPT_REQUEUES MAX_REQUEUES REQUEUE_SIGNAL
+  WATCH_OPTS MAX_PREEMPT_REQUEUES MAX_REQUEUES REQUEUE_SIGNAL STOP_GRACE_S
 
 case "$NOTICE_REPEAT_S" in '' | *[!0-9]*)
   echo "job.sh: NOTICE_REPEAT_S='$NOTICE_REPEAT_S': set a whole number of seconds" >&2
@@ -71,9 +75,12 @@ case "$NOTICE_REPEAT_S" in '' | *[!0-9]*)
 esac
 STEP_START_S=5
 
-notice=0
-# Keep it short: the loop below forwards the notice. `slurm start` says which signals may be used.
-if ! trap 'notice=1' "$REQUEUE_SIGNAL" 2>/dev/null; then
+notice=0 notice_sig=$REQUEUE_SIGNAL
+# Keep them short: the loop below forwards the notice. `slurm start` says which signals may be used.
+# SIGTERM here (scancel --signal=TERM --batch, a cancel, the end of a preemption's GraceTime) is a
+# notice too: the ranks checkpoint if they get the time; `slurm finish` asks SLURM whether to requeue.
+trap 'notice=1 notice_sig=TERM' TERM
+if ! trap 'notice=1 notice_sig=$REQUEUE_SIGNAL' "$REQUEUE_SIGNAL" 2>/dev/null; then
   echo "job.sh: REQUEUE_SIGNAL='$REQUEUE_SIGNAL' is not a signal name; use USR1 or URG" >&2
   exit 2
 fi
@@ -104,7 +111,7 @@ while kill -0 "$srun_pid" 2>/dev/null; do
     # srun hands the signal to every process of the step; a rank still starting up ignores it, so
     # repeat it until the step ends.
     if [ "$told" = 0 ]; then
-      echo "[job.sh $(date -u +%FT%TZ)] SIG$REQUEUE_SIGNAL (preemption or time limit): telling the watchdogs to checkpoint"
+      echo "[job.sh $(date -u +%FT%TZ)] SIG$notice_sig (preemption or time limit): telling the watchdogs to checkpoint with SIG$REQUEUE_SIGNAL"
       told=1
     fi
     notify_step

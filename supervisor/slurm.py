@@ -98,6 +98,7 @@ class Knobs:
     max_requeues: int  # requeues after a failure (storage unavailable, exit 14)
     max_preempt_requeues: int  # requeues after a preemption or time-limit checkpoint (exit 13)
     requeue_signal: str = DEFAULT_NOTICE_SIGNAL  # the notice's signal name, without SIG
+    stop_grace_s: float | None = None  # the watchdog's SIGTERM-to-SIGKILL for its ranks (--stop-grace)
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str], argv: Sequence[str] = ()) -> Knobs:
@@ -131,6 +132,7 @@ class Knobs:
             max_requeues=max_requeues,
             max_preempt_requeues=max_preempt,
             requeue_signal=notice_signal(env.get("REQUEUE_SIGNAL", "")).name.removeprefix("SIG"),
+            stop_grace_s=_seconds(env, "STOP_GRACE_S"),
         )
         check_nnodes(knobs.nnodes)
         return knobs
@@ -153,6 +155,19 @@ def _budget(env: Mapping[str, str], name: str) -> int:
             f"{name}={env.get(name, '')!r}: set it to a whole number >= 0 (sbatch/job.sh sets a default)"
         )
     return n
+
+
+def _seconds(env: Mapping[str, str], name: str) -> float | None:
+    raw = env.get(name, "")
+    if raw == "":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise SlurmError(f"{name}={raw!r}: set a number of seconds > 0")
+    return value
 
 
 def _split(env: Mapping[str, str], name: str) -> tuple[str, ...]:
@@ -369,6 +384,8 @@ def launch_command(knobs: Knobs, rdzv: Rendezvous) -> list[str]:
     py, sig = knobs.python, knobs.requeue_signal
     watch = [py, "-m", "supervisor", "watch", "--ckpt-root", str(knobs.run_dir), "--requeue-exit"]
     watch += ["--notice-signal", sig]
+    if knobs.stop_grace_s is not None:
+        watch += ["--stop-grace", f"{knobs.stop_grace_s:g}"]
     child = [
         py,
         "-m",
@@ -582,6 +599,48 @@ def save_requeue_state(root: str | Path, state: RequeueState) -> None:
     d["history"] = list(state.history)
     d["requeues"] = state.preempt_requeues + state.failure_requeues  # what version 1 readers count
     atomic_write_json(path, d)
+
+
+def why_not_requeue(info: Mapping[str, str] | None, restart_count: int) -> str:
+    """Why this script must not requeue the job itself, or "" when it must: SLURM requeued it
+    already (its Restarts passed this run's SLURM_RESTART_COUNT: PreemptMode=REQUEUE at the end of
+    a GraceTime, an operator's requeue), or the job is ending (a plain scancel leaves it
+    COMPLETING, and `scontrol requeue` would bring a cancelled job back). Inside a preemption's
+    grace the job is still RUNNING and SLURM does not requeue a job that ends by itself (seen
+    here): the script must. ``info``: ``scontrol show job``'s fields, None when unknown."""
+    if info is None:
+        return ""
+    restarts = info.get("Restarts", "")
+    if restarts.isdigit() and int(restarts) > restart_count:
+        return (
+            f"SLURM is requeueing this job itself (Restarts={restarts}, this run started with "
+            f"SLURM_RESTART_COUNT={restart_count}: a preemption's GraceTime ended, or an operator requeued it)"
+        )
+    state = info.get("JobState", "")
+    if state and state != "RUNNING":
+        return f"the job is ending (JobState={state}: cancelled, or its time limit passed)"
+    return ""
+
+
+def scontrol_show_job(job_ref: str) -> dict[str, str] | None:
+    """``scontrol show job -o``'s KEY=VALUE fields; None when scontrol is missing or fails (the
+    caller then acts as if SLURM had said nothing)."""
+    scontrol = scontrol_path()
+    if scontrol is None:
+        return None
+    try:
+        out = subprocess.run(
+            [scontrol, "show", "job", "-o", job_ref],
+            capture_output=True,
+            text=True,
+            timeout=SCONTROL_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return dict(re.findall(r"(\w+)=(\S*)", out.stdout))
 
 
 def scontrol_requeue(job_id: str) -> None:

@@ -179,6 +179,11 @@ def finish(args: argparse.Namespace) -> int:
         say(f"job {job.job_id} ends: {reason} (exit {d.exit_code})")
         _record(knobs, state.with_event("end", exit_code=args.exit_code, reason=reason))
         return d.exit_code
+    skip = slurm.why_not_requeue(slurm.scontrol_show_job(job.job_id), job.restart_count)
+    if skip:
+        say(f"job {job.job_id}: {reason}; {skip}: not requeueing it again")
+        _record(knobs, state.with_event("requeue_skipped", exit_code=args.exit_code, reason=skip))
+        return Exit.OK if skip.startswith("SLURM is requeueing") else args.exit_code
     # Count first: SLURM sends SIGTERM right after the requeue, and an uncounted requeue could
     # repeat forever. Where the count cannot be written (the storage is what failed, exit 14),
     # SLURM's own restart count bounds the requeues: load_requeue_state falls back to it.

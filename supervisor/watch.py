@@ -491,10 +491,9 @@ class Watchdog:
             if self.stop_signal is not None:
                 ended.stop_signal = self.stop_signal
                 name = signal.Signals(self.stop_signal).name
-                self.log.emit(
-                    "stop", f"received {name}: stopping the child (grace {self.cfg.kill_grace_s:g}s)"
-                )
-                self.log.emit("kill", child.kill(self.cfg.kill_grace_s), unreaped=child.unreaped)
+                grace = self.cfg.stop_grace_s or self.cfg.kill_grace_s
+                self.log.emit("stop", f"received {name}: stopping the child (grace {grace:g}s)")
+                self.log.emit("kill", child.kill(grace), unreaped=child.unreaped)
                 ended.returncode = child.returncode()
                 return ended
             if self.preempt_pending:

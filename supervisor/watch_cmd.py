@@ -66,6 +66,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--kill-grace", type=float, default=watch_config.DEFAULT_KILL_GRACE_S, help="SIGTERM to SIGKILL"
     )
     g.add_argument(
+        "--stop-grace",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="when the watchdog itself gets SIGTERM/SIGINT: SIGTERM to SIGKILL for its ranks, room for "
+        "their checkpoint (default: --kill-grace)",
+    )
+    g.add_argument(
         "--reap-timeout",
         type=float,
         default=watch_config.DEFAULT_REAP_TIMEOUT_S,
@@ -173,6 +181,8 @@ def run(args: argparse.Namespace) -> int:
     for flag in (*(f for f, _, _ in TIMEOUT_FLAGS), "--poll-interval"):
         if getattr(args, flag[2:].replace("-", "_")) <= 0:
             args.parser.error(f"{flag} must be positive")
+    if args.stop_grace is not None and args.stop_grace <= 0:
+        args.parser.error("--stop-grace must be positive")
     for flag in ("--io-retry", "--reap-timeout", "--dead-rank-grace", "--preempt-fallback"):
         if getattr(args, flag[2:].replace("-", "_")) < 0:
             args.parser.error(f"{flag} must not be negative")
@@ -200,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
             requeue_exit=args.requeue_exit,
         ),
         kill_grace_s=args.kill_grace,
+        stop_grace_s=args.stop_grace,
         dump_wait_s=args.dump_wait,
         poll_s=args.poll_interval,
         reset_budget=args.reset_budget,

@@ -41,6 +41,9 @@ class WatchConfig:
     learn_floor_s: float = policy.DEFAULT_LEARN_FLOOR_S
     policy: RestartPolicy = field(default_factory=RestartPolicy)
     kill_grace_s: float = DEFAULT_KILL_GRACE_S
+    # When the watchdog itself is told to stop (SIGTERM: a preemption with PreemptMode=REQUEUE
+    # signals every process of the step), its ranks get this long to checkpoint; None: kill_grace_s.
+    stop_grace_s: float | None = None
     dump_wait_s: float = DEFAULT_DUMP_WAIT_S
     poll_s: float = DEFAULT_POLL_S
     reset_budget: bool = False

@@ -314,6 +314,38 @@ def test_requeue_signal_urg_is_trapped_forwarded_and_acted_on(
     assert job.digest() == golden
 
 
+def test_preemption_by_a_higher_tier_job_sigterm_checkpoints_and_requeues_once(
+    cluster: Cluster, tmp_path: Path, golden: str
+) -> None:
+    """Real preemption (tests/slurm/cluster.sh: PreemptType=preempt/partition_prio,
+    PreemptMode=REQUEUE, GraceTime on ci): a job in ci-urgent needs the node, so SLURM sends
+    SIGTERM to every process of the step (not the batch shell) and would requeue the job at the end
+    of the grace. The ranks, held after step 8, acknowledge the SIGTERM while held, are released,
+    checkpoint step 9 and exit 75; the watchdog exits 13 within its --stop-grace; the script, still
+    inside the grace, requeues the job itself (SLURM does not requeue a job that ended), exactly once."""
+    job, gate = submit(cluster, tmp_path, *TRAIN, "--steps", str(STEPS), hold_at=8)
+    job.wait_held(gate, 8)
+    urgent = cluster.run(
+        "sbatch", "--parsable", "--partition=ci-urgent", "--exclusive", f"--output={tmp_path / 'urgent.out'}",
+        "--wrap", "true",
+    ).strip()  # fmt: skip
+    job.wait_until("the ranks to get SIGTERM while held", lambda: hold.noticed(gate, NPROC, 8))
+    hold.release(gate)
+    info = job.wait_done()
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), job.explain()
+    assert cluster.job(urgent)["JobState"] == "COMPLETED"
+    out = job.output()
+    assert "received SIGTERM: stopping the child (grace 30s)" in out
+    assert "stopped by signal; child checkpointed: requeue" in out
+    assert out.count(f"scontrol requeue {job.job_id}") == 1
+    assert "not requeueing it again" not in out
+    assert (job.requeue_state()["preempt_requeues"], job.requeue_state()["failure_requeues"]) == (1, 0)
+    rows = job.metrics()
+    launches = assert_no_step_lost(rows, STEPS)
+    assert [max(r["step"] for r in rows if r["launch"] == x) for x in launches] == [9, STEPS], job.explain()
+    assert job.digest() == golden
+
+
 def test_time_limit_notice_checkpoints_and_requeues(cluster: Cluster, tmp_path: Path, golden: str) -> None:
     """SLURM's own --signal ahead of the time limit. The run holds after TIME_LIMIT_HOLD until the
     notice reached its ranks (a run that got it earlier, still starting, stops after a step and

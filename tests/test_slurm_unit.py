@@ -283,6 +283,10 @@ def test_history_is_capped(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- `slurm finish` with a stand-in scontrol
 
 FAKE_SCONTROL = """#!/bin/sh
+if [ "$1" = show ]; then
+  echo "JobId=4242 JobState=${FAKE_STATE:-RUNNING} Requeue=1 Restarts=${FAKE_RESTARTS:-0} Partition=ci"
+  exit 0
+fi
 echo "$@" >> "$FAKE_SCONTROL_LOG"
 exit "${FAKE_SCONTROL_EXIT:-0}"
 """
@@ -347,6 +351,56 @@ def test_finish_never_requeues_a_finished_or_failed_run(tmp_path: Path, code: in
     assert r.returncode == code
     assert "job 4242 ends" in r.stdout
     assert scontrol_calls(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("info", "says"),
+    [
+        (None, ""),  # scontrol could not tell: requeue (the script's job)
+        ({"JobState": "RUNNING", "Restarts": "0"}, ""),  # inside a preemption's grace: SLURM will not
+        ({"JobState": "RUNNING", "Restarts": "2"}, ""),  # this run is the third start
+        ({"JobState": "COMPLETING", "Restarts": "3"}, "SLURM is requeueing this job itself (Restarts=3"),
+        ({"JobState": "COMPLETING", "Restarts": "2"}, "the job is ending (JobState=COMPLETING"),  # scancel
+        ({"JobState": "TIMEOUT", "Restarts": "2"}, "JobState=TIMEOUT"),
+    ],
+)
+def test_why_not_requeue(info: dict[str, str] | None, says: str) -> None:
+    got = slurm.why_not_requeue(info, restart_count=2)
+    assert (says in got) if says else got == "", got
+
+
+def test_finish_leaves_the_requeue_to_slurm_when_slurm_already_did_it(tmp_path: Path) -> None:
+    """PreemptMode=REQUEUE at the end of the GraceTime: SLURM has requeued the job (Restarts grew
+    past this run's SLURM_RESTART_COUNT) and SIGTERMs the script; one requeue, not two."""
+    r = run_finish(tmp_path, Exit.REQUEUE_REQUESTED, FAKE_STATE="COMPLETING", FAKE_RESTARTS="1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "SLURM is requeueing this job itself" in r.stdout and "not requeueing it again" in r.stdout
+    assert scontrol_calls(tmp_path) == []
+    assert requeues(tmp_path) == (0, 0)
+    r = run_finish(tmp_path, Exit.REQUEUE_REQUESTED, FAKE_STATE="COMPLETING")  # a plain scancel
+    assert r.returncode == Exit.REQUEUE_REQUESTED
+    assert "the job is ending (JobState=COMPLETING" in r.stdout
+    assert scontrol_calls(tmp_path) == []
+
+
+def test_torchrun_gives_its_workers_30_s_after_sigterm() -> None:
+    """docs/slurm.md's SIGTERM window: torchrun's agent waits this long for its workers before
+    SIGKILL (LocalElasticAgent._shutdown), fixed in torch; STOP_GRACE_S's default matches it."""
+    import inspect
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    assert inspect.signature(LocalElasticAgent._shutdown).parameters["timeout"].default == 30
+    job_sh = (Path(__file__).resolve().parents[1] / "sbatch" / "job.sh").read_text()
+    assert ': "${STOP_GRACE_S:=30}"' in job_sh
+
+
+def test_stop_grace_goes_to_the_watchdog(tmp_path: Path) -> None:
+    knobs = Knobs.from_environ(knob_env(tmp_path, STOP_GRACE_S="45"))
+    cmd = slurm.launch_command(knobs, slurm.rendezvous(JobEnv.from_environ(JOB), knobs, "gpu07"))
+    assert cmd[cmd.index("--stop-grace") + 1] == "45"
+    with pytest.raises(SlurmError, match="STOP_GRACE_S='0': set a number of seconds > 0"):
+        Knobs.from_environ(knob_env(tmp_path, STOP_GRACE_S="0"))
 
 
 def test_finish_without_scontrol_says_so(tmp_path: Path) -> None:

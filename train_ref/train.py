@@ -483,7 +483,7 @@ def hold_if_asked(gate: HoldGate, step: int, beat: Callable[[], object]) -> bool
     want = torch.tensor([int(gate.wanted(step))], dtype=torch.int64)
     dist.all_reduce(want, op=dist.ReduceOp.MAX)
     if want.item():
-        gate.hold(step, beat)
+        gate.hold(step, beat, lambda: PREEMPTION.set)
     return bool(want.item())
 
 
