@@ -8,7 +8,8 @@
 # The #SBATCH lines below are defaults: edit them, or override any on the sbatch command line.
 # Knobs (environment variables; sbatch hands your environment to the job):
 #   RUN_DIR          checkpoint root, on a filesystem every node sees
-#                    default: $SLURM_SUBMIT_DIR/runs/$SLURM_JOB_NAME
+#                    default: $SLURM_SUBMIT_DIR/runs/$SLURM_JOB_NAME, or in an array task
+#                    $SLURM_SUBMIT_DIR/runs/${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}
 #   PYTHON           a python with this project and torch installed        default: python3
 #   TRAIN_ARGS       the trainer command when the script gets no arguments, split into words like a
 #                    shell would (never evaluated)                         default: -m train_ref.train
@@ -18,7 +19,8 @@
 #   NNODES           torchrun --nnodes: N, or MIN:MAX for an elastic run   default: $SLURM_JOB_NUM_NODES
 #   RDZV_HOST        c10d rendezvous host              default: the first host of the allocation
 #   RDZV_PORT        c10d rendezvous port              default: 20000 + (job id mod 10000)
-#   TORCHRUN_OPTS    more torchrun options (e.g. --max-restarts=3 --local-addr=...)   default: none
+#   TORCHRUN_OPTS    more torchrun options (e.g. --local-addr=...; never --max-restarts > 0: the
+#                    watchdog owns restarts, `slurm start` refuses it)    default: none
 #   WATCH_OPTS       more watchdog options (python -m supervisor watch --help)        default: none
 #   MAX_PREEMPT_REQUEUES  requeues after a preemption or time-limit checkpoint (exit 13)  default: 100
 #   MAX_REQUEUES     requeues after a failure (storage unavailable, exit 14)          default: 10
@@ -52,7 +54,10 @@
 #SBATCH --open-mode=append
 set -uo pipefail
 
-: "${RUN_DIR:=${SLURM_SUBMIT_DIR:-$PWD}/runs/${SLURM_JOB_NAME:-resumable}}"
+# An array's tasks each get their own run dir (and requeue their own ARRAYID_TASKID).
+job_ref=${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}
+: "${RUN_DIR:=${SLURM_SUBMIT_DIR:-$PWD}/runs/${job_ref:-${SLURM_JOB_NAME:-resumable}}}"
+job_ref=${job_ref:-${SLURM_JOB_ID:-}}
 : "${PYTHON:=python3}"
 : "${TRAIN_ARGS=-m train_ref.train}"
 : "${CKPT_FLAG=--ckpt-root}"
@@ -92,8 +97,6 @@ srun --ntasks-per-node=1 --cpus-per-task="${SLURM_CPUS_ON_NODE:-1}" --kill-on-ba
 srun_pid=$!
 # srun forwards USR1 (and USR2) to the step but drops URG, so URG goes to the steps through
 # slurmctld: scancel without --batch signals every process of the job's steps, not this shell.
-job_ref=${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}
-job_ref=${job_ref:-$SLURM_JOB_ID}
 notify_step() {
   if [ "$REQUEUE_SIGNAL" = USR1 ]; then
     kill -s USR1 "$srun_pid" 2>/dev/null

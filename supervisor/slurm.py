@@ -62,6 +62,9 @@ class JobEnv:
     nodelist: str
     num_nodes: int
     restart_count: int
+    # What scontrol requeue and show take: an array task's own ARRAYID_TASKID (its job id alone
+    # may be the array's id, which names every task), else the job id.
+    requeue_id: str = ""
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str]) -> JobEnv:
@@ -78,7 +81,14 @@ class JobEnv:
             nodelist=nodelist,
             num_nodes=_env_int(env, "SLURM_JOB_NUM_NODES", _env_int(env, "SLURM_NNODES", 1)),
             restart_count=_env_int(env, "SLURM_RESTART_COUNT", 0),
+            requeue_id=array_task_id(env) or job_id,
         )
+
+
+def array_task_id(env: Mapping[str, str]) -> str:
+    """``ARRAYID_TASKID`` inside an array task, else ""."""
+    array, task = env.get("SLURM_ARRAY_JOB_ID", ""), env.get("SLURM_ARRAY_TASK_ID", "")
+    return f"{array}_{task}" if array and task else ""
 
 
 @dataclass(frozen=True)
@@ -135,6 +145,7 @@ class Knobs:
             stop_grace_s=_seconds(env, "STOP_GRACE_S"),
         )
         check_nnodes(knobs.nnodes)
+        check_torchrun_opts(knobs.torchrun_opts)
         return knobs
 
 
@@ -254,6 +265,23 @@ def notice_problem(spec: str | None, where: str, requeue_signal: str) -> str:
             f"notice would end this script instead of checkpointing; make them match ({want})"
         )
     return ""
+
+
+def check_torchrun_opts(opts: Sequence[str]) -> None:
+    """torchrun's own restarts (--max-restarts > 0) would restart ranks that exited 75 (preempted,
+    checkpointed), 65 or 78 (non-retryable) inside the grace window and fight the watchdog, which
+    owns restarts and the exit-code contract."""
+    for i, opt in enumerate(opts):
+        m = re.fullmatch(r"--max[-_]restarts(?:=(.*))?", opt)
+        if not m:
+            continue
+        value = m.group(1) if m.group(1) is not None else (opts[i + 1] if i + 1 < len(opts) else "")
+        if value.strip() != "0":
+            raise SlurmError(
+                f"TORCHRUN_OPTS has --max-restarts {value}: torchrun would restart ranks that exit 75 "
+                "(preempted), 65 or 78 (non-retryable) and fight the watchdog, which owns restarts; remove it "
+                "(the watchdog relaunches torchrun, and an elastic torchrun re-forms the group at its rendezvous)"
+            )
 
 
 def check_nnodes(nnodes: str) -> None:

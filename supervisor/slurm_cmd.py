@@ -179,7 +179,7 @@ def finish(args: argparse.Namespace) -> int:
         say(f"job {job.job_id} ends: {reason} (exit {d.exit_code})")
         _record(knobs, state.with_event("end", exit_code=args.exit_code, reason=reason))
         return d.exit_code
-    skip = slurm.why_not_requeue(slurm.scontrol_show_job(job.job_id), job.restart_count)
+    skip = slurm.why_not_requeue(slurm.scontrol_show_job(job.requeue_id), job.restart_count)
     if skip:
         say(f"job {job.job_id}: {reason}; {skip}: not requeueing it again")
         _record(knobs, state.with_event("requeue_skipped", exit_code=args.exit_code, reason=skip))
@@ -189,9 +189,9 @@ def finish(args: argparse.Namespace) -> int:
     # SLURM's own restart count bounds the requeues: load_requeue_state falls back to it.
     state = state.counted(d.kind).with_event("requeue", exit_code=args.exit_code, reason=reason)
     _record(knobs, state)
-    say(f"job {job.job_id}: {reason}; scontrol requeue {job.job_id}")
+    say(f"job {job.job_id}: {reason}; scontrol requeue {job.requeue_id}")
     try:
-        slurm.scontrol_requeue(job.job_id)
+        slurm.scontrol_requeue(job.requeue_id)
     except SlurmError as e:
         say(f"error: {e}")
         _record(knobs, state.with_event("requeue_failed", reason=str(e)))

@@ -204,7 +204,7 @@ def submit(
         **extra,
     )
     cmd = ["sbatch", "--parsable", f"--chdir={tmp}", f"--output={out}", *sbatch_opts, str(JOB_SH), *train]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, check=False)
+    r = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 0, f"sbatch failed: {r.stderr}"
     return Job(cluster, r.stdout.strip().split(";")[0], run_dir, out), gate
 
@@ -344,6 +344,59 @@ def test_preemption_by_a_higher_tier_job_sigterm_checkpoints_and_requeues_once(
     launches = assert_no_step_lost(rows, STEPS)
     assert [max(r["step"] for r in rows if r["launch"] == x) for x in launches] == [9, STEPS], job.explain()
     assert job.digest() == golden
+
+
+def test_array_tasks_keep_their_own_run_dirs_and_a_preempted_task_requeues_only_itself(
+    cluster: Cluster, tmp_path: Path, golden: str
+) -> None:
+    """`sbatch --array=0-1`: each task trains in runs/ARRAYID_TASKID (job.sh's default, RUN_DIR
+    unset); the tasks run one after the other (--exclusive on one node). The first to run is held
+    after step 8, notified and released: it requeues ARRAYID_TASKID, the other task runs, and both
+    finish bit-identical to the uninterrupted run."""
+    gate = tmp_path / "hold"
+    hold.hold_at(gate, 8)
+    env = {k: v for k, v in cluster.env().items() if k != "RUN_DIR"}
+    env.update(PYTHON=sys.executable, NPROC_PER_NODE=str(NPROC), NOTICE_REPEAT_S="5")
+    env[hold.ENV_HOLD_FILE] = str(gate)
+    cmd = [
+        "sbatch", "--parsable", "--array=0-1", f"--chdir={tmp_path}", f"--output={tmp_path}/job_%a.out",
+        str(JOB_SH), *TRAIN, "--steps", str(STEPS),
+    ]  # fmt: skip
+    r = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0, r.stderr
+    array = r.stdout.strip().split(";")[0]
+    tasks = [
+        Job(cluster, f"{array}_{t}", tmp_path / "runs" / f"{array}_{t}", tmp_path / f"job_{t}.out")
+        for t in (0, 1)
+    ]
+    tasks[0].wait_until("a task held after step 8", lambda: hold.held(gate, NPROC, 8))
+    running = [t for t in tasks if t.info().get("JobState") == "RUNNING"]
+    assert len(running) == 1, [t.info().get("JobState") for t in tasks]
+    preempted = running[0]
+    preempted.notify()
+    preempted.wait_notice_forwarded()
+    hold.release(gate)
+    for task in tasks:
+        info = task.wait_done()
+        restarts = "1" if task is preempted else "0"
+        assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", restarts), (
+            task.explain()
+        )
+        assert task.digest() == golden
+        assert task.requeue_state()["preempt_requeues"] == int(restarts)
+        assert f"run dir {task.run_dir};" in task.output()
+    assert preempted.output().count(f"scontrol requeue {preempted.job_id}") == 1
+    rows = preempted.metrics()
+    launches = assert_no_step_lost(rows, STEPS)
+    assert [max(r["step"] for r in rows if r["launch"] == x) for x in launches] == [9, STEPS]
+
+
+def test_torchrun_restarts_are_refused_before_anything_runs(cluster: Cluster, tmp_path: Path) -> None:
+    job, _ = submit(cluster, tmp_path, *TRAIN, "--steps", str(STEPS), TORCHRUN_OPTS="--max-restarts=3")
+    info = job.wait_done()
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("FAILED", f"{int(Exit.USAGE)}:0", "0")
+    assert "error: TORCHRUN_OPTS has --max-restarts 3: torchrun would restart ranks" in job.output()
+    assert not (job.run_dir / "metrics.jsonl").exists()
 
 
 def test_time_limit_notice_checkpoints_and_requeues(cluster: Cluster, tmp_path: Path, golden: str) -> None:

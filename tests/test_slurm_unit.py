@@ -159,6 +159,30 @@ def test_script_signal_spec_reads_sbatch_lines_as_sbatch_does() -> None:
     ) == ("B:USR1@120")
 
 
+def test_array_task_requeues_its_own_id() -> None:
+    """Task 0's job id is the array's id, and `scontrol requeue <array id>` requeues every task."""
+    task = JobEnv.from_environ(
+        {**JOB, "SLURM_JOB_ID": "77", "SLURM_ARRAY_JOB_ID": "77", "SLURM_ARRAY_TASK_ID": "0"}
+    )
+    assert (task.job_id, task.requeue_id) == ("77", "77_0")
+    assert JobEnv.from_environ(JOB).requeue_id == "4242"
+
+
+@pytest.mark.parametrize(
+    "opts", ["--max-restarts=3", "--max-restarts 1", "--max_restarts=2", "--local-addr=x --max-restarts 5"]
+)
+def test_torchrun_restarts_are_refused(tmp_path: Path, opts: str) -> None:
+    with pytest.raises(SlurmError, match=r"TORCHRUN_OPTS has --max-restarts .*fight the watchdog") as e:
+        Knobs.from_environ(knob_env(tmp_path, TORCHRUN_OPTS=opts))
+    assert "\n" not in str(e.value)
+
+
+def test_torchrun_max_restarts_0_is_fine(tmp_path: Path) -> None:
+    assert Knobs.from_environ(knob_env(tmp_path, TORCHRUN_OPTS="--max-restarts=0")).torchrun_opts == (
+        "--max-restarts=0",
+    )
+
+
 def test_elastic_nnodes_and_overrides(tmp_path: Path) -> None:
     env = knob_env(tmp_path, NNODES="1:4", RDZV_HOST="head-ib", RDZV_PORT="29400", CKPT_FLAG="")
     knobs = Knobs.from_environ(env)
@@ -381,6 +405,14 @@ def test_finish_leaves_the_requeue_to_slurm_when_slurm_already_did_it(tmp_path: 
     assert r.returncode == Exit.REQUEUE_REQUESTED
     assert "the job is ending (JobState=COMPLETING" in r.stdout
     assert scontrol_calls(tmp_path) == []
+
+
+def test_finish_in_an_array_task_requeues_the_task(tmp_path: Path) -> None:
+    array = {"SLURM_JOB_ID": "77", "SLURM_ARRAY_JOB_ID": "77", "SLURM_ARRAY_TASK_ID": "0"}
+    r = run_finish(tmp_path, Exit.REQUEUE_REQUESTED, **array)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert scontrol_calls(tmp_path) == ["requeue 77_0"]
+    assert "scontrol requeue 77_0" in r.stdout
 
 
 def test_torchrun_gives_its_workers_30_s_after_sigterm() -> None:
