@@ -45,6 +45,9 @@ NOTICE_SIGNALS = ("USR1", "URG")
 DEFAULT_NOTICE_SIGNAL = "USR1"
 # sbatch's --signal when no @TIME is given: 60 s before the limit.
 SIGNAL_DEFAULT_LEAD_S = 60
+# torchrun SIGKILLs its workers this long after its SIGTERM (LocalElasticAgent._shutdown's timeout,
+# fixed in torch; tests/test_slurm_unit.py checks it).
+TORCHRUN_TERM_WINDOW_S = 30.0
 
 
 class SlurmError(Exception):
@@ -282,6 +285,46 @@ def check_torchrun_opts(opts: Sequence[str]) -> None:
                 "(preempted), 65 or 78 (non-retryable) and fight the watchdog, which owns restarts; remove it "
                 "(the watchdog relaunches torchrun, and an elastic torchrun re-forms the group at its rendezvous)"
             )
+
+
+def grace_problem(partition: Mapping[str, str] | None, stop_grace_s: float) -> str:
+    """Why a preemption on this partition leaves the ranks less time to checkpoint than the
+    watchdog and torchrun give them, or "". ``partition``: ``scontrol show partition``'s fields."""
+    if partition is None:
+        return ""
+    mode = partition.get("PreemptMode", "OFF").upper()
+    grace = partition.get("GraceTime", "")
+    if not {"REQUEUE", "CANCEL"} & set(mode.split(",")) or not grace.isdigit():
+        return ""
+    window = min(stop_grace_s, TORCHRUN_TERM_WINDOW_S)
+    if int(grace) >= window:
+        return ""
+    return (
+        f"partition {partition.get('PartitionName', '?')} has PreemptMode={mode} and GraceTime={grace}: a "
+        f"preemption SIGKILLs the ranks {grace} s after its SIGTERM (KillWait when 0), less than the "
+        f"{window:g} s they may need to checkpoint; ask for GraceTime >= {window:g}, or rely on a --signal notice"
+    )
+
+
+def scontrol_show(kind: str, name: str) -> dict[str, str] | None:
+    """``scontrol show KIND -o NAME``'s KEY=VALUE fields; None when scontrol is missing or fails
+    (the caller then acts as if SLURM had said nothing)."""
+    scontrol = scontrol_path()
+    if scontrol is None or not name:
+        return None
+    try:
+        out = subprocess.run(
+            [scontrol, "show", kind, "-o", name],
+            capture_output=True,
+            text=True,
+            timeout=SCONTROL_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return dict(re.findall(r"(\w+)=(\S*)", out.stdout))
 
 
 def check_nnodes(nnodes: str) -> None:
@@ -648,27 +691,6 @@ def why_not_requeue(info: Mapping[str, str] | None, restart_count: int) -> str:
     if state and state != "RUNNING":
         return f"the job is ending (JobState={state}: cancelled, or its time limit passed)"
     return ""
-
-
-def scontrol_show_job(job_ref: str) -> dict[str, str] | None:
-    """``scontrol show job -o``'s KEY=VALUE fields; None when scontrol is missing or fails (the
-    caller then acts as if SLURM had said nothing)."""
-    scontrol = scontrol_path()
-    if scontrol is None:
-        return None
-    try:
-        out = subprocess.run(
-            [scontrol, "show", "job", "-o", job_ref],
-            capture_output=True,
-            text=True,
-            timeout=SCONTROL_TIMEOUT_S,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if out.returncode != 0:
-        return None
-    return dict(re.findall(r"(\w+)=(\S*)", out.stdout))
 
 
 def scontrol_requeue(job_id: str) -> None:

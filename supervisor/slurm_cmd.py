@@ -114,6 +114,11 @@ def start(args: argparse.Namespace) -> int:
     problem = _notice_problem(args.job_script, knobs.requeue_signal)
     if problem:
         say(f"WARNING: job {job.job_id}: {problem}")
+    partition = slurm.scontrol_show("partition", os.environ.get("SLURM_JOB_PARTITION", ""))
+    stop_grace = knobs.stop_grace_s or slurm.TORCHRUN_TERM_WINDOW_S
+    problem = slurm.grace_problem(partition, stop_grace)
+    if problem:
+        say(f"WARNING: job {job.job_id}: {problem}")
     if slurm.scontrol_path() is None:
         say(
             "WARNING: scontrol not found on PATH: this job cannot requeue itself; after a preemption or "
@@ -179,7 +184,7 @@ def finish(args: argparse.Namespace) -> int:
         say(f"job {job.job_id} ends: {reason} (exit {d.exit_code})")
         _record(knobs, state.with_event("end", exit_code=args.exit_code, reason=reason))
         return d.exit_code
-    skip = slurm.why_not_requeue(slurm.scontrol_show_job(job.requeue_id), job.restart_count)
+    skip = slurm.why_not_requeue(slurm.scontrol_show("job", job.requeue_id), job.restart_count)
     if skip:
         say(f"job {job.job_id}: {reason}; {skip}: not requeueing it again")
         _record(knobs, state.with_event("requeue_skipped", exit_code=args.exit_code, reason=skip))

@@ -423,8 +423,28 @@ def test_torchrun_gives_its_workers_30_s_after_sigterm() -> None:
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     assert inspect.signature(LocalElasticAgent._shutdown).parameters["timeout"].default == 30
+    assert slurm.TORCHRUN_TERM_WINDOW_S == 30
     job_sh = (Path(__file__).resolve().parents[1] / "sbatch" / "job.sh").read_text()
     assert ': "${STOP_GRACE_S:=30}"' in job_sh
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        (None, ""),
+        ({"PartitionName": "ci", "PreemptMode": "REQUEUE", "GraceTime": "60"}, ""),
+        ({"PartitionName": "ci", "PreemptMode": "OFF", "GraceTime": "0"}, ""),  # never preempted
+        (
+            {"PartitionName": "gpu", "PreemptMode": "REQUEUE", "GraceTime": "0"},
+            "partition gpu has PreemptMode",
+        ),
+        ({"PartitionName": "gpu", "PreemptMode": "CANCEL", "GraceTime": "20"}, "ask for GraceTime >= 30"),
+    ],
+)
+def test_grace_problem(fields: dict[str, str] | None, says: str) -> None:
+    got = slurm.grace_problem(fields, 45.0)  # torchrun's 30 s binds first
+    assert (says in got) if says else got == "", got
+    assert slurm.grace_problem({"PreemptMode": "REQUEUE", "GraceTime": "20"}, 15.0) == ""
 
 
 def test_stop_grace_goes_to_the_watchdog(tmp_path: Path) -> None:
