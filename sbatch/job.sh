@@ -8,7 +8,8 @@
 # The #SBATCH lines below are defaults: edit them, or override any on the sbatch command line.
 # Knobs (environment variables; sbatch hands your environment to the job):
 #   RUN_DIR          checkpoint root, on a filesystem every node sees
-#                    default: $SLURM_SUBMIT_DIR/runs/$SLURM_JOB_NAME
+#                    default: $SLURM_SUBMIT_DIR/runs/$SLURM_JOB_NAME, or in an array task
+#                    $SLURM_SUBMIT_DIR/runs/${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}
 #   PYTHON           a python with this project and torch installed        default: python3
 #   TRAIN_ARGS       the trainer command when the script gets no arguments, split into words like a
 #                    shell would (never evaluated)                         default: -m train_ref.train
@@ -18,19 +19,28 @@
 #   NNODES           torchrun --nnodes: N, or MIN:MAX for an elastic run   default: $SLURM_JOB_NUM_NODES
 #   RDZV_HOST        c10d rendezvous host              default: the first host of the allocation
 #   RDZV_PORT        c10d rendezvous port              default: 20000 + (job id mod 10000)
-#   TORCHRUN_OPTS    more torchrun options (e.g. --max-restarts=3 --local-addr=...)   default: none
+#   TORCHRUN_OPTS    more torchrun options (e.g. --local-addr=...; never --max-restarts > 0: the
+#                    watchdog owns restarts, `slurm start` refuses it)    default: none
 #   WATCH_OPTS       more watchdog options (python -m supervisor watch --help)        default: none
-#   MAX_REQUEUES     requeues this job may do (after exit 13 or 14); counted in
-#                    RUN_DIR/supervisor/slurm.json, or by SLURM when that cannot be read  default: 10
+#   MAX_PREEMPT_REQUEUES  requeues after a preemption or time-limit checkpoint (exit 13)  default: 100
+#   MAX_REQUEUES     requeues after a failure (storage unavailable, exit 14)          default: 10
+#                    both counted in RUN_DIR/supervisor/slurm.json (shown by `supervisor status`),
+#                    or by SLURM when that cannot be read
 #   NOTICE_REPEAT_S  repeat a notice to the nodes every N s until they are done      default: 30
+#   REQUEUE_SIGNAL   the notice's signal: USR1 or URG (NCCL builds have caught USR1); the
+#                    #SBATCH --signal line below cannot follow it: edit it to match, or pass
+#                    --signal=B:URG@120 (or SBATCH_SIGNAL=B:URG@120) to sbatch   default: USR1
+#   STOP_GRACE_S     when SLURM sends SIGTERM to the step (PreemptMode=REQUEUE), seconds each
+#                    watchdog gives its ranks to checkpoint before SIGKILL; torchrun gives them
+#                    30 s (fixed in torch), and the partition's GraceTime must cover it   default: 30
 #
-# Preemption and time limit: SLURM sends SIGUSR1 to this shell (--signal=B:USR1@SECONDS before the
-# limit; keep B: and USR1, change the seconds to cover one checkpoint; or scancel --signal=USR1
+# Preemption and time limit: SLURM sends REQUEUE_SIGNAL to this shell (--signal=B:USR1@SECONDS
+# before the limit; keep B:, change the seconds to cover one checkpoint; or scancel --signal=USR1
 # --batch JOBID). The trap only notes it; the loop forwards it to the watchdogs, which tell the
 # ranks; they checkpoint at the next step boundary and exit 75; the watchdogs exit 13; this script
-# then runs `scontrol requeue` once (while MAX_REQUEUES lasts) and exits. Storage that stayed
+# then runs `scontrol requeue` once (while MAX_PREEMPT_REQUEUES lasts) and exits. Storage that stayed
 # unavailable past the watchdog's retries (exit 14: committed checkpoints intact) requeues the same
-# way, against the same MAX_REQUEUES. A finished run (0) and a non-retryable failure (12) end the
+# way, against MAX_REQUEUES instead. A finished run (0) and a non-retryable failure (12) end the
 # job without a requeue.
 #
 #SBATCH --job-name=resumable
@@ -44,17 +54,24 @@
 #SBATCH --open-mode=append
 set -uo pipefail
 
-: "${RUN_DIR:=${SLURM_SUBMIT_DIR:-$PWD}/runs/${SLURM_JOB_NAME:-resumable}}"
+# An array's tasks each get their own run dir (and requeue their own ARRAYID_TASKID).
+job_ref=${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}
+: "${RUN_DIR:=${SLURM_SUBMIT_DIR:-$PWD}/runs/${job_ref:-${SLURM_JOB_NAME:-resumable}}}"
+job_ref=${job_ref:-${SLURM_JOB_ID:-}}
 : "${PYTHON:=python3}"
 : "${TRAIN_ARGS=-m train_ref.train}"
 : "${CKPT_FLAG=--ckpt-root}"
 : "${NPROC_PER_NODE:=${SLURM_GPUS_ON_NODE:-1}}"
 : "${NNODES:=${SLURM_JOB_NUM_NODES:-1}}"
 : "${RDZV_HOST:=}" "${RDZV_PORT:=}" "${TORCHRUN_OPTS:=}" "${WATCH_OPTS:=}"
-: "${MAX_REQUEUES:=10}"
+: "${MAX_PREEMPT_REQUEUES:=100}" "${MAX_REQUEUES:=10}"
 : "${NOTICE_REPEAT_S:=30}"
+: "${REQUEUE_SIGNAL:=USR1}"
+: "${STOP_GRACE_S:=30}"
+REQUEUE_SIGNAL=${REQUEUE_SIGNAL^^}
+REQUEUE_SIGNAL=${REQUEUE_SIGNAL#SIG}
 export RUN_DIR PYTHON TRAIN_ARGS CKPT_FLAG NPROC_PER_NODE NNODES RDZV_HOST RDZV_PORT TORCHRUN_OPTS \
-  WATCH_OPTS MAX_REQUEUES
+  WATCH_OPTS MAX_PREEMPT_REQUEUES MAX_REQUEUES REQUEUE_SIGNAL STOP_GRACE_S
 
 case "$NOTICE_REPEAT_S" in '' | *[!0-9]*)
   echo "job.sh: NOTICE_REPEAT_S='$NOTICE_REPEAT_S': set a whole number of seconds" >&2
@@ -63,17 +80,33 @@ case "$NOTICE_REPEAT_S" in '' | *[!0-9]*)
 esac
 STEP_START_S=5
 
-notice=0
-trap 'notice=1' USR1 # keep it short: the loop below forwards the notice
+notice=0 notice_sig=$REQUEUE_SIGNAL
+# Keep them short: the loop below forwards the notice. `slurm start` says which signals may be used.
+# SIGTERM here (scancel --signal=TERM --batch, a cancel, the end of a preemption's GraceTime) is a
+# notice too: the ranks checkpoint if they get the time; `slurm finish` asks SLURM whether to requeue.
+trap 'notice=1 notice_sig=TERM' TERM
+if ! trap 'notice=1 notice_sig=$REQUEUE_SIGNAL' "$REQUEUE_SIGNAL" 2>/dev/null; then
+  echo "job.sh: REQUEUE_SIGNAL='$REQUEUE_SIGNAL' is not a signal name; use USR1 or URG" >&2
+  exit 2
+fi
 
-"$PYTHON" -m supervisor slurm start -- "$@" || exit $?
+"$PYTHON" -m supervisor slurm start --job-script "$0" -- "$@" || exit $?
 
 srun --ntasks-per-node=1 --cpus-per-task="${SLURM_CPUS_ON_NODE:-1}" --kill-on-bad-exit=0 \
   "$PYTHON" -m supervisor slurm launch -- "$@" &
 srun_pid=$!
+# srun forwards USR1 (and USR2) to the step but drops URG, so URG goes to the steps through
+# slurmctld: scancel without --batch signals every process of the job's steps, not this shell.
+notify_step() {
+  if [ "$REQUEUE_SIGNAL" = USR1 ]; then
+    kill -s USR1 "$srun_pid" 2>/dev/null
+  else
+    scancel --quiet --signal="$REQUEUE_SIGNAL" "$job_ref"
+  fi
+}
 
 told=0
-next_forward=$((SECONDS + STEP_START_S)) # until the step's python has set SIGUSR1 to ignored
+next_forward=$((SECONDS + STEP_START_S)) # until the step's python ignores the notice's signal
 while kill -0 "$srun_pid" 2>/dev/null; do
   sleep 1 &
   wait $! # a notice interrupts this wait at once
@@ -81,10 +114,10 @@ while kill -0 "$srun_pid" 2>/dev/null; do
     # srun hands the signal to every process of the step; a rank still starting up ignores it, so
     # repeat it until the step ends.
     if [ "$told" = 0 ]; then
-      echo "[job.sh $(date -u +%FT%TZ)] SIGUSR1 (preemption or time limit): telling the watchdogs to checkpoint"
+      echo "[job.sh $(date -u +%FT%TZ)] SIG$notice_sig (preemption or time limit): telling the watchdogs to checkpoint with SIG$REQUEUE_SIGNAL"
       told=1
     fi
-    kill -USR1 "$srun_pid" 2>/dev/null
+    notify_step
     next_forward=$((SECONDS + NOTICE_REPEAT_S))
   fi
 done

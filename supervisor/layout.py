@@ -46,6 +46,8 @@ METRICS = "metrics.jsonl"
 FINAL = "final.json"
 # The remote-tier uploader's status, under SUPERVISOR (written by supervisor/tiers/uploader.py).
 REMOTE_STATUS = "remote.json"
+# sbatch/job.sh's requeue budgets and history (supervisor/slurm.py), under RunDir.supervisor.
+SLURM_REQUEUE = "slurm.json"
 
 # ASCII digits only and a full match: "step_00000050\n" or non-ASCII digits are not checkpoints.
 _COMMITTED_RE = re.compile(rf"{STEP_PREFIX}([0-9]{{{STEP_DIGITS}}})")

@@ -1,8 +1,10 @@
 """``python -m supervisor slurm start|launch|torchrun|finish``: the steps of ``sbatch/job.sh``.
 
-    start   -- TRAIN...   once per job start: log SLURM_RESTART_COUNT, check knobs, record the start
+    start [--job-script PATH] -- TRAIN...   once per job start: log SLURM_RESTART_COUNT, check
+                          knobs and the notice's --signal, record the start
     launch  -- TRAIN...   once per node (srun): exec the watchdog, which runs torchrun
-    torchrun ARGS...      exec ``python -m torch.distributed.run ARGS`` with SIGUSR1 ignored
+    torchrun [--ignore-signal SIG] ARGS...   exec ``python -m torch.distributed.run ARGS`` with the
+                          notice's signal ignored
     finish --exit-code N -- TRAIN...   after srun: requeue (exit 13 and budget left) or end
 
 Knobs come from the environment (sbatch/job.sh documents and defaults them). Lines are printed to
@@ -14,11 +16,12 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from pathlib import Path
 
 from supervisor import events, slurm
 from supervisor.exitcodes import Exit
@@ -37,15 +40,22 @@ def register(sub: argparse._SubParsersAction) -> None:
         ("launch", launch, "exec this node's watchdog + torchrun (run by srun, one task per node)"),
     ):
         v = verbs.add_parser(name, help=helptext)
+        if name == "start":
+            v.add_argument(
+                "--job-script", type=Path, help="the batch script (job.sh's $0), read for its --signal line"
+            )
         v.add_argument("train", nargs=argparse.REMAINDER, help="-- TRAINER ARGS (default: $TRAIN_ARGS)")
         v.set_defaults(func=_guarded(func))
     v = verbs.add_parser("finish", help="requeue the job or end it, from the watchdogs' exit code")
     v.add_argument("--exit-code", type=int, required=True, help="srun's exit code (the watchdogs' highest)")
     v.add_argument("train", nargs=argparse.REMAINDER, help="-- TRAINER ARGS (default: $TRAIN_ARGS)")
     v.set_defaults(func=_guarded(finish))
-    v = verbs.add_parser("torchrun", help="exec torchrun with SIGUSR1 ignored (the watchdog's child)")
+    v = verbs.add_parser(
+        "torchrun", help="exec torchrun with the notice's signal ignored (the watchdog's child)"
+    )
+    v.add_argument("--ignore-signal", default=slurm.DEFAULT_NOTICE_SIGNAL, help="the notice's signal (USR1)")
     v.add_argument("args", nargs=argparse.REMAINDER, help="torchrun's arguments")
-    v.set_defaults(func=torchrun)
+    v.set_defaults(func=_guarded(torchrun))
 
 
 def say(msg: str) -> None:
@@ -74,23 +84,41 @@ def _context(args: argparse.Namespace) -> tuple[JobEnv, Knobs]:
     return JobEnv.from_environ(os.environ), Knobs.from_environ(os.environ, train)
 
 
+def _limits(knobs: Knobs) -> slurm.Budgets:
+    return slurm.Budgets(preempt=knobs.max_preempt_requeues, failure=knobs.max_requeues)
+
+
 def start(args: argparse.Namespace) -> int:
     job, knobs = _context(args)
-    state, note = slurm.load_requeue_state(knobs.run_dir, job, knobs.max_requeues)
+    if knobs.requeue_signal != slurm.DEFAULT_NOTICE_SIGNAL and shutil.which("scancel") is None:
+        raise SlurmError(
+            f"REQUEUE_SIGNAL={knobs.requeue_signal} reaches the ranks through scancel (srun forwards only "
+            "USR1 and USR2), and scancel is not on PATH; use REQUEUE_SIGNAL=USR1 or make scancel available"
+        )
+    state, note = slurm.load_requeue_state(knobs.run_dir, job, _limits(knobs))
     hosts, host_note = slurm.hostnames(job.nodelist)
     rdzv = slurm.rendezvous(job, knobs, hosts[0])
     say(
         f"job {job.job_id} start, SLURM_RESTART_COUNT={job.restart_count}, {job.num_nodes} node(s): "
-        f"{','.join(hosts)}; run dir {knobs.run_dir}; requeues used {state.requeues} of {knobs.max_requeues}"
+        f"{','.join(hosts)}; run dir {knobs.run_dir}; {slurm.budget_line(state)}"
     )
     for line in (note, host_note):
         if line:
             say(line)
-    if job.restart_count > state.requeues:
+    ours = state.preempt_requeues + state.failure_requeues
+    if job.restart_count > ours:
         say(
-            f"SLURM restarted this job {job.restart_count} time(s), {state.requeues} of them requeued "
+            f"SLURM restarted this job {job.restart_count} time(s), {ours} of them requeued "
             "by this script (the others by SLURM's preemption, a node failure or an operator)"
         )
+    problem = _notice_problem(args.job_script, knobs.requeue_signal)
+    if problem:
+        say(f"WARNING: job {job.job_id}: {problem}")
+    partition = slurm.scontrol_show("partition", os.environ.get("SLURM_JOB_PARTITION", ""))
+    stop_grace = knobs.stop_grace_s or slurm.TORCHRUN_TERM_WINDOW_S
+    problem = slurm.grace_problem(partition, stop_grace)
+    if problem:
+        say(f"WARNING: job {job.job_id}: {problem}")
     if slurm.scontrol_path() is None:
         say(
             "WARNING: scontrol not found on PATH: this job cannot requeue itself; after a preemption or "
@@ -103,10 +131,25 @@ def start(args: argparse.Namespace) -> int:
     return Exit.OK
 
 
+def _notice_problem(script: Path | None, requeue_signal: str) -> str:
+    """The job's --signal, from SBATCH_SIGNAL (it overrides the script's line) or the script's
+    ``#SBATCH --signal``; why its notice can never arrive, or ""."""
+    env = os.environ.get("SBATCH_SIGNAL", "")
+    if env:
+        return slurm.notice_problem(env, "SBATCH_SIGNAL", requeue_signal)
+    if script is None:
+        return ""
+    try:
+        spec = slurm.script_signal_spec(script.read_text(errors="replace"))
+    except OSError as e:
+        return f"cannot read the job script {script} to check its --signal ({e})"
+    return slurm.notice_problem(spec, f"#SBATCH lines of {script}", requeue_signal)
+
+
 def launch(args: argparse.Namespace) -> int:
     # A notice reaching this node before the watchdog installs its handler must not kill it; the
     # job script repeats the notice until the step ends, so ignoring one loses nothing.
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(slurm.notice_signal(os.environ.get("REQUEUE_SIGNAL", "")), signal.SIG_IGN)
     job, knobs = _context(args)
     hosts, host_note = slurm.hostnames(job.nodelist)
     if host_note:
@@ -118,10 +161,10 @@ def launch(args: argparse.Namespace) -> int:
 
 
 def torchrun(args: argparse.Namespace) -> int:
-    # SLURM delivers a step's signals to every process in it; torchrun has no SIGUSR1 handler and
-    # would die of a preemption notice. Ignoring it here is inherited by torchrun and its workers
-    # until the trainer installs its own handler.
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    # SLURM delivers a step's signals to every process in it; torchrun has no handler for the
+    # notice's signal and USR1 would kill it. Ignoring it here is inherited by torchrun and its
+    # workers until the trainer installs its own handler.
+    signal.signal(slurm.notice_signal(args.ignore_signal, "--ignore-signal"), signal.SIG_IGN)
     argv = list(args.args)
     if argv[:1] == ["--"]:
         argv = argv[1:]
@@ -131,25 +174,29 @@ def torchrun(args: argparse.Namespace) -> int:
 
 def finish(args: argparse.Namespace) -> int:
     job, knobs = _context(args)
-    state, note = slurm.load_requeue_state(knobs.run_dir, job, knobs.max_requeues)
+    state, note = slurm.load_requeue_state(knobs.run_dir, job, _limits(knobs))
     if note:
         say(note)
-    d = slurm.decide(args.exit_code, state.requeues, knobs.max_requeues)
+    d = slurm.decide(args.exit_code, state.used, state.limits)
     why = _watchdog_reason(knobs) if args.exit_code not in (Exit.OK, Exit.REQUEUE_REQUESTED) else ""
     reason = f"{d.reason}: {why}" if why else d.reason
     if not d.requeue:
         say(f"job {job.job_id} ends: {reason} (exit {d.exit_code})")
         _record(knobs, state.with_event("end", exit_code=args.exit_code, reason=reason))
         return d.exit_code
+    skip = slurm.why_not_requeue(slurm.scontrol_show("job", job.requeue_id), job.restart_count)
+    if skip:
+        say(f"job {job.job_id}: {reason}; {skip}: not requeueing it again")
+        _record(knobs, state.with_event("requeue_skipped", exit_code=args.exit_code, reason=skip))
+        return Exit.OK if skip.startswith("SLURM is requeueing") else args.exit_code
     # Count first: SLURM sends SIGTERM right after the requeue, and an uncounted requeue could
     # repeat forever. Where the count cannot be written (the storage is what failed, exit 14),
     # SLURM's own restart count bounds the requeues: load_requeue_state falls back to it.
-    state = replace(state, requeues=state.requeues + 1)
-    state = state.with_event("requeue", exit_code=args.exit_code, reason=reason)
+    state = state.counted(d.kind).with_event("requeue", exit_code=args.exit_code, reason=reason)
     _record(knobs, state)
-    say(f"job {job.job_id}: {reason}; scontrol requeue {job.job_id}")
+    say(f"job {job.job_id}: {reason}; scontrol requeue {job.requeue_id}")
     try:
-        slurm.scontrol_requeue(job.job_id)
+        slurm.scontrol_requeue(job.requeue_id)
     except SlurmError as e:
         say(f"error: {e}")
         _record(knobs, state.with_event("requeue_failed", reason=str(e)))

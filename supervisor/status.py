@@ -17,7 +17,7 @@ from supervisor import events, store
 from supervisor.fsutil import hostname, pid_alive
 from supervisor.heartbeat import Phase, boot_id, read_heartbeats
 from supervisor.ioerrors import describe
-from supervisor.layout import REMOTE_STATUS, RunDir
+from supervisor.layout import REMOTE_STATUS, SLURM_REQUEUE, RunDir
 from supervisor.policy import Clock, PhaseTimeouts, describe_progress
 
 if TYPE_CHECKING:
@@ -110,6 +110,7 @@ class StatusReport:
     disk_bytes: int
     remote: RemoteStatus | None = None  # the uploader's last word (remote.json); no network call
     storage_problem: str = ""  # the checkpoints or the quarantine could not be listed, and why
+    slurm: str = ""  # sbatch/job.sh's requeue budgets (supervisor/slurm.json), one line; "" if none
 
     def to_dict(self) -> dict[str, Any]:
         """Shallow per row: ``dataclasses.asdict`` deep-copies and costs 10x on 4096 ranks."""
@@ -299,7 +300,25 @@ def build_report(root: str | Path, now: float | None = None) -> StatusReport:
         disk_bytes=store.disk_usage(root),
         remote=_remote_status(root),
         storage_problem=storage_problem,
+        slurm=_slurm_line(root),
     )
+
+
+def _slurm_line(root: Path) -> str:
+    """The SLURM job's requeue budgets, when sbatch/job.sh ran this run; a file that cannot be
+    used is said, not fatal. supervisor.slurm is imported only then, so other runs' status stays fast."""
+    if not (RunDir.of(root).supervisor / SLURM_REQUEUE).exists():
+        return ""
+    from supervisor import slurm
+
+    try:
+        st = slurm.read_requeue_state(root)
+    except (OSError, ValueError) as e:
+        return f"{slurm.requeue_path(root)} cannot be used: {describe(e) if isinstance(e, OSError) else e}"
+    if st is None:
+        return ""
+    last = st.history[-1].get("event", "?") if st.history and isinstance(st.history[-1], dict) else "-"
+    return f"job {st.job_id}: {slurm.budget_line(st)}; SLURM restarts {st.restart_count}; last event {last}"
 
 
 def _remote_status(root: Path) -> RemoteStatus | None:

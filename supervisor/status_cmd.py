@@ -123,6 +123,8 @@ def render(r: StatusReport) -> str:
         out.append(table(("name", "reason"), [(q.name, q.reason) for q in r.quarantined]))
     if r.remote:
         out += ["", _remote_line(r)]
+    if r.slurm:
+        out += ["", f"slurm {r.slurm}"]
     return "\n".join(out)
 
 

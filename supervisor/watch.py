@@ -176,7 +176,7 @@ class Watchdog:
 
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
-        signal.signal(signal.SIGUSR1, preempt)
+        signal.signal(self.cfg.notice_signal, preempt)
 
     # ------------------------------------------------------------ the loop
 
@@ -491,10 +491,9 @@ class Watchdog:
             if self.stop_signal is not None:
                 ended.stop_signal = self.stop_signal
                 name = signal.Signals(self.stop_signal).name
-                self.log.emit(
-                    "stop", f"received {name}: stopping the child (grace {self.cfg.kill_grace_s:g}s)"
-                )
-                self.log.emit("kill", child.kill(self.cfg.kill_grace_s), unreaped=child.unreaped)
+                grace = self.cfg.stop_grace_s or self.cfg.kill_grace_s
+                self.log.emit("stop", f"received {name}: stopping the child (grace {grace:g}s)")
+                self.log.emit("kill", child.kill(grace), unreaped=child.unreaped)
                 ended.returncode = child.returncode()
                 return ended
             if self.preempt_pending:
@@ -553,7 +552,8 @@ class Watchdog:
         return seen
 
     def _forward_preemption(self, child: launcher.Child, launch_id: str) -> bool:
-        """Send SIGUSR1 to this launch's ranks on this host; True once delivered. Ranks still in
+        """Send the notice (SIGUSR1 unless --notice-signal) to this launch's ranks on this host;
+        True once delivered. Ranks still in
         startup may not handle it yet (its default action kills), so the notice waits for them;
         a command that writes no heartbeat gets it, after --preempt-fallback seconds, on its
         ranks (launcher.Child.workers: never torchrun's agent, which SIGUSR1 would kill, nor a
@@ -571,8 +571,9 @@ class Watchdog:
             who = f"pids {pids} (this launch wrote no heartbeat)"
         else:
             return False
-        launcher.send(pids, signal.SIGUSR1)
-        self.log.emit("preempt", f"preemption notice (SIGUSR1) forwarded to {who}", pids=pids)
+        launcher.send(pids, self.cfg.notice_signal)
+        name = signal.Signals(self.cfg.notice_signal).name
+        self.log.emit("preempt", f"preemption notice ({name}) forwarded to {who}", pids=pids)
         return True
 
     def _check_hangs(

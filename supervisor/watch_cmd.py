@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 from pathlib import Path
 
-from supervisor import policy, watch_config
+from supervisor import policy, slurm, watch_config
 from supervisor.checkpoints import StoreError
 from supervisor.policy import Backoff, Budget, PhaseTimeouts, RestartPolicy
 from supervisor.signing import SigningKeyError, add_signing_key_arg, load_key
@@ -65,6 +66,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--kill-grace", type=float, default=watch_config.DEFAULT_KILL_GRACE_S, help="SIGTERM to SIGKILL"
     )
     g.add_argument(
+        "--stop-grace",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="when the watchdog itself gets SIGTERM/SIGINT: SIGTERM to SIGKILL for its ranks, room for "
+        "their checkpoint (default: --kill-grace)",
+    )
+    g.add_argument(
         "--reap-timeout",
         type=float,
         default=watch_config.DEFAULT_REAP_TIMEOUT_S,
@@ -75,6 +84,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=watch_config.DEFAULT_DEAD_RANK_GRACE_S,
         help="seconds a rank gone without an exit code may be a clean exit before it counts as dead",
+    )
+    g.add_argument(
+        "--notice-signal",
+        type=_notice_signal,
+        default=signal.SIGUSR1,
+        metavar="SIG",
+        help="the preemption notice's signal, taken and forwarded to the ranks: USR1 (default) or URG",
     )
     g.add_argument(
         "--preempt-fallback",
@@ -139,6 +155,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run, parser=p)
 
 
+def _notice_signal(raw: str) -> signal.Signals:
+    try:
+        return slurm.notice_signal(raw, "--notice-signal")
+    except slurm.SlurmError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _signing_key(args: argparse.Namespace) -> bytes | None:
     """--signing-key's key; a bad one is a one-line error (exit 2) before anything is launched."""
     if not args.signing_key:
@@ -158,6 +181,8 @@ def run(args: argparse.Namespace) -> int:
     for flag in (*(f for f, _, _ in TIMEOUT_FLAGS), "--poll-interval"):
         if getattr(args, flag[2:].replace("-", "_")) <= 0:
             args.parser.error(f"{flag} must be positive")
+    if args.stop_grace is not None and args.stop_grace <= 0:
+        args.parser.error("--stop-grace must be positive")
     for flag in ("--io-retry", "--reap-timeout", "--dead-rank-grace", "--preempt-fallback"):
         if getattr(args, flag[2:].replace("-", "_")) < 0:
             args.parser.error(f"{flag} must not be negative")
@@ -185,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
             requeue_exit=args.requeue_exit,
         ),
         kill_grace_s=args.kill_grace,
+        stop_grace_s=args.stop_grace,
         dump_wait_s=args.dump_wait,
         poll_s=args.poll_interval,
         reset_budget=args.reset_budget,
@@ -197,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
         reap_timeout_s=args.reap_timeout,
         dead_rank_grace_s=args.dead_rank_grace,
         preempt_fallback_s=args.preempt_fallback,
+        notice_signal=args.notice_signal,
         sign_key=_signing_key(args),
     )
     from supervisor.watch import watch  # the loop and its process machinery: only when watching

@@ -3,6 +3,7 @@ importing the loop (``supervisor status`` must start fast)."""
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +41,9 @@ class WatchConfig:
     learn_floor_s: float = policy.DEFAULT_LEARN_FLOOR_S
     policy: RestartPolicy = field(default_factory=RestartPolicy)
     kill_grace_s: float = DEFAULT_KILL_GRACE_S
+    # When the watchdog itself is told to stop (SIGTERM: a preemption with PreemptMode=REQUEUE
+    # signals every process of the step), its ranks get this long to checkpoint; None: kill_grace_s.
+    stop_grace_s: float | None = None
     dump_wait_s: float = DEFAULT_DUMP_WAIT_S
     poll_s: float = DEFAULT_POLL_S
     reset_budget: bool = False
@@ -52,5 +56,7 @@ class WatchConfig:
     reap_timeout_s: float = DEFAULT_REAP_TIMEOUT_S
     dead_rank_grace_s: float = DEFAULT_DEAD_RANK_GRACE_S
     preempt_fallback_s: float = DEFAULT_PREEMPT_FALLBACK_S
+    # The preemption notice's signal: taken from SLURM (through srun) and forwarded to the ranks.
+    notice_signal: int = signal.SIGUSR1
     # --signing-key's key (docs/security.md): picks skip checkpoints not signed with it. Never printed.
     sign_key: bytes | None = field(default=None, repr=False)

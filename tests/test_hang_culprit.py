@@ -168,7 +168,8 @@ import sys
 from pathlib import Path
 from train_ref.drill_faults import DrillFaults, When
 from train_ref.signals import PreemptionFlag, register_stack_dump
-flag = PreemptionFlag().install()
+flag = PreemptionFlag()
+flag.install()
 stacks = register_stack_dump(Path(sys.argv[1]))
 DrillFaults.from_env(1, sys.argv[2]).maybe_hang(37, When.STEP)
 print("ran on past step 37", flush=True)

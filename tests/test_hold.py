@@ -52,6 +52,31 @@ def test_a_held_rank_acks_beats_and_goes_on_when_released(tmp_path: Path, how: s
     assert not t.is_alive()
 
 
+def test_a_notice_that_arrives_while_held_is_acknowledged(tmp_path: Path) -> None:
+    """A test releases held ranks once they have the notice (e.g. SLURM's SIGTERM, sent to every
+    process of the step): they act on it at the very next step boundary."""
+    gate = tmp_path / "hold"
+    hold.hold_at(gate, 5)
+    notice = threading.Event()
+    threads = [
+        threading.Thread(target=HoldGate(gate, r, "L").hold, args=(5, lambda: None, notice.is_set))
+        for r in (0, 1)
+    ]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: hold.held(gate, 2, 5), "both ranks held")
+        assert hold.noticed(gate, 2, 5) is None
+        notice.set()
+        acks = wait_for(lambda: hold.noticed(gate, 2, 5), "both acks to carry the notice")
+        assert all(a["notice"] and a["step"] == 5 for a in acks.values())
+    finally:
+        hold.release(gate)
+        for t in threads:
+            t.join(PATIENCE_S)
+    assert not any(t.is_alive() for t in threads)
+
+
 def _rank(rank: int, store: str, gate: str, out: mp.Queue) -> None:
     import torch.distributed as dist
 

@@ -152,9 +152,9 @@ class Job:
         starts = [i for i, e in enumerate(evs) if e.get("event") == "watchdog_start"]
         return bool(starts) and any(e.get("event") == "preempt" for e in evs[starts[-1] :])
 
-    def notify(self) -> None:
-        """A preemption notice as SLURM would deliver it: SIGUSR1 to the batch shell."""
-        self.cluster.run("scancel", "--signal=USR1", "--batch", self.job_id)
+    def notify(self, sig: str = "USR1") -> None:
+        """A preemption notice as SLURM would deliver it: the signal to the batch shell."""
+        self.cluster.run("scancel", f"--signal={sig}", "--batch", self.job_id)
 
     def metrics(self) -> list[dict]:
         path = self.run_dir / "metrics.jsonl"
@@ -182,6 +182,7 @@ def submit(
     run_dir: Path | None = None,
     sbatch_opts: tuple[str, ...] = (),
     hold_at: int | None = None,
+    **env: str,
 ) -> tuple[Job, Path]:
     """Submit the job; with ``hold_at``, its ranks hold after that step until the returned hold
     file is released or moved on (train_ref/hold.py)."""
@@ -193,15 +194,17 @@ def submit(
         hold.hold_at(gate, hold_at)
         extra[hold.ENV_HOLD_FILE] = str(gate)
     env = cluster.env(
+        **env,
         PYTHON=sys.executable,
         RUN_DIR=str(run_dir),
         NPROC_PER_NODE=str(NPROC),
-        MAX_REQUEUES="5",
+        MAX_PREEMPT_REQUEUES="5",
+        MAX_REQUEUES="1",
         NOTICE_REPEAT_S="5",
         **extra,
     )
     cmd = ["sbatch", "--parsable", f"--chdir={tmp}", f"--output={out}", *sbatch_opts, str(JOB_SH), *train]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, check=False)
+    r = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 0, f"sbatch failed: {r.stderr}"
     return Job(cluster, r.stdout.strip().split(";")[0], run_dir, out), gate
 
@@ -267,13 +270,133 @@ def test_preemption_twice_requeues_and_loses_no_step(cluster: Cluster, tmp_path:
     for n in (0, 1, 2):
         assert f"SLURM_RESTART_COUNT={n}," in out
     assert out.count(f"scontrol requeue {job.job_id}") == 2
-    assert job.requeue_state()["requeues"] == 2
+    assert "preemption requeue 2 of 5" in out
+    assert "requeues used: preemption 2 of 5, failure 0 of 1" in out  # the third start's line
+    assert (job.requeue_state()["preempt_requeues"], job.requeue_state()["failure_requeues"]) == (2, 0)
     rows = job.metrics()
     launches = assert_no_step_lost(rows, STEPS)
     assert [max(r["step"] for r in rows if r["launch"] == x) for x in launches] == [9, 21, STEPS], (
         job.explain()
     )
     assert job.digest() == golden
+
+
+def test_requeue_signal_urg_is_trapped_forwarded_and_acted_on(
+    cluster: Cluster, tmp_path: Path, golden: str
+) -> None:
+    """REQUEUE_SIGNAL=URG end to end: the batch shell traps it, scancel hands it to the step (srun
+    drops URG), the watchdog takes it as the notice and forwards it, the ranks checkpoint on it. SBATCH_SIGNAL
+    sets the matching --signal (sbatch reads it; the job sees it), so the start-up check is quiet."""
+    job, gate = submit(
+        cluster,
+        tmp_path,
+        *TRAIN,
+        "--steps",
+        str(STEPS),
+        hold_at=8,
+        REQUEUE_SIGNAL="URG",
+        SBATCH_SIGNAL="B:URG@60",
+    )
+    job.wait_held(gate, 8)
+    job.notify("URG")
+    job.wait_notice_forwarded()
+    hold.release(gate)
+    info = job.wait_done()
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), job.explain()
+    out = job.output()
+    assert "SIGURG (preemption or time limit): telling the watchdogs to checkpoint" in out
+    assert "preemption notice (SIGURG) forwarded" in out
+    assert "--notice-signal URG" in out and "--ignore-signal URG" in out
+    assert "] WARNING: job" not in out, job.explain()  # slurm start's --signal check
+    rows = job.metrics()
+    launches = assert_no_step_lost(rows, STEPS)
+    assert [max(r["step"] for r in rows if r["launch"] == x) for x in launches] == [9, STEPS], job.explain()
+    assert job.digest() == golden
+
+
+def test_preemption_by_a_higher_tier_job_sigterm_checkpoints_and_requeues_once(
+    cluster: Cluster, tmp_path: Path, golden: str
+) -> None:
+    """Real preemption (tests/slurm/cluster.sh: PreemptType=preempt/partition_prio,
+    PreemptMode=REQUEUE, GraceTime on ci): a job in ci-urgent needs the node, so SLURM sends
+    SIGTERM to every process of the step (not the batch shell) and would requeue the job at the end
+    of the grace. The ranks, held after step 8, acknowledge the SIGTERM while held, are released,
+    checkpoint step 9 and exit 75; the watchdog exits 13 within its --stop-grace; the script, still
+    inside the grace, requeues the job itself (SLURM does not requeue a job that ended), exactly once."""
+    job, gate = submit(cluster, tmp_path, *TRAIN, "--steps", str(STEPS), hold_at=8)
+    job.wait_held(gate, 8)
+    urgent = cluster.run(
+        "sbatch", "--parsable", "--partition=ci-urgent", "--exclusive", f"--output={tmp_path / 'urgent.out'}",
+        "--wrap", "true",
+    ).strip()  # fmt: skip
+    job.wait_until("the ranks to get SIGTERM while held", lambda: hold.noticed(gate, NPROC, 8))
+    hold.release(gate)
+    info = job.wait_done()
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), job.explain()
+    assert cluster.job(urgent)["JobState"] == "COMPLETED"
+    out = job.output()
+    assert "received SIGTERM: stopping the child (grace 30s)" in out
+    assert "stopped by signal; child checkpointed: requeue" in out
+    assert out.count(f"scontrol requeue {job.job_id}") == 1
+    assert "not requeueing it again" not in out
+    assert (job.requeue_state()["preempt_requeues"], job.requeue_state()["failure_requeues"]) == (1, 0)
+    rows = job.metrics()
+    launches = assert_no_step_lost(rows, STEPS)
+    assert [max(r["step"] for r in rows if r["launch"] == x) for x in launches] == [9, STEPS], job.explain()
+    assert job.digest() == golden
+
+
+def test_array_tasks_keep_their_own_run_dirs_and_a_preempted_task_requeues_only_itself(
+    cluster: Cluster, tmp_path: Path, golden: str
+) -> None:
+    """`sbatch --array=0-1`: each task trains in runs/ARRAYID_TASKID (job.sh's default, RUN_DIR
+    unset); the tasks run one after the other (--exclusive on one node). The first to run is held
+    after step 8, notified and released: it requeues ARRAYID_TASKID, the other task runs, and both
+    finish bit-identical to the uninterrupted run."""
+    gate = tmp_path / "hold"
+    hold.hold_at(gate, 8)
+    env = {k: v for k, v in cluster.env().items() if k != "RUN_DIR"}
+    env.update(PYTHON=sys.executable, NPROC_PER_NODE=str(NPROC), NOTICE_REPEAT_S="5")
+    env[hold.ENV_HOLD_FILE] = str(gate)
+    cmd = [
+        "sbatch", "--parsable", "--array=0-1", f"--chdir={tmp_path}", f"--output={tmp_path}/job_%a.out",
+        str(JOB_SH), *TRAIN, "--steps", str(STEPS),
+    ]  # fmt: skip
+    r = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0, r.stderr
+    array = r.stdout.strip().split(";")[0]
+    tasks = [
+        Job(cluster, f"{array}_{t}", tmp_path / "runs" / f"{array}_{t}", tmp_path / f"job_{t}.out")
+        for t in (0, 1)
+    ]
+    tasks[0].wait_until("a task held after step 8", lambda: hold.held(gate, NPROC, 8))
+    running = [t for t in tasks if t.info().get("JobState") == "RUNNING"]
+    assert len(running) == 1, [t.info().get("JobState") for t in tasks]
+    preempted = running[0]
+    preempted.notify()
+    preempted.wait_notice_forwarded()
+    hold.release(gate)
+    for task in tasks:
+        info = task.wait_done()
+        restarts = "1" if task is preempted else "0"
+        assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", restarts), (
+            task.explain()
+        )
+        assert task.digest() == golden
+        assert task.requeue_state()["preempt_requeues"] == int(restarts)
+        assert f"run dir {task.run_dir};" in task.output()
+    assert preempted.output().count(f"scontrol requeue {preempted.job_id}") == 1
+    rows = preempted.metrics()
+    launches = assert_no_step_lost(rows, STEPS)
+    assert [max(r["step"] for r in rows if r["launch"] == x) for x in launches] == [9, STEPS]
+
+
+def test_torchrun_restarts_are_refused_before_anything_runs(cluster: Cluster, tmp_path: Path) -> None:
+    job, _ = submit(cluster, tmp_path, *TRAIN, "--steps", str(STEPS), TORCHRUN_OPTS="--max-restarts=3")
+    info = job.wait_done()
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("FAILED", f"{int(Exit.USAGE)}:0", "0")
+    assert "error: TORCHRUN_OPTS has --max-restarts 3: torchrun would restart ranks" in job.output()
+    assert not (job.run_dir / "metrics.jsonl").exists()
 
 
 def test_time_limit_notice_checkpoints_and_requeues(cluster: Cluster, tmp_path: Path, golden: str) -> None:
@@ -291,7 +414,7 @@ def test_time_limit_notice_checkpoints_and_requeues(cluster: Cluster, tmp_path: 
     assert int(info["Restarts"]) >= 1, job.explain()
     out = job.output()
     assert "SIGUSR1 (preemption or time limit)" in out
-    assert job.requeue_state()["requeues"] == int(info["Restarts"])
+    assert job.requeue_state()["preempt_requeues"] == int(info["Restarts"])
     # A notice that lands in a run's startup is acted on at its first step, so count launches loosely.
     assert len(assert_no_step_lost(job.metrics(), STEPS)) >= 2, job.explain()
     assert job.digest() == golden

@@ -19,7 +19,13 @@ JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_NU
 
 
 def knob_env(root: Path, **extra: str) -> dict[str, str]:
-    return {"RUN_DIR": str(root), "MAX_REQUEUES": "3", "TRAIN_ARGS": "-m train_ref.train", **extra}
+    return {
+        "RUN_DIR": str(root),
+        "MAX_PREEMPT_REQUEUES": "3",
+        "MAX_REQUEUES": "2",
+        "TRAIN_ARGS": "-m train_ref.train",
+        **extra,
+    }
 
 
 # ---------------------------------------------------------------- host lists
@@ -64,6 +70,7 @@ def test_job_env_reads_restart_count() -> None:
         ({"RUN_DIR": ""}, "RUN_DIR is not set"),
         ({"MAX_REQUEUES": "many"}, "MAX_REQUEUES='many' is not a whole number"),
         ({"MAX_REQUEUES": "-1"}, "MAX_REQUEUES='-1'"),
+        ({"MAX_PREEMPT_REQUEUES": ""}, "MAX_PREEMPT_REQUEUES='': set it to a whole number"),
         ({"NNODES": "2-4"}, "MIN:MAX"),
         ({"RDZV_PORT": "70000"}, "RDZV_PORT='70000'"),
         ({"TRAIN_ARGS": "-m 'unclosed"}, "TRAIN_ARGS=.*quote it"),
@@ -94,14 +101,86 @@ def test_launch_command_keeps_every_value_one_argument(tmp_path: Path) -> None:
     sep = cmd.index("--")
     assert cmd[:sep] == [
         "/opt/my env/bin/python", "-m", "supervisor", "watch", "--ckpt-root", str(root), "--requeue-exit",
-        "--hang-timeout", "30",
+        "--notice-signal", "USR1", "--hang-timeout", "30",
     ]  # fmt: skip
     assert cmd[sep + 1 :] == [
-        "/opt/my env/bin/python", "-m", "supervisor", "slurm", "torchrun", "--",
+        "/opt/my env/bin/python", "-m", "supervisor", "slurm", "torchrun", "--ignore-signal", "USR1", "--",
         "--nnodes=2", "--nproc-per-node=4", "--rdzv-backend=c10d", "--rdzv-endpoint=gpu07:24242",
         "--rdzv-id=4242", "--log-dir", "/tmp/a b",
         "-m", "train_ref.train", "--corpus", "my corpus.txt", "--ckpt-root", str(root),
     ]  # fmt: skip
+
+
+def test_requeue_signal_follows_into_the_watchdog_and_torchrun(tmp_path: Path) -> None:
+    knobs = Knobs.from_environ(knob_env(tmp_path, REQUEUE_SIGNAL="sigurg"))
+    cmd = slurm.launch_command(knobs, slurm.rendezvous(JobEnv.from_environ(JOB), knobs, "gpu07"))
+    assert cmd[cmd.index("--notice-signal") + 1] == "URG"
+    assert cmd[cmd.index("--ignore-signal") + 1] == "URG"
+
+
+@pytest.mark.parametrize("raw", ["HUP", "USR2", "TERM", "SIGINT", "QUIT", "KILL", "12"])
+def test_requeue_signal_that_would_kill_torchrun_or_mean_a_stack_dump_is_refused(
+    tmp_path: Path, raw: str
+) -> None:
+    with pytest.raises(SlurmError, match=rf"REQUEUE_SIGNAL='{raw}': use USR1 or URG") as e:
+        Knobs.from_environ(knob_env(tmp_path, REQUEUE_SIGNAL=raw))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("B:USR1@120", ""),
+        ("b:SIGUSR1@30", ""),
+        ("RB:10@300", ""),  # by number; R: (reservation) as well
+        ("B:USR1", ""),  # @60 by default
+        (None, "no --signal found (where): no notice comes before the time limit"),
+        ("USR1@120", "has no B:, so SLURM signals the job steps but never this script"),
+        ("R:USR1@120", "use --signal=B:USR1@120"),
+        ("B:URG@90", "sends SIGURG but REQUEUE_SIGNAL=USR1"),
+        ("B:USR1@soon", "cannot parse --signal='B:USR1@soon'"),
+    ],
+)
+def test_notice_problem(spec: str | None, says: str) -> None:
+    got = slurm.notice_problem(spec, "where", "USR1")
+    assert (says in got) if says else got == "", got
+    assert "\n" not in got
+
+
+def test_script_signal_spec_reads_sbatch_lines_as_sbatch_does() -> None:
+    script = "#!/bin/bash\n# a comment\n#SBATCH --time=1\n#SBATCH --signal=B:USR1@120\n\n#SBATCH --signal B:URG@60\n"
+    assert slurm.script_signal_spec(script) == "B:URG@60"  # the last one wins
+    assert (
+        slurm.script_signal_spec(script + "srun x\n#SBATCH --signal=USR1\n") == "B:URG@60"
+    )  # after a command: ignored
+    assert slurm.script_signal_spec("#!/bin/bash\n##SBATCH --signal=B:USR1@1\necho\n") is None  # disabled
+    assert slurm.script_signal_spec(
+        Path(__file__).resolve().parents[1].joinpath("sbatch/job.sh").read_text()
+    ) == ("B:USR1@120")
+
+
+def test_array_task_requeues_its_own_id() -> None:
+    """Task 0's job id is the array's id, and `scontrol requeue <array id>` requeues every task."""
+    task = JobEnv.from_environ(
+        {**JOB, "SLURM_JOB_ID": "77", "SLURM_ARRAY_JOB_ID": "77", "SLURM_ARRAY_TASK_ID": "0"}
+    )
+    assert (task.job_id, task.requeue_id) == ("77", "77_0")
+    assert JobEnv.from_environ(JOB).requeue_id == "4242"
+
+
+@pytest.mark.parametrize(
+    "opts", ["--max-restarts=3", "--max-restarts 1", "--max_restarts=2", "--local-addr=x --max-restarts 5"]
+)
+def test_torchrun_restarts_are_refused(tmp_path: Path, opts: str) -> None:
+    with pytest.raises(SlurmError, match=r"TORCHRUN_OPTS has --max-restarts .*fight the watchdog") as e:
+        Knobs.from_environ(knob_env(tmp_path, TORCHRUN_OPTS=opts))
+    assert "\n" not in str(e.value)
+
+
+def test_torchrun_max_restarts_0_is_fine(tmp_path: Path) -> None:
+    assert Knobs.from_environ(knob_env(tmp_path, TORCHRUN_OPTS="--max-restarts=0")).torchrun_opts == (
+        "--max-restarts=0",
+    )
 
 
 def test_elastic_nnodes_and_overrides(tmp_path: Path) -> None:
@@ -122,63 +201,99 @@ def test_default_rdzv_port_stays_below_the_ephemeral_range() -> None:
 # ---------------------------------------------------------------- decision and budget
 
 
+LIMITS = slurm.Budgets(preempt=3, failure=2)
+
+
 @pytest.mark.parametrize(
     ("code", "used", "requeue", "exit_code", "says"),
     [
-        (Exit.OK, 0, False, 0, "run finished"),
-        (Exit.REQUEUE_REQUESTED, 0, True, 0, "requeue 1 of 3"),
-        (Exit.REQUEUE_REQUESTED, 2, True, 0, "requeue 3 of 3"),
-        (Exit.REQUEUE_REQUESTED, 3, False, 13, "budget is used up (3 of 3)"),
-        (Exit.STORAGE_UNAVAILABLE, 0, True, 0, "storage unavailable past the watchdog's retries"),
-        (Exit.STORAGE_UNAVAILABLE, 1, True, 0, "requeue 2 of 3"),
-        (Exit.STORAGE_UNAVAILABLE, 3, False, 14, "budget is used up (3 of 3)"),
-        (Exit.CHILD_NONRETRYABLE, 0, False, 12, "non-retryable"),
-        (Exit.BUDGET_EXHAUSTED, 0, False, 10, "restart budget"),
-        (Exit.NO_PROGRESS, 0, False, 11, "without a newer checkpoint"),
-        (1, 0, False, 1, "failed with exit code 1; not requeueing"),
-        (143, 0, False, 143, "exit code 143"),
+        (Exit.OK, (0, 0), False, 0, "run finished"),
+        (Exit.REQUEUE_REQUESTED, (0, 0), True, 0, "preemption requeue 1 of 3"),
+        (Exit.REQUEUE_REQUESTED, (2, 2), True, 0, "preemption requeue 3 of 3"),  # failures do not count
+        (Exit.REQUEUE_REQUESTED, (3, 0), False, 13, "preemption requeue budget is used up (3 of 3)"),
+        (Exit.REQUEUE_REQUESTED, (3, 0), False, 13, "raise MAX_PREEMPT_REQUEUES"),
+        (Exit.STORAGE_UNAVAILABLE, (0, 0), True, 0, "storage unavailable past the watchdog's retries"),
+        (Exit.STORAGE_UNAVAILABLE, (3, 1), True, 0, "failure requeue 2 of 2"),  # preemptions do not count
+        (Exit.STORAGE_UNAVAILABLE, (0, 2), False, 14, "failure requeue budget is used up (2 of 2)"),
+        (Exit.STORAGE_UNAVAILABLE, (0, 2), False, 14, "raise MAX_REQUEUES"),
+        (Exit.CHILD_NONRETRYABLE, (0, 0), False, 12, "non-retryable"),
+        (Exit.BUDGET_EXHAUSTED, (0, 0), False, 10, "restart budget"),
+        (Exit.NO_PROGRESS, (0, 0), False, 11, "without a newer checkpoint"),
+        (1, (0, 0), False, 1, "failed with exit code 1; not requeueing"),
+        (143, (0, 0), False, 143, "exit code 143"),
     ],
 )
-def test_decide(code: int, used: int, requeue: bool, exit_code: int, says: str) -> None:
-    d = slurm.decide(code, used, 3)
+def test_decide_counts_preemptions_and_failures_separately(
+    code: int, used: tuple[int, int], requeue: bool, exit_code: int, says: str
+) -> None:
+    d = slurm.decide(code, slurm.Budgets(*used), LIMITS)
     assert (d.requeue, d.exit_code) == (requeue, exit_code)
     assert says in d.reason
 
 
 def test_requeue_state_round_trip_and_new_job(tmp_path: Path) -> None:
     job = JobEnv.from_environ(JOB)
-    state, note = slurm.load_requeue_state(tmp_path, job, 5)
-    assert (state.requeues, note) == (0, "")
-    slurm.save_requeue_state(tmp_path, slurm.RequeueState(job_id="4242", requeues=2))
-    again, note = slurm.load_requeue_state(tmp_path, job, 5)
-    assert (again.requeues, again.max_requeues, note) == (2, 5, "")
+    state, note = slurm.load_requeue_state(tmp_path, job, LIMITS)
+    assert (state.used, note) == (slurm.Budgets(), "")
+    slurm.save_requeue_state(
+        tmp_path, state.counted(slurm.PREEMPT).counted(slurm.PREEMPT).counted(slurm.FAILURE)
+    )
+    again, note = slurm.load_requeue_state(tmp_path, job, slurm.Budgets(100, 10))
+    assert (again.used, again.limits, note) == (slurm.Budgets(2, 1), slurm.Budgets(100, 10), "")
+    assert slurm.budget_line(again) == "requeues used: preemption 2 of 100, failure 1 of 10"
+    assert json.loads(slurm.requeue_path(tmp_path).read_text())["requeues"] == 3  # for version 1 readers
     other = JobEnv.from_environ({**JOB, "SLURM_JOB_ID": "5000"})
-    fresh, note = slurm.load_requeue_state(tmp_path, other, 5)
-    assert fresh.requeues == 0
-    assert "job 5000 starts a fresh budget" in note
+    fresh, note = slurm.load_requeue_state(tmp_path, other, LIMITS)
+    assert fresh.used == slurm.Budgets()
+    assert "job 5000 starts fresh budgets" in note
+
+
+def test_version_1_file_is_read_and_split_by_its_history(tmp_path: Path) -> None:
+    """A slurm.json written before the budgets were split: one count; its history tells which
+    requeues followed a preemption (exit 13) and which a failure (exit 14)."""
+    old = {
+        "job_id": "4242",
+        "requeues": 3,
+        "max_requeues": 10,
+        "restart_count": 3,
+        "history": [
+            {"event": "requeue", "job_id": "4242", "exit_code": 13},
+            {"event": "requeue", "job_id": "4242", "exit_code": 14},
+            {"event": "requeue", "job_id": "4242", "exit_code": 13},
+            {"event": "requeue", "job_id": "1", "exit_code": 13},  # another job's
+        ],
+        "version": 1,
+    }
+    path = slurm.requeue_path(tmp_path)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(old))
+    state, note = slurm.load_requeue_state(tmp_path, JobEnv.from_environ(JOB), LIMITS)
+    assert (state.used, note, state.version) == (slurm.Budgets(preempt=2, failure=1), "", 2)
+    assert len(state.history) == 4
 
 
 def test_unreadable_requeue_state_is_kept_not_deleted(tmp_path: Path) -> None:
     path = slurm.requeue_path(tmp_path)
     path.parent.mkdir(parents=True)
     path.write_text("{garbage")
-    state, note = slurm.load_requeue_state(tmp_path, JobEnv.from_environ(JOB), 5)
-    assert state.requeues == 0
+    state, note = slurm.load_requeue_state(tmp_path, JobEnv.from_environ(JOB), LIMITS)
+    assert state.used == slurm.Budgets()
     assert "unreadable" in note
     assert path.with_name("slurm.json.bad").read_text() == "{garbage"
 
 
 def test_requeue_state_that_cannot_be_read_falls_back_to_slurms_restart_count(tmp_path: Path) -> None:
     """Storage that fails (exit 14's case) is not garbage: nothing is moved aside, and SLURM's own
-    restart count (an upper bound of this script's requeues) stands in for the count."""
+    restart count (an upper bound of this script's requeues of either kind) stands in for each count."""
     path = slurm.requeue_path(tmp_path)
     path.mkdir(parents=True)  # a read that fails for real (EISDIR), as EIO would
     job = JobEnv.from_environ({**JOB, "SLURM_RESTART_COUNT": "2"})
-    state, note = slurm.load_requeue_state(tmp_path, job, 3)
-    assert (state.requeues, state.max_requeues) == (2, 3) and "SLURM's restarts of this job (2)" in note
+    state, note = slurm.load_requeue_state(tmp_path, job, LIMITS)
+    assert (state.used, state.limits) == (slurm.Budgets(2, 2), LIMITS)
+    assert "SLURM's restarts of this job (2)" in note
     assert path.is_dir() and not path.with_name("slurm.json.bad").exists()
-    assert slurm.decide(Exit.STORAGE_UNAVAILABLE, state.requeues, 3).requeue
-    assert not slurm.decide(Exit.STORAGE_UNAVAILABLE, 3, 3).requeue
+    assert slurm.decide(Exit.REQUEUE_REQUESTED, state.used, LIMITS).requeue
+    assert not slurm.decide(Exit.STORAGE_UNAVAILABLE, state.used, LIMITS).requeue
 
 
 def test_history_is_capped(tmp_path: Path) -> None:
@@ -192,6 +307,10 @@ def test_history_is_capped(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- `slurm finish` with a stand-in scontrol
 
 FAKE_SCONTROL = """#!/bin/sh
+if [ "$1" = show ]; then
+  echo "JobId=4242 JobState=${FAKE_STATE:-RUNNING} Requeue=1 Restarts=${FAKE_RESTARTS:-0} Partition=ci"
+  exit 0
+fi
 echo "$@" >> "$FAKE_SCONTROL_LOG"
 exit "${FAKE_SCONTROL_EXIT:-0}"
 """
@@ -227,20 +346,27 @@ def scontrol_calls(tmp_path: Path) -> list[str]:
     return log.read_text().splitlines() if log.exists() else []
 
 
-def requeues(tmp_path: Path) -> int:
-    return json.loads(slurm.requeue_path(tmp_path / "run").read_text())["requeues"]
+def requeues(tmp_path: Path) -> tuple[int, int]:
+    d = json.loads(slurm.requeue_path(tmp_path / "run").read_text())
+    return d["preempt_requeues"], d["failure_requeues"]
 
 
-def test_finish_requeues_until_the_budget_is_used_up(tmp_path: Path) -> None:
-    for _ in range(3):
-        r = run_finish(tmp_path, Exit.REQUEUE_REQUESTED)
+def test_finish_requeues_until_each_budget_is_used_up(tmp_path: Path) -> None:
+    """Preemptions (13) and failures (14) draw on their own budgets (3 and 2 here), whatever the
+    order; each budget used up ends the job with its own code and the knob to raise."""
+    for code in (13, 14, 13, 14, 13):
+        r = run_finish(tmp_path, code)
         assert r.returncode == 0, r.stdout + r.stderr
-    assert scontrol_calls(tmp_path) == ["requeue 4242"] * 3
+    assert scontrol_calls(tmp_path) == ["requeue 4242"] * 5
+    assert requeues(tmp_path) == (3, 2)
+    r = run_finish(tmp_path, Exit.STORAGE_UNAVAILABLE)
+    assert r.returncode == Exit.STORAGE_UNAVAILABLE
+    assert "failure requeue budget is used up (2 of 2); resubmit, or raise MAX_REQUEUES" in r.stdout
     r = run_finish(tmp_path, Exit.REQUEUE_REQUESTED)
     assert r.returncode == Exit.REQUEUE_REQUESTED
-    assert "budget is used up (3 of 3)" in r.stdout
-    assert len(scontrol_calls(tmp_path)) == 3
-    assert requeues(tmp_path) == 3
+    assert "preemption requeue budget is used up (3 of 3)" in r.stdout
+    assert len(scontrol_calls(tmp_path)) == 5
+    assert requeues(tmp_path) == (3, 2)
 
 
 @pytest.mark.parametrize("code", [Exit.OK, Exit.CHILD_NONRETRYABLE, 1])
@@ -249,6 +375,84 @@ def test_finish_never_requeues_a_finished_or_failed_run(tmp_path: Path, code: in
     assert r.returncode == code
     assert "job 4242 ends" in r.stdout
     assert scontrol_calls(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("info", "says"),
+    [
+        (None, ""),  # scontrol could not tell: requeue (the script's job)
+        ({"JobState": "RUNNING", "Restarts": "0"}, ""),  # inside a preemption's grace: SLURM will not
+        ({"JobState": "RUNNING", "Restarts": "2"}, ""),  # this run is the third start
+        ({"JobState": "COMPLETING", "Restarts": "3"}, "SLURM is requeueing this job itself (Restarts=3"),
+        ({"JobState": "COMPLETING", "Restarts": "2"}, "the job is ending (JobState=COMPLETING"),  # scancel
+        ({"JobState": "TIMEOUT", "Restarts": "2"}, "JobState=TIMEOUT"),
+    ],
+)
+def test_why_not_requeue(info: dict[str, str] | None, says: str) -> None:
+    got = slurm.why_not_requeue(info, restart_count=2)
+    assert (says in got) if says else got == "", got
+
+
+def test_finish_leaves_the_requeue_to_slurm_when_slurm_already_did_it(tmp_path: Path) -> None:
+    """PreemptMode=REQUEUE at the end of the GraceTime: SLURM has requeued the job (Restarts grew
+    past this run's SLURM_RESTART_COUNT) and SIGTERMs the script; one requeue, not two."""
+    r = run_finish(tmp_path, Exit.REQUEUE_REQUESTED, FAKE_STATE="COMPLETING", FAKE_RESTARTS="1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "SLURM is requeueing this job itself" in r.stdout and "not requeueing it again" in r.stdout
+    assert scontrol_calls(tmp_path) == []
+    assert requeues(tmp_path) == (0, 0)
+    r = run_finish(tmp_path, Exit.REQUEUE_REQUESTED, FAKE_STATE="COMPLETING")  # a plain scancel
+    assert r.returncode == Exit.REQUEUE_REQUESTED
+    assert "the job is ending (JobState=COMPLETING" in r.stdout
+    assert scontrol_calls(tmp_path) == []
+
+
+def test_finish_in_an_array_task_requeues_the_task(tmp_path: Path) -> None:
+    array = {"SLURM_JOB_ID": "77", "SLURM_ARRAY_JOB_ID": "77", "SLURM_ARRAY_TASK_ID": "0"}
+    r = run_finish(tmp_path, Exit.REQUEUE_REQUESTED, **array)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert scontrol_calls(tmp_path) == ["requeue 77_0"]
+    assert "scontrol requeue 77_0" in r.stdout
+
+
+def test_torchrun_gives_its_workers_30_s_after_sigterm() -> None:
+    """docs/slurm.md's SIGTERM window: torchrun's agent waits this long for its workers before
+    SIGKILL (LocalElasticAgent._shutdown), fixed in torch; STOP_GRACE_S's default matches it."""
+    import inspect
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    assert inspect.signature(LocalElasticAgent._shutdown).parameters["timeout"].default == 30
+    assert slurm.TORCHRUN_TERM_WINDOW_S == 30
+    job_sh = (Path(__file__).resolve().parents[1] / "sbatch" / "job.sh").read_text()
+    assert ': "${STOP_GRACE_S:=30}"' in job_sh
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        (None, ""),
+        ({"PartitionName": "ci", "PreemptMode": "REQUEUE", "GraceTime": "60"}, ""),
+        ({"PartitionName": "ci", "PreemptMode": "OFF", "GraceTime": "0"}, ""),  # never preempted
+        (
+            {"PartitionName": "gpu", "PreemptMode": "REQUEUE", "GraceTime": "0"},
+            "partition gpu has PreemptMode",
+        ),
+        ({"PartitionName": "gpu", "PreemptMode": "CANCEL", "GraceTime": "20"}, "ask for GraceTime >= 30"),
+    ],
+)
+def test_grace_problem(fields: dict[str, str] | None, says: str) -> None:
+    got = slurm.grace_problem(fields, 45.0)  # torchrun's 30 s binds first
+    assert (says in got) if says else got == "", got
+    assert slurm.grace_problem({"PreemptMode": "REQUEUE", "GraceTime": "20"}, 15.0) == ""
+
+
+def test_stop_grace_goes_to_the_watchdog(tmp_path: Path) -> None:
+    knobs = Knobs.from_environ(knob_env(tmp_path, STOP_GRACE_S="45"))
+    cmd = slurm.launch_command(knobs, slurm.rendezvous(JobEnv.from_environ(JOB), knobs, "gpu07"))
+    assert cmd[cmd.index("--stop-grace") + 1] == "45"
+    with pytest.raises(SlurmError, match="STOP_GRACE_S='0': set a number of seconds > 0"):
+        Knobs.from_environ(knob_env(tmp_path, STOP_GRACE_S="0"))
 
 
 def test_finish_without_scontrol_says_so(tmp_path: Path) -> None:
@@ -278,6 +482,60 @@ def test_start_outside_a_job_is_a_usage_error(tmp_path: Path) -> None:
     assert "not inside a SLURM job" in r.stdout
 
 
+def run_start(tmp_path: Path, script_text: str, **env: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "slurm_script"
+    script.write_text(script_text)
+    return subprocess.run(
+        [sys.executable, "-m", "supervisor", "slurm", "start", "--job-script", str(script)],
+        env={"PATH": "/nonexistent", **JOB, **knob_env(tmp_path / "run"), **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+
+
+def test_start_warns_when_the_notice_can_never_arrive(tmp_path: Path) -> None:
+    r = run_start(tmp_path, "#!/bin/bash\n#SBATCH --signal=USR1@120\nsrun true\n")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "WARNING: job 4242: --signal=USR1@120 (#SBATCH lines of" in r.stdout
+    assert "has no B:" in r.stdout
+    r = run_start(tmp_path, "#!/bin/bash\nsrun true\n")
+    assert "WARNING: job 4242: no --signal found" in r.stdout
+    # SBATCH_SIGNAL overrides the script's line, as in sbatch; URG goes to the steps by scancel
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scancel").write_text("#!/bin/sh\n")
+    (bin_dir / "scancel").chmod(0o755)
+    r = run_start(tmp_path, "#!/bin/bash\nsrun true\n", SBATCH_SIGNAL="B:URG@60", REQUEUE_SIGNAL="URG")
+    assert r.returncode == Exit.USAGE
+    assert "error: REQUEUE_SIGNAL=URG reaches the ranks through scancel" in r.stdout
+    r = run_start(
+        tmp_path,
+        "#!/bin/bash\nsrun true\n",
+        SBATCH_SIGNAL="B:URG@60",
+        REQUEUE_SIGNAL="URG",
+        PATH=str(bin_dir),
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "WARNING: job 4242:" not in r.stdout, r.stdout
+    r = run_start(tmp_path, "#!/bin/bash\n#SBATCH --signal=B:USR1@120\n", REQUEUE_SIGNAL="HUP")
+    assert r.returncode == Exit.USAGE
+    assert "error: REQUEUE_SIGNAL='HUP': use USR1 or URG" in r.stdout
+
+
+def test_torchrun_refuses_a_signal_it_cannot_ignore_safely() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "supervisor", "slurm", "torchrun", "--ignore-signal", "TERM", "--", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert r.returncode == Exit.USAGE
+    assert "error: --ignore-signal='TERM': use USR1 or URG" in r.stdout
+
+
 def test_start_without_scontrol_warns_and_expands_the_host_list_itself(tmp_path: Path) -> None:
     bin_dir = tmp_path / "empty-bin"
     bin_dir.mkdir()
@@ -294,3 +552,21 @@ def test_start_without_scontrol_warns_and_expands_the_host_list_itself(tmp_path:
     assert "built-in parser" in r.stdout
     assert "WARNING: scontrol not found on PATH: this job cannot requeue itself" in r.stdout
     assert "--rdzv-endpoint=gpu07:24242" in r.stdout
+
+
+def test_status_shows_both_budgets(tmp_path: Path) -> None:
+    from supervisor.status import build_report
+    from supervisor.status_cmd import render
+
+    assert build_report(tmp_path).slurm == ""  # a run not started by sbatch/job.sh
+    state = slurm.RequeueState(job_id="4242", restart_count=3).with_limits(slurm.Budgets(100, 10))
+    state = state.counted(slurm.PREEMPT).counted(slurm.PREEMPT).counted(slurm.FAILURE).with_event("start")
+    slurm.save_requeue_state(tmp_path, state)
+    report = build_report(tmp_path)
+    assert report.slurm == (
+        "job 4242: requeues used: preemption 2 of 100, failure 1 of 10; SLURM restarts 3; last event start"
+    )
+    assert f"slurm {report.slurm}" in render(report)
+    assert report.to_dict()["slurm"] == report.slurm
+    slurm.requeue_path(tmp_path).write_text("[]")
+    assert "slurm.json cannot be used: not a JSON object" in build_report(tmp_path).slurm

@@ -95,10 +95,27 @@ def test_schedule_warms_up_then_decays_to_the_floor():
     assert s(55) == pytest.approx(0.55) and s(105) == pytest.approx(0.1) and s(500) == pytest.approx(0.1)
 
 
+def test_requeue_signal_is_a_notice_too_and_a_bad_one_is_a_config_problem():
+    """sbatch/job.sh's REQUEUE_SIGNAL reaches the ranks straight from srun: it sets the flag."""
+    saved = {s: signal.getsignal(s) for s in (*PREEMPT_SIGNALS, signal.SIGURG)}
+    try:
+        flag = PreemptionFlag()
+        assert flag.install({"REQUEUE_SIGNAL": "URG"}) == ""
+        os.kill(os.getpid(), signal.SIGURG)
+        assert flag.signum == signal.SIGURG
+        flag.ignore_further()
+        assert signal.getsignal(signal.SIGURG) == signal.SIG_IGN
+        assert "REQUEUE_SIGNAL='HUP': use USR1 or URG" in PreemptionFlag().install({"REQUEUE_SIGNAL": "HUP"})
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
 def test_after_the_exit_is_decided_a_repeated_notice_is_ignored():
     saved = {s: signal.getsignal(s) for s in PREEMPT_SIGNALS}
     try:
-        flag = PreemptionFlag().install()
+        flag = PreemptionFlag()
+        assert flag.install({}) == ""
         os.kill(os.getpid(), signal.SIGUSR1)
         assert flag.set
         flag.signum = None

@@ -67,12 +67,18 @@ class HoldGate:
         """Whether the file says to hold after ``step`` (this rank's local view)."""
         return read_hold(self.path) == step
 
-    def hold(self, step: int, beat: Callable[[], object]) -> None:
-        """Acknowledge, then wait (beating) until the file no longer says ``step``."""
-        atomic_write_json(
-            ack_path(self.path, self.rank), {"step": step, "pid": os.getpid(), "launch": self.launch}
-        )
+    def hold(
+        self, step: int, beat: Callable[[], object], noticed: Callable[[], bool] = lambda: False
+    ) -> None:
+        """Acknowledge, then wait (beating) until the file no longer says ``step``. A preemption
+        notice that arrives while held (``noticed()``) is acknowledged too, so a test can release
+        the ranks knowing they will act on it at the next step boundary."""
+        ack = {"step": step, "pid": os.getpid(), "launch": self.launch, "notice": noticed()}
+        atomic_write_json(ack_path(self.path, self.rank), ack)
         while read_hold(self.path) == step:
+            if not ack["notice"] and noticed():
+                ack["notice"] = True
+                atomic_write_json(ack_path(self.path, self.rank), ack)
             beat()
             time.sleep(POLL_S)
 
@@ -100,6 +106,12 @@ def acks(path: Path, ranks: int) -> dict[int, dict]:
         except FileNotFoundError:
             continue
     return out
+
+
+def noticed(path: Path, ranks: int, step: int) -> dict[int, dict] | None:
+    """Every rank's ack when all ``ranks`` are held after ``step`` and have a preemption notice."""
+    got = held(path, ranks, step)
+    return got if got and all(a.get("notice") for a in got.values()) else None
 
 
 def held(path: Path, ranks: int, step: int) -> dict[int, dict] | None:

@@ -1,6 +1,6 @@
 """Preemption flag and stack dumps: signal handlers that only record, never act.
 
-SIGTERM / SIGUSR1 set a flag; the training loop agrees on it across ranks at the next step boundary
+SIGTERM / SIGUSR1 (and REQUEUE_SIGNAL's, when sbatch/job.sh sets another one) set a flag; the training loop agrees on it across ranks at the next step boundary
 and saves there (saving inside a handler would run collectives and file IO from an arbitrary point).
 SIGUSR2 makes ``faulthandler`` dump every thread's stack to a per-rank file, so a watchdog can see
 where a hung rank is stuck without stopping it.
@@ -9,9 +9,13 @@ where a hung rank is stuck without stopping it.
 from __future__ import annotations
 
 import faulthandler
+import os
 import signal
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO
+
+from supervisor.slurm import SlurmError, notice_signal
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 STACK_DUMP_SIGNAL = signal.SIGUSR2
@@ -20,16 +24,25 @@ STACK_DUMP_SIGNAL = signal.SIGUSR2
 class PreemptionFlag:
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.signals: tuple[int, ...] = PREEMPT_SIGNALS
 
-    def install(self) -> PreemptionFlag:
-        for s in PREEMPT_SIGNALS:
+    def install(self, env: Mapping[str, str] = os.environ) -> str:
+        """Handle SIGTERM, SIGUSR1 and the job's REQUEUE_SIGNAL (sbatch/job.sh's notice; srun
+        hands it to every process of the step). Returns why REQUEUE_SIGNAL is unusable, or ""."""
+        problem = ""
+        try:
+            extra = notice_signal(env.get("REQUEUE_SIGNAL", ""))
+            self.signals = tuple(dict.fromkeys((*PREEMPT_SIGNALS, extra)))
+        except SlurmError as e:
+            problem = str(e)
+        for s in self.signals:
             signal.signal(s, self._handle)
-        return self
+        return problem
 
     def ignore_further(self) -> None:
         """The exit is decided: a repeated notice (SLURM and torchrun both forward signals) must not
         reach a half-torn-down interpreter and kill the rank before it exits with its code."""
-        for s in PREEMPT_SIGNALS:
+        for s in self.signals:
             signal.signal(s, signal.SIG_IGN)
 
     def _handle(self, signum: int, _frame: object) -> None:

@@ -519,7 +519,7 @@ def hold_if_asked(gate: HoldGate, step: int, beat: Callable[[], object]) -> bool
     want = torch.tensor([int(gate.wanted(step))], dtype=torch.int64)
     dist.all_reduce(want, op=dist.ReduceOp.MAX)
     if want.item():
-        gate.hold(step, beat)
+        gate.hold(step, beat, lambda: PREEMPTION.set)
     return bool(want.item())
 
 
@@ -549,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     hb = HeartbeatWriter(args.ckpt_root, rank=d.rank, local_rank=d.local_rank, world_size=d.world_size)
     hb.beat(0, Phase.STARTUP)
     stacks = register_stack_dump(RunDir.of(args.ckpt_root).stack_dump(d.rank))  # open until exit
-    PREEMPTION.install()
+    signal_problem = PREEMPTION.install()
     corpus = Corpus.load(args.corpus)
     cfg = get_config(args.config, corpus.tokenizer.vocab_size)
     args.sign_key, key_problem = signing_key(args)
@@ -559,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
         parallelism={"mode": args.parallel, "world_size": d.world_size, "global_batch": cfg.global_batch},
         sign_key=args.sign_key,
     )
-    problem = d.problem or config_problem(args, cfg, d.world_size) or key_problem
+    problem = d.problem or config_problem(args, cfg, d.world_size) or key_problem or signal_problem
     choice = Choice("", error=f"bad config: {problem}", code=Exit.BAD_CONFIG) if problem else None
     choice = choice or choose_checkpoint(
         args,

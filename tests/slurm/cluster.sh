@@ -20,6 +20,8 @@ set -Eeuo pipefail
 EXIT_UNAVAILABLE=3
 IDLE_TIMEOUT_S=${SLURM_CI_IDLE_TIMEOUT_S:-60}
 STOP_TIMEOUT_S=10
+# SIGTERM to SIGKILL when ci-urgent preempts a ci job: room for the ranks to checkpoint under load.
+GRACE_TIME_S=${SLURM_CI_GRACE_TIME_S:-60}
 PACKAGES=(slurmctld slurmd slurm-client munge)
 COMMANDS=(slurmctld slurmd sbatch srun scontrol squeue sinfo scancel munged mungekey munge)
 PYTHON=${PYTHON:-python3}
@@ -107,7 +109,12 @@ MinJobAge=600
 InactiveLimit=0
 MailProg=/bin/true
 NodeName=localhost NodeAddr=127.0.0.1 CPUs=$(nproc) State=UNKNOWN
-PartitionName=ci Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+# Preemption as preemptible clusters run it: a job in ci-urgent (higher tier) preempts ci's jobs,
+# which SLURM requeues itself after sending them SIGTERM and a grace time (docs/slurm.md).
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+PartitionName=ci Nodes=localhost Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=$GRACE_TIME_S
+PartitionName=ci-urgent Nodes=localhost MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
 EOF
   # slurmd 22.05 always loads a cgroup plugin; cgroup/v1's init touches nothing with the plugins above,
   # while autodetection fails on read-only or hybrid cgroup layouts.
