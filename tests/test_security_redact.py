@@ -191,6 +191,7 @@ def test_job_log_line_is_redacted(tmp_path: Path) -> None:
         "SLURM_JOB_NUM_NODES": "2",
         "RUN_DIR": str(tmp_path / "run"),
         "MAX_REQUEUES": "3",
+        "MAX_PREEMPT_REQUEUES": "100",
         "TRAIN_ARGS": f"-m train_ref.train --remote {URL} --remote-endpoint {ENDPOINT}",
     }
     r = subprocess.run(
