@@ -271,7 +271,13 @@ def cmd_list(args: argparse.Namespace) -> int:
     quarantined = [{"name": q.name, "path": str(q.path), "reason": q.reason} for q in list_quarantined(root)]
     tmps = [_tmp_row(t, "tmp", me) for t in list_tmp(root, now)]
     tmps += [_tmp_row(t, "deleting", me) for t in list_deleting(root, now)]
-    doc = {"root": str(root), "latest": latest, "checkpoints": rows, "quarantined": quarantined, "tmp": tmps}
+    doc: dict[str, Any] = {
+        "root": str(root),
+        "latest": latest,
+        "checkpoints": rows,
+        "quarantined": quarantined,
+        "tmp": tmps,
+    }
     parts = [_ckpt_table(rows) if rows else f"no committed checkpoints in {root}"]
     if latest is not None and latest not in {r["name"] for r in rows}:
         parts.append(f"note: latest names {latest}, which is not a committed checkpoint here")
@@ -511,7 +517,7 @@ def _byte_count(text: str) -> int:
     return int(n * _UNITS[unit])
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from supervisor.signing import add_signing_key_arg
 
     ckpt = subparsers.add_parser("ckpt", help="list, verify, pick or prune checkpoints of a run")

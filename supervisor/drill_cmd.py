@@ -22,7 +22,7 @@ from supervisor.fmt import human_duration
 DEFAULT_SCENARIOS = (*(k.value for k in planning.Kind if k != planning.Kind.SIGSTOP), planning.CHAOS)
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "drill", help="kill, stop, hang, corrupt and preempt a real run, then judge the resume"
     )

@@ -132,7 +132,7 @@ def _typed(d: dict[str, Any], types: dict[str, str], where: str) -> dict[str, An
         allowed, noun = _KINDS[base]
         if isinstance(v, bool) or not isinstance(v, allowed):
             raise ValueError(f"{where}'{key}' is {v!r}, not {noun}")
-        out[key] = float(v) if base == "float" else v
+        out[key] = float(d[key]) if base == "float" else v  # d[key]: v is narrowed to object
     return out
 
 

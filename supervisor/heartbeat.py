@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 from supervisor.fsutil import atomic_write_json, hostname
 from supervisor.layout import HEARTBEATS, RunDir
@@ -83,7 +84,7 @@ class Heartbeat:
     save_failures: int = 0
     last_error: str = ""
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["phase"] = self.phase.value
         return d

@@ -112,17 +112,17 @@ def parse_manifest(text: str | bytes) -> Manifest:
     if d["checksum_algo"] != CHECKSUM_ALGO:
         raise ManifestError(f"{MANIFEST} checksum '{d['checksum_algo']}' is unknown")
     files: dict[str, FileEntry] = {}
-    for name, e in d["files"].items():
+    for name, entry in d["files"].items():
         ok = (
-            isinstance(e, dict)
-            and isinstance(e.get("size"), int)
-            and not isinstance(e["size"], bool)
-            and e["size"] >= 0
-            and isinstance(e.get("checksum"), str)
+            isinstance(entry, dict)
+            and isinstance(entry.get("size"), int)
+            and not isinstance(entry["size"], bool)
+            and entry["size"] >= 0
+            and isinstance(entry.get("checksum"), str)
         )
         if not ok or not _is_safe_relpath(name) or name in NOT_LISTED:
             raise ManifestError(f"{MANIFEST} entry '{name}' is malformed")
-        files[name] = FileEntry(e["size"], e["checksum"])
+        files[name] = FileEntry(entry["size"], entry["checksum"])
     writers = _parse_writers(d) if d["format_version"] >= 2 else {}
     problem = writers_problem(writers, d["world_size"], {n: e.size for n, e in files.items()})
     if problem:
@@ -243,6 +243,16 @@ def checksum_file(path: str | Path, progress: ProgressFn | None = None, chunk: i
     return hash_file(path, (CHECKSUM_ALGO,), progress, chunk)[0]
 
 
+def _locked(report: ProgressFn, lock: threading.Lock) -> ProgressFn:
+    """``report`` called under ``lock``: the hashing threads share it."""
+
+    def tick(n: int) -> None:
+        with lock:
+            report(n)
+
+    return tick
+
+
 def hash_files(
     paths: Sequence[str | Path],
     algos: Sequence[str] = (CHECKSUM_ALGO,),
@@ -257,9 +267,7 @@ def hash_files(
     lock = threading.Lock()
     todo = iter(range(len(paths)))
 
-    def tick(n: int) -> None:
-        with lock:
-            progress(n)  # type: ignore[misc]
+    tick = _locked(progress, lock) if progress else None
 
     def work() -> None:
         while True:
@@ -268,7 +276,7 @@ def hash_files(
             if i is None:
                 return
             try:
-                results[i] = hash_file(paths[i], algos, tick if progress else None, chunk)
+                results[i] = hash_file(paths[i], algos, tick, chunk)
             except OSError as e:
                 e.filename = e.filename or os.fspath(paths[i])  # a failed read() names no file
                 errors[i] = e
@@ -303,7 +311,7 @@ def list_files(ckpt_dir: str | Path) -> list[str]:
     that cannot be read raises its OSError: a listing that silently skipped it would report its
     files as missing, which is evidence of corruption it does not have."""
     root = os.fspath(ckpt_dir)
-    out = []
+    out: list[str] = []
     # plain strings: `ckpt list` runs this per checkpoint
     for dirpath, _dirs, names in os.walk(root, onerror=_raise):
         rel = os.path.relpath(dirpath, root)
@@ -318,7 +326,7 @@ def file_sizes(ckpt_dir: str | Path) -> dict[str, int]:
     return {n: (root / n).stat().st_size for n in list_files(root) if n not in NOT_LISTED}
 
 
-def build_manifest(
+def build_manifest(  # noqa: PLR0913  the metadata fields become one record (issue 14, next commit)
     ckpt_dir: str | Path,
     *,
     step: int,

@@ -399,6 +399,7 @@ def backoff_s(failures_in_a_row: int, b: Backoff) -> float:
     import tenacity  # here, not at the top: `supervisor status` imports this module and needs speed
 
     wait = tenacity.wait_exponential_jitter(initial=b.initial_s, max=b.max_s, jitter=b.jitter_s)
+    # a bare call state (no Retrying behind it): the wait strategy reads only attempt_number
     state = tenacity.RetryCallState(retry_object=None, fn=None, args=(), kwargs={})  # type: ignore[arg-type]
     state.attempt_number = failures_in_a_row - 1
     return float(wait(state))

@@ -191,7 +191,7 @@ def _expand_item(item: str) -> list[str]:
     if not m:
         return [item]
     prefix, ranges, rest = m.groups()
-    out = []
+    out: list[str] = []
     for r in ranges.split(","):
         rm = _RANGE_RE.match(r)
         if not rm:

@@ -29,7 +29,7 @@ from supervisor.slurm import JobEnv, Knobs, SlurmError
 Handler = Callable[[argparse.Namespace], int]
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("slurm", help="steps of sbatch/job.sh (start, launch, finish)", description=__doc__)
     verbs = p.add_subparsers(dest="verb", required=True)
     for name, func, helptext in (

@@ -119,7 +119,10 @@ class StatusReport:
 
 def _nodes(root: Path) -> tuple[list[NodeRow], list[LaunchRow], dict[str, float], set[str]]:
     """Node rows, recent launches, the phase timeouts in force, and the current launch ids."""
-    nodes, launches, timeouts, current = [], [], {}, set()
+    nodes: list[NodeRow] = []
+    launches: list[LaunchRow] = []
+    timeouts: dict[str, float] = {}
+    current: set[str] = set()
     me = hostname()
     for path in sorted(RunDir.of(root).supervisor.glob(events.STATE_GLOB)):
         try:
@@ -277,6 +280,7 @@ def build_report(root: str | Path, now: float | None = None) -> StatusReport:
     ranks = _ranks(root, clock, timeouts, current)
     state, why = _overall(nodes, ranks)
     live = [r for r in ranks if not r.stale and r.step is not None]
+    live_steps = [r.step for r in live if r.step is not None]
     checkpoints, quarantined, storage_problem = _stored(root, now)
     step_times = [r.last_step_s for r in live if r.phase == Phase.TRAIN.value and r.last_step_s]
     return StatusReport(
@@ -287,7 +291,7 @@ def build_report(root: str | Path, now: float | None = None) -> StatusReport:
         nodes=tuple(nodes),
         launches=tuple(launches),
         ranks=tuple(ranks),
-        current_step=max((r.step for r in live), default=None),  # type: ignore[type-var]
+        current_step=max(live_steps, default=None),
         steps_per_s=1.0 / _median(step_times) if step_times else None,
         checkpoints=tuple(checkpoints),
         in_progress=tuple(sorted(t.path.name for t in store.list_tmp(root, now))),

@@ -163,7 +163,7 @@ def begin(root: str | Path, step: int) -> Path:
     return tmp
 
 
-def commit(
+def commit(  # noqa: PLR0913  the metadata fields become one record (issue 14, next commit)
     root: str | Path,
     tmp_dir: str | Path,
     *,
@@ -248,7 +248,7 @@ def commit(
 _Cache = dict[Path, tuple[tuple[int, ...] | None, Verdict]]
 
 
-def pick(
+def pick(  # noqa: PLR0913  keyword-only options, one per CLI flag of `ckpt pick` / `watch`
     root: str | Path,
     *,
     deep: bool = False,
@@ -353,7 +353,8 @@ def _walk_locked(
     newer than it, from quick checks (and, when ``deep``, the deep pass's verdicts of directories
     still the same); None when one changed since the deep pass (not hashed here). Raises the
     error of one it cannot read."""
-    bad, untrusted = [], []
+    bad: list[Verdict] = []
+    untrusted: list[Verdict] = []
     for ref in list_checkpoints(root):
         v = validate(ref, key=key)
         if v.gone:  # removed meanwhile: nothing to quarantine
@@ -383,10 +384,10 @@ def _error(v: Verdict) -> OSError:
     return v.error
 
 
-def unreadable_fix(root: str | Path, filename: object) -> str:
+def unreadable_fix(root: str | Path, filename: str | bytes | os.PathLike[str] | None) -> str:
     """What to tell a person when ``filename`` under ``root`` stays unreadable."""
     fix = "check the file system (mount, server, permissions, quota) and retry, or allow a longer --io-retry"
-    rel = os.path.relpath(os.fsdecode(filename), root) if filename else ""  # type: ignore[arg-type]
+    rel = os.path.relpath(os.fsdecode(filename), root) if filename else ""
     step = parse_committed(rel.split(os.sep, 1)[0]) if rel and not rel.startswith("..") else None
     if step is None:
         return fix

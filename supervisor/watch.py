@@ -124,6 +124,7 @@ class Watchdog:
     def _save(self, **changes: object) -> None:
         """Update the state and write it, best effort: on failure the state is kept in memory, one
         line goes to stderr, and the next save writes all of it."""
+        # replace() checks each field name at run time; mypy cannot type **changes per field
         self.state = replace(self.state, **changes)  # type: ignore[arg-type]
         if not self.state_loaded:
             return
@@ -235,10 +236,11 @@ class Watchdog:
             restarts = (*self.state.restart_times, now) if d.counts_as_restart else self.state.restart_times
             self._save(restart_times=restarts)
             if not d.relaunch:
-                status = {
+                final: dict[int, str] = {
                     Exit.OK: events.DONE,
                     Exit.REQUEUE_REQUESTED: events.REQUEUED,
-                }.get(d.exit_code, events.STOPPED if ended.stop_signal else events.FAILED)
+                }
+                status = final.get(d.exit_code, events.STOPPED if ended.stop_signal else events.FAILED)
                 return self._finish(d.exit_code, status, d.reason)
             self.log.emit("relaunch", d.reason, wait_s=round(d.wait_s, 3), restarts=len(restarts))
             self._save(status=events.RESTARTING, reason=d.reason, child_pid=None)
@@ -272,7 +274,7 @@ class Watchdog:
         StorageUnavailable; no usable checkpoint while the run has history stops the watchdog
         unless --allow-fresh-start."""
         if self.cfg.remote:
-            return self._pick_across_tiers()
+            return self._pick_across_tiers(self.cfg.remote)
         if self.state.launch_count == 0:  # the trainer picks on its first start: only for the record
             refs = self._io(lambda: store.list_checkpoints(self.cfg.root), "listing checkpoints")
             return refs[0].step if refs else None
@@ -310,7 +312,7 @@ class Watchdog:
         for name, why in res.untrusted:
             self.log.emit("untrusted", f"skipped {name}, not trusted: {why}", checkpoint=name, why=why)
 
-    def _pick_across_tiers(self) -> int | None:
+    def _pick_across_tiers(self, url: str) -> int | None:
         """Before every launch, the first included (after node loss nothing is local): the newest
         valid checkpoint of either tier, downloaded when only the remote has it. An unreachable
         remote with nothing valid locally is waited for (backing off), never silently skipped;
@@ -324,7 +326,7 @@ class Watchdog:
         while True:
             try:
                 key = self.cfg.sign_key
-                remote = open_remote(self.cfg.remote, self.cfg.remote_endpoint, key=key)
+                remote = open_remote(url, self.cfg.remote_endpoint, key=key)
                 res = prepare_resume(
                     self.cfg.root,
                     remote,
@@ -350,7 +352,7 @@ class Watchdog:
                 if giving_up:
                     raise _Stop(
                         Exit.STORAGE_UNAVAILABLE,
-                        f"remote {self.cfg.remote} unreachable for {self.cfg.remote_wait_s:.0f}s and no "
+                        f"remote {url} unreachable for {self.cfg.remote_wait_s:.0f}s and no "
                         f"valid local checkpoint: {e}",
                     ) from None
                 if not self._sleep(wait):

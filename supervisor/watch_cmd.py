@@ -33,7 +33,7 @@ TIMEOUT_FLAGS = (
 )
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "watch",
         help="run COMMAND, detect crashes and hangs, resume from the newest valid checkpoint",

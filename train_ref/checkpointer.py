@@ -43,14 +43,18 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future as TorchFuture
 
 from supervisor import store
 from supervisor.heartbeat import HeartbeatWriter, Phase, Progress
@@ -113,8 +117,8 @@ class _InFlight:
     step: int
     tmp: Path
     meta: dict[str, Any]
-    staging: Future | None
-    upload: Future
+    staging: Future[None] | None
+    upload: Future[None]
     error: SaveError | None = None  # met by this rank before the upload (its state file)
     started: float = field(default_factory=time.monotonic)
 
@@ -124,7 +128,7 @@ class _DelayedWriter(FileSystemWriter):
         super().__init__(path)
         self.delay_s = delay_s
 
-    def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
         time.sleep(self.delay_s)
         return super().write_data(plan, planner)
 
@@ -193,7 +197,7 @@ class Checkpointer:
             )
             staging, upload = (
                 (resp.staging_completion, resp.upload_completion)
-                if hasattr(resp, "upload_completion")
+                if isinstance(resp, AsyncSaveResponse)
                 else (None, resp)
             )
             self.in_flight = _InFlight(state.step, tmp, meta, staging, upload, error)
@@ -249,7 +253,7 @@ class Checkpointer:
         DCP raises its CheckpointException on every rank alike, so they all crash or all go on."""
         if isinstance(e, OSError):
             return save_error(e, self.rank, self.root)
-        err = dcp_save_error(e, self.root)  # type: ignore[arg-type]
+        err = dcp_save_error(e, self.root) if isinstance(e, CheckpointException) else None
         if err is None:
             raise e
         return err
@@ -264,7 +268,11 @@ class Checkpointer:
                 mine = store.begin(self.root, step)
             except OSError as e:
                 mine = self._failed(step, [save_error(e, 0, self.root)], None)
-        got = agree.broadcast(mine, self.ctl_group, lambda: self.hb.beat(step, Phase.SAVE))
+        # cast: mypy solves broadcast's T for a union as their join (object)
+        got = cast(
+            "Path | SaveOutcome",
+            agree.broadcast(mine, self.ctl_group, lambda: self.hb.beat(step, Phase.SAVE)),
+        )
         if isinstance(got, SaveOutcome):
             self._apply(got)
         return got
@@ -338,7 +346,7 @@ class Checkpointer:
         errors = [g for g in gathered if isinstance(g, SaveError)]
         if errors:
             return self._failed(step, errors, tmp)
-        entries: list[dict[str, FileEntry]] = gathered  # type: ignore[assignment]
+        entries = [g for g in gathered if not isinstance(g, SaveError)]
         rel = os.path.relpath(tmp, self.root)
 
         def phase(_name: str) -> None:

@@ -26,6 +26,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from supervisor.fsutil import atomic_write_json, atomic_write_text
 
@@ -91,9 +92,9 @@ def release(path: Path) -> None:
     path.unlink(missing_ok=True)
 
 
-def acks(path: Path, ranks: int) -> dict[int, dict]:
+def acks(path: Path, ranks: int) -> dict[int, dict[str, Any]]:
     """Each rank's latest ack (ranks that never held are missing)."""
-    out = {}
+    out: dict[int, dict[str, Any]] = {}
     for r in range(ranks):
         try:
             out[r] = json.loads(ack_path(path, r).read_text())
@@ -102,7 +103,7 @@ def acks(path: Path, ranks: int) -> dict[int, dict]:
     return out
 
 
-def held(path: Path, ranks: int, step: int) -> dict[int, dict] | None:
+def held(path: Path, ranks: int, step: int) -> dict[int, dict[str, Any]] | None:
     """Every rank's ack when all ``ranks`` are held after ``step`` (pids included), else None."""
     got = acks(path, ranks)
     return got if len(got) == ranks and all(a["step"] == step for a in got.values()) else None

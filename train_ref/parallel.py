@@ -19,10 +19,12 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, init_device_mesh
 
+from train_ref.model import GPT
+
 MODES = ("ddp", "fsdp")
 
 
-def parallelize(model: nn.Module, mode: str, device: torch.device) -> nn.Module:
+def parallelize(model: GPT, mode: str, device: torch.device) -> nn.Module:
     if mode == "fsdp":
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         for block in model.blocks:
@@ -42,13 +44,14 @@ def sync_grads(model: nn.Module, mode: str) -> None:
     for p in params:
         if p.grad is None:  # every rank must contribute the same layout
             p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    grads = [p.grad for p in params if p.grad is not None]  # all of them, by the loop above
+    flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     flat.div_(dist.get_world_size())
     offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[offset : offset + n].view_as(g))
         offset += n
 
 

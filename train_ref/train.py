@@ -214,9 +214,9 @@ class Trainer:
     # ------------------------------------------------------------ exits
 
     def exit(self, code: Exit, phase: Phase, msg: str = "") -> NoReturn:
-        code = deliberate_exit(self.hb, self.d.rank, self.state.step, phase, code, msg)
+        rc = deliberate_exit(self.hb, self.d.rank, self.state.step, phase, code, msg)
         dist.destroy_process_group()
-        sys.exit(code)
+        sys.exit(rc)
 
     # ------------------------------------------------------------ resume
 
@@ -292,7 +292,7 @@ class Trainer:
 
     # ------------------------------------------------------------ loop
 
-    def loader(self) -> torch.utils.data.DataLoader:
+    def loader(self) -> torch.utils.data.DataLoader[tuple[torch.Tensor, torch.Tensor, int]]:
         # Its own seeded generator: without it, iter() draws from the global torch RNG and the
         # resumed run diverges at once (torch-cpu.md).
         return torch.utils.data.DataLoader(
@@ -402,7 +402,7 @@ class Trainer:
         """The end of training (commits any in-flight save first): retried with backoff while the
         save policy allows (it raises StorageGaveUp, exit 74, when it does not)."""
         rng = random.Random()  # not the global one: that belongs to the training loop
-        while not (outcome := self.save(blocking=True)).committed:
+        while not (outcome := self.save_now()).committed:
             if self.d.rank == 0:  # the others wait for rank 0 in the next save's first exchange
                 time.sleep(backoff_s(outcome.failures, rng))
 
@@ -418,14 +418,19 @@ class Trainer:
         self.hb.beat(self.state.step, Phase.TRAIN)
         return outcome
 
+    def save_now(self) -> SaveOutcome:
+        """A synchronous save, whose outcome always comes back."""
+        outcome = self.save(blocking=True)
+        assert outcome is not None, "a blocking save returns its outcome"
+        return outcome
+
     def preempted(self) -> NoReturn:
         """Asked to stop: finish any in-flight save, save this step synchronously, exit REQUEUE."""
         if self.d.rank == 0:
             log.warning(
                 "preemption signal: checkpointing step %d, then exit %d", self.state.step, Exit.REQUEUE
             )
-        outcome = self.save(blocking=True)
-        assert outcome is not None
+        outcome = self.save_now()
         self.ckpt.close()
         self.close_uploader(min(self.args.remote_flush_timeout, tiering.PREEMPT_FLUSH_TIMEOUT_S))
         if not outcome.committed:  # requeued, it would resume from an older checkpoint anyway

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from supervisor.drill import inject, switch
 from supervisor.drill.judge import StepRecord
@@ -96,6 +97,11 @@ class MetricsTail:
     def last(self) -> StepRecord | None:
         return self.records[-1] if self.records else None
 
+    @property
+    def last_step(self) -> int | None:
+        """For notes: the newest step seen (None before the first)."""
+        return self.records[-1].step if self.records else None
+
 
 def parse_metrics_line(line: bytes, seen: float) -> StepRecord | None:
     try:
@@ -164,7 +170,7 @@ class ScenarioRun:
     exit_codes: list[int] = field(default_factory=list)
     latest_violations: list[str] = field(default_factory=list)
     latest_reads: int = 0
-    events: list[dict] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
 
 
 def read_digest(root: Path) -> str | None:
@@ -281,7 +287,7 @@ def _wait_for(
     return False
 
 
-def _inject(
+def _inject(  # noqa: PLR0913  issue 14 point 4 turns injection into driver objects
     cfg: DrillConfig,
     run: ScenarioRun,
     fault: Fault,
@@ -323,16 +329,16 @@ def _inject(
             if pid is None:
                 run.notes.append(f"not injected: no heartbeat of rank {fault.rank} in launch {launch}")
                 return dog
-            run.notes.append(f"{fault.describe()}: sent {sig.name} to pid {pid} at step {tail.last.step}")
+            run.notes.append(f"{fault.describe()}: sent {sig.name} to pid {pid} at step {tail.last_step}")
         elif fault.kind == Kind.PREEMPT:
             dog.signal(signal.SIGUSR1)
-            run.notes.append(f"{fault.describe()}: at step {tail.last.step}")
+            run.notes.append(f"{fault.describe()}: at step {tail.last_step}")
         else:
             dog.signal(signal.SIGTERM)
             run.exit_codes.append(dog.wait(timeout=cfg.fault_timeout_s))
             tail.poll()
             did = inject.corrupt_newest(run.root, fault.corruption)
-            run.notes.append(f"{fault.describe()}: job stopped at step {tail.last.step}; {did}")
+            run.notes.append(f"{fault.describe()}: job stopped at step {tail.last_step}; {did}")
             dog = Watchdog(cfg, run.root, log, slow_saves, hangs)
     run.injected.append(fault)
     run.fault_times.append(t0)
@@ -344,7 +350,7 @@ def _inject(
     if not wait(lambda: tail.last is not None and tail.last.launch not in seen):
         run.notes.append(f"no resumed step seen within {cfg.fault_timeout_s:.0f}s after {fault.kind.value}")
     else:
-        progress(f"resumed at step {tail.last.step}", run)
+        progress(f"resumed at step {tail.last_step}", run)
     return dog
 
 

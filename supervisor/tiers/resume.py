@@ -71,7 +71,7 @@ class ResumeResult:
     untrusted: tuple[tuple[str, str], ...] = ()
 
 
-def prepare_resume(
+def prepare_resume(  # noqa: PLR0913  keyword-only options, as store.pick's plus the remote's
     root: str | Path,
     remote: RemoteTier | None,
     *,

@@ -198,9 +198,11 @@ class Uploader:
         while not self._stop.is_set():
             with self._cond:
                 timeout = self.policy.down_retry_s if self._s.status.state == "down" else None
-                self._cond.wait_for(
-                    lambda seen=seen: self._s.requested > seen or self._stop.is_set(), timeout=timeout
-                )
+
+                def woken(seen: int = seen) -> bool:
+                    return self._s.requested > seen or self._stop.is_set()
+
+                self._cond.wait_for(woken, timeout=timeout)
                 seen = self._s.requested
             if self._stop.is_set():
                 return
