@@ -26,7 +26,6 @@ STATE_VERSION = 1
 # Launch records kept in the state file (the event log keeps every one).
 KEEP_LAUNCHES = 50
 STATE_GLOB = "state*.json"
-EVENTS_GLOB = "events*.jsonl"
 
 # Values of RunState.status.
 RUNNING = "running"

@@ -27,9 +27,8 @@ DEFAULT_LOAD_TIMEOUT_S = 600.0
 DEFAULT_SAVE_TIMEOUT_S = 900.0
 DEFAULT_COMMIT_TIMEOUT_S = 300.0
 DEFAULT_DIGEST_TIMEOUT_S = 300.0
-# Learned train timeout (as NVIDIA resiliency-ext): max observed step time x factor, never below
-# the floor (the floor covers the heartbeat writer's own throttle interval).
-DEFAULT_LEARN_FACTOR = 5.0
+# Learned train timeout (as NVIDIA resiliency-ext, off unless --learn-hang-timeout FACTOR): max
+# observed step time x factor, never below the floor (it covers the heartbeat writer's throttle).
 DEFAULT_LEARN_FLOOR_S = 10.0
 # Backoff between relaunches after failures (the first relaunch after progress is immediate).
 DEFAULT_BACKOFF_INITIAL_S = 1.0

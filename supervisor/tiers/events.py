@@ -1,9 +1,9 @@
 """Where the tier's events go: the watchdog's event-log format, in a file of their own.
 
 The watchdog's log (supervisor/events.py) has one writer per file. The uploader runs inside the
-trainer's rank 0, so it writes ``supervisor/events.remote.jsonl``, which the ``events*.jsonl`` glob of
-``status`` picks up beside the watchdog's. ``prepare_resume`` runs in the watchdog, which passes
-its own ``EventLog.emit``.
+trainer's rank 0, so it writes ``supervisor/events.remote.jsonl`` beside the watchdog's log (read it
+as those: ``status`` reads no event log; its remote line comes from ``remote.json``).
+``prepare_resume`` runs in the watchdog, which passes its own ``EventLog.emit``.
 """
 
 from __future__ import annotations
