@@ -25,7 +25,6 @@ from supervisor.redact import redact, redact_obj
 STATE_VERSION = 1
 # Launch records kept in the state file (the event log keeps every one).
 KEEP_LAUNCHES = 50
-STATE_GLOB = "state*.json"
 
 # Values of RunState.status.
 RUNNING = "running"
@@ -36,16 +35,12 @@ STOPPED = "stopped"
 REQUEUED = "requeued"
 
 
-def _suffix(node: int) -> str:
-    return "" if node == 0 else f".node{node}"
-
-
 def state_path(root: str | Path, node: int = 0) -> Path:
-    return RunDir.of(root).supervisor / f"state{_suffix(node)}.json"
+    return RunDir.of(root).state(node)
 
 
 def events_path(root: str | Path, node: int = 0) -> Path:
-    return RunDir.of(root).supervisor / f"events{_suffix(node)}.jsonl"
+    return RunDir.of(root).events(node)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,6 @@ from supervisor.exitcodes import Exit
 from supervisor.fsutil import atomic_write_json
 from supervisor.layout import RunDir
 
-REQUEUE_FILE = "slurm.json"
 REQUEUE_VERSION = 1
 KEEP_HISTORY = 50
 # Default rendezvous port: BASE + job id mod SPAN, below Linux's ephemeral range (32768+), so two
@@ -343,7 +342,7 @@ class RequeueState:
 
 
 def requeue_path(root: str | Path) -> Path:
-    return RunDir.of(root).supervisor / REQUEUE_FILE
+    return RunDir.of(root).requeue_state
 
 
 def parse_requeue_state(d: Any) -> RequeueState:

@@ -17,7 +17,7 @@ from supervisor import events, store
 from supervisor.fsutil import hostname, pid_alive
 from supervisor.heartbeat import Phase, boot_id, read_heartbeats
 from supervisor.ioerrors import describe
-from supervisor.layout import REMOTE_STATUS, RunDir
+from supervisor.layout import STATE_GLOB, RunDir
 from supervisor.policy import Clock, PhaseTimeouts, describe_progress
 
 if TYPE_CHECKING:
@@ -124,7 +124,7 @@ def _nodes(root: Path) -> tuple[list[NodeRow], list[LaunchRow], dict[str, float]
     timeouts: dict[str, float] = {}
     current: set[str] = set()
     me = hostname()
-    for path in sorted(RunDir.of(root).supervisor.glob(events.STATE_GLOB)):
+    for path in sorted(RunDir.of(root).supervisor.glob(STATE_GLOB)):
         try:
             st = events.read_state(path)
         except ValueError as e:
@@ -305,7 +305,7 @@ def build_report(root: str | Path, now: float | None = None) -> StatusReport:
 def _remote_status(root: Path) -> RemoteStatus | None:
     """The uploader's status file, when this run has a remote tier; its reader (and tenacity,
     which the uploader needs) is imported only then, so a local-only status stays fast."""
-    if not (RunDir.of(root).supervisor / REMOTE_STATUS).exists():
+    if not RunDir.of(root).remote_status.exists():
         return None
     from supervisor.tiers.uploader import read_remote_status
 

@@ -14,9 +14,8 @@ import remote_support as rs
 
 from supervisor import store
 from supervisor.events import read_events
-from supervisor.layout import RunDir
+from supervisor.layout import REMOTE_EVENTS, RunDir
 from supervisor.tiers.backends import RemoteConfigError
-from supervisor.tiers.events import REMOTE_EVENTS
 from supervisor.tiers.listing import list_tiers
 from supervisor.tiers.remote import RemoteTier, open_remote
 from supervisor.tiers.uploader import BUSY_WAIT, Uploader, UploadPolicy, read_remote_status

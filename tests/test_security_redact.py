@@ -21,7 +21,7 @@ from supervisor.layout import RunDir
 from supervisor.redact import REDACTED, RedactFilter, redact, redact_log_handlers, redact_obj, redact_url
 from supervisor.tiers.backends import DirBackend, RemoteConfigError, open_backend
 from supervisor.tiers.remote import RemoteTier, RemoteUnavailable
-from supervisor.tiers.uploader import STATUS_FILE, Uploader, UploadPolicy
+from supervisor.tiers.uploader import Uploader, UploadPolicy
 
 REPO = Path(__file__).resolve().parents[1]
 SECRETS = ("AKIAEXAMPLE", "s3cr3t", "hunter2", "SIGVALUE", "CREDVALUE", "TOKENVALUE", "SASVALUE")
@@ -152,7 +152,7 @@ def test_backend_errors_and_remote_json_are_redacted(tmp_path: Path) -> None:
         assert not up.flush(timeout_s=30)
     finally:
         up.close()
-    status = (RunDir.of(root).supervisor / STATUS_FILE).read_text()
+    status = RunDir.of(root).remote_status.read_text()
     assert json.loads(status)["state"] == "down"
     assert leaks(status) == [], status
     remote_events = (RunDir.of(root).supervisor / "events.remote.jsonl").read_text()

@@ -26,10 +26,9 @@ from supervisor.cli import main
 from supervisor.events import read_events
 from supervisor.exitcodes import Exit
 from supervisor.ioerrors import Evidence
-from supervisor.layout import RunDir, step_dirname
+from supervisor.layout import REMOTE_EVENTS, RunDir, step_dirname
 from supervisor.status import build_report
 from supervisor.status_cmd import render
-from supervisor.tiers.events import REMOTE_EVENTS
 from supervisor.tiers.remote import LocalUnreadable, open_remote
 from supervisor.tiers.resume import prepare_resume
 from supervisor.tiers.uploader import Uploader, UploadPolicy

@@ -58,17 +58,16 @@ from torch.futures import Future as TorchFuture
 
 from supervisor import store
 from supervisor.heartbeat import HeartbeatWriter, Phase, Progress
-from supervisor.layout import step_dirname
+from supervisor.layout import DCP_METADATA, rank_state_filename, step_dirname
 from supervisor.manifest import FileEntry, checksum_file
 from train_ref import agree
 from train_ref.progress_io import PROGRESS_CHUNK, ProgressFileSystem, open_progress
 from train_ref.safe_load import load_dcp, weights_only_refusal
 from train_ref.save_policy import SaveError, SavePolicy, dcp_save_error, failure_line, give_up, save_error
-from train_ref.state import RankState, TrainState, rank_state_filename
+from train_ref.state import RankState, TrainState
 
 log = logging.getLogger(__name__)
 
-DCP_METADATA = ".metadata"  # written by DCP's coordinator (rank 0)
 COMMIT_STEPS = ("fsync", "manifest", "rename", "latest")  # store.commit's on_phase calls
 
 # Test-only fault injection: seconds every checkpoint write sleeps before writing its shards, to

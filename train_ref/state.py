@@ -36,10 +36,6 @@ RANK_ITEMS = ("python_rng", "numpy_rng", "torch_rng")
 ABLATABLE = SHARED_ITEMS + RANK_ITEMS
 
 
-def rank_state_filename(rank: int) -> str:
-    return f"rank_{rank:05d}.state.pt"
-
-
 class TrainState(Stateful):
     def __init__(
         self,

@@ -44,7 +44,7 @@ from supervisor.exitcodes import Exit
 from supervisor.fsutil import atomic_write_json, restrict_umask
 from supervisor.heartbeat import HeartbeatWriter, Phase
 from supervisor.ioerrors import backoff_s, retry_transient
-from supervisor.layout import FINAL, METRICS, RunDir
+from supervisor.layout import FINAL, RunDir
 from supervisor.redact import redact_log_handlers
 from supervisor.safepickle import UnsafePickle
 from supervisor.signing import SigningKeyError, add_signing_key_arg, load_key
@@ -68,7 +68,6 @@ from train_ref.state import ABLATABLE, RANK_ITEMS, TrainState, seed_rank_rng
 
 log = logging.getLogger("train_ref")
 
-SAMPLES = "samples"
 # Resume sanity: warn when the first losses after a resume leave the saved window's range by more
 # than this many standard deviations (plus a small absolute slack for flat windows).
 LOSS_JUMP_SIGMAS = 4.0
@@ -336,12 +335,14 @@ class Trainer:
     def run(self) -> None:
         """Train to --steps; the logs are closed on every way out (the exit skips teardown)."""
         with contextlib.ExitStack() as files:
-            metrics = LineAppender(self.root / METRICS) if self.d.rank == 0 else None
+            run = RunDir.of(self.root)
+            metrics = LineAppender(run.metrics) if self.d.rank == 0 else None
             if metrics:
                 files.callback(metrics.close)
             if self.args.log_samples:
-                (self.root / SAMPLES).mkdir(exist_ok=True)
-                self.samples_file = LineAppender(self.root / SAMPLES / f"rank_{self.d.rank:05d}.jsonl")
+                samples = run.samples(self.d.rank)
+                samples.parent.mkdir(exist_ok=True)
+                self.samples_file = LineAppender(samples)
                 files.callback(self.samples_file.close)
             self.loop(metrics)
 
@@ -466,7 +467,7 @@ class Trainer:
         }
         try:
             retry_transient(
-                lambda: atomic_write_json(self.root / FINAL, final),
+                lambda: atomic_write_json(RunDir.of(self.root).final, final),
                 deadline_s=self.args.io_retry,
                 what=f"writing {FINAL}",
                 fix=lambda _e: "the checkpoint is committed; the digest is in this log",

@@ -19,7 +19,7 @@ from supervisor.drill import inject, switch
 from supervisor.drill.judge import StepRecord
 from supervisor.drill.plan import IN_SAVE, SELF_INFLICTED, Fault, Kind
 from supervisor.events import events_path, read_events
-from supervisor.layout import FINAL, MANIFEST, METRICS, RunDir, parse_committed
+from supervisor.layout import MANIFEST, RunDir, parse_committed
 
 POLL_S = 0.02
 # Test-only knob of the reference trainer: widens the async write so a kill lands inside it.
@@ -73,7 +73,7 @@ class MetricsTail:
     """Reads metrics.jsonl as it grows, stamping each record with when it was first seen."""
 
     def __init__(self, root: Path) -> None:
-        self.path = root / METRICS
+        self.path = RunDir.of(root).metrics
         self.records: list[StepRecord] = []
         self._offset = 0
         self._partial = b""
@@ -175,7 +175,7 @@ class ScenarioRun:
 
 def read_digest(root: Path) -> str | None:
     try:
-        return str(json.loads((root / FINAL).read_text())["params_sha256"])
+        return str(json.loads(RunDir.of(root).final.read_text())["params_sha256"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

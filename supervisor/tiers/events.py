@@ -15,8 +15,6 @@ from typing import Any, Protocol
 from supervisor.events import EventLog
 from supervisor.layout import RunDir
 
-REMOTE_EVENTS = "events.remote.jsonl"
-
 log = logging.getLogger("supervisor.tiers")
 
 
@@ -29,7 +27,7 @@ class EmitFn(Protocol):
 def remote_event_log(root: str | Path) -> EmitFn:
     """An emitter appending to ``supervisor/events.remote.jsonl``; failures are logged, not raised."""
     elog = EventLog(root, echo=None)
-    elog.path = RunDir.of(root).supervisor / REMOTE_EVENTS
+    elog.path = RunDir.of(root).remote_events
 
     def emit(event: str, msg: str, **fields: Any) -> Any:
         try:

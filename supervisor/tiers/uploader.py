@@ -33,7 +33,7 @@ from typing import Any
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from supervisor.fsutil import atomic_write_json
-from supervisor.layout import RunDir, step_dirname
+from supervisor.layout import REMOTE_STATUS, RunDir, step_dirname
 from supervisor.manifest import ManifestError, read_manifest
 from supervisor.redact import redact_obj
 from supervisor.store import MIN_KEEP, CheckpointRef, StoreError, list_checkpoints, prune
@@ -44,7 +44,6 @@ from supervisor.tiers.remote import LocalSourceError, LocalUnreadable, RemoteTie
 
 log = logging.getLogger("supervisor.tiers")
 
-STATUS_FILE = "remote.json"
 BUSY_SKIP = "skip"
 BUSY_WAIT = "wait"
 SKIPPED_SHOWN = 20
@@ -95,7 +94,7 @@ class RemoteStatus:
 
 def read_remote_status(root: str | Path) -> RemoteStatus | None:
     """The uploader's last status, or None when there is none (or it is unreadable)."""
-    path = RunDir.of(root).supervisor / STATUS_FILE
+    path = RunDir.of(root).remote_status
     try:
         d = json.loads(path.read_text())
         d["skipped"] = tuple(d.get("skipped", ()))
@@ -446,10 +445,10 @@ class Uploader:
         try:
             atomic_write_json(_status_path(self.root), redact_obj(asdict(st)))
         except OSError as e:
-            log.warning("remote: cannot write %s (%s)", STATUS_FILE, e)
+            log.warning("remote: cannot write %s (%s)", REMOTE_STATUS, e)
 
 
 def _status_path(root: Path) -> Path:
-    folder = RunDir.of(root).supervisor
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder / STATUS_FILE
+    run = RunDir.of(root)
+    run.supervisor.mkdir(parents=True, exist_ok=True)
+    return run.remote_status
