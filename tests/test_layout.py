@@ -96,8 +96,15 @@ def test_run_dir_paths() -> None:
 
 @pytest.mark.parametrize(
     ("name", "rank"),
-    [("rank_00003.json", 3), ("rank_12345.json", 12345), ("rank_.json", None), ("rank_00003.json.tmp", None)]
-    + [("stacks_rank_00003.txt", None), ("rank_00003.state.pt", None), ("rank_x.json", None)],
+    [
+        ("rank_00003.json", 3),
+        ("rank_12345.json", 12345),
+        ("rank_.json", None),
+        ("rank_00003.json.tmp", None),
+        ("stacks_rank_00003.txt", None),
+        ("rank_00003.state.pt", None),
+        ("rank_x.json", None),
+    ],
 )
 def test_heartbeat_file_names(name: str, rank: int | None) -> None:
     assert layout.parse_heartbeat_filename(name) == rank
