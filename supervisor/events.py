@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
+from supervisor.eventnames import EventName
 from supervisor.fsutil import atomic_write_json
 from supervisor.layout import RunDir
 from supervisor.policy import LaunchRecord, Outcome
@@ -217,7 +218,7 @@ class EventLog:
         self.dropped = 0  # events not kept while failing: the buffer was full
         self.error: OSError | None = None  # the current failure streak's first error
 
-    def emit(self, event: str, msg: str, **fields: Any) -> dict[str, Any]:
+    def emit(self, event: EventName, msg: str, **fields: Any) -> dict[str, Any]:
         now = time.time()
         rec = {
             "t": round(now, 3),

@@ -12,6 +12,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from enum import Enum
 
+from supervisor.eventnames import EventName
 from supervisor.exitcodes import NON_RETRYABLE, Exit
 from supervisor.heartbeat import Heartbeat, HeartbeatSnapshot, Phase
 
@@ -305,8 +306,8 @@ class SaveNews:
     last_error: str
 
     @property
-    def event(self) -> str:
-        return "save_failed" if self.failures else "save_recovered"
+    def event(self) -> EventName:
+        return EventName.SAVE_FAILED if self.failures else EventName.SAVE_RECOVERED
 
     @property
     def msg(self) -> str:

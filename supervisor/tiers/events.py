@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any, Protocol
 
+from supervisor.eventnames import EventName
 from supervisor.events import EventLog
 from supervisor.layout import RunDir
 
@@ -21,7 +22,7 @@ log = logging.getLogger("supervisor.tiers")
 class EmitFn(Protocol):
     """``EventLog.emit``'s shape: an event name, a line for an operator, fields for tools."""
 
-    def __call__(self, event: str, msg: str, **fields: Any) -> Any: ...
+    def __call__(self, event: EventName, msg: str, **fields: Any) -> Any: ...
 
 
 def remote_event_log(root: str | Path) -> EmitFn:
@@ -29,7 +30,7 @@ def remote_event_log(root: str | Path) -> EmitFn:
     elog = EventLog(root, echo=None)
     elog.path = RunDir.of(root).remote_events
 
-    def emit(event: str, msg: str, **fields: Any) -> Any:
+    def emit(event: EventName, msg: str, **fields: Any) -> Any:
         try:
             return elog.emit(event, msg, **fields)
         except OSError as e:

@@ -32,6 +32,7 @@ from typing import Any
 
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
+from supervisor.eventnames import EventName
 from supervisor.fsutil import atomic_write_json
 from supervisor.layout import REMOTE_STATUS, RunDir, step_dirname
 from supervisor.manifest import ManifestError, read_manifest
@@ -259,7 +260,9 @@ class Uploader:
             return True
         except LocalUnreadable as e:  # transient: the next cycle (a submit, the final flush) retries
             self._update(in_flight=None, last_error=str(e), last_error_time=time.time())
-            self._report(logging.WARNING, "upload_deferred", f"{ref.name}: {e}", step=ref.step, reason=str(e))
+            self._report(
+                logging.WARNING, EventName.UPLOAD_DEFERRED, f"{ref.name}: {e}", step=ref.step, reason=str(e)
+            )
             return False
         except RemoteUnavailable as e:
             self._down(e)
@@ -306,7 +309,7 @@ class Uploader:
         if st.failures:
             self._report(
                 logging.INFO,
-                "remote_back",
+                EventName.REMOTE_BACK,
                 f"remote {self.remote.url} reachable again after {st.failures} failed cycles; catching up",
                 url=self.remote.url,
                 failed_cycles=st.failures,
@@ -324,7 +327,7 @@ class Uploader:
         )
         self._report(
             logging.INFO,
-            "upload_ok",
+            EventName.UPLOAD_OK,
             f"{t.name} uploaded to {self.remote.url} ({t.bytes} B in {t.seconds:.2f}s)",
             step=t.step,
             bytes=t.bytes,
@@ -353,7 +356,12 @@ class Uploader:
         )
         if st.state != "down":
             self._report(
-                logging.WARNING, "remote_down", msg, url=self.remote.url, error=str(e), lag_steps=lag.steps
+                logging.WARNING,
+                EventName.REMOTE_DOWN,
+                msg,
+                url=self.remote.url,
+                error=str(e),
+                lag_steps=lag.steps,
             )
         else:
             log.warning("remote: %s", msg)
@@ -363,7 +371,7 @@ class Uploader:
         if not ref.path.exists():  # pruned by local retention mid-upload: the next cycle moves on
             self._report(
                 logging.INFO,
-                "upload_skipped",
+                EventName.UPLOAD_SKIPPED,
                 f"{ref.name} not uploaded: removed locally before its upload finished",
                 step=ref.step,
                 reason="removed locally",
@@ -371,7 +379,9 @@ class Uploader:
             return
         self._bad_local.add(ref.step)  # does not match its own manifest: never retried
         self._update(last_error=str(e), last_error_time=time.time())
-        self._report(logging.ERROR, "upload_refused", f"not uploaded: {e}", step=ref.step, reason=str(e))
+        self._report(
+            logging.ERROR, EventName.UPLOAD_REFUSED, f"not uploaded: {e}", step=ref.step, reason=str(e)
+        )
 
     def _note_skipped(self, skipped: tuple[int, ...]) -> None:
         known = set(self.status().skipped)
@@ -379,7 +389,7 @@ class Uploader:
             if s not in known:
                 self._report(
                     logging.INFO,
-                    "upload_skipped",
+                    EventName.UPLOAD_SKIPPED,
                     f"{step_dirname(s)} not uploaded: superseded by a newer checkpoint (busy policy skip)",
                     step=s,
                     reason="superseded by a newer checkpoint",
@@ -395,7 +405,7 @@ class Uploader:
             if pruned.delete or pruned.clean:
                 self._report(
                     logging.INFO,
-                    "remote_pruned",
+                    EventName.REMOTE_PRUNED,
                     f"remote retention: deleted {', '.join(pruned.delete) or 'none'}; "
                     f"cleaned leftovers {', '.join(pruned.clean) or 'none'}",
                     deleted=list(pruned.delete),
@@ -424,12 +434,12 @@ class Uploader:
         if res.deleted:
             self._report(
                 logging.INFO,
-                "local_pruned",
+                EventName.LOCAL_PRUNED,
                 f"local retention: deleted {', '.join(res.deleted)}",
                 deleted=list(res.deleted),
             )
 
-    def _report(self, level: int, event: str, msg: str, **fields: Any) -> None:
+    def _report(self, level: int, event: EventName, msg: str, **fields: Any) -> None:
         log.log(level, "remote: %s", msg)
         self._emit(event, msg, **fields)
 
