@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,20 @@ class FileEntry:
 
 
 @dataclass(frozen=True)
+class CheckpointInfo:
+    """What a manifest records about its checkpoint besides the files: one record from the
+    trainer to ``commit``, and from a remote manifest to the commit of its download."""
+
+    step: int
+    world_size: int
+    model_config_hash: str = ""
+    data_fingerprint: str = ""
+    parallelism: Mapping[str, Any] = field(default_factory=dict)
+    torch_version: str = ""
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Manifest:
     step: int
     world_size: int
@@ -66,6 +80,10 @@ class Manifest:
     @property
     def total_bytes(self) -> int:
         return sum(e.size for e in self.files.values())
+
+    @property
+    def info(self) -> CheckpointInfo:
+        return CheckpointInfo(**{f.name: getattr(self, f.name) for f in fields(CheckpointInfo)})
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -326,16 +344,10 @@ def file_sizes(ckpt_dir: str | Path) -> dict[str, int]:
     return {n: (root / n).stat().st_size for n in list_files(root) if n not in NOT_LISTED}
 
 
-def build_manifest(  # noqa: PLR0913  the metadata fields become one record (issue 14, next commit)
+def build_manifest(
     ckpt_dir: str | Path,
+    info: CheckpointInfo,
     *,
-    step: int,
-    world_size: int,
-    model_config_hash: str = "",
-    data_fingerprint: str = "",
-    parallelism: Mapping[str, Any] | None = None,
-    torch_version: str = "",
-    meta: Mapping[str, Any] | None = None,
     known: Mapping[str, FileEntry] | None = None,
     writers: Mapping[int, Collection[str]] | None = None,
     sizes: Mapping[str, int] | None = None,
@@ -353,14 +365,8 @@ def build_manifest(  # noqa: PLR0913  the metadata fields become one record (iss
     sums = dict(zip(todo, checksum_files([root / n for n in todo]), strict=True))
     files = {n: FileEntry(sizes[n], sums[n]) if n in sums else known[n] for n in sizes}
     return Manifest(
-        step=step,
-        world_size=world_size,
+        **asdict(info),  # copies parallelism and meta
         files=files,
-        model_config_hash=model_config_hash,
-        data_fingerprint=data_fingerprint,
-        parallelism=dict(parallelism or {}),
-        torch_version=torch_version,
-        meta=dict(meta or {}),
         wall_time=time.time(),
         writers={r: tuple(sorted(names)) for r, names in sorted((writers or {}).items())},
     )

@@ -41,7 +41,7 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -59,7 +59,7 @@ from torch.futures import Future as TorchFuture
 from supervisor import store
 from supervisor.heartbeat import HeartbeatWriter, Phase, Progress
 from supervisor.layout import DCP_METADATA, rank_state_filename, step_dirname
-from supervisor.manifest import FileEntry, checksum_file
+from supervisor.manifest import CheckpointInfo, FileEntry, checksum_file
 from train_ref import agree
 from train_ref.progress_io import PROGRESS_CHUNK, ProgressFileSystem, open_progress
 from train_ref.safe_load import load_dcp, weights_only_refusal
@@ -84,12 +84,10 @@ GPU_STAGING = StagingOptions(
 
 @dataclass(frozen=True)
 class CommitInfo:
-    """What every manifest of this run records besides its files."""
+    """What every manifest of this run records besides its files (``run``: each commit sets its
+    step and meta), and the key that signs them."""
 
-    model_config_hash: str
-    data_fingerprint: str
-    parallelism: dict[str, Any]
-    torch_version: str = torch.__version__
+    run: CheckpointInfo
     # --signing-key's key: rank 0 signs every commit with it (docs/security.md); never recorded.
     sign_key: bytes | None = field(default=None, repr=False)
 
@@ -356,13 +354,7 @@ class Checkpointer:
             ref = store.commit(
                 self.root,
                 tmp,
-                step=step,
-                world_size=self.world_size,
-                model_config_hash=self.info.model_config_hash,
-                data_fingerprint=self.info.data_fingerprint,
-                parallelism=self.info.parallelism,
-                torch_version=self.info.torch_version,
-                meta=meta,
+                replace(self.info.run, step=step, world_size=self.world_size, meta=meta),
                 known={k: v for d in entries for k, v in d.items()},
                 # Every rank's files must be in rank 0's view, else nothing is committed.
                 writers={r: sorted(d) for r, d in enumerate(entries)},

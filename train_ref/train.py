@@ -45,6 +45,7 @@ from supervisor.fsutil import atomic_write_json, restrict_umask
 from supervisor.heartbeat import HeartbeatWriter, Phase
 from supervisor.ioerrors import backoff_s, retry_transient
 from supervisor.layout import FINAL, RunDir
+from supervisor.manifest import CheckpointInfo
 from supervisor.redact import redact_log_handlers
 from supervisor.safepickle import UnsafePickle
 from supervisor.signing import SigningKeyError, add_signing_key_arg, load_key
@@ -520,19 +521,22 @@ def main(argv: list[str] | None = None) -> int:
     corpus = Corpus.load(args.corpus)
     cfg = get_config(args.config, corpus.tokenizer.vocab_size)
     args.sign_key, key_problem = signing_key(args)
-    info = CommitInfo(
+    run = CheckpointInfo(
+        step=0,  # each commit sets its step and meta
+        world_size=d.world_size,
         model_config_hash=config_hash(cfg),
         data_fingerprint=corpus.fingerprint,
         parallelism={"mode": args.parallel, "world_size": d.world_size, "global_batch": cfg.global_batch},
-        sign_key=args.sign_key,
+        torch_version=torch.__version__,
     )
+    info = CommitInfo(run, sign_key=args.sign_key)
     problem = config_problem(args, cfg, d.world_size) or key_problem
     choice = Choice("", error=f"bad config: {problem}", code=Exit.BAD_CONFIG) if problem else None
     choice = choice or choose_checkpoint(
         args,
         store.Expectation(
-            model_config_hash=info.model_config_hash,
-            data_fingerprint=info.data_fingerprint,
+            model_config_hash=run.model_config_hash,
+            data_fingerprint=run.data_fingerprint,
             allow_config_change=args.allow_config_change,
             allow_data_change=args.allow_data_change,
         ),
