@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from supervisor.errors import UserError
 from supervisor.fsutil import atomic_write_text, fsync_dir
 from supervisor.ioerrors import Evidence, describe, evidence_of, is_transient
 from supervisor.layout import (
@@ -49,8 +50,8 @@ LOCK_TIMEOUT_S = 600.0
 REASON_LOST = "reason unknown: the process that quarantined this checkpoint stopped before writing it"
 
 
-class StoreError(Exception):
-    """Bad input or state the user must fix; ``str(e)`` is one line naming the file and the fix."""
+class StoreError(UserError):
+    """Bad input or state of a checkpoint root; ``str(e)`` is one line naming the file and the fix."""
 
 
 class MismatchError(StoreError):

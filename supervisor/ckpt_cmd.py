@@ -112,15 +112,12 @@ def _not_answering(e: OSError) -> bool:
 
 
 def _signing_key(args: argparse.Namespace, root: Path) -> bytes | None:
-    """The key of --signing-key (docs/security.md), or None; a one-line StoreError when unusable."""
+    """The key of --signing-key (docs/security.md), or None; SigningKeyError (a UserError) when unusable."""
     if not args.signing_key:
         return None
-    from supervisor.signing import SigningKeyError, load_key
+    from supervisor.signing import load_key
 
-    try:
-        return load_key(args.signing_key, outside=(root, getattr(args, "remote", None)))
-    except SigningKeyError as e:
-        raise StoreError(str(e)) from None
+    return load_key(args.signing_key, outside=(root, getattr(args, "remote", None)))
 
 
 def _unreadable(line: str) -> int:

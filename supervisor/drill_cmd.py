@@ -14,6 +14,7 @@ from supervisor.drill import plan as planning
 from supervisor.drill.judge import Verdict, judge
 from supervisor.drill.report import plot, verdict_table, write_report
 from supervisor.drill.runner import DrillConfig, ScenarioRun, run_golden, run_scenario
+from supervisor.errors import UserError
 from supervisor.exitcodes import Exit
 from supervisor.fmt import human_duration
 
@@ -72,8 +73,7 @@ def run(args: argparse.Namespace) -> int:
     scenarios = args.scenario or list(DEFAULT_SCENARIOS)
     workdir: Path = args.workdir.resolve()
     if workdir.exists() and any(workdir.iterdir()):
-        print(f"error: {workdir} is not empty; pass a new --workdir", file=sys.stderr)
-        return Exit.USAGE
+        raise UserError(f"{workdir} is not empty; pass a new --workdir")
     cfg = DrillConfig(
         workdir=workdir,
         ranks=args.ranks,
@@ -90,9 +90,8 @@ def run(args: argparse.Namespace) -> int:
             )
             for s in scenarios
         }
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return Exit.USAGE
+    except ValueError as e:  # an unknown scenario, a plan that does not fit --steps
+        raise UserError(str(e)) from None
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / "drill.log"
     started = time.monotonic()

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from supervisor.errors import UserError
 from supervisor.exitcodes import Exit
 from supervisor.fsutil import atomic_write_json
 from supervisor.layout import RunDir
@@ -37,7 +38,7 @@ TORCHRUN_MODULE = "torch.distributed.run"
 _RANGE_RE = re.compile(r"^(\d+)(?:-(\d+))?$")
 
 
-class SlurmError(Exception):
+class SlurmError(UserError):
     """A problem the operator must fix; ``str(e)`` is one line saying what and how."""
 
 

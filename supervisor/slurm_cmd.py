@@ -55,7 +55,8 @@ def say(msg: str) -> None:
 
 
 def _guarded(func: Handler) -> Handler:
-    """SlurmError -> one line in the job's output and exit 2 (no traceback)."""
+    """SlurmError -> one line in the job's output (stdout, stamped like every line of these hooks,
+    where cli.main would print it unstamped on stderr) and exit 2, no traceback."""
 
     def run(args: argparse.Namespace) -> int:
         try:

@@ -7,9 +7,8 @@ import os
 from pathlib import Path
 
 from supervisor import policy, watch_config
-from supervisor.checkpoints import StoreError
 from supervisor.policy import Backoff, Budget, PhaseTimeouts, RestartPolicy
-from supervisor.signing import SigningKeyError, add_signing_key_arg, load_key
+from supervisor.signing import add_signing_key_arg, load_key
 
 EPILOG = """exit codes: 0 done; 10 restart budget exhausted; 11 no progress; 12 non-retryable child
 failure or no usable checkpoint (reason in DIR/supervisor/events.jsonl); 13 preempted and
@@ -143,10 +142,7 @@ def _signing_key(args: argparse.Namespace) -> bytes | None:
     """--signing-key's key; a bad one is a one-line error (exit 2) before anything is launched."""
     if not args.signing_key:
         return None
-    try:
-        return load_key(args.signing_key, outside=(args.ckpt_root, args.remote))
-    except SigningKeyError as e:
-        raise StoreError(str(e)) from None
+    return load_key(args.signing_key, outside=(args.ckpt_root, args.remote))
 
 
 def run(args: argparse.Namespace) -> int:
