@@ -16,6 +16,8 @@ from supervisor import store
 from supervisor.manifest import CheckpointInfo
 from supervisor.tiers.remote import RemoteTier, open_remote
 
+# The tier kinds every remote test runs against: a directory, and S3 (moto on loopback).
+KINDS = ("dir", "s3")
 FAKE_CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",

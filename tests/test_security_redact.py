@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from commands import supervisor_cmd
 from store_helpers import make_ckpt
 
 from supervisor.drill.report import write_report
@@ -189,7 +190,7 @@ def test_job_log_line_is_redacted(tmp_path: Path) -> None:
         "TRAIN_ARGS": f"-m train_ref.train --remote {URL} --remote-endpoint {ENDPOINT}",
     }
     r = subprocess.run(
-        [sys.executable, "-m", "supervisor", "slurm", "start"],
+        supervisor_cmd("slurm", "start"),
         env=env, capture_output=True, text=True, timeout=60, cwd=REPO,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
@@ -202,7 +203,7 @@ def test_watchdog_with_credentials_in_its_urls_writes_none_of_them(tmp_path: Pat
     the remote and the command line, redacted."""
     root = tmp_path / "run"
     env = {**os.environ, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
-    cmd = [sys.executable, "-m", "supervisor", "watch", "--ckpt-root", str(root), "--remote", URL]
+    cmd = supervisor_cmd("watch", "--ckpt-root", str(root), "--remote", URL)
     cmd += ["--remote-endpoint", ENDPOINT, "--remote-wait", "1", "--max-restarts", "0"]
     cmd += ["--", sys.executable, "-c", "pass", "--remote", URL, "--remote-endpoint", ENDPOINT]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
