@@ -35,9 +35,11 @@ drill: $(STAMP)
 gpu-check: $(STAMP)
 	$(PY) -m train_ref.gpu_check
 
+# ruff (style, complexity and argument-count limits) and mypy (supervisor/ and train_ref/); config in pyproject.toml
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 # Every benchmark prints ratios measured side by side in one run; results are recorded in README.md.
 BENCHES ?= verify status mttr checkpoint tiers signing

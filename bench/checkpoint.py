@@ -66,7 +66,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     from supervisor.heartbeat import HeartbeatWriter
-    from supervisor.manifest import list_files
+    from supervisor.manifest import CheckpointInfo, list_files
     from supervisor.store import list_checkpoints
     from train_ref import train
     from train_ref.checkpointer import CommitInfo
@@ -82,7 +82,15 @@ def worker(args: argparse.Namespace) -> None:
     root.mkdir(parents=True, exist_ok=True)
     corpus = Corpus.load(None)
     cfg = get_config("bench", corpus.tokenizer.vocab_size)
-    info = CommitInfo(config_hash(cfg), corpus.fingerprint, {"mode": "fsdp", "world_size": d.world_size})
+    run = CheckpointInfo(
+        step=0,
+        world_size=d.world_size,
+        model_config_hash=config_hash(cfg),
+        data_fingerprint=corpus.fingerprint,
+        parallelism={"mode": "fsdp", "world_size": d.world_size},
+        torch_version=torch.__version__,
+    )
+    info = CommitInfo(run)
     hb = HeartbeatWriter(root, rank=d.rank, local_rank=d.local_rank, world_size=d.world_size)
     t = train.Trainer(targs, d, cfg, corpus, hb, info, "bench")
     train.seed_rank_rng(0, d.rank, 0)

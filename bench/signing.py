@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.verify import GB, MEM_HASH_BYTES, drop_cache, raw_read, shard_paths, side_by_side, write_checkpoint
 from supervisor import store
-from supervisor.manifest import READ_CHUNK, VERIFY_THREADS
+from supervisor.manifest import READ_CHUNK, VERIFY_THREADS, CheckpointInfo
 
 KEY = os.urandom(32)
 
@@ -56,7 +56,7 @@ def committer(root: Path, src: list[Path], key: bytes | None) -> tuple:
 
     def commit() -> int:
         tmp = pending.pop()
-        ref = store.commit(root, tmp, step=step[0], world_size=len(src), sign_key=key)
+        ref = store.commit(root, tmp, CheckpointInfo(step[0], len(src)), sign_key=key)
         n = sum(p.stat().st_size for p in src)
         shutil.rmtree(ref.path)
         return n
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp = store.begin(work / "signed", 2)
         for p in shard_paths(signed):
             os.link(p, tmp / p.name)
-        signed = store.commit(work / "signed", tmp, step=2, world_size=args.files, sign_key=KEY)
+        signed = store.commit(work / "signed", tmp, CheckpointInfo(2, args.files), sign_key=KEY)
         paths = shard_paths(plain) + shard_paths(signed)
         print(f"checkpoint: {args.files} shards, {size / GB:.2f} GB; {VERIFY_THREADS} hashing threads")
         mem = in_memory(args.rounds)

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from supervisor.events import RunState, write_state
 from supervisor.heartbeat import Heartbeat, Phase, write_heartbeat
 from supervisor.layout import MANIFEST, step_dirname
-from supervisor.manifest import build_manifest
+from supervisor.manifest import CheckpointInfo, build_manifest
 from supervisor.policy import LaunchRecord, Outcome
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,7 +45,7 @@ def build(root: Path, ranks: int, checkpoints: int) -> None:
         (d / ".metadata").write_bytes(b"m" * 512)
         for s in range(SHARDS_PER_CKPT):
             (d / f"__{s}_0.distcp").write_bytes(bytes([s]) * 4096)
-        (d / MANIFEST).write_text(build_manifest(d, step=step, world_size=ranks).to_json())
+        (d / MANIFEST).write_text(build_manifest(d, CheckpointInfo(step, ranks)).to_json())
     (root / "latest").write_text(step_dirname(checkpoints * 100) + "\n")
     launches = tuple(
         LaunchRecord(n, f"L{n}", now - 1000 + n, now - 999 + n, Outcome.CRASH, "exit 1: crash", n, n, n)

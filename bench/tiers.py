@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from supervisor import store
 from supervisor.fsutil import fsync_file, fsync_tree
+from supervisor.manifest import CheckpointInfo
 from supervisor.tiers.remote import RemoteTier, open_remote
 from supervisor.tiers.uploader import Uploader, UploadPolicy
 
@@ -83,7 +84,7 @@ def write_checkpoint(root: Path, step: int, size: int, files: int) -> store.Chec
     rng = np.random.default_rng(step)
     for i in range(files):
         (tmp / f"__{i}_0.distcp").write_bytes(rng.integers(0, 256, size // files, dtype=np.uint8).tobytes())
-    return store.commit(root, tmp, step=step, world_size=files)
+    return store.commit(root, tmp, CheckpointInfo(step, files))
 
 
 class Target:

@@ -30,7 +30,7 @@ import xxhash
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from supervisor import store
-from supervisor.manifest import READ_CHUNK, VERIFY_THREADS, checksum_files
+from supervisor.manifest import READ_CHUNK, VERIFY_THREADS, CheckpointInfo, checksum_files
 
 TARGET = 0.80
 MEM_HASH_BYTES = 256 << 20
@@ -51,7 +51,7 @@ def write_checkpoint(root: Path, size: int, files: int) -> store.CheckpointRef:
                 f.write(block[:n])
                 left -= n
             f.write(i.to_bytes(8, "little"))  # no two shards alike
-    return store.commit(root, tmp, step=1, world_size=files)
+    return store.commit(root, tmp, CheckpointInfo(1, files))
 
 
 def shard_paths(ref: store.CheckpointRef) -> list[Path]:

@@ -167,8 +167,7 @@ def blocked_io(pid: int) -> list[BlockedCall]:
                 sc = parse_syscall(f.read())
         except OSError:
             continue
-        arg = file_arg(sc) if sc is not None else None
-        if arg is None:
+        if sc is None or (arg := file_arg(sc)) is None:
             continue
         name, how, value = arg
         if how == "fd":
@@ -178,7 +177,7 @@ def blocked_io(pid: int) -> list[BlockedCall]:
         else:
             path = _read_path(pid, value)
             if how == "at" and path and not path.startswith("/"):
-                base = _fd_target(pid, signed32(sc.args[0]))  # type: ignore[union-attr]
+                base = _fd_target(pid, signed32(sc.args[0]))
                 path = os.path.join(base, path) if base else path
         out.append(BlockedCall(pid, tid, name, path))
     return out

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from supervisor.errors import UserError
 from supervisor.fsutil import atomic_write_text, fsync_dir
 from supervisor.ioerrors import Evidence, describe, evidence_of, is_transient
 from supervisor.layout import (
@@ -49,8 +50,8 @@ LOCK_TIMEOUT_S = 600.0
 REASON_LOST = "reason unknown: the process that quarantined this checkpoint stopped before writing it"
 
 
-class StoreError(Exception):
-    """Bad input or state the user must fix; ``str(e)`` is one line naming the file and the fix."""
+class StoreError(UserError):
+    """Bad input or state of a checkpoint root; ``str(e)`` is one line naming the file and the fix."""
 
 
 class MismatchError(StoreError):
@@ -223,6 +224,27 @@ def validate(
         return _corrupt(ref, str(e))
     if m.step != ref.step:
         return _corrupt(ref, f"{MANIFEST} is for step {m.step}, not {ref.step}")
+    if (bad := _check_listing(ref, m)) is not None:
+        return bad
+    sig: Signature | None = None
+    untrusted: Untrusted | None = None  # the key does not vouch for it
+    if key is not None:
+        checked = _check_signature(ref, raw, m, key)
+        if isinstance(checked, Verdict):
+            return checked
+        sig, untrusted = checked
+    if deep:
+        v = check_files(ref, m, sorted(m.files), progress, sig=sig)
+        if not v.ok:
+            return v
+    if untrusted is not None:
+        return Verdict(ref, Evidence.UNTRUSTED, f"{ref.name}: {untrusted}", m, signature=untrusted.kind)
+    return Verdict(ref, Evidence.OK, "", m, signature="ok" if key is not None else "")
+
+
+def _check_listing(ref: CheckpointRef, m: Manifest) -> Verdict | None:
+    """The quick file check: every listed file present at its size, nothing unlisted; None when
+    it passes."""
     try:
         present = set(list_files(ref.path)) - NOT_LISTED
     except OSError as e:
@@ -239,28 +261,26 @@ def validate(
     unlisted = sorted(present - set(m.files))
     if unlisted:
         return _corrupt(ref, f"{unlisted[0]} is not listed in {MANIFEST}")
-    untrusted: Untrusted | None = None  # the key does not vouch for it
-    sig = None
-    if key is not None:
-        from supervisor import signing
+    return None
 
-        try:
-            sig_bytes = (ref.path / SIGNATURE).read_bytes()
-        except FileNotFoundError:
-            sig_bytes = None
-        except OSError as e:
-            return _unreadable(ref, e, SIGNATURE)
-        try:
-            sig = signing.verify(raw, sig_bytes, m.files, key)
-        except signing.Untrusted as e:
-            untrusted = e
-    if deep:
-        v = check_files(ref, m, sorted(m.files), progress, sig=sig)
-        if not v.ok:
-            return v
-    if untrusted is not None:
-        return Verdict(ref, Evidence.UNTRUSTED, f"{ref.name}: {untrusted}", m, signature=untrusted.kind)
-    return Verdict(ref, Evidence.OK, "", m, signature="ok" if key is not None else "")
+
+def _check_signature(
+    ref: CheckpointRef, raw: bytes, m: Manifest, key: bytes
+) -> tuple[Signature | None, Untrusted | None] | Verdict:
+    """The quick signature check of a manifest that passed: (the verified signature, None) or
+    (None, why it is untrusted); a Verdict when ``manifest.sig`` cannot be read."""
+    from supervisor import signing
+
+    try:
+        sig_bytes = (ref.path / SIGNATURE).read_bytes()
+    except FileNotFoundError:
+        sig_bytes = None
+    except OSError as e:
+        return _unreadable(ref, e, SIGNATURE)
+    try:
+        return signing.verify(raw, sig_bytes, m.files, key), None
+    except signing.Untrusted as e:
+        return None, e
 
 
 def check_files(
@@ -334,9 +354,9 @@ def _unreadable(ref: CheckpointRef, e: OSError, name: str) -> Verdict:
     return Verdict(ref, evidence_of(e), f"{ref.name}: {name} is unreadable ({describe(e)})", error=e)
 
 
-def _rel(ref: CheckpointRef, filename: object, default: str) -> str:
+def _rel(ref: CheckpointRef, filename: str | bytes | os.PathLike[str] | None, default: str) -> str:
     """The file an OSError names, relative to the checkpoint (``default`` when it names none)."""
-    rel = os.path.relpath(os.fsdecode(filename), ref.path) if filename else "."  # type: ignore[arg-type]
+    rel = os.path.relpath(os.fsdecode(filename), ref.path) if filename else "."
     return default if rel == "." else rel
 
 

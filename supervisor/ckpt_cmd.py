@@ -112,15 +112,12 @@ def _not_answering(e: OSError) -> bool:
 
 
 def _signing_key(args: argparse.Namespace, root: Path) -> bytes | None:
-    """The key of --signing-key (docs/security.md), or None; a one-line StoreError when unusable."""
+    """The key of --signing-key (docs/security.md), or None; SigningKeyError (a UserError) when unusable."""
     if not args.signing_key:
         return None
-    from supervisor.signing import SigningKeyError, load_key
+    from supervisor.signing import load_key
 
-    try:
-        return load_key(args.signing_key, outside=(root, getattr(args, "remote", None)))
-    except SigningKeyError as e:
-        raise StoreError(str(e)) from None
+    return load_key(args.signing_key, outside=(root, getattr(args, "remote", None)))
 
 
 def _unreadable(line: str) -> int:
@@ -271,7 +268,13 @@ def cmd_list(args: argparse.Namespace) -> int:
     quarantined = [{"name": q.name, "path": str(q.path), "reason": q.reason} for q in list_quarantined(root)]
     tmps = [_tmp_row(t, "tmp", me) for t in list_tmp(root, now)]
     tmps += [_tmp_row(t, "deleting", me) for t in list_deleting(root, now)]
-    doc = {"root": str(root), "latest": latest, "checkpoints": rows, "quarantined": quarantined, "tmp": tmps}
+    doc: dict[str, Any] = {
+        "root": str(root),
+        "latest": latest,
+        "checkpoints": rows,
+        "quarantined": quarantined,
+        "tmp": tmps,
+    }
     parts = [_ckpt_table(rows) if rows else f"no committed checkpoints in {root}"]
     if latest is not None and latest not in {r["name"] for r in rows}:
         parts.append(f"note: latest names {latest}, which is not a committed checkpoint here")
@@ -511,7 +514,7 @@ def _byte_count(text: str) -> int:
     return int(n * _UNITS[unit])
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from supervisor.signing import add_signing_key_arg
 
     ckpt = subparsers.add_parser("ckpt", help="list, verify, pick or prune checkpoints of a run")

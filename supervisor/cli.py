@@ -8,9 +8,9 @@ import importlib
 import os
 import sys
 
+from supervisor.errors import UserError
 from supervisor.exitcodes import Exit
 from supervisor.fsutil import restrict_umask
-from supervisor.store import StoreError
 
 # One line per command: its module defines register(subparsers) and sets args.func. Only the
 # module of the command asked for is imported, so `status` and `ckpt list` stay fast.
@@ -65,9 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     restrict_umask()  # nothing a command (or the trainer a watchdog starts) creates is world-writable
     try:
         return int(args.func(args))
-    except StoreError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        return Exit.USAGE
+        return e.exit_code
     except OSError as e:  # an unreadable or unwritable path: one line naming it, not a traceback
         print(f"error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
         return Exit.USAGE

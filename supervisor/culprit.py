@@ -54,7 +54,8 @@ class Thread:
 def parse_dump(text: str) -> list[Thread]:
     """The threads of a faulthandler dump (all threads, or the single-stack form)."""
     threads: list[Thread] = []
-    current, frames, open_ = False, [], False
+    frames: list[Frame] = []
+    current, open_ = False, False
     for line in text.splitlines():
         if _HEADER.match(line):
             if open_:

@@ -16,6 +16,7 @@ from supervisor.drill.faultctl import FaultFSError
 from supervisor.drill.judge import Verdict, judge
 from supervisor.drill.report import plot, summary, verdict_table, write_report
 from supervisor.drill.runner import DrillConfig, ScenarioRun, run_golden, run_scenario
+from supervisor.errors import UserError
 from supervisor.exitcodes import Exit
 from supervisor.fmt import human_duration
 
@@ -29,7 +30,7 @@ DEFAULT_SCENARIOS = (
 STORAGE_SCENARIOS = tuple(k.value for k in planning.STORAGE)
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "drill", help="kill, stop, hang, corrupt and preempt a real run, then judge the resume"
     )
@@ -94,8 +95,7 @@ def run(args: argparse.Namespace) -> int:
     scenarios = chosen(args.scenario, args.storage)
     workdir: Path = args.workdir.resolve()
     if workdir.exists() and any(workdir.iterdir()):
-        print(f"error: {workdir} is not empty; pass a new --workdir", file=sys.stderr)
-        return Exit.USAGE
+        raise UserError(f"{workdir} is not empty; pass a new --workdir")
     cfg = DrillConfig(
         workdir=workdir,
         ranks=args.ranks,
@@ -112,9 +112,8 @@ def run(args: argparse.Namespace) -> int:
             )
             for s in scenarios
         }
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return Exit.USAGE
+    except ValueError as e:  # an unknown scenario, a plan that does not fit --steps
+        raise UserError(str(e)) from None
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / "drill.log"
     started = time.monotonic()

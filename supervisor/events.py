@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
+from supervisor.eventnames import EventName
 from supervisor.fsutil import atomic_write_json
 from supervisor.layout import RunDir
 from supervisor.policy import LaunchRecord, Outcome
@@ -25,8 +26,6 @@ from supervisor.redact import redact, redact_obj
 STATE_VERSION = 1
 # Launch records kept in the state file (the event log keeps every one).
 KEEP_LAUNCHES = 50
-STATE_GLOB = "state*.json"
-EVENTS_GLOB = "events*.jsonl"
 
 # Values of RunState.status.
 RUNNING = "running"
@@ -37,16 +36,12 @@ STOPPED = "stopped"
 REQUEUED = "requeued"
 
 
-def _suffix(node: int) -> str:
-    return "" if node == 0 else f".node{node}"
-
-
 def state_path(root: str | Path, node: int = 0) -> Path:
-    return RunDir.of(root).supervisor / f"state{_suffix(node)}.json"
+    return RunDir.of(root).state(node)
 
 
 def events_path(root: str | Path, node: int = 0) -> Path:
-    return RunDir.of(root).supervisor / f"events{_suffix(node)}.jsonl"
+    return RunDir.of(root).events(node)
 
 
 @dataclass(frozen=True)
@@ -132,7 +127,7 @@ def _typed(d: dict[str, Any], types: dict[str, str], where: str) -> dict[str, An
         allowed, noun = _KINDS[base]
         if isinstance(v, bool) or not isinstance(v, allowed):
             raise ValueError(f"{where}'{key}' is {v!r}, not {noun}")
-        out[key] = float(v) if base == "float" else v
+        out[key] = float(d[key]) if base == "float" else v  # d[key]: v is narrowed to object
     return out
 
 
@@ -223,7 +218,7 @@ class EventLog:
         self.dropped = 0  # events not kept while failing: the buffer was full
         self.error: OSError | None = None  # the current failure streak's first error
 
-    def emit(self, event: str, msg: str, **fields: Any) -> dict[str, Any]:
+    def emit(self, event: EventName, msg: str, **fields: Any) -> dict[str, Any]:
         now = time.time()
         rec = {
             "t": round(now, 3),

@@ -20,11 +20,11 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 from supervisor.fsutil import atomic_write_json, hostname
-from supervisor.layout import HEARTBEATS, RunDir
+from supervisor.layout import HEARTBEATS, RunDir, parse_heartbeat_filename
 
-_FILE_PREFIX = "rank_"
 # Set by the watchdog for each launch, read by the trainer's HeartbeatWriter.
 ENV_LAUNCH_ID = "SUPERVISOR_LAUNCH_ID"
 ENV_RESTART_COUNT = "SUPERVISOR_RESTART_COUNT"
@@ -83,7 +83,7 @@ class Heartbeat:
     save_failures: int = 0
     last_error: str = ""
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["phase"] = self.phase.value
         return d
@@ -193,11 +193,9 @@ def read_heartbeats(root: str | Path) -> list[HeartbeatSnapshot]:
         return []
     out = []
     for name in names:
-        if not (name.startswith(_FILE_PREFIX) and name.endswith(".json")):
-            continue
-        digits = name[len(_FILE_PREFIX) : -len(".json")]
-        if digits.isdigit():
-            out.append(read_heartbeat(os.path.join(folder, name), int(digits)))
+        rank = parse_heartbeat_filename(name)
+        if rank is not None:
+            out.append(read_heartbeat(os.path.join(folder, name), rank))
     return sorted(out, key=lambda s: s.rank)
 
 

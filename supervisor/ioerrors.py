@@ -92,7 +92,7 @@ def retry_transient(
     (0: one attempt); each retry is announced through ``on_retry(msg)`` before its wait. Past the
     deadline: StorageUnavailable naming the last error's path and ``fix(error)``. Other exceptions
     propagate at once."""
-    from tenacity import Retrying, retry_if_exception
+    from tenacity import RetryCallState, Retrying, retry_if_exception
 
     t0 = clock()
     rng = rng or random.Random()
@@ -100,16 +100,19 @@ def retry_transient(
     def elapsed() -> float:
         return clock() - t0
 
-    def wait(rs) -> float:  # type: ignore[no-untyped-def]
+    def wait(rs: RetryCallState) -> float:
         return min(backoff_s(rs.attempt_number, rng), max(0.0, deadline_s - elapsed()))
 
-    def announce(rs) -> None:  # type: ignore[no-untyped-def]
-        e = rs.outcome.exception()
-        if on_retry is not None:
-            on_retry(
-                f"{e.filename or what}: {describe(e)}, not proof of corruption; retrying {what} in "
-                f"{rs.next_action.sleep:.1f}s ({elapsed():.0f}s of {deadline_s:.0f}s)"
-            )
+    def announce(rs: RetryCallState) -> None:
+        # tenacity calls this only after a failed attempt that `retry` accepted: a transient OSError
+        e = rs.outcome.exception() if rs.outcome else None
+        if on_retry is None or not isinstance(e, OSError):
+            return
+        wait_s = rs.next_action.sleep if rs.next_action else 0.0
+        on_retry(
+            f"{e.filename or what}: {describe(e)}, not proof of corruption; retrying {what} in "
+            f"{wait_s:.1f}s ({elapsed():.0f}s of {deadline_s:.0f}s)"
+        )
 
     retrying = Retrying(
         retry=retry_if_exception(is_transient),

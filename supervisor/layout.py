@@ -1,8 +1,9 @@
 """The run directory: names and paths, the one truth shared by the watchdog and the trainer.
 
     ROOT/
-      step_00000050/                 committed checkpoint: DCP shards, per-rank files, manifest.json
-                                     (and manifest.sig when the run signs its checkpoints)
+      step_00000050/                 committed checkpoint: DCP shards and .metadata, per-rank
+                                     rank_00003.state.pt, manifest.json (and manifest.sig when the
+                                     run signs its checkpoints)
       step_00000100.tmp.<pid>.<host>/ a checkpoint being written; never listed as a checkpoint
       step_00000020.deleting.<pid>.<host>/  a pruned checkpoint being removed; never listed
       latest                         text pointer to the newest committed checkpoint (a hint only)
@@ -10,7 +11,14 @@
                                      (``prune``'s quarantine retention removes the oldest)
       heartbeats/rank_00003.json     per-rank liveness
       heartbeats/stacks_rank_00003.txt  faulthandler stack dumps of that rank
-      supervisor/                    the watchdog's state.json and events.jsonl
+      supervisor/state.json          the watchdog's state (node N > 0: state.nodeN.json)
+      supervisor/events.jsonl        its event log (node N > 0: events.nodeN.jsonl)
+      supervisor/events.remote.jsonl the remote-tier uploader's event log (trainer rank 0)
+      supervisor/remote.json         the uploader's status
+      supervisor/slurm.json          the SLURM job's requeue budget and history
+      metrics.jsonl                  the trainer's per-step metrics (rank 0, across launches)
+      samples/rank_00003.jsonl       with --log-samples: the sample ids each rank trained on
+      final.json                     the trainer's final digest
       .lock                          the root's mutation lock (pointer, quarantine, prune)
       .download.lock                 one download from the remote tier at a time per run dir
 
@@ -41,13 +49,21 @@ SIGNATURE = "manifest.sig"
 REASON = "reason.txt"
 # A quarantined entry being removed by retention (hidden: never listed as quarantined).
 QUARANTINE_DELETING_PREFIX = ".deleting."
-# The trainer's outputs in the root: per-step metrics (rank 0, appended across launches), final digest.
+# In a checkpoint: DCP's pickled index (its coordinator, rank 0, writes it) and each rank's own state.
+DCP_METADATA = ".metadata"
+# The trainer's outputs in the root: per-step metrics (rank 0, appended across launches), final
+# digest, and with --log-samples one file of sample ids per rank under SAMPLES.
 METRICS = "metrics.jsonl"
 FINAL = "final.json"
-# The remote-tier uploader's status, under SUPERVISOR (written by supervisor/tiers/uploader.py).
+SAMPLES = "samples"
+# Under SUPERVISOR: each watchdog's state and event log (node N > 0 adds ".nodeN"), the remote
+# tier's status and events (written by the uploader in the trainer), SLURM's requeue record.
+STATE_GLOB = "state*.json"
 REMOTE_STATUS = "remote.json"
-# sbatch/job.sh's requeue budgets and history (supervisor/slurm.py), under RunDir.supervisor.
-SLURM_REQUEUE = "slurm.json"
+REMOTE_EVENTS = "events.remote.jsonl"
+REQUEUE_STATE = "slurm.json"
+# Per-rank files: heartbeats/rank_00003.json, and names of the same form elsewhere.
+RANK_PREFIX = "rank_"
 
 # ASCII digits only and a full match: "step_00000050\n" or non-ASCII digits are not checkpoints.
 _COMMITTED_RE = re.compile(rf"{STEP_PREFIX}([0-9]{{{STEP_DIGITS}}})")
@@ -156,12 +172,44 @@ def looks_like_run_dir(names: list[str]) -> bool:
     )
 
 
+def _rank_name(rank: int) -> str:
+    return f"{RANK_PREFIX}{rank:05d}"
+
+
 def heartbeat_filename(rank: int) -> str:
-    return f"rank_{rank:05d}.json"
+    return f"{_rank_name(rank)}.json"
+
+
+def parse_heartbeat_filename(name: str) -> int | None:
+    """The rank of a heartbeat file name, or None for any other name."""
+    digits = name[len(RANK_PREFIX) : -len(".json")]
+    ok = name.startswith(RANK_PREFIX) and name.endswith(".json") and digits.isdigit()
+    return int(digits) if ok else None
 
 
 def stack_dump_filename(rank: int) -> str:
-    return f"stacks_rank_{rank:05d}.txt"
+    return f"stacks_{_rank_name(rank)}.txt"
+
+
+def rank_state_filename(rank: int) -> str:
+    """The file in a checkpoint that holds one rank's own state (its RNGs)."""
+    return f"{_rank_name(rank)}.state.pt"
+
+
+def samples_filename(rank: int) -> str:
+    return f"{_rank_name(rank)}.jsonl"
+
+
+def _node_suffix(node: int) -> str:
+    return "" if node == 0 else f".node{node}"
+
+
+def state_filename(node: int = 0) -> str:
+    return f"state{_node_suffix(node)}.json"
+
+
+def events_filename(node: int = 0) -> str:
+    return f"events{_node_suffix(node)}.jsonl"
 
 
 @dataclass(frozen=True)
@@ -206,3 +254,32 @@ class RunDir:
 
     def stack_dump(self, rank: int) -> Path:
         return self.heartbeats / stack_dump_filename(rank)
+
+    def state(self, node: int = 0) -> Path:
+        return self.supervisor / state_filename(node)
+
+    def events(self, node: int = 0) -> Path:
+        return self.supervisor / events_filename(node)
+
+    @property
+    def remote_status(self) -> Path:
+        return self.supervisor / REMOTE_STATUS
+
+    @property
+    def remote_events(self) -> Path:
+        return self.supervisor / REMOTE_EVENTS
+
+    @property
+    def requeue_state(self) -> Path:
+        return self.supervisor / REQUEUE_STATE
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / METRICS
+
+    @property
+    def final(self) -> Path:
+        return self.root / FINAL
+
+    def samples(self, rank: int) -> Path:
+        return self.root / SAMPLES / samples_filename(rank)

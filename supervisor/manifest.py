@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,20 @@ class FileEntry:
 
 
 @dataclass(frozen=True)
+class CheckpointInfo:
+    """What a manifest records about its checkpoint besides the files: one record from the
+    trainer to ``commit``, and from a remote manifest to the commit of its download."""
+
+    step: int
+    world_size: int
+    model_config_hash: str = ""
+    data_fingerprint: str = ""
+    parallelism: Mapping[str, Any] = field(default_factory=dict)
+    torch_version: str = ""
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Manifest:
     step: int
     world_size: int
@@ -66,6 +80,10 @@ class Manifest:
     @property
     def total_bytes(self) -> int:
         return sum(e.size for e in self.files.values())
+
+    @property
+    def info(self) -> CheckpointInfo:
+        return CheckpointInfo(**{f.name: getattr(self, f.name) for f in fields(CheckpointInfo)})
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -112,17 +130,17 @@ def parse_manifest(text: str | bytes) -> Manifest:
     if d["checksum_algo"] != CHECKSUM_ALGO:
         raise ManifestError(f"{MANIFEST} checksum '{d['checksum_algo']}' is unknown")
     files: dict[str, FileEntry] = {}
-    for name, e in d["files"].items():
+    for name, entry in d["files"].items():
         ok = (
-            isinstance(e, dict)
-            and isinstance(e.get("size"), int)
-            and not isinstance(e["size"], bool)
-            and e["size"] >= 0
-            and isinstance(e.get("checksum"), str)
+            isinstance(entry, dict)
+            and isinstance(entry.get("size"), int)
+            and not isinstance(entry["size"], bool)
+            and entry["size"] >= 0
+            and isinstance(entry.get("checksum"), str)
         )
         if not ok or not _is_safe_relpath(name) or name in NOT_LISTED:
             raise ManifestError(f"{MANIFEST} entry '{name}' is malformed")
-        files[name] = FileEntry(e["size"], e["checksum"])
+        files[name] = FileEntry(entry["size"], entry["checksum"])
     writers = _parse_writers(d) if d["format_version"] >= 2 else {}
     problem = writers_problem(writers, d["world_size"], {n: e.size for n, e in files.items()})
     if problem:
@@ -243,6 +261,16 @@ def checksum_file(path: str | Path, progress: ProgressFn | None = None, chunk: i
     return hash_file(path, (CHECKSUM_ALGO,), progress, chunk)[0]
 
 
+def _locked(report: ProgressFn, lock: threading.Lock) -> ProgressFn:
+    """``report`` called under ``lock``: the hashing threads share it."""
+
+    def tick(n: int) -> None:
+        with lock:
+            report(n)
+
+    return tick
+
+
 def hash_files(
     paths: Sequence[str | Path],
     algos: Sequence[str] = (CHECKSUM_ALGO,),
@@ -257,9 +285,7 @@ def hash_files(
     lock = threading.Lock()
     todo = iter(range(len(paths)))
 
-    def tick(n: int) -> None:
-        with lock:
-            progress(n)  # type: ignore[misc]
+    tick = _locked(progress, lock) if progress else None
 
     def work() -> None:
         while True:
@@ -268,7 +294,7 @@ def hash_files(
             if i is None:
                 return
             try:
-                results[i] = hash_file(paths[i], algos, tick if progress else None, chunk)
+                results[i] = hash_file(paths[i], algos, tick, chunk)
             except OSError as e:
                 e.filename = e.filename or os.fspath(paths[i])  # a failed read() names no file
                 errors[i] = e
@@ -303,7 +329,7 @@ def list_files(ckpt_dir: str | Path) -> list[str]:
     that cannot be read raises its OSError: a listing that silently skipped it would report its
     files as missing, which is evidence of corruption it does not have."""
     root = os.fspath(ckpt_dir)
-    out = []
+    out: list[str] = []
     # plain strings: `ckpt list` runs this per checkpoint
     for dirpath, _dirs, names in os.walk(root, onerror=_raise):
         rel = os.path.relpath(dirpath, root)
@@ -320,14 +346,8 @@ def file_sizes(ckpt_dir: str | Path) -> dict[str, int]:
 
 def build_manifest(
     ckpt_dir: str | Path,
+    info: CheckpointInfo,
     *,
-    step: int,
-    world_size: int,
-    model_config_hash: str = "",
-    data_fingerprint: str = "",
-    parallelism: Mapping[str, Any] | None = None,
-    torch_version: str = "",
-    meta: Mapping[str, Any] | None = None,
     known: Mapping[str, FileEntry] | None = None,
     writers: Mapping[int, Collection[str]] | None = None,
     sizes: Mapping[str, int] | None = None,
@@ -345,14 +365,8 @@ def build_manifest(
     sums = dict(zip(todo, checksum_files([root / n for n in todo]), strict=True))
     files = {n: FileEntry(sizes[n], sums[n]) if n in sums else known[n] for n in sizes}
     return Manifest(
-        step=step,
-        world_size=world_size,
+        **asdict(info),  # copies parallelism and meta
         files=files,
-        model_config_hash=model_config_hash,
-        data_fingerprint=data_fingerprint,
-        parallelism=dict(parallelism or {}),
-        torch_version=torch_version,
-        meta=dict(meta or {}),
         wall_time=time.time(),
         writers={r: tuple(sorted(names)) for r, names in sorted((writers or {}).items())},
     )

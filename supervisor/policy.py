@@ -12,6 +12,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from enum import Enum
 
+from supervisor.eventnames import EventName
 from supervisor.exitcodes import NON_RETRYABLE, Exit
 from supervisor.heartbeat import Heartbeat, HeartbeatSnapshot, Phase
 
@@ -27,9 +28,8 @@ DEFAULT_LOAD_TIMEOUT_S = 600.0
 DEFAULT_SAVE_TIMEOUT_S = 900.0
 DEFAULT_COMMIT_TIMEOUT_S = 300.0
 DEFAULT_DIGEST_TIMEOUT_S = 300.0
-# Learned train timeout (as NVIDIA resiliency-ext): max observed step time x factor, never below
-# the floor (the floor covers the heartbeat writer's own throttle interval).
-DEFAULT_LEARN_FACTOR = 5.0
+# Learned train timeout (as NVIDIA resiliency-ext, off unless --learn-hang-timeout FACTOR): max
+# observed step time x factor, never below the floor (it covers the heartbeat writer's throttle).
 DEFAULT_LEARN_FLOOR_S = 10.0
 # Backoff between relaunches after failures (the first relaunch after progress is immediate).
 DEFAULT_BACKOFF_INITIAL_S = 1.0
@@ -306,8 +306,8 @@ class SaveNews:
     last_error: str
 
     @property
-    def event(self) -> str:
-        return "save_failed" if self.failures else "save_recovered"
+    def event(self) -> EventName:
+        return EventName.SAVE_FAILED if self.failures else EventName.SAVE_RECOVERED
 
     @property
     def msg(self) -> str:
@@ -399,6 +399,7 @@ def backoff_s(failures_in_a_row: int, b: Backoff) -> float:
     import tenacity  # here, not at the top: `supervisor status` imports this module and needs speed
 
     wait = tenacity.wait_exponential_jitter(initial=b.initial_s, max=b.max_s, jitter=b.jitter_s)
+    # a bare call state (no Retrying behind it): the wait strategy reads only attempt_number
     state = tenacity.RetryCallState(retry_object=None, fn=None, args=(), kwargs={})  # type: ignore[arg-type]
     state.attempt_number = failures_in_a_row - 1
     return float(wait(state))

@@ -26,7 +26,6 @@ import pickle
 import re
 from typing import IO, Any
 
-DCP_METADATA = ".metadata"
 # DCP's global index, and the per-rank index it writes when saving without collectives.
 _METADATA_NAME = re.compile(r"(?:__[0-9]+)?\.metadata")
 

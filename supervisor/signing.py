@@ -33,6 +33,7 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from supervisor.errors import UserError
 from supervisor.layout import SIGNATURE
 from supervisor.manifest import hash_files
 
@@ -50,7 +51,7 @@ UNSIGNED = "unsigned"
 BAD = "bad signature"
 
 
-class SigningKeyError(ValueError):
+class SigningKeyError(UserError, ValueError):
     """The key cannot be used (missing, too short, readable by others, inside the run directory);
     ``str(e)`` is one line naming the file or variable and the fix."""
 

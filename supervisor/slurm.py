@@ -22,11 +22,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from supervisor.errors import UserError
 from supervisor.exitcodes import Exit
 from supervisor.fsutil import atomic_write_json
-from supervisor.layout import SLURM_REQUEUE, RunDir
+from supervisor.layout import RunDir
 
-REQUEUE_FILE = SLURM_REQUEUE
 REQUEUE_VERSION = 2  # 2: separate preemption and failure counts (1 is read too)
 KEEP_HISTORY = 50
 # Default rendezvous port: BASE + job id mod SPAN, below Linux's ephemeral range (32768+), so two
@@ -50,7 +50,7 @@ SIGNAL_DEFAULT_LEAD_S = 60
 TORCHRUN_TERM_WINDOW_S = 30.0
 
 
-class SlurmError(Exception):
+class SlurmError(UserError):
     """A problem the operator must fix; ``str(e)`` is one line saying what and how."""
 
 
@@ -371,7 +371,7 @@ def _expand_item(item: str) -> list[str]:
     if not m:
         return [item]
     prefix, ranges, rest = m.groups()
-    out = []
+    out: list[str] = []
     for r in ranges.split(","):
         rm = _RANGE_RE.match(r)
         if not rm:
@@ -588,7 +588,7 @@ def budget_line(state: RequeueState) -> str:
 
 
 def requeue_path(root: str | Path) -> Path:
-    return RunDir.of(root).supervisor / REQUEUE_FILE
+    return RunDir.of(root).requeue_state
 
 
 def parse_requeue_state(d: Any) -> RequeueState:

@@ -32,7 +32,7 @@ from supervisor.slurm import JobEnv, Knobs, SlurmError
 Handler = Callable[[argparse.Namespace], int]
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("slurm", help="steps of sbatch/job.sh (start, launch, finish)", description=__doc__)
     verbs = p.add_subparsers(dest="verb", required=True)
     for name, func, helptext in (
@@ -65,7 +65,8 @@ def say(msg: str) -> None:
 
 
 def _guarded(func: Handler) -> Handler:
-    """SlurmError -> one line in the job's output and exit 2 (no traceback)."""
+    """SlurmError -> one line in the job's output (stdout, stamped like every line of these hooks,
+    where cli.main would print it unstamped on stderr) and exit 2, no traceback."""
 
     def run(args: argparse.Namespace) -> int:
         try:

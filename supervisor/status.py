@@ -17,7 +17,7 @@ from supervisor import events, store
 from supervisor.fsutil import hostname, pid_alive
 from supervisor.heartbeat import Phase, boot_id, read_heartbeats
 from supervisor.ioerrors import describe
-from supervisor.layout import REMOTE_STATUS, SLURM_REQUEUE, RunDir
+from supervisor.layout import STATE_GLOB, RunDir
 from supervisor.policy import Clock, PhaseTimeouts, describe_progress
 
 if TYPE_CHECKING:
@@ -124,9 +124,12 @@ class StatusReport:
 
 def _nodes(root: Path) -> tuple[list[NodeRow], list[LaunchRow], dict[str, float], set[str]]:
     """Node rows, recent launches, the phase timeouts in force, and the current launch ids."""
-    nodes, launches, timeouts, current = [], [], {}, set()
+    nodes: list[NodeRow] = []
+    launches: list[LaunchRow] = []
+    timeouts: dict[str, float] = {}
+    current: set[str] = set()
     me = hostname()
-    for path in sorted(RunDir.of(root).supervisor.glob(events.STATE_GLOB)):
+    for path in sorted(RunDir.of(root).supervisor.glob(STATE_GLOB)):
         try:
             st = events.read_state(path)
         except ValueError as e:
@@ -282,6 +285,7 @@ def build_report(root: str | Path, now: float | None = None) -> StatusReport:
     ranks = _ranks(root, clock, timeouts, current)
     state, why = _overall(nodes, ranks)
     live = [r for r in ranks if not r.stale and r.step is not None]
+    live_steps = [r.step for r in live if r.step is not None]
     checkpoints, quarantined, storage_problem = _stored(root, now)
     step_times = [r.last_step_s for r in live if r.phase == Phase.TRAIN.value and r.last_step_s]
     return StatusReport(
@@ -292,7 +296,7 @@ def build_report(root: str | Path, now: float | None = None) -> StatusReport:
         nodes=tuple(nodes),
         launches=tuple(launches),
         ranks=tuple(ranks),
-        current_step=max((r.step for r in live), default=None),  # type: ignore[type-var]
+        current_step=max(live_steps, default=None),
         steps_per_s=1.0 / _median(step_times) if step_times else None,
         checkpoints=tuple(checkpoints),
         in_progress=tuple(sorted(t.path.name for t in store.list_tmp(root, now))),
@@ -307,7 +311,7 @@ def build_report(root: str | Path, now: float | None = None) -> StatusReport:
 def _slurm_line(root: Path) -> str:
     """The SLURM job's requeue budgets, when sbatch/job.sh ran this run; a file that cannot be
     used is said, not fatal. supervisor.slurm is imported only then, so other runs' status stays fast."""
-    if not (RunDir.of(root).supervisor / SLURM_REQUEUE).exists():
+    if not RunDir.of(root).requeue_state.exists():
         return ""
     from supervisor import slurm
 
@@ -324,7 +328,7 @@ def _slurm_line(root: Path) -> str:
 def _remote_status(root: Path) -> RemoteStatus | None:
     """The uploader's status file, when this run has a remote tier; its reader (and tenacity,
     which the uploader needs) is imported only then, so a local-only status stays fast."""
-    if not (RunDir.of(root).supervisor / REMOTE_STATUS).exists():
+    if not RunDir.of(root).remote_status.exists():
         return None
     from supervisor.tiers.uploader import read_remote_status
 

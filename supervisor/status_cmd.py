@@ -20,7 +20,7 @@ MAX_RANK_ROWS = 16
 CLEAR = "\x1b[H\x1b[2J"
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "status", help="where the run stands: state, launches, ranks, checkpoints", description=__doc__
     )
@@ -76,44 +76,10 @@ def render(r: StatusReport) -> str:
         f"step {_opt(r.current_step)}  steps/s {rate}  launches {launches}  restarts {restarts}  "
         f"disk {human_bytes(r.disk_bytes)}"
     )
-    if len(r.nodes) > 1 or any(n.problem for n in r.nodes):
-        out += ["", "watchdogs:"]
-        rows = [
-            (n.node, n.host, n.watchdog_pid, n.status, n.launches, n.restarts, n.problem or n.reason)
-            for n in r.nodes
-        ]
-        out.append(table(("node", "host", "pid", "status", "launches", "restarts", "reason"), rows))
-    if r.launches:
-        out += ["", "recent launches:"]
-        rows = [
-            (
-                f"{lr.node}:{lr.number}" if len(r.nodes) > 1 else lr.number,
-                human_age(r.time - lr.started),
-                human_duration(lr.duration_s),
-                _opt(lr.resumed_from),
-                _opt(lr.last_step),
-                lr.outcome,
-                lr.reason,
-            )
-            for lr in r.launches
-        ]
-        out.append(table(("#", "started", "ran", "from", "died at", "outcome", "reason"), rows))
+    out += _node_lines(r)
+    out += _launch_lines(r)
     out += ["", *_rank_lines(r)]
-    out += ["", "checkpoints:"]
-    if r.checkpoints:
-        rows = [
-            (
-                c.name,
-                _opt(c.age_s, human_age),
-                _opt(c.size_bytes, human_bytes),
-                _CHECK.get(c.evidence, "INVALID") + ("" if c.valid else f": {c.reason}"),
-                "<- latest" if c.latest else "",
-            )
-            for c in r.checkpoints
-        ]
-        out.append(table(("name", "age", "size", "quick check", ""), rows))
-    else:
-        out.append("  none")
+    out += ["", "checkpoints:", *_checkpoint_lines(r)]
     if r.storage_problem:
         out.append(f"STORAGE: {r.storage_problem}")
     if r.in_progress:
@@ -126,6 +92,59 @@ def render(r: StatusReport) -> str:
     if r.slurm:
         out += ["", f"slurm {r.slurm}"]
     return "\n".join(out)
+
+
+def _node_lines(r: StatusReport) -> list[str]:
+    """One row per watchdog, when there is more than one or one has a problem."""
+    if len(r.nodes) <= 1 and not any(n.problem for n in r.nodes):
+        return []
+    rows = [
+        (n.node, n.host, n.watchdog_pid, n.status, n.launches, n.restarts, n.problem or n.reason)
+        for n in r.nodes
+    ]
+    return [
+        "",
+        "watchdogs:",
+        table(("node", "host", "pid", "status", "launches", "restarts", "reason"), rows),
+    ]
+
+
+def _launch_lines(r: StatusReport) -> list[str]:
+    if not r.launches:
+        return []
+    rows = [
+        (
+            f"{lr.node}:{lr.number}" if len(r.nodes) > 1 else lr.number,
+            human_age(r.time - lr.started),
+            human_duration(lr.duration_s),
+            _opt(lr.resumed_from),
+            _opt(lr.last_step),
+            lr.outcome,
+            lr.reason,
+        )
+        for lr in r.launches
+    ]
+    return [
+        "",
+        "recent launches:",
+        table(("#", "started", "ran", "from", "died at", "outcome", "reason"), rows),
+    ]
+
+
+def _checkpoint_lines(r: StatusReport) -> list[str]:
+    if not r.checkpoints:
+        return ["  none"]
+    rows = [
+        (
+            c.name,
+            _opt(c.age_s, human_age),
+            _opt(c.size_bytes, human_bytes),
+            _CHECK.get(c.evidence, "INVALID") + ("" if c.valid else f": {c.reason}"),
+            "<- latest" if c.latest else "",
+        )
+        for c in r.checkpoints
+    ]
+    return [table(("name", "age", "size", "quick check", ""), rows)]
 
 
 # Quick check column: "unknown" could not be read, which is not proof of corruption.

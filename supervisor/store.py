@@ -26,7 +26,6 @@ import shutil
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from supervisor.checkpoints import (
     LOCK_TIMEOUT_S,
@@ -56,7 +55,14 @@ from supervisor.checkpoints import (
 from supervisor.fsutil import fsync_dir, fsync_tree, hostname
 from supervisor.ioerrors import IO_RETRY_S, Evidence, StorageUnavailable, retry_transient
 from supervisor.layout import MANIFEST, parse_committed, step_dirname, tmp_dirname
-from supervisor.manifest import FileEntry, ProgressFn, build_manifest, file_sizes, writers_problem
+from supervisor.manifest import (
+    CheckpointInfo,
+    FileEntry,
+    ProgressFn,
+    build_manifest,
+    file_sizes,
+    writers_problem,
+)
 from supervisor.retention import (
     DEFAULT_KEEP,
     MIN_KEEP,
@@ -166,21 +172,16 @@ def begin(root: str | Path, step: int) -> Path:
 def commit(
     root: str | Path,
     tmp_dir: str | Path,
+    info: CheckpointInfo,
     *,
-    step: int,
-    world_size: int,
-    model_config_hash: str = "",
-    data_fingerprint: str = "",
-    parallelism: Mapping[str, Any] | None = None,
-    torch_version: str = "",
-    meta: Mapping[str, Any] | None = None,
     known: Mapping[str, FileEntry] | None = None,
     writers: Mapping[int, Collection[str]] | None = None,
     on_phase: Callable[[str], None] | None = None,
     sign_key: bytes | None = None,
     digests: Mapping[str, str] | None = None,
 ) -> CheckpointRef:
-    """Make ``tmp_dir`` the committed checkpoint ``step_N`` and point ``latest`` at it.
+    """Make ``tmp_dir`` the committed checkpoint ``step_N`` (N = ``info.step``) and point ``latest``
+    at it; ``info`` is what its manifest records besides the files.
 
     ``writers`` (rank -> the files it wrote, relative to the tmp dir) is recorded in the manifest;
     every rank of ``world_size`` must have reported a file and every reported file must be in this
@@ -192,31 +193,19 @@ def commit(
     ``sign_key``: also write ``manifest.sig`` after the manifest (supervisor/signing.py), with the
     SHA-256 of every file (``digests`` holds those already computed, e.g. by a download).
     """
-    root, tmp = Path(root), Path(tmp_dir)
+    root, tmp, step = Path(root), Path(tmp_dir), info.step
     phase = on_phase or (lambda _p: None)
     phase("fsync")
     fsync_tree(tmp)
     phase("manifest")
     sizes = file_sizes(tmp)
-    problem = writers_problem(writers, world_size, sizes, known) if writers is not None else ""
+    problem = writers_problem(writers, info.world_size, sizes, known) if writers is not None else ""
     if problem:
         raise IncompleteCommit(
             f"{tmp}: {problem} as this process (pid {os.getpid()} on {hostname()}) sees it; "
             f"step {step} not committed: check that every rank writes to the same shared file system"
         )
-    manifest = build_manifest(
-        tmp,
-        step=step,
-        world_size=world_size,
-        model_config_hash=model_config_hash,
-        data_fingerprint=data_fingerprint,
-        parallelism=parallelism,
-        torch_version=torch_version,
-        meta=meta,
-        known=known,
-        writers=writers,
-        sizes=sizes,
-    )
+    manifest = build_manifest(tmp, info, known=known, writers=writers, sizes=sizes)
     manifest_bytes = manifest.to_json().encode()
     with open(tmp / MANIFEST, "wb") as f:
         f.write(manifest_bytes)
@@ -248,7 +237,7 @@ def commit(
 _Cache = dict[Path, tuple[tuple[int, ...] | None, Verdict]]
 
 
-def pick(
+def pick(  # noqa: PLR0913  keyword-only options, one per CLI flag of `ckpt pick` / `watch`
     root: str | Path,
     *,
     deep: bool = False,
@@ -353,7 +342,8 @@ def _walk_locked(
     newer than it, from quick checks (and, when ``deep``, the deep pass's verdicts of directories
     still the same); None when one changed since the deep pass (not hashed here). Raises the
     error of one it cannot read."""
-    bad, untrusted = [], []
+    bad: list[Verdict] = []
+    untrusted: list[Verdict] = []
     for ref in list_checkpoints(root):
         v = validate(ref, key=key)
         if v.gone:  # removed meanwhile: nothing to quarantine
@@ -383,10 +373,10 @@ def _error(v: Verdict) -> OSError:
     return v.error
 
 
-def unreadable_fix(root: str | Path, filename: object) -> str:
+def unreadable_fix(root: str | Path, filename: str | bytes | os.PathLike[str] | None) -> str:
     """What to tell a person when ``filename`` under ``root`` stays unreadable."""
     fix = "check the file system (mount, server, permissions, quota) and retry, or allow a longer --io-retry"
-    rel = os.path.relpath(os.fsdecode(filename), root) if filename else ""  # type: ignore[arg-type]
+    rel = os.path.relpath(os.fsdecode(filename), root) if filename else ""
     step = parse_committed(rel.split(os.sep, 1)[0]) if rel and not rel.startswith("..") else None
     if step is None:
         return fix

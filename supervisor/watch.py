@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from supervisor import culprit, events, launcher, policy, store
+from supervisor.eventnames import EventName
 from supervisor.events import EventLog, RunState
 from supervisor.exitcodes import Exit
 from supervisor.fsutil import hostname
@@ -109,7 +110,7 @@ class Watchdog:
                 kept = f"the old file is kept as {bad.name}"
             except OSError as err:
                 kept = f"the old file could not be moved aside ({describe(err)})"
-            self.log.emit("state_unreadable", f"{e}; starting with a fresh budget ({kept})")
+            self.log.emit(EventName.STATE_UNREADABLE, f"{e}; starting with a fresh budget ({kept})")
             prev = None
         self.state_loaded = True
         if prev is None or self.cfg.reset_budget:
@@ -124,6 +125,7 @@ class Watchdog:
     def _save(self, **changes: object) -> None:
         """Update the state and write it, best effort: on failure the state is kept in memory, one
         line goes to stderr, and the next save writes all of it."""
+        # replace() checks each field name at run time; mypy cannot type **changes per field
         self.state = replace(self.state, **changes)  # type: ignore[arg-type]
         if not self.state_loaded:
             return
@@ -154,7 +156,7 @@ class Watchdog:
         )
 
     def _io_retry(self, msg: str) -> None:
-        self.log.emit("io_retry", msg)
+        self.log.emit(EventName.IO_RETRY, msg)
         self._save(reason=f"storage trouble, retrying: {msg}")
 
     def _pick_retry(self, msg: str) -> None:
@@ -204,7 +206,7 @@ class Watchdog:
         self.state = self._initial_state()
         carried = len(self.state.restart_times)
         self.log.emit(
-            "watchdog_start",
+            EventName.WATCHDOG_START,
             f"watchdog pid {os.getpid()} on {self.host} node {self.cfg.node}: {' '.join(self.cfg.command)}"
             + (f" ({carried} earlier restarts count against the budget)" if carried else ""),
             pid=os.getpid(),
@@ -235,12 +237,13 @@ class Watchdog:
             restarts = (*self.state.restart_times, now) if d.counts_as_restart else self.state.restart_times
             self._save(restart_times=restarts)
             if not d.relaunch:
-                status = {
+                final: dict[int, str] = {
                     Exit.OK: events.DONE,
                     Exit.REQUEUE_REQUESTED: events.REQUEUED,
-                }.get(d.exit_code, events.STOPPED if ended.stop_signal else events.FAILED)
+                }
+                status = final.get(d.exit_code, events.STOPPED if ended.stop_signal else events.FAILED)
                 return self._finish(d.exit_code, status, d.reason)
-            self.log.emit("relaunch", d.reason, wait_s=round(d.wait_s, 3), restarts=len(restarts))
+            self.log.emit(EventName.RELAUNCH, d.reason, wait_s=round(d.wait_s, 3), restarts=len(restarts))
             self._save(status=events.RESTARTING, reason=d.reason, child_pid=None)
             if not self._sleep(d.wait_s):
                 if self.stop_signal is None:  # a preemption notice with --requeue-exit
@@ -249,7 +252,7 @@ class Watchdog:
                 return self._finish(128 + self.stop_signal, events.STOPPED, "stopped during backoff")
 
     def _finish(self, code: int, status: str, reason: str) -> int:
-        self.log.emit("exit", f"watchdog exits {code}: {reason}", exit_code=code, status=status)
+        self.log.emit(EventName.EXIT, f"watchdog exits {code}: {reason}", exit_code=code, status=status)
         self._save(status=status, reason=reason, exit_code=code, child_pid=None)
         if self.log.pending:
             events.say(f"[supervisor] {self.log.path} could not be written: the last events are only above")
@@ -272,7 +275,7 @@ class Watchdog:
         StorageUnavailable; no usable checkpoint while the run has history stops the watchdog
         unless --allow-fresh-start."""
         if self.cfg.remote:
-            return self._pick_across_tiers()
+            return self._pick_across_tiers(self.cfg.remote)
         if self.state.launch_count == 0:  # the trainer picks on its first start: only for the record
             refs = self._io(lambda: store.list_checkpoints(self.cfg.root), "listing checkpoints")
             return refs[0].step if refs else None
@@ -300,17 +303,19 @@ class Watchdog:
             if chosen
             else "no valid checkpoint: start from scratch"
         )
-        self.log.emit("pick", msg, checkpoint=chosen.name if chosen else None, verify=how)
+        self.log.emit(EventName.PICK, msg, checkpoint=chosen.name if chosen else None, verify=how)
         return chosen.step if chosen else None
 
     def _log_skipped(self, res: store.PickResult) -> None:
         """What the pick walked past: quarantined (corrupt) and untrusted (not signed) ones."""
         for name, why in res.quarantined:
-            self.log.emit("quarantine", f"quarantined {name}: {why}", checkpoint=name, why=why)
+            self.log.emit(EventName.QUARANTINE, f"quarantined {name}: {why}", checkpoint=name, why=why)
         for name, why in res.untrusted:
-            self.log.emit("untrusted", f"skipped {name}, not trusted: {why}", checkpoint=name, why=why)
+            self.log.emit(
+                EventName.UNTRUSTED, f"skipped {name}, not trusted: {why}", checkpoint=name, why=why
+            )
 
-    def _pick_across_tiers(self) -> int | None:
+    def _pick_across_tiers(self, url: str) -> int | None:
         """Before every launch, the first included (after node loss nothing is local): the newest
         valid checkpoint of either tier, downloaded when only the remote has it. An unreachable
         remote with nothing valid locally is waited for (backing off), never silently skipped;
@@ -324,7 +329,7 @@ class Watchdog:
         while True:
             try:
                 key = self.cfg.sign_key
-                remote = open_remote(self.cfg.remote, self.cfg.remote_endpoint, key=key)
+                remote = open_remote(url, self.cfg.remote_endpoint, key=key)
                 res = prepare_resume(
                     self.cfg.root,
                     remote,
@@ -346,11 +351,11 @@ class Watchdog:
                 # can use up the whole wait in one attempt.
                 giving_up = time.monotonic() >= deadline
                 then = "giving up" if giving_up else f"retrying in {wait:.0f}s"
-                self.log.emit("remote_unavailable", f"{e}; nothing valid locally: {then}")
+                self.log.emit(EventName.REMOTE_UNAVAILABLE, f"{e}; nothing valid locally: {then}")
                 if giving_up:
                     raise _Stop(
                         Exit.STORAGE_UNAVAILABLE,
-                        f"remote {self.cfg.remote} unreachable for {self.cfg.remote_wait_s:.0f}s and no "
+                        f"remote {url} unreachable for {self.cfg.remote_wait_s:.0f}s and no "
                         f"valid local checkpoint: {e}",
                     ) from None
                 if not self._sleep(wait):
@@ -364,7 +369,7 @@ class Watchdog:
                 else "no valid checkpoint on either tier: start from scratch"
             )
             self.log.emit(
-                "pick", msg, checkpoint=chosen.name if chosen else None, verify=how, source=res.source
+                EventName.PICK, msg, checkpoint=chosen.name if chosen else None, verify=how, source=res.source
             )
             return chosen.step if chosen else None
 
@@ -388,7 +393,7 @@ class Watchdog:
                 exit_code=None,
             )
             self.log.emit(
-                "launch",
+                EventName.LAUNCH,
                 f"launch {number} (id {launch_id}) pid {child.pid}, resuming from "
                 + ("scratch" if resumed_from is None else f"step {resumed_from}"),
                 launch=number,
@@ -401,7 +406,7 @@ class Watchdog:
             note = child.finish()
             if note:
                 self.log.emit(
-                    "kill", f"launch {number}: killed what was left: {note}", unreaped=child.unreaped
+                    EventName.KILL, f"launch {number}: killed what was left: {note}", unreaped=child.unreaped
                 )
         beats = policy.launch_heartbeats(read_heartbeats(self.cfg.root), launch_id)
         cls = self._classify(ended, beats)
@@ -422,7 +427,7 @@ class Watchdog:
             last_step=died_at(beats),
         )
         self.log.emit(
-            "launch_end",
+            EventName.LAUNCH_END,
             f"launch {number} ended after {rec.ended - rec.started:.1f}s "
             f"{policy.where_died(rec.last_step)}: {cls.reason}",
             launch=number,
@@ -492,8 +497,8 @@ class Watchdog:
                 ended.stop_signal = self.stop_signal
                 name = signal.Signals(self.stop_signal).name
                 grace = self.cfg.stop_grace_s or self.cfg.kill_grace_s
-                self.log.emit("stop", f"received {name}: stopping the child (grace {grace:g}s)")
-                self.log.emit("kill", child.kill(grace), unreaped=child.unreaped)
+                self.log.emit(EventName.STOP, f"received {name}: stopping the child (grace {grace:g}s)")
+                self.log.emit(EventName.KILL, child.kill(grace), unreaped=child.unreaped)
                 ended.returncode = child.returncode()
                 return ended
             if self.preempt_pending:
@@ -520,11 +525,11 @@ class Watchdog:
                 if dead and child.poll() is None:
                     ended.dead = dead
                     self.log.emit(
-                        "rank_died",
+                        EventName.RANK_DIED,
                         "; ".join(d.reason for d in dead) + ": killing the rest of the launch",
                         ranks=[d.rank for d in dead],
                     )
-                    self.log.emit("kill", child.kill(DEAD_RANK_KILL_GRACE_S), unreaped=child.unreaped)
+                    self.log.emit(EventName.KILL, child.kill(DEAD_RANK_KILL_GRACE_S), unreaped=child.unreaped)
                     ended.returncode = child.returncode()
                     return ended
                 # While a vanished rank is being judged (dead, or a clean exit), its silence is no hang.
@@ -573,7 +578,7 @@ class Watchdog:
             return False
         launcher.send(pids, self.cfg.notice_signal)
         name = signal.Signals(self.cfg.notice_signal).name
-        self.log.emit("preempt", f"preemption notice ({name}) forwarded to {who}", pids=pids)
+        self.log.emit(EventName.PREEMPT, f"preemption notice ({name}) forwarded to {who}", pids=pids)
         return True
 
     def _check_hangs(
@@ -607,7 +612,7 @@ class Watchdog:
             if where:
                 h = replace(h, blocked=where)
                 self.log.emit(
-                    "blocked_io",
+                    EventName.BLOCKED_IO,
                     f"rank {h.rank} (pid {h.pid}) is blocked in {where}",
                     rank=h.rank,
                     pid=h.pid,
@@ -632,7 +637,7 @@ class Watchdog:
         diag = culprit.diagnose(culprit.Probe(r, pid, *procs[r], dumps.get(r)) for r, pid in targets.items())
         who = diag.summary()
         self.log.emit(
-            "hang",
+            EventName.HANG,
             "; ".join(h.reason for h in hangs) + (f"; {who}" if who else ""),
             ranks=[h.rank for h in hangs],
             stopped_ranks=sorted(r for r, pid in targets.items() if pid in stopped),
@@ -644,10 +649,10 @@ class Watchdog:
             msg = f"stack dump of rank {rank} (pid {pid}), from {paths[rank]}"
             if text is None:
                 msg = f"rank {rank} (pid {pid}) wrote no stack dump within {self.cfg.dump_wait_s:g}s"
-            self.log.emit("stack_dump", msg, rank=rank, pid=pid, path=str(paths[rank]), stacks=text)
+            self.log.emit(EventName.STACK_DUMP, msg, rank=rank, pid=pid, path=str(paths[rank]), stacks=text)
         note = child.kill(self.cfg.kill_grace_s)
         self.log.emit(
-            "kill", f"hung launch killed: {note}", sigkilled=child.sigkilled, unreaped=child.unreaped
+            EventName.KILL, f"hung launch killed: {note}", sigkilled=child.sigkilled, unreaped=child.unreaped
         )
         return "; ".join(f"culprit {f.describe()}" for f in diag.culprits) or who
 

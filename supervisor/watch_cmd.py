@@ -8,9 +8,8 @@ import signal
 from pathlib import Path
 
 from supervisor import policy, slurm, watch_config
-from supervisor.checkpoints import StoreError
 from supervisor.policy import Backoff, Budget, PhaseTimeouts, RestartPolicy
-from supervisor.signing import SigningKeyError, add_signing_key_arg, load_key
+from supervisor.signing import add_signing_key_arg, load_key
 
 EPILOG = """exit codes: 0 done; 10 restart budget exhausted; 11 no progress; 12 non-retryable child
 failure or no usable checkpoint (reason in DIR/supervisor/events.jsonl); 13 preempted and
@@ -34,7 +33,7 @@ TIMEOUT_FLAGS = (
 )
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "watch",
         help="run COMMAND, detect crashes and hangs, resume from the newest valid checkpoint",
@@ -166,10 +165,7 @@ def _signing_key(args: argparse.Namespace) -> bytes | None:
     """--signing-key's key; a bad one is a one-line error (exit 2) before anything is launched."""
     if not args.signing_key:
         return None
-    try:
-        return load_key(args.signing_key, outside=(args.ckpt_root, args.remote))
-    except SigningKeyError as e:
-        raise StoreError(str(e)) from None
+    return load_key(args.signing_key, outside=(args.ckpt_root, args.remote))
 
 
 def run(args: argparse.Namespace) -> int:

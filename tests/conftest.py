@@ -17,10 +17,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import remote_support as rs
 from hypothesis import HealthCheck, settings
 
 from supervisor.drill.faultctl import FaultFS, fuse_unavailable
 from supervisor.drill.mounts import SmallTmpfs, mount_unavailable
+from supervisor.tiers.remote import RemoteTier
 
 settings.register_profile("ci", deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci")
@@ -68,3 +70,19 @@ def small_tmpfs(tmp_path: Path, need_mount: None) -> Iterator[SmallTmpfs]:
     """A 64 MiB tmpfs on tmp_path/"tmpfs": ``fill()`` makes it full (ENOSPC), ``free()`` frees it."""
     with SmallTmpfs(tmp_path / "tmpfs", SMALL_TMPFS_BYTES) as fs:
         yield fs
+
+
+# The remote tier's fixtures (tests/remote_support.py): a moto S3 server per module, a tier of each
+# kind (a directory, S3 on that server), and the local run dir a test uploads from.
+moto = pytest.fixture(scope="module")(rs.serve_moto)
+
+
+@pytest.fixture(params=rs.KINDS)
+def tier(request: pytest.FixtureRequest, tmp_path: Path) -> RemoteTier:
+    server = request.getfixturevalue("moto") if request.param == "s3" else None
+    return rs.make_tier(request.param, tmp_path, server)
+
+
+@pytest.fixture
+def local(tmp_path: Path) -> Path:
+    return tmp_path / "local" / "run"

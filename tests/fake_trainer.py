@@ -51,6 +51,7 @@ from supervisor import store
 from supervisor.exitcodes import Exit
 from supervisor.heartbeat import ENV_RESTART_COUNT, HeartbeatWriter, Phase, read_heartbeat
 from supervisor.layout import RunDir
+from supervisor.manifest import CheckpointInfo
 from train_ref.hold import HoldGate
 
 STATE_FILE = "state.txt"
@@ -145,7 +146,7 @@ def newest_valid_step(root: Path) -> int:
 def save(root: Path, step: int, world: int) -> None:
     tmp = store.begin(root, step)
     (tmp / STATE_FILE).write_text(str(step))
-    store.commit(root, tmp, step=step, world_size=world)
+    store.commit(root, tmp, CheckpointInfo(step, world))
 
 
 class PeerPreempted(Exception):

@@ -13,8 +13,11 @@ from pathlib import Path
 import pytest
 
 from supervisor import store
+from supervisor.manifest import CheckpointInfo
 from supervisor.tiers.remote import RemoteTier, open_remote
 
+# The tier kinds every remote test runs against: a directory, and S3 (moto on loopback).
+KINDS = ("dir", "s3")
 FAKE_CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",
@@ -73,9 +76,8 @@ def fake_checkpoint(root: Path, step: int, *, files: int = 3, size: int = 64 << 
         (tmp / f"__{i}_0.distcp").write_bytes(os.urandom(size))
     (tmp / "ranks").mkdir()
     (tmp / "ranks" / "rank_00000.pt").write_bytes(step.to_bytes(8, "little"))
-    return store.commit(
-        root, tmp, step=step, world_size=files, model_config_hash="cfg", data_fingerprint="data"
-    )
+    info = CheckpointInfo(step, files, model_config_hash="cfg", data_fingerprint="data")
+    return store.commit(root, tmp, info)
 
 
 def tree_bytes(path: Path) -> dict[str, bytes]:

@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from supervisor import store
 from supervisor.layout import MANIFEST, REASON, RunDir
+from supervisor.manifest import CheckpointInfo
 
 SHARD = "__0_0.distcp"
 
@@ -32,10 +34,18 @@ def write_tmp(root: Path, step: int, files: dict[str, bytes] | None = None) -> P
     return tmp
 
 
-def make_ckpt(root: Path, step: int, files: dict[str, bytes] | None = None, **kw) -> store.CheckpointRef:
-    """Write and commit one checkpoint through the real protocol."""
+def make_ckpt(
+    root: Path,
+    step: int,
+    files: dict[str, bytes] | None = None,
+    *,
+    world_size: int = 2,
+    sign_key: bytes | None = None,
+    **info: Any,
+) -> store.CheckpointRef:
+    """Write and commit one checkpoint through the real protocol (``info``: CheckpointInfo's fields)."""
     tmp = write_tmp(root, step, files)
-    return store.commit(root, tmp, step=step, world_size=kw.pop("world_size", 2), **kw)
+    return store.commit(root, tmp, CheckpointInfo(step, world_size, **info), sign_key=sign_key)
 
 
 # ---------------------------------------------------------------- corruptions

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from commands import supervisor_cmd
 from store_helpers import corrupt, make_ckpt, quarantine_dirs, write_tmp
 
 from supervisor import store
@@ -197,7 +198,7 @@ def test_list_of_200_checkpoints_costs_about_a_python_startup(root200: Path, tmp
     checkpoints vs the same command on an empty root (the import cost) and vs bare python."""
     empty = tmp_path / "empty"
     empty.mkdir()
-    cli = [sys.executable, "-m", "supervisor", "ckpt", "list", "--ckpt-root"]
+    cli = supervisor_cmd("ckpt", "list", "--ckpt-root")
     bare, t_empty, t_200 = _best_of(
         [[sys.executable, "-c", "pass"], [*cli, str(empty)], [*cli, str(root200)]]
     )

@@ -7,10 +7,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from commands import supervisor_cmd
 from waiting import PATIENCE_S, wait_held
 
 from supervisor.drill.judge import judge
@@ -29,7 +29,7 @@ RESTORE_NOTHING = ("optimizer", "scheduler", "sampler", "python_rng", "numpy_rng
 
 def test_short_drill_passes_and_writes_report(tmp_path):
     work = tmp_path / "drill"
-    cmd = [sys.executable, "-m", "supervisor", "drill", "--scenario", "kill9", "--ranks", "2"]
+    cmd = supervisor_cmd("drill", "--scenario", "kill9", "--ranks", "2")
     cmd += ["--steps", "50", "--workdir", str(work)]
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
@@ -44,7 +44,7 @@ def test_real_hang_named_killed_and_resumed_from_the_periodic_checkpoint(tmp_pat
     """A rank blocks in a read no signal cures (the trainer's drill switch): the watchdog names it
     and its stack, needs SIGKILL, and the run resumes from the last periodic checkpoint."""
     work = tmp_path / "drill"
-    cmd = [sys.executable, "-m", "supervisor", "drill", "--scenario", "hang", "--ranks", "2"]
+    cmd = supervisor_cmd("drill", "--scenario", "hang", "--ranks", "2")
     cmd += ["--steps", "40", "--workdir", str(work)]
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
@@ -73,7 +73,7 @@ def test_storage_scenarios_ride_out_eio_a_full_disk_and_slow_storage(tmp_path, n
     watchdog's own events say why: the EIO was retried and nothing quarantined, the full disk cost
     saves but no launch, the slow verify and load were no hang. Every mount is gone afterwards."""
     work = tmp_path / "drill"
-    cmd = [sys.executable, "-m", "supervisor", "drill", "--scenario", "storage", "--ranks", "2"]
+    cmd = supervisor_cmd("drill", "--scenario", "storage", "--ranks", "2")
     cmd += ["--parallel", "ddp", "--steps", "40", "--save-every", "5", "--workdir", str(work)]
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]

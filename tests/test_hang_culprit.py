@@ -10,10 +10,10 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
+from waiting import wait_for
 
 from supervisor.culprit import Probe, Where, diagnose, in_collective, main_thread, parse_dump
 from supervisor.drill.switch import BLOCKING_FUNCTION, ENV, Hang, Switch, When, read_marker
@@ -176,15 +176,6 @@ print("ran on past step 37", flush=True)
 """
 
 
-def _wait_until(cond, proc: subprocess.Popen, what: str, timeout: float = 60) -> None:
-    """Poll for an event (a file written); fail at once if the process exited instead."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert proc.poll() is None, f"exited {proc.returncode} before {what}: {proc.stdout.read()}"
-        assert time.monotonic() < deadline, f"no {what} within {timeout}s"
-        time.sleep(0.02)
-
-
 def _back_in_read(pid: int) -> bool:
     """Every signal sent was delivered and handled, and the rank sleeps in its read again."""
     state, wchan = proc_state(pid)
@@ -203,15 +194,15 @@ def test_the_hang_survives_sigterm_and_dumps_its_stack_then_fires_only_once(tmp_
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         marker = sw.marker(Hang(1, 37))
-        _wait_until(marker.exists, p, "marker")
+        wait_for(marker.exists, "marker", proc=p)
         m = read_marker(marker)
         assert m is not None and (m["rank"], m["step"], m["pid"], m["launch"]) == (1, 37, p.pid, "launch-1")
         assert json.loads(marker.read_text())["when"] == "step"
         for sig in (signal.SIGTERM, signal.SIGCONT, signal.SIGUSR1):
             p.send_signal(sig)
-        _wait_until(lambda: _back_in_read(p.pid), p, "the handlers ran and the read resumed")
+        wait_for(lambda: _back_in_read(p.pid), "the handlers ran and the read resumed", proc=p)
         p.send_signal(signal.SIGUSR2)
-        _wait_until(lambda: stacks.exists() and "stuck_read" in stacks.read_text(), p, "stack dump")
+        wait_for(lambda: stacks.exists() and "stuck_read" in stacks.read_text(), "stack dump", proc=p)
         frames = main_thread(stacks.read_text())
         assert frames is not None and frames[0].func == BLOCKING_FUNCTION, frames
         assert p.poll() is None

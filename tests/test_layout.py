@@ -74,6 +74,42 @@ def test_run_dir_paths() -> None:
     assert str(r.heartbeat(3)) == "/x/heartbeats/rank_00003.json"
     assert str(r.stack_dump(3)) == "/x/heartbeats/stacks_rank_00003.txt"
     assert (r.latest.name, r.quarantine.name, r.lock.name) == ("latest", "quarantine", ".lock")
+    # the names written by the watchdog(s), the uploader, SLURM's hooks and the trainer: the format
+    assert [str(p) for p in (r.state(), r.state(2), r.events(), r.events(2))] == [
+        "/x/supervisor/state.json",
+        "/x/supervisor/state.node2.json",
+        "/x/supervisor/events.jsonl",
+        "/x/supervisor/events.node2.jsonl",
+    ]
+    assert [str(p) for p in (r.remote_status, r.remote_events, r.requeue_state)] == [
+        "/x/supervisor/remote.json",
+        "/x/supervisor/events.remote.jsonl",
+        "/x/supervisor/slurm.json",
+    ]
+    assert [str(p) for p in (r.metrics, r.final, r.samples(3))] == [
+        "/x/metrics.jsonl",
+        "/x/final.json",
+        "/x/samples/rank_00003.jsonl",
+    ]
+    assert layout.rank_state_filename(3) == "rank_00003.state.pt"
+
+
+@pytest.mark.parametrize(
+    ("name", "rank"),
+    [
+        ("rank_00003.json", 3),
+        ("rank_12345.json", 12345),
+        ("rank_.json", None),
+        ("rank_00003.json.tmp", None),
+        ("stacks_rank_00003.txt", None),
+        ("rank_00003.state.pt", None),
+        ("rank_x.json", None),
+    ],
+)
+def test_heartbeat_file_names(name: str, rank: int | None) -> None:
+    assert layout.parse_heartbeat_filename(name) == rank
+    if rank is not None:
+        assert layout.heartbeat_filename(rank) == name
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from supervisor.manifest import (
     FORMAT_VERSION,
+    CheckpointInfo,
     FileEntry,
     Manifest,
     ManifestError,
@@ -34,24 +35,26 @@ def _fill(d: Path) -> None:
 
 def test_build_parse_round_trip(tmp_path: Path) -> None:
     _fill(tmp_path)
-    m = build_manifest(tmp_path, step=7, world_size=4, model_config_hash="cfg", meta={"loss": 1.5})
+    info = CheckpointInfo(7, 4, "cfg", "data", {"mode": "fsdp"}, "2.13.0", meta={"loss": 1.5})
+    m = build_manifest(tmp_path, info)
     assert sorted(m.files) == [".metadata", "a.bin", "sub/b.bin"]
     assert m.files["a.bin"] == FileEntry(1000, xxhash.xxh3_128(b"a" * 1000).hexdigest())
     assert m.total_bytes == 1004
     again = parse_manifest(m.to_json())
     assert again == m
+    assert again.info == info  # what a download commits again
 
 
 def test_manifest_file_itself_is_not_listed(tmp_path: Path) -> None:
     _fill(tmp_path)
     (tmp_path / "manifest.json").write_text("{}")
-    assert "manifest.json" not in build_manifest(tmp_path, step=1, world_size=1).files
+    assert "manifest.json" not in build_manifest(tmp_path, CheckpointInfo(1, 1)).files
 
 
 def test_known_entries_are_reused_and_recomputed_on_size_change(tmp_path: Path) -> None:
     _fill(tmp_path)
     known = {"a.bin": FileEntry(1000, "precomputed"), ".metadata": FileEntry(999, "stale")}
-    m = build_manifest(tmp_path, step=1, world_size=1, known=known)
+    m = build_manifest(tmp_path, CheckpointInfo(1, 1), known=known)
     assert m.files["a.bin"].checksum == "precomputed"
     assert m.files[".metadata"] == FileEntry(4, xxhash.xxh3_128(b"meta").hexdigest())
 

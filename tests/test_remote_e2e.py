@@ -39,7 +39,6 @@ from train_ref import hold
 
 pytestmark = pytest.mark.slow
 
-moto = pytest.fixture(scope="module")(rs.serve_moto)
 PARALLEL = "ddp"
 
 

@@ -24,20 +24,6 @@ from supervisor.tiers.remote import LocalSourceError, RemoteUnavailable, open_re
 from supervisor.tiers.resume import prepare_resume
 
 REPO = Path(__file__).resolve().parents[1]
-KINDS = ("dir", "s3")
-
-moto = pytest.fixture(scope="module")(rs.serve_moto)
-
-
-@pytest.fixture(params=KINDS)
-def tier(request, tmp_path):
-    server = request.getfixturevalue("moto") if request.param == "s3" else None
-    return rs.make_tier(request.param, tmp_path, server)
-
-
-@pytest.fixture
-def local(tmp_path):
-    return tmp_path / "local" / "run"
 
 
 def test_upload_sets_the_commit_marker_and_is_idempotent(tier, local):

@@ -6,44 +6,22 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import remote_support as rs
+from waiting import PATIENCE_S, wait_for
 
 from supervisor import store
 from supervisor.events import read_events
-from supervisor.layout import RunDir
+from supervisor.layout import REMOTE_EVENTS, RunDir
 from supervisor.tiers.backends import RemoteConfigError
-from supervisor.tiers.events import REMOTE_EVENTS
 from supervisor.tiers.listing import list_tiers
 from supervisor.tiers.remote import RemoteTier, open_remote
 from supervisor.tiers.uploader import BUSY_WAIT, Uploader, UploadPolicy, read_remote_status
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = UploadPolicy(attempts=2, backoff_initial_s=0.05, backoff_max_s=0.1, down_retry_s=0.3, remote_keep=3)
-PATIENCE_S = 60.0  # generous bounds for a loaded 2-core machine; nothing here measures speed
-
-moto = pytest.fixture(scope="module")(rs.serve_moto)
-
-
-@pytest.fixture(params=("dir", "s3"))
-def tier(request, tmp_path):
-    server = request.getfixturevalue("moto") if request.param == "s3" else None
-    return rs.make_tier(request.param, tmp_path, server)
-
-
-@pytest.fixture
-def local(tmp_path):
-    return tmp_path / "local" / "run"
-
-
-def wait_until(cond, what: str) -> None:
-    deadline = time.monotonic() + PATIENCE_S
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def events(root: Path) -> list[dict]:
@@ -87,7 +65,7 @@ def test_skip_policy_returns_at_once_and_uploads_the_newest(tier, local):
     up = Uploader(local, RemoteTier(gated), FAST).start()
     try:
         up.submit(rs.fake_checkpoint(local, 10))
-        wait_until(gated.writing.is_set, "the first upload to start")
+        wait_for(gated.writing.is_set, "the first upload to start")
         up.submit(rs.fake_checkpoint(local, 20))
         up.submit(rs.fake_checkpoint(local, 30))
         # both submits returned while step 10's upload is held at the gate
@@ -108,7 +86,7 @@ def test_wait_policy_waits_for_the_running_upload_but_no_longer_than_its_timeout
     up = Uploader(local, RemoteTier(gated), policy).start()
     try:
         up.submit(rs.fake_checkpoint(local, 10))
-        wait_until(gated.writing.is_set, "the first upload to start")
+        wait_for(gated.writing.is_set, "the first upload to start")
         up.submit(rs.fake_checkpoint(local, 20))  # the gate stays shut: only the timeout ends this
         assert up.status().in_flight == 10
         up.policy = UploadPolicy(busy=BUSY_WAIT, wait_timeout_s=PATIENCE_S, remote_keep=3)
@@ -149,7 +127,7 @@ def test_remote_down_for_a_while_training_goes_on_then_uploads_catch_up(local, m
             st = read_remote_status(local)
             return st is not None and st.state == "down" and st.newest_local == 30
 
-        wait_until(reported_down, "remote.json to say down")
+        wait_for(reported_down, "remote.json to say down")
         st = read_remote_status(local)
         assert st.lag_steps == 20 and st.lag_s >= 0 and "127.0.0.1" in st.last_error
         assert st.newest_remote == 10 and st.failures >= 1
@@ -157,7 +135,7 @@ def test_remote_down_for_a_while_training_goes_on_then_uploads_catch_up(local, m
         assert listing.remote_error and [r.remote for r in listing.rows] == ["?", "?", "?"]
 
         server.start()  # same port, objects kept: the endpoint is back
-        wait_until(lambda: up.status().state == "in_sync", "the catch-up")
+        wait_for(lambda: up.status().state == "in_sync", "the catch-up")
         # nothing lost: the newest and the milestone both reached the remote, in that order
         assert [v.step for v in tier.scan()] == [30, 20, 10]
     finally:
@@ -187,7 +165,7 @@ def test_a_corrupt_local_checkpoint_is_refused_once_and_the_next_goes_up(tier, l
     (ref.path / "__0_0.distcp").write_bytes(bytes(data))
     up = Uploader(local, tier, UploadPolicy(remote_keep=3, local_keep=None)).start()
     try:
-        wait_until(lambda: "__0_0.distcp" in up.status().last_error, "the refusal")
+        wait_for(lambda: "__0_0.distcp" in up.status().last_error, "the refusal")
         up.submit(rs.fake_checkpoint(local, 20))
         assert up.flush(PATIENCE_S)
     finally:

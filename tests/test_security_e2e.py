@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from commands import supervisor_cmd
 from security_helpers import KEY, OTHER_KEY
 from trainer_helpers import (
     REPO,
@@ -64,7 +65,7 @@ def signed_run(tmp_path_factory) -> tuple[Path, Path]:
     base = tmp_path_factory.mktemp("signed")
     root, remote = base / "run", base / "shared"
     trainer = torchrun_cmd(root, 2, *args("--remote", str(remote)))
-    cmd = [sys.executable, "-m", "supervisor", "watch", "--ckpt-root", str(root), *SIGN]
+    cmd = supervisor_cmd("watch", "--ckpt-root", str(root), *SIGN)
     cmd += ["--remote", str(remote), "--max-restarts", "0", "--", *trainer]
     p = subprocess.run(cmd, cwd=REPO, env=env(KEY), capture_output=True, text=True, timeout=600, umask=0)
     assert p.returncode == 0, p.stderr[-4000:]
@@ -124,7 +125,7 @@ def test_a_private_umask_stays_private(tmp_path: Path) -> None:
     """umask 077 (fake trainer, torch-free): the watchdog, commits, heartbeats, locks, a prune."""
     root = tmp_path / "run"
     fake = [sys.executable, str(REPO / "tests" / "fake_trainer.py"), "--root", str(root), "--steps", "6"]
-    cmd = [sys.executable, "-m", "supervisor", "watch", "--ckpt-root", str(root), "--max-restarts", "0"]
+    cmd = supervisor_cmd("watch", "--ckpt-root", str(root), "--max-restarts", "0")
     p = subprocess.run(
         [*cmd, "--", *fake, "--ckpt-every", "2"],
         cwd=REPO,
@@ -135,7 +136,7 @@ def test_a_private_umask_stays_private(tmp_path: Path) -> None:
     )
     assert p.returncode == 0, p.stderr[-3000:]
     q = subprocess.run(
-        [sys.executable, "-m", "supervisor", "ckpt", "prune", "--keep", "2", "--ckpt-root", str(root)],
+        supervisor_cmd("ckpt", "prune", "--keep", "2", "--ckpt-root", str(root)),
         cwd=REPO, capture_output=True, text=True, timeout=60, umask=0o077,
     )  # fmt: skip
     assert q.returncode == 0, q.stderr

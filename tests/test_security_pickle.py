@@ -13,13 +13,13 @@ from __future__ import annotations
 import io
 import pickle
 import subprocess
-import sys
 from pathlib import Path
 from typing import ClassVar
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from commands import supervisor_cmd
 from security_helpers import RunsCommand, evil_pickle, tamper
 from trainer_helpers import (
     digest,
@@ -182,12 +182,12 @@ def test_ckpt_verify_deep_refuses_a_tampered_metadata(goldens, tmp_path: Path) -
     marker = tmp_path / "MARKER"
     root = tampered_copy(goldens.get("ddp", 2), tmp_path / "run", 20, marker)
     quick = subprocess.run(
-        [sys.executable, "-m", "supervisor", "ckpt", "verify", "--ckpt-root", str(root)],
+        supervisor_cmd("ckpt", "verify", "--ckpt-root", str(root)),
         cwd=REPO, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert quick.returncode == Exit.OK, quick.stdout  # sizes only: the manifest was made to agree
     p = subprocess.run(
-        [sys.executable, "-m", "supervisor", "ckpt", "verify", "--deep", "--ckpt-root", str(root)],
+        supervisor_cmd("ckpt", "verify", "--deep", "--ckpt-root", str(root)),
         cwd=REPO, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert p.returncode == Exit.FOUND_PROBLEM, p.stdout + p.stderr

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from commands import supervisor_cmd
 from store_helpers import make_ckpt
 
 from supervisor.drill.report import write_report
@@ -21,7 +22,7 @@ from supervisor.layout import RunDir
 from supervisor.redact import REDACTED, RedactFilter, redact, redact_log_handlers, redact_obj, redact_url
 from supervisor.tiers.backends import DirBackend, RemoteConfigError, open_backend
 from supervisor.tiers.remote import RemoteTier, RemoteUnavailable
-from supervisor.tiers.uploader import STATUS_FILE, Uploader, UploadPolicy
+from supervisor.tiers.uploader import Uploader, UploadPolicy
 
 REPO = Path(__file__).resolve().parents[1]
 SECRETS = ("AKIAEXAMPLE", "s3cr3t", "hunter2", "SIGVALUE", "CREDVALUE", "TOKENVALUE", "SASVALUE")
@@ -152,7 +153,7 @@ def test_backend_errors_and_remote_json_are_redacted(tmp_path: Path) -> None:
         assert not up.flush(timeout_s=30)
     finally:
         up.close()
-    status = (RunDir.of(root).supervisor / STATUS_FILE).read_text()
+    status = RunDir.of(root).remote_status.read_text()
     assert json.loads(status)["state"] == "down"
     assert leaks(status) == [], status
     remote_events = (RunDir.of(root).supervisor / "events.remote.jsonl").read_text()
@@ -195,7 +196,7 @@ def test_job_log_line_is_redacted(tmp_path: Path) -> None:
         "TRAIN_ARGS": f"-m train_ref.train --remote {URL} --remote-endpoint {ENDPOINT}",
     }
     r = subprocess.run(
-        [sys.executable, "-m", "supervisor", "slurm", "start"],
+        supervisor_cmd("slurm", "start"),
         env=env, capture_output=True, text=True, timeout=60, cwd=REPO,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
@@ -208,7 +209,7 @@ def test_watchdog_with_credentials_in_its_urls_writes_none_of_them(tmp_path: Pat
     the remote and the command line, redacted."""
     root = tmp_path / "run"
     env = {**os.environ, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
-    cmd = [sys.executable, "-m", "supervisor", "watch", "--ckpt-root", str(root), "--remote", URL]
+    cmd = supervisor_cmd("watch", "--ckpt-root", str(root), "--remote", URL)
     cmd += ["--remote-endpoint", ENDPOINT, "--remote-wait", "1", "--max-restarts", "0"]
     cmd += ["--", sys.executable, "-c", "pass", "--remote", URL, "--remote-endpoint", ENDPOINT]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from commands import supervisor_cmd
 from security_helpers import KEY, OTHER_KEY, tamper
 from store_helpers import SHARD, corrupt, default_files, latest_text, make_ckpt, quarantine_dirs
 
@@ -226,8 +227,8 @@ def test_a_loose_key_file_is_exit_2_everywhere(tmp_path: Path, capsys) -> None:
     assert rc == Exit.USAGE and out == "" and err.count("\n") == 1
     assert err.startswith(f"error: {loose}: the signing key file has mode 0644")
     p = subprocess.run(
-        [sys.executable, "-m", "supervisor", "watch", "--ckpt-root", str(root), "--signing-key", str(loose),
-         "--", sys.executable, "-c", "raise SystemExit(3)"],
+        supervisor_cmd("watch", "--ckpt-root", str(root), "--signing-key", str(loose),
+                       "--", sys.executable, "-c", "raise SystemExit(3)"),
         cwd=REPO, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert p.returncode == Exit.USAGE and p.stderr.strip().endswith(f"chmod 600 {loose}"), p.stderr

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from commands import supervisor_cmd
 
 from supervisor import slurm
 from supervisor.exitcodes import Exit
@@ -332,7 +332,7 @@ def run_finish(
         **env,
     }
     return subprocess.run(
-        [sys.executable, "-m", "supervisor", "slurm", "finish", "--exit-code", str(code)],
+        supervisor_cmd("slurm", "finish", "--exit-code", str(code)),
         env=full,
         capture_output=True,
         text=True,
@@ -472,7 +472,7 @@ def test_finish_reports_a_failed_scontrol(tmp_path: Path) -> None:
 def test_start_outside_a_job_is_a_usage_error(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     r = subprocess.run(
-        [sys.executable, "-m", "supervisor", "slurm", "start"],
+        supervisor_cmd("slurm", "start"),
         env={**env, **knob_env(tmp_path)},
         capture_output=True,
         text=True,
@@ -486,7 +486,7 @@ def run_start(tmp_path: Path, script_text: str, **env: str) -> subprocess.Comple
     script = tmp_path / "slurm_script"
     script.write_text(script_text)
     return subprocess.run(
-        [sys.executable, "-m", "supervisor", "slurm", "start", "--job-script", str(script)],
+        supervisor_cmd("slurm", "start", "--job-script", str(script)),
         env={"PATH": "/nonexistent", **JOB, **knob_env(tmp_path / "run"), **env},
         capture_output=True,
         text=True,
@@ -526,7 +526,7 @@ def test_start_warns_when_the_notice_can_never_arrive(tmp_path: Path) -> None:
 
 def test_torchrun_refuses_a_signal_it_cannot_ignore_safely() -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "supervisor", "slurm", "torchrun", "--ignore-signal", "TERM", "--", "--help"],
+        supervisor_cmd("slurm", "torchrun", "--ignore-signal", "TERM", "--", "--help"),
         capture_output=True,
         text=True,
         timeout=60,
@@ -540,7 +540,7 @@ def test_start_without_scontrol_warns_and_expands_the_host_list_itself(tmp_path:
     bin_dir = tmp_path / "empty-bin"
     bin_dir.mkdir()
     r = subprocess.run(
-        [sys.executable, "-m", "supervisor", "slurm", "start"],
+        supervisor_cmd("slurm", "start"),
         env={"PATH": str(bin_dir), **JOB, **knob_env(tmp_path / "run")},
         capture_output=True,
         text=True,

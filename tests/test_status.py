@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from commands import supervisor_cmd
 from store_helpers import corrupt, make_ckpt
 
 from supervisor import store
@@ -184,7 +185,7 @@ def test_empty_run_dir(tmp_path: Path):
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "supervisor", "status", *args],
+        supervisor_cmd("status", *args),
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -213,7 +214,7 @@ def test_cli_missing_root_is_one_line_error(tmp_path: Path):
 
 
 def test_cli_watch_refreshes_until_interrupted(run_dir: Path):
-    argv = [sys.executable, "-m", "supervisor", "status", "--ckpt-root", str(run_dir), "--watch", "0.2"]
+    argv = supervisor_cmd("status", "--ckpt-root", str(run_dir), "--watch", "0.2")
     # A shell that starts jobs in the background (as CI may) leaves SIGINT ignored in its children;
     # restore it so this test sees what a person's Ctrl-C does.
     p = subprocess.Popen(

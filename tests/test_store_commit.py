@@ -12,13 +12,13 @@ from store_helpers import SHARD, committed_names, latest_text, make_ckpt, quaran
 
 from supervisor import store
 from supervisor.layout import MANIFEST
-from supervisor.manifest import FORMAT_VERSION, FileEntry, parse_manifest, writers_problem
+from supervisor.manifest import FORMAT_VERSION, CheckpointInfo, FileEntry, parse_manifest, writers_problem
 
 WRITERS = {0: [".metadata", SHARD, "rank_00000.pt"], 1: ["__1_0.distcp"]}
 
 
 def _commit(root: Path, step: int, writers, known=None) -> store.CheckpointRef:
-    return store.commit(root, write_tmp(root, step), step=step, world_size=2, writers=writers, known=known)
+    return store.commit(root, write_tmp(root, step), CheckpointInfo(step, 2), writers=writers, known=known)
 
 
 def test_the_manifest_records_who_wrote_what_and_validates(tmp_path: Path) -> None:
@@ -54,7 +54,7 @@ def test_an_incomplete_commit_is_refused_and_nothing_is_committed(
     make_ckpt(tmp_path, 10)
     tmp = write_tmp(tmp_path, 20)
     with pytest.raises(store.IncompleteCommit) as e:
-        store.commit(tmp_path, tmp, step=20, world_size=2, writers=writers, known=known)
+        store.commit(tmp_path, tmp, CheckpointInfo(20, 2), writers=writers, known=known)
     msg = str(e.value)
     assert needle in msg and str(tmp) in msg and "\n" not in msg and "not committed" in msg
     assert committed_names(tmp_path) == {"step_00000010"} and latest_text(tmp_path) == "step_00000010\n"

@@ -26,10 +26,10 @@ from supervisor.cli import main
 from supervisor.events import read_events
 from supervisor.exitcodes import Exit
 from supervisor.ioerrors import Evidence
-from supervisor.layout import RunDir, step_dirname
+from supervisor.layout import REMOTE_EVENTS, RunDir, step_dirname
+from supervisor.manifest import CheckpointInfo
 from supervisor.status import build_report
 from supervisor.status_cmd import render
-from supervisor.tiers.events import REMOTE_EVENTS
 from supervisor.tiers.remote import LocalUnreadable, open_remote
 from supervisor.tiers.resume import prepare_resume
 from supervisor.tiers.uploader import Uploader, UploadPolicy
@@ -179,7 +179,7 @@ def test_a_commit_refuses_a_rank_file_the_committing_process_cannot_see(faultfs,
     faultfs.hide("/run/step_00000020.tmp.*/__1_0.distcp", pids=[os.getpid()])
     writers = {0: [".metadata", SHARD, "rank_00000.pt"], 1: ["__1_0.distcp"]}
     with pytest.raises(store.IncompleteCommit) as e:
-        store.commit(root, tmp, step=20, world_size=2, writers=writers)
+        store.commit(root, tmp, CheckpointInfo(20, 2), writers=writers)
     assert "__1_0.distcp written by rank 1 is missing" in str(e.value) and str(tmp) in str(e.value)
     assert committed_names(root) == {"step_00000010"} and latest_text(root) == "step_00000010\n"
     assert tmp.is_dir()  # left for the caller (or a person) to look at

@@ -36,6 +36,7 @@ from store_helpers import (
 
 from supervisor import store
 from supervisor.layout import MANIFEST, RunDir, step_dirname
+from supervisor.manifest import CheckpointInfo
 
 PHASES = ("fsync", "manifest", "rename", "latest")
 # A crash at these phases happens before the rename: the checkpoint never becomes visible.
@@ -75,7 +76,7 @@ class StoreMachine(RuleBasedStateMachine):
         step = self.step + inc
         tmp = write_tmp(self.root, step)
         try:
-            store.commit(self.root, tmp, step=step, world_size=2, on_phase=_crash_at(crash))
+            store.commit(self.root, tmp, CheckpointInfo(step, 2), on_phase=_crash_at(crash))
         except Crash:
             if crash == "rename" and half_manifest:  # died halfway through writing the manifest
                 (tmp / MANIFEST).write_bytes((tmp / MANIFEST).read_bytes()[:40])
@@ -223,13 +224,14 @@ _WRITER = textwrap.dedent(
     sys.path.insert(0, sys.argv[3])
     from store_helpers import make_ckpt, write_tmp
     from supervisor import store
+    from supervisor.manifest import CheckpointInfo
     root, phase = sys.argv[1], sys.argv[2]
     make_ckpt(root, 10)
     tmp = write_tmp(root, 20)
     def die(p):
         if p == phase:
             os.kill(os.getpid(), signal.SIGKILL)
-    store.commit(root, tmp, step=20, world_size=2, on_phase=die)
+    store.commit(root, tmp, CheckpointInfo(20, 2), on_phase=die)
     """
 )
 

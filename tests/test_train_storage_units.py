@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -158,10 +157,6 @@ def test_a_real_full_disk_under_dcp_names_the_shard_and_enospc(small_tmpfs):
 
 
 # ---------------------------------------------------------------- the buffered appender
-
-
-def _lines(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines()]
 
 
 def test_lines_written_while_the_disk_is_full_arrive_in_order_once_it_is_freed(small_tmpfs):

@@ -12,20 +12,20 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from commands import supervisor_cmd
 from test_train_storage import THROTTLE_BYTES_PER_S
 from trainer_helpers import (
     REPO,
-    SEED,
     BeatLog,
     digest,
     kill_group,
     largest_share,
     rewind,
     shared_goldens,
+    torchrun_cmd,
     train_args,
     trainer_env,
 )
@@ -48,9 +48,8 @@ def goldens(tmp_path_factory):
 
 def watch(root: Path, *watch_args: str) -> subprocess.Popen[str]:
     """The watchdog over torchrun over the trainer, in its own session (cleanup kills the group)."""
-    trainer = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    trainer += ["-m", "train_ref.train", "--ckpt-root", str(root), "--seed", str(SEED), *train_args("ddp")]
-    argv = [sys.executable, "-m", "supervisor", "watch", "--ckpt-root", str(root), *WATCH, *watch_args]
+    trainer = torchrun_cmd(root, 2, *train_args("ddp"))
+    argv = supervisor_cmd("watch", "--ckpt-root", str(root), *WATCH, *watch_args)
     return subprocess.Popen(
         [*argv, "--", *trainer],
         cwd=REPO,

@@ -38,15 +38,6 @@ def at_step(root: Path, step: int, rank: int = 0) -> bool:
     )
 
 
-def in_phase(root: Path, rank: int, step: int, phase: str) -> bool:
-    return any(
-        s.rank == rank
-        and s.heartbeat is not None
-        and (s.heartbeat.step, s.heartbeat.phase.value) == (step, phase)
-        for s in read_heartbeats(root)
-    )
-
-
 def logged(root: Path, kind: str) -> list[dict]:
     try:
         return of(events(root), kind)

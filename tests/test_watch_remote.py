@@ -10,12 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from commands import REPO, supervisor_cmd
 from store_helpers import make_ckpt
 
 from supervisor.events import events_path, read_events
 from supervisor.exitcodes import Exit
 
-REPO = Path(__file__).resolve().parents[1]
 # Stands in for the trainer: succeeds only when the checkpoint it must resume from is in place.
 NEEDS_STEP_20 = (
     "import pathlib, sys; "
@@ -26,7 +26,7 @@ NEEDS_STEP_20 = (
 def watch(
     root: Path, remote: str, *extra: str, env: dict | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "supervisor", "watch", "--ckpt-root", str(root), "--remote", remote]
+    cmd = supervisor_cmd("watch", "--ckpt-root", str(root), "--remote", remote)
     cmd += [
         "--verify",
         "deep",
@@ -70,9 +70,7 @@ def test_unreachable_remote_is_waited_for_then_a_clear_stop(tmp_path):
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "supervisor", *args], cwd=REPO, capture_output=True, text=True
-    )
+    return subprocess.run(supervisor_cmd(*args), cwd=REPO, capture_output=True, text=True)
 
 
 def test_ckpt_list_and_status_show_both_tiers(tmp_path):

@@ -6,31 +6,19 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from commands import REPO, supervisor_cmd
 from waiting import PATIENCE_S
 
 from supervisor.events import events_path, read_events
 from train_ref import hold
 
-REPO = Path(__file__).resolve().parent.parent
-
 
 def watch_argv(root: Path, watch_args: list[str], command: list[str]) -> list[str]:
     """``python -m supervisor watch --ckpt-root ROOT WATCH_ARGS -- COMMAND``."""
-    return [
-        sys.executable,
-        "-m",
-        "supervisor",
-        "watch",
-        "--ckpt-root",
-        str(root),
-        *watch_args,
-        "--",
-        *command,
-    ]
+    return supervisor_cmd("watch", "--ckpt-root", str(root), *watch_args, "--", *command)
 
 
 def start_watchdog(

@@ -41,30 +41,33 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future as TorchFuture
 
 from supervisor import store
 from supervisor.heartbeat import HeartbeatWriter, Phase, Progress
-from supervisor.layout import step_dirname
-from supervisor.manifest import FileEntry, checksum_file
+from supervisor.layout import DCP_METADATA, rank_state_filename, step_dirname
+from supervisor.manifest import CheckpointInfo, FileEntry, checksum_file
 from train_ref import agree
 from train_ref.progress_io import PROGRESS_CHUNK, ProgressFileSystem, open_progress
 from train_ref.safe_load import load_dcp, weights_only_refusal
 from train_ref.save_policy import SaveError, SavePolicy, dcp_save_error, failure_line, give_up, save_error
-from train_ref.state import RankState, TrainState, rank_state_filename
+from train_ref.state import RankState, TrainState
 
 log = logging.getLogger(__name__)
 
-DCP_METADATA = ".metadata"  # written by DCP's coordinator (rank 0)
 COMMIT_STEPS = ("fsync", "manifest", "rename", "latest")  # store.commit's on_phase calls
 
 # Test-only fault injection: seconds every checkpoint write sleeps before writing its shards, to
@@ -98,19 +101,17 @@ class OrderedStager(DefaultStager):
         return super().stage(state_dict, ready=ready, **kwargs)
 
     def _stage(self, state_dict: Any, ready: torch.Event | None = None, **kwargs: Any) -> Any:
-        if ready is not None:
+        if ready is not None and self._staging_stream is not None:
             self._staging_stream.wait_event(ready)
         return super()._stage(state_dict, **kwargs)
 
 
 @dataclass(frozen=True)
 class CommitInfo:
-    """What every manifest of this run records besides its files."""
+    """What every manifest of this run records besides its files (``run``: each commit sets its
+    step and meta), and the key that signs them."""
 
-    model_config_hash: str
-    data_fingerprint: str
-    parallelism: dict[str, Any]
-    torch_version: str = torch.__version__
+    run: CheckpointInfo
     # --signing-key's key: rank 0 signs every commit with it (docs/security.md); never recorded.
     sign_key: bytes | None = field(default=None, repr=False)
 
@@ -137,8 +138,8 @@ class _InFlight:
     step: int
     tmp: Path
     meta: dict[str, Any]
-    staging: Future | None
-    upload: Future
+    staging: Future[None] | None
+    upload: Future[None]
     error: SaveError | None = None  # met by this rank before the upload (its state file)
     started: float = field(default_factory=time.monotonic)
 
@@ -148,7 +149,7 @@ class _DelayedWriter(FileSystemWriter):
         super().__init__(path)
         self.delay_s = delay_s
 
-    def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
         time.sleep(self.delay_s)
         return super().write_data(plan, planner)
 
@@ -217,7 +218,7 @@ class Checkpointer:
             )
             staging, upload = (
                 (resp.staging_completion, resp.upload_completion)
-                if hasattr(resp, "upload_completion")
+                if isinstance(resp, AsyncSaveResponse)
                 else (None, resp)
             )
             self.in_flight = _InFlight(state.step, tmp, meta, staging, upload, error)
@@ -277,7 +278,7 @@ class Checkpointer:
         DCP raises its CheckpointException on every rank alike, so they all crash or all go on."""
         if isinstance(e, OSError):
             return save_error(e, self.rank, self.root)
-        err = dcp_save_error(e, self.root)  # type: ignore[arg-type]
+        err = dcp_save_error(e, self.root) if isinstance(e, CheckpointException) else None
         if err is None:
             raise e
         return err
@@ -292,7 +293,11 @@ class Checkpointer:
                 mine = store.begin(self.root, step)
             except OSError as e:
                 mine = self._failed(step, [save_error(e, 0, self.root)], None)
-        got = agree.broadcast(mine, self.ctl_group, lambda: self.hb.beat(step, Phase.SAVE))
+        # cast: mypy solves broadcast's T for a union as their join (object)
+        got = cast(
+            "Path | SaveOutcome",
+            agree.broadcast(mine, self.ctl_group, lambda: self.hb.beat(step, Phase.SAVE)),
+        )
         if isinstance(got, SaveOutcome):
             self._apply(got)
         return got
@@ -366,7 +371,7 @@ class Checkpointer:
         errors = [g for g in gathered if isinstance(g, SaveError)]
         if errors:
             return self._failed(step, errors, tmp)
-        entries: list[dict[str, FileEntry]] = gathered  # type: ignore[assignment]
+        entries = [g for g in gathered if not isinstance(g, SaveError)]
         rel = os.path.relpath(tmp, self.root)
 
         def phase(_name: str) -> None:
@@ -377,13 +382,7 @@ class Checkpointer:
             ref = store.commit(
                 self.root,
                 tmp,
-                step=step,
-                world_size=self.world_size,
-                model_config_hash=self.info.model_config_hash,
-                data_fingerprint=self.info.data_fingerprint,
-                parallelism=self.info.parallelism,
-                torch_version=self.info.torch_version,
-                meta=meta,
+                replace(self.info.run, step=step, world_size=self.world_size, meta=meta),
                 known={k: v for d in entries for k, v in d.items()},
                 # Every rank's files must be in rank 0's view, else nothing is committed.
                 writers={r: sorted(d) for r, d in enumerate(entries)},

@@ -99,7 +99,7 @@ class SampleKey:
     sample: int  # sample id
 
 
-class WindowDataset(Dataset):
+class WindowDataset(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
     """Sample i is the window starting at i * block_size, randomly cropped and masked."""
 
     def __init__(

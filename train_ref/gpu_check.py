@@ -34,9 +34,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from typing import Any
 
 from supervisor.exitcodes import Exit
 from supervisor.heartbeat import read_heartbeats
@@ -219,7 +221,7 @@ class CheckFailed(Exception):
     """A check's failure; ``str(e)`` is what the table says (the first line)."""
 
 
-def wait(cond: Callable[[], object], proc: subprocess.Popen[str], what: str) -> dict[int, dict]:
+def wait(cond: Callable[[], object], proc: subprocess.Popen[str], what: str) -> dict[int, dict[str, Any]]:
     deadline = time.monotonic() + LAUNCH_TIMEOUT_S
     while not (got := cond()):
         if proc.poll() is not None:
@@ -302,6 +304,7 @@ def check_staging() -> str:
             future = stager.stage({"x": x})
             for _ in range(8):  # the next step's forward, launched right after the call
                 y = y @ y.T / 2048
+            assert isinstance(future, Future), "an async stager returns a Future"
             staged = future.result()["x"]  # before_optimizer_step: wait for staging
             x.add_(1)  # the next optimizer step
             torch.cuda.synchronize()

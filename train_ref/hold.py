@@ -26,6 +26,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from supervisor.fsutil import atomic_write_json, atomic_write_text
 
@@ -97,9 +98,9 @@ def release(path: Path) -> None:
     path.unlink(missing_ok=True)
 
 
-def acks(path: Path, ranks: int) -> dict[int, dict]:
+def acks(path: Path, ranks: int) -> dict[int, dict[str, Any]]:
     """Each rank's latest ack (ranks that never held are missing)."""
-    out = {}
+    out: dict[int, dict[str, Any]] = {}
     for r in range(ranks):
         try:
             out[r] = json.loads(ack_path(path, r).read_text())
@@ -108,13 +109,13 @@ def acks(path: Path, ranks: int) -> dict[int, dict]:
     return out
 
 
-def noticed(path: Path, ranks: int, step: int) -> dict[int, dict] | None:
+def noticed(path: Path, ranks: int, step: int) -> dict[int, dict[str, Any]] | None:
     """Every rank's ack when all ``ranks`` are held after ``step`` and have a preemption notice."""
     got = held(path, ranks, step)
     return got if got and all(a.get("notice") for a in got.values()) else None
 
 
-def held(path: Path, ranks: int, step: int) -> dict[int, dict] | None:
+def held(path: Path, ranks: int, step: int) -> dict[int, dict[str, Any]] | None:
     """Every rank's ack when all ``ranks`` are held after ``step`` (pids included), else None."""
     got = acks(path, ranks)
     return got if len(got) == ranks and all(a["step"] == step for a in got.values()) else None

@@ -23,10 +23,12 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor, init_device_mesh
 
+from train_ref.model import GPT
+
 MODES = ("ddp", "fsdp")
 
 
-def build(make: Callable[[], nn.Module], mode: str, device: torch.device, seed: int) -> nn.Module:
+def build(make: Callable[[], GPT], mode: str, device: torch.device, seed: int) -> nn.Module:
     """The model of ``make()`` with its parameters initialized from ``seed``, parallelized.
 
     Identical initial parameters in every mode and on every world size. fsdp: meta device, then
@@ -54,10 +56,11 @@ def materialize(sharded: nn.Module, template: nn.Module) -> None:
     a model that builds its layers in the order it registers them) and keeps this rank's part of
     each parameter (split locally, no message). Peak extra memory: one module's parameters."""
     for mod, fresh in zip(sharded.modules(), template.modules(), strict=True):
-        if not hasattr(fresh, "reset_parameters") or next(fresh.parameters(recurse=False), None) is None:
+        reset = getattr(fresh, "reset_parameters", None)
+        if not callable(reset) or next(fresh.parameters(recurse=False), None) is None:
             continue
         fresh.to_empty(device="cpu", recurse=False)
-        fresh.reset_parameters()
+        reset()
         for p, full in zip(mod.parameters(recurse=False), fresh.parameters(recurse=False), strict=True):
             if isinstance(p, DTensor):
                 part = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
@@ -67,7 +70,7 @@ def materialize(sharded: nn.Module, template: nn.Module) -> None:
         fresh.to_empty(device="meta", recurse=False)
 
 
-def parallelize(model: nn.Module, mode: str, device: torch.device) -> nn.Module:
+def parallelize(model: GPT, mode: str, device: torch.device) -> nn.Module:
     if mode == "fsdp":
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         for block in model.blocks:
@@ -87,13 +90,14 @@ def sync_grads(model: nn.Module, mode: str) -> None:
     for p in params:
         if p.grad is None:  # every rank must contribute the same layout
             p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    grads = [p.grad for p in params if p.grad is not None]  # all of them, by the loop above
+    flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     flat.div_(dist.get_world_size())
     offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[offset : offset + n].view_as(g))
         offset += n
 
 

@@ -20,11 +20,14 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from train_ref.save_policy import storage_cause
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
 
 # Bytes per counted read: small enough that one chunk takes well under any phase timeout on a
 # slow file system (64 KiB at 64 KB/s is one second), large enough to cost nothing measurable:
@@ -47,7 +50,7 @@ class ProgressFile(io.FileIO):
         super().__init__(path, "rb")
         self.progress, self.chunk = progress, chunk
 
-    def readinto(self, b) -> int:  # type: ignore[no-untyped-def, override]
+    def readinto(self, b: WriteableBuffer) -> int:
         n = super().readinto(memoryview(b).cast("B")[: self.chunk])
         if n:
             self.progress(n)
@@ -82,7 +85,7 @@ class ProgressFileSystem(FileSystem):
         self.root, self.progress = root, progress
 
     @contextmanager
-    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:  # type: ignore[override]
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
         with naming(path):
             if "r" in mode and self.progress is not None:
                 with open_progress(path, self.progress, self.root) as stream:

@@ -22,7 +22,7 @@ import os
 import pickle
 import re
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -65,7 +65,8 @@ class SafeFileSystemReader(FileSystemReader):
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
             try:
-                metadata = load_restricted(f, str(path))
+                # torch types the stream as IOBase; it is the binary file opened "rb" above
+                metadata = load_restricted(cast(IO[bytes], f), str(path))
             except UnsafePickle as e:
                 self.refused = e
                 raise

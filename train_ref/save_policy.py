@@ -77,12 +77,13 @@ def dcp_save_error(e: CheckpointException, root: Path) -> SaveError | None:
     OSError; None otherwise (a bug must crash, not count as a failed save)."""
     wrapped = sorted(e.failures.items(), key=lambda kv: kv[0])
     causes = [(rank, storage_cause(exc)) for rank, (exc, _tb) in wrapped]
-    if not causes or any(c is None for _r, c in causes):
+    found = [(rank, cause) for rank, cause in causes if cause is not None]
+    if not causes or len(found) < len(causes):
         return None
-    rank, cause = causes[0]
-    others = len(causes) - 1
+    rank, cause = found[0]
+    others = len(found) - 1
     more = f" (and {others} more rank{'s' if others > 1 else ''})" if others else ""
-    return SaveError(rank, _os_error_line(cause, root) + more)  # type: ignore[arg-type]
+    return SaveError(rank, _os_error_line(cause, root) + more)
 
 
 def storage_cause(e: BaseException) -> OSError | None:

@@ -43,10 +43,6 @@ ABLATABLE = SHARED_ITEMS + RANK_ITEMS
 log = logging.getLogger(__name__)
 
 
-def rank_state_filename(rank: int) -> str:
-    return f"rank_{rank:05d}.state.pt"
-
-
 class TrainState(Stateful):
     def __init__(
         self,
@@ -64,6 +60,7 @@ class TrainState(Stateful):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.scaler, self.sampler = scaler, sampler
         self.step = 0  # steps completed
+        self.loss_window = loss_window
         self.losses: deque[float] = deque(maxlen=loss_window)
         self.ablate = ablate
         self.replicated = replicated
@@ -91,7 +88,7 @@ class TrainState(Stateful):
             "sampler": self.sampler.state_dict(),
             "step": self.step,
             "loss_window": torch.tensor(
-                list(self.losses) + [float("nan")] * (self.losses.maxlen - len(self.losses)),
+                list(self.losses) + [float("nan")] * (self.loss_window - len(self.losses)),
                 dtype=torch.float64,
             ),
         }
@@ -158,7 +155,10 @@ class RankState:
     @staticmethod
     def capture() -> dict[str, Any]:
         py_version, py_state, py_gauss = random.getstate()
-        np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+        np_state = np.random.get_state(legacy=True)
+        # a dict only when the global generator is not MT19937, which nothing here sets
+        assert isinstance(np_state, tuple), "numpy's global generator is not MT19937"
+        np_name, np_keys, np_pos, np_has_gauss, np_gauss = np_state
         sd: dict[str, Any] = {
             "python_rng": {
                 "version": py_version,

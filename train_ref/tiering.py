@@ -84,7 +84,7 @@ def start_uploader(root: Path, args: argparse.Namespace) -> Uploader:
     return up
 
 
-def close_uploader(up: Uploader, timeout_s: float, beat: Callable[[], None]) -> None:
+def close_uploader(up: Uploader, timeout_s: float, beat: Callable[[], object]) -> None:
     """Wait up to ``timeout_s`` for the remote to catch up (``beat`` between slices), then stop;
     say so if it did not. Each slice also starts a new cycle, so a remote that comes back during
     the wait is retried at once."""

@@ -44,7 +44,8 @@ from supervisor.exitcodes import Exit
 from supervisor.fsutil import atomic_write_json, restrict_umask
 from supervisor.heartbeat import HeartbeatWriter, Phase
 from supervisor.ioerrors import backoff_s, retry_transient
-from supervisor.layout import FINAL, METRICS, RunDir
+from supervisor.layout import FINAL, RunDir
+from supervisor.manifest import CheckpointInfo
 from supervisor.redact import redact_log_handlers
 from supervisor.safepickle import UnsafePickle
 from supervisor.signing import SigningKeyError, add_signing_key_arg, load_key
@@ -69,7 +70,6 @@ from train_ref.state import ABLATABLE, RANK_ITEMS, TrainState, seed_rank_rng
 
 log = logging.getLogger("train_ref")
 
-SAMPLES = "samples"
 # Resume sanity: warn when the first losses after a resume leave the saved window's range by more
 # than this many standard deviations (plus a small absolute slack for flat windows).
 LOSS_JUMP_SIGMAS = 4.0
@@ -157,13 +157,20 @@ class Dist:
     problem: str = ""  # a device setup this rank cannot train with (one line; exit 78)
 
 
+def init_group(backend: str, alone: bool) -> None:
+    """torchrun's group (env://), or, started without torchrun, a group of one on an in-memory
+    store (rather than env://'s traceback about MASTER_ADDR)."""
+    if alone:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        dist.init_process_group(backend)
+
+
 def init_distributed() -> Dist:
     """The process group, and this rank's device: ``devices.device_index`` (LOCAL_RANK when every
     local rank has its own visible GPU, device 0 when the process sees exactly one)."""
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    # Started without torchrun (no RANK/WORLD_SIZE): one process, its group on an in-memory store,
-    # rather than env://'s traceback about MASTER_ADDR.
-    alone = {} if "WORLD_SIZE" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+    alone = "WORLD_SIZE" not in os.environ
     if alone:
         print(
             "train_ref: not started by torchrun: running as one process (world size 1); for N ranks: "
@@ -172,7 +179,7 @@ def init_distributed() -> Dist:
             flush=True,
         )
     if not torch.cuda.is_available():
-        dist.init_process_group("gloo", **alone)
+        init_group("gloo", alone)
         return Dist(rank, local, dist.get_world_size(), torch.device("cpu"))
     problem = ""
     try:
@@ -185,7 +192,7 @@ def init_distributed() -> Dist:
         torch.cuda.set_device(index)
     except DeviceError as e:  # every rank of the node sees the same counts: all refuse alike
         index, problem = 0, str(e)
-    dist.init_process_group("cpu:gloo,cuda:nccl", **alone)
+    init_group("cpu:gloo,cuda:nccl", alone)
     return Dist(rank, local, dist.get_world_size(), torch.device("cuda", index), problem)
 
 
@@ -250,9 +257,9 @@ class Trainer:
     # ------------------------------------------------------------ exits
 
     def exit(self, code: Exit, phase: Phase, msg: str = "") -> NoReturn:
-        code = deliberate_exit(self.hb, self.d.rank, self.state.step, phase, code, msg)
+        rc = deliberate_exit(self.hb, self.d.rank, self.state.step, phase, code, msg)
         dist.destroy_process_group()
-        sys.exit(code)
+        sys.exit(rc)
 
     # ------------------------------------------------------------ resume
 
@@ -328,7 +335,7 @@ class Trainer:
 
     # ------------------------------------------------------------ loop
 
-    def loader(self) -> torch.utils.data.DataLoader:
+    def loader(self) -> torch.utils.data.DataLoader[tuple[torch.Tensor, torch.Tensor, int]]:
         # Its own seeded generator: without it, iter() draws from the global torch RNG and the
         # resumed run diverges at once (torch-cpu.md).
         return torch.utils.data.DataLoader(
@@ -372,12 +379,14 @@ class Trainer:
     def run(self) -> None:
         """Train to --steps; the logs are closed on every way out (the exit skips teardown)."""
         with contextlib.ExitStack() as files:
-            metrics = LineAppender(self.root / METRICS) if self.d.rank == 0 else None
+            run = RunDir.of(self.root)
+            metrics = LineAppender(run.metrics) if self.d.rank == 0 else None
             if metrics:
                 files.callback(metrics.close)
             if self.args.log_samples:
-                (self.root / SAMPLES).mkdir(exist_ok=True)
-                self.samples_file = LineAppender(self.root / SAMPLES / f"rank_{self.d.rank:05d}.jsonl")
+                samples = run.samples(self.d.rank)
+                samples.parent.mkdir(exist_ok=True)
+                self.samples_file = LineAppender(samples)
                 files.callback(self.samples_file.close)
             self.loop(metrics)
 
@@ -438,7 +447,7 @@ class Trainer:
         """The end of training (commits any in-flight save first): retried with backoff while the
         save policy allows (it raises StorageGaveUp, exit 74, when it does not)."""
         rng = random.Random()  # not the global one: that belongs to the training loop
-        while not (outcome := self.save(blocking=True)).committed:
+        while not (outcome := self.save_now()).committed:
             if self.d.rank == 0:  # the others wait for rank 0 in the next save's first exchange
                 time.sleep(backoff_s(outcome.failures, rng))
 
@@ -454,14 +463,19 @@ class Trainer:
         self.hb.beat(self.state.step, Phase.TRAIN)
         return outcome
 
+    def save_now(self) -> SaveOutcome:
+        """A synchronous save, whose outcome always comes back."""
+        outcome = self.save(blocking=True)
+        assert outcome is not None, "a blocking save returns its outcome"
+        return outcome
+
     def preempted(self) -> NoReturn:
         """Asked to stop: finish any in-flight save, save this step synchronously, exit REQUEUE."""
         if self.d.rank == 0:
             log.warning(
                 "preemption signal: checkpointing step %d, then exit %d", self.state.step, Exit.REQUEUE
             )
-        outcome = self.save(blocking=True)
-        assert outcome is not None
+        outcome = self.save_now()
         self.ckpt.close()
         self.close_uploader(min(self.args.remote_flush_timeout, tiering.PREEMPT_FLUSH_TIMEOUT_S))
         if not outcome.committed:  # requeued, it would resume from an older checkpoint anyway
@@ -497,7 +511,7 @@ class Trainer:
         }
         try:
             retry_transient(
-                lambda: atomic_write_json(self.root / FINAL, final),
+                lambda: atomic_write_json(RunDir.of(self.root).final, final),
                 deadline_s=self.args.io_retry,
                 what=f"writing {FINAL}",
                 fix=lambda _e: "the checkpoint is committed; the digest is in this log",
@@ -553,19 +567,22 @@ def main(argv: list[str] | None = None) -> int:
     corpus = Corpus.load(args.corpus)
     cfg = get_config(args.config, corpus.tokenizer.vocab_size)
     args.sign_key, key_problem = signing_key(args)
-    info = CommitInfo(
+    run = CheckpointInfo(
+        step=0,  # each commit sets its step and meta
+        world_size=d.world_size,
         model_config_hash=config_hash(cfg),
         data_fingerprint=corpus.fingerprint,
         parallelism={"mode": args.parallel, "world_size": d.world_size, "global_batch": cfg.global_batch},
-        sign_key=args.sign_key,
+        torch_version=torch.__version__,
     )
+    info = CommitInfo(run, sign_key=args.sign_key)
     problem = d.problem or config_problem(args, cfg, d.world_size) or key_problem or signal_problem
     choice = Choice("", error=f"bad config: {problem}", code=Exit.BAD_CONFIG) if problem else None
     choice = choice or choose_checkpoint(
         args,
         store.Expectation(
-            model_config_hash=info.model_config_hash,
-            data_fingerprint=info.data_fingerprint,
+            model_config_hash=run.model_config_hash,
+            data_fingerprint=run.data_fingerprint,
             allow_config_change=args.allow_config_change,
             allow_data_change=args.allow_data_change,
         ),

@@ -192,7 +192,12 @@ class FaultFS(Controller):
     the controller for it. ``start`` returns once the mount is up; ``stop`` always unmounts."""
 
     def __init__(
-        self, backing: Path, mountpoint: Path, control: str, proc: subprocess.Popen, own_dir: Path | None
+        self,
+        backing: Path,
+        mountpoint: Path,
+        control: str,
+        proc: subprocess.Popen[bytes],
+        own_dir: Path | None,
     ):
         super().__init__(control)
         self.backing = backing

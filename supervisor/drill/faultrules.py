@@ -95,6 +95,15 @@ def _positive(d: Mapping[str, Any], key: str, kind: type) -> Any:
     return kind(value)
 
 
+def _parse_ops(given: str | Iterable[str] | None) -> frozenset[str] | None:
+    if given is None:
+        return None
+    ops = frozenset([given] if isinstance(given, str) else given)
+    if not ops or not ops <= OPS:
+        raise RuleError(f"ops {sorted(ops - OPS) or '[]'} unknown: choose from {', '.join(sorted(OPS))}")
+    return ops
+
+
 def parse_rule(d: Mapping[str, Any]) -> Rule:
     """Validate a rule dict (the control socket's and the CLI's form) into a :class:`Rule`."""
     known = {"action", "pattern", "ops", "errno", "delay_s", "bytes_per_s", "count", "seconds", "pids"}
@@ -108,15 +117,10 @@ def parse_rule(d: Mapping[str, Any]) -> Rule:
         raise RuleError(
             f"pattern {pattern!r} must be a glob on the path inside the mount, starting with / or *"
         )
-    ops = d.get("ops")
-    if ops is not None:
-        ops = frozenset([ops] if isinstance(ops, str) else ops)
-        if not ops or not ops <= OPS:
-            raise RuleError(f"ops {sorted(ops - OPS) or '[]'} unknown: choose from {', '.join(sorted(OPS))}")
     rule = Rule(
         action=action,
         pattern=pattern,
-        ops=ops,
+        ops=_parse_ops(d.get("ops")),
         errno=parse_errno(d["errno"]) if d.get("errno") is not None else None,
         delay_s=_positive(d, "delay_s", float),
         bytes_per_s=_positive(d, "bytes_per_s", float),

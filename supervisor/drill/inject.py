@@ -7,7 +7,7 @@ import signal
 from pathlib import Path
 
 from supervisor.heartbeat import read_heartbeats
-from supervisor.layout import parse_tmp
+from supervisor.layout import DCP_METADATA, parse_tmp
 from supervisor.store import list_checkpoints
 
 
@@ -34,9 +34,8 @@ def corrupt_newest(root: Path, how: str) -> str:
         raise RuntimeError(f"{root}: no committed checkpoint to corrupt")
     shards = sorted(newest.path.glob("*.distcp"), key=lambda p: p.stat().st_size, reverse=True)
     if how == "delete-metadata":
-        target = newest.path / ".metadata"
-        target.unlink()
-        return f"deleted {newest.name}/.metadata"
+        (newest.path / DCP_METADATA).unlink()
+        return f"deleted {newest.name}/{DCP_METADATA}"
     if not shards:
         raise RuntimeError(f"{newest.path}: no .distcp shard to damage")
     target = shards[0]

@@ -22,7 +22,9 @@ from supervisor.drill.plan import (
     steps_redone_bound,
 )
 from supervisor.drill.switch import BLOCKING_FUNCTION
+from supervisor.eventnames import EventName
 from supervisor.exitcodes import Exit
+from supervisor.policy import Outcome
 
 # slow-storage: the resumed launch's verify + load must take this many times their timeout, or
 # the scenario proves nothing about long phases.
@@ -115,7 +117,7 @@ def typical_step_change(golden: Sequence[StepRecord]) -> tuple[float, float]:
     return (statistics.median(deltas), max(deltas)) if deltas else (0.0, 0.0)
 
 
-def judge(
+def judge(  # noqa: PLR0913  issue 14 point 4 turns the judge into check objects
     scenario: str,
     *,
     faults: Sequence[Fault],
@@ -271,13 +273,13 @@ def _check(name: str, results: Sequence[tuple[bool, str]]) -> Check:
     )
 
 
-def _first(window: Sequence[dict[str, Any]], event: str) -> dict[str, Any] | None:
+def _first(window: Sequence[dict[str, Any]], event: EventName) -> dict[str, Any] | None:
     return next((e for e in window if e.get("event") == event), None)
 
 
 def _culprit_named(fault: Fault, window: Sequence[dict[str, Any]]) -> tuple[bool, str]:
     kind = fault.kind.value
-    hang = _first(window, "hang")
+    hang = _first(window, EventName.HANG)
     if hang is None:
         return False, f"{kind}: no hang event after the fault"
     culprits = hang.get("culprits") or []
@@ -298,7 +300,7 @@ def _culprit_named(fault: Fault, window: Sequence[dict[str, Any]]) -> tuple[bool
 
 
 def _sigkilled(fault: Fault, window: Sequence[dict[str, Any]]) -> tuple[bool, str]:
-    kill = _first(window, "kill")
+    kill = _first(window, EventName.KILL)
     n = int((kill or {}).get("sigkilled") or 0)
     if n <= 0:
         how = kill.get("msg") if kill else "no kill event"
@@ -310,13 +312,13 @@ def _resumed_periodic(
     fault: Fault, window: Sequence[dict[str, Any]], resume: Resume | None, save_every: int
 ) -> tuple[bool, str]:
     kind = fault.kind.value
-    end = _first(window, "launch_end")
+    end = _first(window, EventName.LAUNCH_END)
     if end is None or resume is None:
         return False, f"{kind}: no end of the hung launch and resume seen"
     codes = sorted({int(c) for c in (end.get("rank_exit_codes") or {}).values()})
     newest = end.get("newest_checkpoint")
     problems = []
-    if end.get("outcome") != "hang":
+    if end.get("outcome") != Outcome.HANG:
         problems.append(f"the launch ended as {end.get('outcome')}, not a hang")
     if Exit.REQUEUE in codes:
         problems.append(f"a rank exited {int(Exit.REQUEUE)}: it checkpointed, so it was not stuck")
@@ -372,7 +374,7 @@ def _io_error_checks(
         if facts.rule_hits
         else "the EIO rule never fired: no checkpoint file was read after it was set (nothing was tested)",
     )
-    end = _first(after, "launch_end")
+    end = _first(after, EventName.LAUNCH_END)
     newest = end.get("newest_checkpoint") if end else None
     if resume is None or newest is None:
         detail = "no end of the faulted launch and resume seen"

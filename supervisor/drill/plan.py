@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
 
@@ -96,6 +97,7 @@ def plan(scenario: str, *, seed: int, steps: int, save_every: int, ranks: int) -
     lo, hi = 2 * save_every + 1, max(2 * save_every + 2, steps - save_every - 2)
     if scenario == Kind.DISK_FULL.value:
         hi = steps - DISK_FULL_INTERVALS * save_every - 1
+    draws: Iterator[list[Kind]]
     if scenario == CHAOS:
         drawable = [k.value for k in Kind if k not in STORAGE]
         draws = ([Kind(rng.choice(drawable)) for _ in range(rng.randint(3, 4))] for _ in range(100))
@@ -136,7 +138,8 @@ def _lay_out(kinds: list[Kind], rng: random.Random, lo: int, hi: int, save_every
     def down(kind: Kind, step: int) -> int:
         return step // save_every * save_every if kind in IN_SAVE else step
 
-    latest, bound = [], hi  # the latest step for each fault that still leaves room for the rest
+    latest: list[int] = []
+    bound = hi  # the latest step for each fault that still leaves room for the rest
     for kind in reversed(kinds):
         latest.insert(0, down(kind, bound))
         bound = latest[0] - gap

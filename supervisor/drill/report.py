@@ -9,6 +9,7 @@ from pathlib import Path
 
 from supervisor.drill.judge import StepRecord, Verdict, fault_windows
 from supervisor.drill.runner import ScenarioRun
+from supervisor.eventnames import EventName
 from supervisor.fmt import table
 from supervisor.layout import step_dirname
 from supervisor.redact import redact
@@ -16,18 +17,18 @@ from supervisor.store import list_tmp
 
 # Watchdog events worth showing between a fault and the first resumed step.
 TIMELINE_EVENTS = (
-    "hang",
-    "stack_dump",
-    "stop",
-    "kill",
-    "launch_end",
-    "preempt",
-    "quarantine",
-    "pick",
-    "launch",
-    "io_retry",
-    "save_failed",
-    "save_recovered",
+    EventName.HANG,
+    EventName.STACK_DUMP,
+    EventName.STOP,
+    EventName.KILL,
+    EventName.LAUNCH_END,
+    EventName.PREEMPT,
+    EventName.QUARANTINE,
+    EventName.PICK,
+    EventName.LAUNCH,
+    EventName.IO_RETRY,
+    EventName.SAVE_FAILED,
+    EventName.SAVE_RECOVERED,
 )
 
 
@@ -60,12 +61,14 @@ def resume_table(run: ScenarioRun, v: Verdict) -> str:
     in_flight = list_tmp(run.root)  # saves a fault interrupted: their writer died, so they stay
     rows = []
     for res, fault in zip(v.resumes, run.injected, strict=False):
-        picks = [e for e in run.events if e.get("event") == "pick" and e.get("t", 0) <= res.first_seen]
+        picks = [
+            e for e in run.events if e.get("event") == EventName.PICK and e.get("t", 0) <= res.first_seen
+        ]
         used = picks[-1].get("checkpoint") if picks else f"step {res.ckpt_step}"
         skipped = [
             str(e.get("why"))  # the reason already names the checkpoint
             for e in run.events
-            if e.get("event") == "quarantine" and e.get("t", 0) <= res.first_seen
+            if e.get("event") == EventName.QUARANTINE and e.get("t", 0) <= res.first_seen
         ]
         skipped += [
             f"{step_dirname(t.step)}: save in flight at the fault, left as {t.path.name} (never listed)"

@@ -14,13 +14,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from supervisor.drill import inject, storage, switch
 from supervisor.drill.faultctl import Controller, FaultFS
 from supervisor.drill.judge import StepRecord, StorageFacts
 from supervisor.drill.plan import IN_SAVE, SELF_INFLICTED, Fault, Kind
 from supervisor.events import events_path, read_events
-from supervisor.layout import FINAL, MANIFEST, METRICS, RunDir, parse_committed
+from supervisor.layout import MANIFEST, RunDir, parse_committed
 from supervisor.store import list_checkpoints
 
 POLL_S = 0.02
@@ -80,7 +81,7 @@ class MetricsTail:
     """Reads metrics.jsonl as it grows, stamping each record with when it was first seen."""
 
     def __init__(self, root: Path) -> None:
-        self.path = root / METRICS
+        self.path = RunDir.of(root).metrics
         self.records: list[StepRecord] = []
         self._offset = 0
         self._partial = b""
@@ -103,6 +104,11 @@ class MetricsTail:
     @property
     def last(self) -> StepRecord | None:
         return self.records[-1] if self.records else None
+
+    @property
+    def last_step(self) -> int | None:
+        """For notes: the newest step seen (None before the first)."""
+        return self.records[-1].step if self.records else None
 
 
 def parse_metrics_line(line: bytes, seen: float) -> StepRecord | None:
@@ -172,13 +178,13 @@ class ScenarioRun:
     exit_codes: list[int] = field(default_factory=list)
     latest_violations: list[str] = field(default_factory=list)
     latest_reads: int = 0
-    events: list[dict] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
     storage: StorageFacts | None = None  # what a storage fault's driver saw
 
 
 def read_digest(root: Path) -> str | None:
     try:
-        return str(json.loads((root / FINAL).read_text())["params_sha256"])
+        return str(json.loads(RunDir.of(root).final.read_text())["params_sha256"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -323,7 +329,7 @@ class Scene:
         if not self.wait(lambda: self.tail.last is not None and self.tail.last.launch not in seen, observe):
             self.note(f"no resumed step seen within {self.cfg.fault_timeout_s:.0f}s after {fault.kind.value}")
             return False
-        self.progress(f"resumed at step {self.tail.last.step}", self.run)
+        self.progress(f"resumed at step {self.tail.last_step}", self.run)
         return True
 
 
@@ -408,9 +414,10 @@ def _inject(scene: Scene, fault: Fault, job: Job, log: Path, hangs: switch.Switc
             return
         launch, t0, in_flight = blocked
     else:
-        launch = scene.reach(fault)
-        if launch is None:
+        reached = scene.reach(fault)
+        if reached is None:
             return
+        launch = reached
         if fault.kind == Kind.DURING_SAVE and not scene.wait(
             lambda: inject.tmp_save_in_flight(run.root, fault.at_step)
         ):

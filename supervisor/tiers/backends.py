@@ -35,8 +35,13 @@ S3_PARALLEL = 4
 class Backend(Protocol):
     """The few primitives the tier protocol (remote.py) needs from a storage system."""
 
-    url: str
-    parallel: int  # files transferred at a time
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def parallel(self) -> int:
+        """Files transferred at a time."""
+        ...
 
     def names(self) -> list[str]:
         """Names directly under the tier root."""

@@ -1,9 +1,9 @@
 """Where the tier's events go: the watchdog's event-log format, in a file of their own.
 
 The watchdog's log (supervisor/events.py) has one writer per file. The uploader runs inside the
-trainer's rank 0, so it writes ``supervisor/events.remote.jsonl``, which the ``events*.jsonl`` glob of
-``status`` picks up beside the watchdog's. ``prepare_resume`` runs in the watchdog, which passes
-its own ``EventLog.emit``.
+trainer's rank 0, so it writes ``supervisor/events.remote.jsonl`` beside the watchdog's log (read it
+as those: ``status`` reads no event log; its remote line comes from ``remote.json``).
+``prepare_resume`` runs in the watchdog, which passes its own ``EventLog.emit``.
 """
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ import logging
 from pathlib import Path
 from typing import Any, Protocol
 
+from supervisor.eventnames import EventName
 from supervisor.events import EventLog
 from supervisor.layout import RunDir
-
-REMOTE_EVENTS = "events.remote.jsonl"
 
 log = logging.getLogger("supervisor.tiers")
 
@@ -23,15 +22,15 @@ log = logging.getLogger("supervisor.tiers")
 class EmitFn(Protocol):
     """``EventLog.emit``'s shape: an event name, a line for an operator, fields for tools."""
 
-    def __call__(self, event: str, msg: str, **fields: Any) -> Any: ...
+    def __call__(self, event: EventName, msg: str, **fields: Any) -> Any: ...
 
 
 def remote_event_log(root: str | Path) -> EmitFn:
     """An emitter appending to ``supervisor/events.remote.jsonl``; failures are logged, not raised."""
     elog = EventLog(root, echo=None)
-    elog.path = RunDir.of(root).supervisor / REMOTE_EVENTS
+    elog.path = RunDir.of(root).remote_events
 
-    def emit(event: str, msg: str, **fields: Any) -> Any:
+    def emit(event: EventName, msg: str, **fields: Any) -> Any:
         try:
             return elog.emit(event, msg, **fields)
         except OSError as e:

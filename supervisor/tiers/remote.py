@@ -271,13 +271,7 @@ class RemoteTier:
             return commit(
                 local_root,
                 tmp,
-                step=m.step,
-                world_size=m.world_size,
-                model_config_hash=m.model_config_hash,
-                data_fingerprint=m.data_fingerprint,
-                parallelism=m.parallelism,
-                torch_version=m.torch_version,
-                meta=m.meta,
+                m.info,
                 known=m.files,
                 writers=m.writers or None,  # a format-1 remote manifest records none
                 sign_key=self.key if signed is not None else None,  # verified: signed again here

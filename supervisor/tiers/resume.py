@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from supervisor.eventnames import EventName
 from supervisor.ioerrors import IO_RETRY_S, Evidence, retry_transient
 from supervisor.layout import QUARANTINE, RunDir
 from supervisor.manifest import Manifest
@@ -71,7 +72,7 @@ class ResumeResult:
     untrusted: tuple[tuple[str, str], ...] = ()
 
 
-def prepare_resume(
+def prepare_resume(  # noqa: PLR0913  keyword-only options, as store.pick's plus the remote's
     root: str | Path,
     remote: RemoteTier | None,
     *,
@@ -102,9 +103,16 @@ def prepare_resume(
     def local_pick() -> PickResult:
         res = pick(root, deep=deep, io_retry_s=io_retry_s, on_retry=on_retry, allow_fresh_start=True, key=key)
         for name, reason in res.quarantined:
-            emit("local_quarantined", f"{name} quarantined locally: {reason}", name=name, reason=reason)
+            emit(
+                EventName.LOCAL_QUARANTINED, f"{name} quarantined locally: {reason}", name=name, reason=reason
+            )
         for name, reason in res.untrusted:
-            emit("untrusted", f"{name} skipped locally, not trusted: {reason}", name=name, reason=reason)
+            emit(
+                EventName.UNTRUSTED,
+                f"{name} skipped locally, not trusted: {reason}",
+                name=name,
+                reason=reason,
+            )
         return res
 
     def newer_than(step: int) -> bool:
@@ -143,7 +151,7 @@ def _download_lock(root: Path, timeout_s: float, emit: EmitFn) -> Iterator[None]
     except TimeoutError:  # filelock.Timeout: another process downloads into this run dir
         msg = f"another process is resuming {root} from the remote; waiting for it (at most {timeout_s:.0f}s)"
         log.info("remote: %s", msg)
-        emit("download_wait", msg, lock=str(path))
+        emit(EventName.DOWNLOAD_WAIT, msg, lock=str(path))
         try:
             lock.acquire(timeout=timeout_s)
         except TimeoutError:
@@ -195,7 +203,7 @@ def _from_remote(root: Path, remote: RemoteTier, local: ResumeResult, emit: Emit
     def skip(name: str, reason: str) -> None:
         where = f"{remote.url}/{name}"
         untrusted.append((where, reason))
-        emit("untrusted", f"remote {where} skipped, not trusted: {reason}", name=name, reason=reason)
+        emit(EventName.UNTRUSTED, f"remote {where} skipped, not trusted: {reason}", name=name, reason=reason)
 
     try:
         candidates = [v for v in remote.scan() if v.step > floor and v.state is not RemoteState.INCOMPLETE]
@@ -221,7 +229,9 @@ def _from_remote(root: Path, remote: RemoteTier, local: ResumeResult, emit: Emit
                 f"resuming from {v.name} downloaded from {remote.url} ({size} B in {seconds:.2f}s, verified)"
             )
             log.info("remote: %s", msg)
-            emit("downloaded", msg, name=v.name, bytes=size, seconds=round(seconds, 3), url=remote.url)
+            emit(
+                EventName.DOWNLOADED, msg, name=v.name, bytes=size, seconds=round(seconds, 3), url=remote.url
+            )
             return ResumeResult(
                 ref, "remote", local.local_quarantined, tuple(quarantined), "", size, seconds, v.manifest,
                 tuple(untrusted),
@@ -234,7 +244,7 @@ def _from_remote(root: Path, remote: RemoteTier, local: ResumeResult, emit: Emit
             ) from e
         msg = f"{e}; resuming from local {local.chosen.name}; a newer remote one, if any, is not used"
         log.warning("remote: %s", msg)
-        emit("remote_unreachable", msg, error=str(e), resuming_from=local.chosen.name)
+        emit(EventName.REMOTE_UNREACHABLE, msg, error=str(e), resuming_from=local.chosen.name)
         return ResumeResult(
             local.chosen,
             "local",
@@ -259,4 +269,4 @@ def _quarantine(remote: RemoteTier, name: str, reason: str, out: list[tuple[str,
     out.append((name, reason))
     msg = f"remote {name} quarantined to {remote.url}/{dest}: {reason}"
     log.warning("remote: %s", msg)
-    emit("remote_quarantined", msg, name=name, reason=reason, moved_to=dest, url=remote.url)
+    emit(EventName.REMOTE_QUARANTINED, msg, name=name, reason=reason, moved_to=dest, url=remote.url)

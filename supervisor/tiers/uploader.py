@@ -32,8 +32,9 @@ from typing import Any
 
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
+from supervisor.eventnames import EventName
 from supervisor.fsutil import atomic_write_json
-from supervisor.layout import RunDir, step_dirname
+from supervisor.layout import REMOTE_STATUS, RunDir, step_dirname
 from supervisor.manifest import ManifestError, read_manifest
 from supervisor.redact import redact_obj
 from supervisor.store import MIN_KEEP, CheckpointRef, StoreError, list_checkpoints, prune
@@ -44,7 +45,6 @@ from supervisor.tiers.remote import LocalSourceError, LocalUnreadable, RemoteTie
 
 log = logging.getLogger("supervisor.tiers")
 
-STATUS_FILE = "remote.json"
 BUSY_SKIP = "skip"
 BUSY_WAIT = "wait"
 SKIPPED_SHOWN = 20
@@ -95,7 +95,7 @@ class RemoteStatus:
 
 def read_remote_status(root: str | Path) -> RemoteStatus | None:
     """The uploader's last status, or None when there is none (or it is unreadable)."""
-    path = RunDir.of(root).supervisor / STATUS_FILE
+    path = RunDir.of(root).remote_status
     try:
         d = json.loads(path.read_text())
         d["skipped"] = tuple(d.get("skipped", ()))
@@ -198,9 +198,11 @@ class Uploader:
         while not self._stop.is_set():
             with self._cond:
                 timeout = self.policy.down_retry_s if self._s.status.state == "down" else None
-                self._cond.wait_for(
-                    lambda seen=seen: self._s.requested > seen or self._stop.is_set(), timeout=timeout
-                )
+
+                def woken(seen: int = seen) -> bool:
+                    return self._s.requested > seen or self._stop.is_set()
+
+                self._cond.wait_for(woken, timeout=timeout)
                 seen = self._s.requested
             if self._stop.is_set():
                 return
@@ -258,7 +260,9 @@ class Uploader:
             return True
         except LocalUnreadable as e:  # transient: the next cycle (a submit, the final flush) retries
             self._update(in_flight=None, last_error=str(e), last_error_time=time.time())
-            self._report(logging.WARNING, "upload_deferred", f"{ref.name}: {e}", step=ref.step, reason=str(e))
+            self._report(
+                logging.WARNING, EventName.UPLOAD_DEFERRED, f"{ref.name}: {e}", step=ref.step, reason=str(e)
+            )
             return False
         except RemoteUnavailable as e:
             self._down(e)
@@ -305,7 +309,7 @@ class Uploader:
         if st.failures:
             self._report(
                 logging.INFO,
-                "remote_back",
+                EventName.REMOTE_BACK,
                 f"remote {self.remote.url} reachable again after {st.failures} failed cycles; catching up",
                 url=self.remote.url,
                 failed_cycles=st.failures,
@@ -323,7 +327,7 @@ class Uploader:
         )
         self._report(
             logging.INFO,
-            "upload_ok",
+            EventName.UPLOAD_OK,
             f"{t.name} uploaded to {self.remote.url} ({t.bytes} B in {t.seconds:.2f}s)",
             step=t.step,
             bytes=t.bytes,
@@ -352,7 +356,12 @@ class Uploader:
         )
         if st.state != "down":
             self._report(
-                logging.WARNING, "remote_down", msg, url=self.remote.url, error=str(e), lag_steps=lag.steps
+                logging.WARNING,
+                EventName.REMOTE_DOWN,
+                msg,
+                url=self.remote.url,
+                error=str(e),
+                lag_steps=lag.steps,
             )
         else:
             log.warning("remote: %s", msg)
@@ -362,7 +371,7 @@ class Uploader:
         if not ref.path.exists():  # pruned by local retention mid-upload: the next cycle moves on
             self._report(
                 logging.INFO,
-                "upload_skipped",
+                EventName.UPLOAD_SKIPPED,
                 f"{ref.name} not uploaded: removed locally before its upload finished",
                 step=ref.step,
                 reason="removed locally",
@@ -370,7 +379,9 @@ class Uploader:
             return
         self._bad_local.add(ref.step)  # does not match its own manifest: never retried
         self._update(last_error=str(e), last_error_time=time.time())
-        self._report(logging.ERROR, "upload_refused", f"not uploaded: {e}", step=ref.step, reason=str(e))
+        self._report(
+            logging.ERROR, EventName.UPLOAD_REFUSED, f"not uploaded: {e}", step=ref.step, reason=str(e)
+        )
 
     def _note_skipped(self, skipped: tuple[int, ...]) -> None:
         known = set(self.status().skipped)
@@ -378,7 +389,7 @@ class Uploader:
             if s not in known:
                 self._report(
                     logging.INFO,
-                    "upload_skipped",
+                    EventName.UPLOAD_SKIPPED,
                     f"{step_dirname(s)} not uploaded: superseded by a newer checkpoint (busy policy skip)",
                     step=s,
                     reason="superseded by a newer checkpoint",
@@ -394,7 +405,7 @@ class Uploader:
             if pruned.delete or pruned.clean:
                 self._report(
                     logging.INFO,
-                    "remote_pruned",
+                    EventName.REMOTE_PRUNED,
                     f"remote retention: deleted {', '.join(pruned.delete) or 'none'}; "
                     f"cleaned leftovers {', '.join(pruned.clean) or 'none'}",
                     deleted=list(pruned.delete),
@@ -423,12 +434,12 @@ class Uploader:
         if res.deleted:
             self._report(
                 logging.INFO,
-                "local_pruned",
+                EventName.LOCAL_PRUNED,
                 f"local retention: deleted {', '.join(res.deleted)}",
                 deleted=list(res.deleted),
             )
 
-    def _report(self, level: int, event: str, msg: str, **fields: Any) -> None:
+    def _report(self, level: int, event: EventName, msg: str, **fields: Any) -> None:
         log.log(level, "remote: %s", msg)
         self._emit(event, msg, **fields)
 
@@ -444,10 +455,10 @@ class Uploader:
         try:
             atomic_write_json(_status_path(self.root), redact_obj(asdict(st)))
         except OSError as e:
-            log.warning("remote: cannot write %s (%s)", STATUS_FILE, e)
+            log.warning("remote: cannot write %s (%s)", REMOTE_STATUS, e)
 
 
 def _status_path(root: Path) -> Path:
-    folder = RunDir.of(root).supervisor
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder / STATUS_FILE
+    run = RunDir.of(root)
+    run.supervisor.mkdir(parents=True, exist_ok=True)
+    return run.remote_status

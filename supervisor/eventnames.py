@@ -1,0 +1,50 @@
+"""Every event name the logs (``supervisor/events*.jsonl``) hold, in one place (docs/watchdog.md,
+docs/tiers.md describe them). Import-free, so the pure policy module names events too."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class EventName(str, Enum):
+    """A str Enum: JSON holds, and comparisons see, the plain value ("pick"), as before."""
+
+    # The watchdog's (events.jsonl)
+    WATCHDOG_START = "watchdog_start"
+    PICK = "pick"
+    LAUNCH = "launch"
+    LAUNCH_END = "launch_end"
+    KILL = "kill"
+    STOP = "stop"
+    RANK_DIED = "rank_died"
+    BLOCKED_IO = "blocked_io"
+    HANG = "hang"
+    STACK_DUMP = "stack_dump"
+    RELAUNCH = "relaunch"
+    EXIT = "exit"
+    PREEMPT = "preempt"
+    QUARANTINE = "quarantine"
+    UNTRUSTED = "untrusted"
+    IO_RETRY = "io_retry"
+    STATE_UNREADABLE = "state_unreadable"
+    REMOTE_UNAVAILABLE = "remote_unavailable"
+    SAVE_FAILED = "save_failed"
+    SAVE_RECOVERED = "save_recovered"
+    # Picking across tiers (the watchdog's log; the trainer's events.remote.jsonl when it picks)
+    DOWNLOAD_WAIT = "download_wait"
+    DOWNLOADED = "downloaded"
+    LOCAL_QUARANTINED = "local_quarantined"
+    REMOTE_QUARANTINED = "remote_quarantined"
+    REMOTE_UNREACHABLE = "remote_unreachable"
+    # The uploader's, in the trainer (events.remote.jsonl)
+    UPLOAD_OK = "upload_ok"
+    UPLOAD_SKIPPED = "upload_skipped"
+    UPLOAD_REFUSED = "upload_refused"
+    UPLOAD_DEFERRED = "upload_deferred"
+    REMOTE_DOWN = "remote_down"
+    REMOTE_BACK = "remote_back"
+    REMOTE_PRUNED = "remote_pruned"
+    LOCAL_PRUNED = "local_pruned"
+
+    def __str__(self) -> str:
+        return self.value
