@@ -65,8 +65,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    from supervisor.heartbeat import HeartbeatWriter
-    from supervisor.manifest import CheckpointInfo, list_files
+    from supervisor.format.heartbeat import HeartbeatWriter
+    from supervisor.format.manifest import CheckpointInfo, list_files
     from supervisor.store import list_checkpoints
     from train_ref import train
     from train_ref.checkpointer import CommitInfo

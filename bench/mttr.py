@@ -35,8 +35,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from supervisor.events import events_path
-from supervisor.heartbeat import Heartbeat, Phase, read_heartbeats
+from supervisor.format.events import events_path
+from supervisor.format.heartbeat import Heartbeat, Phase, read_heartbeats
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.verify import GB, MEM_HASH_BYTES, drop_cache, raw_read, shard_paths, side_by_side, write_checkpoint
 from supervisor import store
-from supervisor.manifest import READ_CHUNK, VERIFY_THREADS, CheckpointInfo
+from supervisor.format.manifest import READ_CHUNK, VERIFY_THREADS, CheckpointInfo
 
 KEY = os.urandom(32)
 

@@ -21,11 +21,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from supervisor.events import RunState, write_state
-from supervisor.heartbeat import Heartbeat, Phase, write_heartbeat
-from supervisor.layout import MANIFEST, step_dirname
-from supervisor.manifest import CheckpointInfo, build_manifest
-from supervisor.policy import LaunchRecord, Outcome
+from supervisor.format.events import RunState, write_state
+from supervisor.format.heartbeat import Heartbeat, Phase, write_heartbeat
+from supervisor.format.layout import MANIFEST, step_dirname
+from supervisor.format.manifest import CheckpointInfo, build_manifest
+from supervisor.watch.restart_policy import LaunchRecord, Outcome
 
 REPO = Path(__file__).resolve().parent.parent
 SHARDS_PER_CKPT = 8

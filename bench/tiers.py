@@ -42,8 +42,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from supervisor import store
-from supervisor.fsutil import fsync_file, fsync_tree
-from supervisor.manifest import CheckpointInfo
+from supervisor.format.atomic import fsync_file, fsync_tree
+from supervisor.format.manifest import CheckpointInfo
 from supervisor.tiers.remote import RemoteTier, open_remote
 from supervisor.tiers.uploader import Uploader, UploadPolicy
 

@@ -30,7 +30,7 @@ import xxhash
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from supervisor import store
-from supervisor.manifest import READ_CHUNK, VERIFY_THREADS, CheckpointInfo, checksum_files
+from supervisor.format.manifest import READ_CHUNK, VERIFY_THREADS, CheckpointInfo, checksum_files
 
 TARGET = 0.80
 MEM_HASH_BYTES = 256 << 20

@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from supervisor.errors import UserError
-from supervisor.fsutil import atomic_write_text, fsync_dir
-from supervisor.ioerrors import Evidence, describe, evidence_of, is_transient
-from supervisor.layout import (
+from supervisor.format.atomic import atomic_write_text, fsync_dir
+from supervisor.format.layout import (
     MANIFEST,
     QUARANTINE_DELETING_PREFIX,
     REASON,
@@ -29,7 +28,7 @@ from supervisor.layout import (
     parse_committed,
     quarantined_dirname,
 )
-from supervisor.manifest import (
+from supervisor.format.manifest import (
     CHECKSUM_ALGO,
     NOT_LISTED,
     READ_CHUNK,
@@ -40,6 +39,7 @@ from supervisor.manifest import (
     list_files,
     parse_manifest,
 )
+from supervisor.ioerrors import Evidence, describe, evidence_of, is_transient
 
 if TYPE_CHECKING:
     from filelock import BaseFileLock

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from supervisor.exitcodes import Exit
+from supervisor.format.exitcodes import Exit
 
 
 class UserError(Exception):

@@ -26,9 +26,8 @@ from supervisor.checkpoints import (
     root_lock,
     validate,
 )
-from supervisor.fsutil import fsync_dir, hostname, pid_alive
-from supervisor.ioerrors import Evidence
-from supervisor.layout import (
+from supervisor.format.atomic import fsync_dir, hostname, pid_alive
+from supervisor.format.layout import (
     QUARANTINE_DELETING_PREFIX,
     RunDir,
     TmpName,
@@ -38,6 +37,7 @@ from supervisor.layout import (
     parse_tmp,
     safe_host,
 )
+from supervisor.ioerrors import Evidence
 
 DEFAULT_KEEP = 3
 MIN_KEEP = 2

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor.errors import UserError
-from supervisor.layout import SIGNATURE
-from supervisor.manifest import hash_files
+from supervisor.format.layout import SIGNATURE
+from supervisor.format.manifest import hash_files
 
 SIG_FORMAT = 1
 MAC_ALGO = "hmac-sha256"

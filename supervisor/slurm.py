@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.errors import UserError
-from supervisor.exitcodes import Exit
-from supervisor.fsutil import atomic_write_json
-from supervisor.layout import RunDir
+from supervisor.format.atomic import atomic_write_json
+from supervisor.format.exitcodes import Exit
+from supervisor.format.layout import RunDir
 
 REQUEUE_VERSION = 2  # 2: separate preemption and failure counts (1 is read too)
 KEEP_HISTORY = 50

@@ -52,10 +52,9 @@ from supervisor.checkpoints import (
     validate,
     write_latest,
 )
-from supervisor.fsutil import fsync_dir, fsync_tree, hostname
-from supervisor.ioerrors import IO_RETRY_S, Evidence, StorageUnavailable, retry_transient
-from supervisor.layout import MANIFEST, parse_committed, step_dirname, tmp_dirname
-from supervisor.manifest import (
+from supervisor.format.atomic import fsync_dir, fsync_tree, hostname
+from supervisor.format.layout import MANIFEST, parse_committed, step_dirname, tmp_dirname
+from supervisor.format.manifest import (
     CheckpointInfo,
     FileEntry,
     ProgressFn,
@@ -63,6 +62,7 @@ from supervisor.manifest import (
     file_sizes,
     writers_problem,
 )
+from supervisor.ioerrors import IO_RETRY_S, Evidence, StorageUnavailable, retry_transient
 from supervisor.retention import (
     DEFAULT_KEEP,
     MIN_KEEP,

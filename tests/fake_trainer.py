@@ -8,7 +8,7 @@ a launch with a failed worker, ``--launcher``:
 The watchdog must be right with either, so the tests run both.
 
 Each worker resumes from the newest valid checkpoint in ``--root``, steps with ``--step-s`` sleeps
-in lockstep with its peers, writes heartbeats through supervisor.heartbeat, commits a tiny
+in lockstep with its peers, writes heartbeats through supervisor.format.heartbeat, commits a tiny
 checkpoint through supervisor.store every ``--ckpt-every`` steps (phase save), and can crash, stop
 itself, or exit with a code, once or on every launch. After each step it honours the hold gate of
 train_ref/hold.py (``TRAIN_REF_HOLD_FILE``; write the file before the launch: these ranks do not
@@ -48,10 +48,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from supervisor import store
-from supervisor.exitcodes import Exit
-from supervisor.heartbeat import ENV_RESTART_COUNT, HeartbeatWriter, Phase, read_heartbeat
-from supervisor.layout import RunDir
-from supervisor.manifest import CheckpointInfo
+from supervisor.format.exitcodes import Exit
+from supervisor.format.heartbeat import ENV_RESTART_COUNT, HeartbeatWriter, Phase, read_heartbeat
+from supervisor.format.layout import RunDir
+from supervisor.format.manifest import CheckpointInfo
 from train_ref.hold import HoldGate
 
 STATE_FILE = "state.txt"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from supervisor import store
-from supervisor.manifest import CheckpointInfo
+from supervisor.format.manifest import CheckpointInfo
 from supervisor.tiers.remote import RemoteTier, open_remote
 
 # The tier kinds every remote test runs against: a directory, and S3 (moto on loopback).

@@ -9,8 +9,8 @@ import os
 import pickle
 from pathlib import Path
 
-from supervisor.layout import MANIFEST
-from supervisor.manifest import checksum_file
+from supervisor.format.layout import MANIFEST
+from supervisor.format.manifest import checksum_file
 
 KEY = b"k" * 32 + b"-the-run-key"
 OTHER_KEY = b"o" * 32 + b"-another-key"

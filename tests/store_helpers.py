@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from supervisor import store
-from supervisor.layout import MANIFEST, REASON, RunDir
-from supervisor.manifest import CheckpointInfo
+from supervisor.format.layout import MANIFEST, REASON, RunDir
+from supervisor.format.manifest import CheckpointInfo
 
 SHARD = "__0_0.distcp"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from waiting import wait_for
 
-from supervisor.blocked import (
+from supervisor.watch.blocked import (
     FILE_SYSCALLS,
     BlockedCall,
     Syscall,
@@ -22,7 +22,7 @@ from supervisor.blocked import (
     parse_syscall,
     signed32,
 )
-from supervisor.launcher import describe_stuck, where_blocked
+from supervisor.watch.process import describe_stuck, where_blocked
 
 X86 = {0: ("read", "fd"), 257: ("openat", "at"), 4: ("stat", "path")}
 

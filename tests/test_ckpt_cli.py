@@ -14,8 +14,8 @@ from commands import supervisor_cmd
 from store_helpers import corrupt, make_ckpt, quarantine_dirs, write_tmp
 
 from supervisor import store
-from supervisor.cli import main
-from supervisor.exitcodes import Exit
+from supervisor.cli.main import main
+from supervisor.format.exitcodes import Exit
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -161,7 +161,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys, monkeypatch) -
     def denied(*_a, **_k):
         raise PermissionError(13, "Permission denied", str(tmp_path / "run" / ".lock"))
 
-    monkeypatch.setattr("supervisor.ckpt_cmd.pick", denied)
+    monkeypatch.setattr("supervisor.cli.ckpt.pick", denied)
     err = _one_line_error(capsys, "pick", "--ckpt-root", str(tmp_path / "run"))
     assert ".lock: Permission denied" in err
 
@@ -210,7 +210,7 @@ def test_list_of_200_checkpoints_costs_about_a_python_startup(root200: Path, tmp
 def test_cli_never_imports_torch(root200: Path) -> None:
     code = (
         "import sys\n"
-        "from supervisor.cli import main\n"
+        "from supervisor.cli.main import main\n"
         f"assert main(['ckpt', 'list', '--ckpt-root', {str(root200)!r}]) == 0\n"
         f"main(['ckpt', 'verify', '--deep', '--ckpt-root', {str(root200)!r}])\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
@@ -232,7 +232,7 @@ def test_cli_never_imports_torch(root200: Path) -> None:
 
 
 def test_help_shows_each_default_once_and_the_program_name_typed():
-    from supervisor.cli import build_parser, program_name
+    from supervisor.cli.main import build_parser, program_name
 
     assert program_name("/usr/bin/resumable-supervisor") == "resumable-supervisor"
     assert program_name("/x/supervisor/__main__.py") == "python -m supervisor"

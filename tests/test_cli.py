@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from store_helpers import make_ckpt
 
-from supervisor.cli import main
+from supervisor.cli.main import main
 from supervisor.errors import UserError
-from supervisor.exitcodes import Exit
+from supervisor.format.exitcodes import Exit
 from supervisor.signing import SigningKeyError
 from supervisor.slurm import SlurmError
 from supervisor.store import StoreError

@@ -18,8 +18,8 @@ from supervisor.drill.mounts import is_mounted
 from supervisor.drill.plan import Fault, Kind, plan
 from supervisor.drill.runner import DrillConfig, read_digest, read_metrics, run_golden
 from supervisor.drill.switch import BLOCKING_FUNCTION
-from supervisor.events import events_path, read_events
-from supervisor.exitcodes import Exit
+from supervisor.format.events import events_path, read_events
+from supervisor.format.exitcodes import Exit
 from train_ref import hold
 
 pytestmark = pytest.mark.slow

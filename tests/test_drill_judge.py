@@ -12,6 +12,7 @@ import pytest
 from store_helpers import make_ckpt
 
 from supervisor import store
+from supervisor.cli.drill import chosen
 from supervisor.drill import report
 from supervisor.drill.judge import StepRecord, StorageFacts, Verdict, find_resumes, judge
 from supervisor.drill.plan import (
@@ -26,8 +27,7 @@ from supervisor.drill.plan import (
 )
 from supervisor.drill.report import summary, verdict_table
 from supervisor.drill.storage import PhaseClock, at_end, driver_for
-from supervisor.drill_cmd import chosen
-from supervisor.heartbeat import Heartbeat, Phase, write_heartbeat
+from supervisor.format.heartbeat import Heartbeat, Phase, write_heartbeat
 
 STEPS, EVERY = 40, 10
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.events import (
+from supervisor.format.events import (
     EventLog,
     RunState,
     events_path,
@@ -20,7 +20,7 @@ from supervisor.events import (
     read_state,
     state_path,
 )
-from supervisor.policy import LaunchRecord, Outcome
+from supervisor.watch.restart_policy import LaunchRecord, Outcome
 
 GOOD_LAUNCH = {
     "number": 1,
@@ -134,7 +134,7 @@ def test_event_log_buffer_is_bounded(tmp_path: Path, monkeypatch):
 
 
 def test_state_round_trip(tmp_path: Path):
-    from supervisor.events import write_state
+    from supervisor.format.events import write_state
 
     st = RunState(status="running", restart_times=(1.5,), command=("a", "b"), timeouts={"train": 3.0})
     write_state(tmp_path, st)

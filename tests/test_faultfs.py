@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import fsutil
 from supervisor.drill.faultctl import FaultFS
 from supervisor.drill.faultfs import Faults, proc_lineage
 from supervisor.drill.faultrules import SIZED_OPS, RuleError, RuleState, parse_rule, throttle
 from supervisor.drill.mounts import SmallTmpfs, is_mounted
+from supervisor.format import atomic
 
 EVENT_TIMEOUT_S = 60.0
 
@@ -147,8 +147,8 @@ def test_faults_engine_count_is_exact_under_threads_and_clear_releases_blocked()
 def test_passthrough_files_dirs_and_metadata(faultfs: FaultFS) -> None:
     m, b = faultfs.mountpoint, faultfs.backing
     (m / "d").mkdir()
-    fsutil.atomic_write_json(m / "d" / "state.json", {"a": 1})  # tmp, fsync, rename over, fsync dir
-    fsutil.atomic_write_json(m / "d" / "state.json", {"a": 2})
+    atomic.atomic_write_json(m / "d" / "state.json", {"a": 1})  # tmp, fsync, rename over, fsync dir
+    atomic.atomic_write_json(m / "d" / "state.json", {"a": 2})
     assert (b / "d" / "state.json").read_text() == (m / "d" / "state.json").read_text()
     assert [p.name for p in (m / "d").iterdir()] == ["state.json"]
 
@@ -171,7 +171,7 @@ def test_passthrough_files_dirs_and_metadata(faultfs: FaultFS) -> None:
         f.truncate(2 << 20)
     expect = payload[: 1 << 20] + b"xyz" + payload[(1 << 20) + 3 : 2 << 20]
     assert big.read_bytes() == expect == (b / "d" / "big.bin").read_bytes()
-    fsutil.fsync_tree(m / "d")
+    atomic.fsync_tree(m / "d")
 
     st, bst = os.stat(big), os.stat(b / "d" / "big.bin")
     assert (st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode) == (
@@ -599,11 +599,11 @@ def test_small_tmpfs_fills_to_enospc_and_recovers(small_tmpfs: SmallTmpfs) -> No
     assert 0 < taken <= small_tmpfs.size
     assert os.statvfs(small_tmpfs.path).f_bavail == 0
     with pytest.raises(OSError) as e:
-        fsutil.atomic_write_json(run / "state.json", {"step": 1, "pad": "y" * 8192})
+        atomic.atomic_write_json(run / "state.json", {"step": 1, "pad": "y" * 8192})
     assert e.value.errno == errno.ENOSPC
     assert sorted(os.listdir(run)) == ["before"], "the failed atomic write left its tmp file"
     small_tmpfs.free()
-    fsutil.atomic_write_json(run / "state.json", {"step": 1})
+    atomic.atomic_write_json(run / "state.json", {"step": 1})
     assert (run / "before").read_bytes() == b"x" * 4096
 
 

@@ -1,4 +1,4 @@
-"""Naming the culprit of a hang (supervisor/culprit.py: pure, on faulthandler text and /proc state),
+"""Naming the culprit of a hang (supervisor/watch/culprit.py: pure, on faulthandler text and /proc state),
 and the trainer's drill switch that makes a real hang (train_ref/drill_faults.py)."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from waiting import wait_for
 
-from supervisor.culprit import Probe, Where, diagnose, in_collective, main_thread, parse_dump
 from supervisor.drill.switch import BLOCKING_FUNCTION, ENV, Hang, Switch, When, read_marker
-from supervisor.launcher import proc_state
+from supervisor.watch.culprit import Probe, Where, diagnose, in_collective, main_thread, parse_dump
+from supervisor.watch.process import proc_state
 from train_ref import drill_faults
 
 SITE = "/venv/lib/python3.11/site-packages"

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from supervisor.heartbeat import (
+from supervisor.format.heartbeat import (
     ENV_LAUNCH_ID,
     ENV_RESTART_COUNT,
     Heartbeat,
@@ -20,7 +20,7 @@ from supervisor.heartbeat import (
     read_heartbeats,
     write_heartbeat,
 )
-from supervisor.layout import RunDir
+from supervisor.format.layout import RunDir
 
 
 def _hb(rank: int = 3, **kw) -> Heartbeat:

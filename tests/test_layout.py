@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from supervisor import layout
-from supervisor.layout import (
+from supervisor.format import layout
+from supervisor.format.layout import (
     RunDir,
     deleting_dirname,
     looks_like_run_dir,

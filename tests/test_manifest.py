@@ -11,7 +11,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from supervisor.manifest import (
+from supervisor.format.manifest import (
     FORMAT_VERSION,
     CheckpointInfo,
     FileEntry,

@@ -6,9 +6,9 @@ import signal
 
 import pytest
 
-from supervisor.exitcodes import Exit
-from supervisor.heartbeat import Heartbeat, HeartbeatSnapshot, Phase
-from supervisor.policy import (
+from supervisor.format.exitcodes import Exit
+from supervisor.format.heartbeat import Heartbeat, HeartbeatSnapshot, Phase
+from supervisor.watch.restart_policy import (
     Backoff,
     Budget,
     Clock,

@@ -32,7 +32,7 @@ from trainer_helpers import (
 )
 from waiting import wait_for, wait_held
 
-from supervisor.exitcodes import Exit
+from supervisor.format.exitcodes import Exit
 from supervisor.tiers.remote import open_remote
 from supervisor.tiers.uploader import read_remote_status
 from train_ref import hold

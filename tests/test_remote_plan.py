@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from supervisor.manifest import FileEntry, Manifest
+from supervisor.format.manifest import FileEntry, Manifest
 from supervisor.tiers.plan import (
     RemoteState,
     RemoteVerdict,

@@ -17,7 +17,7 @@ import pytest
 import remote_support as rs
 
 from supervisor import store
-from supervisor.layout import MANIFEST, RunDir, step_dirname
+from supervisor.format.layout import MANIFEST, RunDir, step_dirname
 from supervisor.tiers.backends import DirBackend
 from supervisor.tiers.plan import RemoteState
 from supervisor.tiers.remote import LocalSourceError, RemoteUnavailable, open_remote
@@ -76,7 +76,7 @@ def _start_stalling_upload(tier, ref) -> subprocess.Popen:
         """
         import sys, time
         from pathlib import Path
-        from supervisor.layout import parse_committed
+        from supervisor.format.layout import parse_committed
         from supervisor.store import CheckpointRef
         from supervisor.tiers.remote import open_remote
 

@@ -13,8 +13,8 @@ import remote_support as rs
 from waiting import PATIENCE_S, wait_for
 
 from supervisor import store
-from supervisor.events import read_events
-from supervisor.layout import REMOTE_EVENTS, RunDir
+from supervisor.format.events import read_events
+from supervisor.format.layout import REMOTE_EVENTS, RunDir
 from supervisor.tiers.backends import RemoteConfigError
 from supervisor.tiers.listing import list_tiers
 from supervisor.tiers.remote import RemoteTier, open_remote

@@ -30,8 +30,8 @@ from trainer_helpers import (
 )
 
 from supervisor import store
-from supervisor.exitcodes import Exit
-from supervisor.layout import SIGNATURE, RunDir
+from supervisor.format.exitcodes import Exit
+from supervisor.format.layout import SIGNATURE, RunDir
 
 pytestmark = pytest.mark.slow
 

@@ -33,8 +33,8 @@ from trainer_helpers import (
 )
 
 from supervisor import safepickle
-from supervisor.exitcodes import Exit
-from supervisor.layout import REASON, RunDir
+from supervisor.format.exitcodes import Exit
+from supervisor.format.layout import REASON, RunDir
 from train_ref.safe_load import load_dcp, weights_only_refusal
 from train_ref.state import RankState
 

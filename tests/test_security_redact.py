@@ -16,9 +16,9 @@ from commands import supervisor_cmd
 from store_helpers import make_ckpt
 
 from supervisor.drill.report import write_report
-from supervisor.events import EventLog, RunState, events_path, read_events, state_path, write_state
-from supervisor.exitcodes import Exit
-from supervisor.layout import RunDir
+from supervisor.format.events import EventLog, RunState, events_path, read_events, state_path, write_state
+from supervisor.format.exitcodes import Exit
+from supervisor.format.layout import RunDir
 from supervisor.redact import REDACTED, RedactFilter, redact, redact_log_handlers, redact_obj, redact_url
 from supervisor.tiers.backends import DirBackend, RemoteConfigError, open_backend
 from supervisor.tiers.remote import RemoteTier, RemoteUnavailable

@@ -19,9 +19,9 @@ from security_helpers import KEY, OTHER_KEY, tamper
 from store_helpers import SHARD, corrupt, default_files, latest_text, make_ckpt, quarantine_dirs
 
 from supervisor import signing, store
-from supervisor.cli import main
-from supervisor.exitcodes import Exit
-from supervisor.layout import MANIFEST, SIGNATURE, RunDir, step_dirname
+from supervisor.cli.main import main
+from supervisor.format.exitcodes import Exit
+from supervisor.format.layout import MANIFEST, SIGNATURE, RunDir, step_dirname
 from supervisor.signing import SigningKeyError, load_key
 from supervisor.tiers.remote import RemoteUntrusted, open_remote
 from supervisor.tiers.resume import prepare_resume

@@ -27,8 +27,9 @@ from pathlib import Path
 import pytest
 from waiting import wait_for
 
-from supervisor import events, slurm
-from supervisor.exitcodes import Exit
+from supervisor import slurm
+from supervisor.format import events
+from supervisor.format.exitcodes import Exit
 from train_ref import hold
 
 pytestmark = pytest.mark.slurm

@@ -12,7 +12,7 @@ import pytest
 from commands import supervisor_cmd
 
 from supervisor import slurm
-from supervisor.exitcodes import Exit
+from supervisor.format.exitcodes import Exit
 from supervisor.slurm import JobEnv, Knobs, SlurmError
 
 JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_NUM_NODES": "2"}
@@ -555,8 +555,8 @@ def test_start_without_scontrol_warns_and_expands_the_host_list_itself(tmp_path:
 
 
 def test_status_shows_both_budgets(tmp_path: Path) -> None:
-    from supervisor.status import build_report
-    from supervisor.status_cmd import render
+    from supervisor.cli.status import render
+    from supervisor.report import build_report
 
     assert build_report(tmp_path).slurm == ""  # a run not started by sbatch/job.sh
     state = slurm.RequeueState(job_id="4242", restart_count=3).with_limits(slurm.Budgets(100, 10))

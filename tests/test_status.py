@@ -15,12 +15,12 @@ from commands import supervisor_cmd
 from store_helpers import corrupt, make_ckpt
 
 from supervisor import store
-from supervisor.events import RunState, write_state
-from supervisor.heartbeat import Heartbeat, Phase, write_heartbeat
-from supervisor.layout import RunDir
-from supervisor.policy import LaunchRecord, Outcome
-from supervisor.status import STATUS_SCHEMA, build_report
-from supervisor.status_cmd import render
+from supervisor.cli.status import render
+from supervisor.format.events import RunState, write_state
+from supervisor.format.heartbeat import Heartbeat, Phase, write_heartbeat
+from supervisor.format.layout import RunDir
+from supervisor.report import STATUS_SCHEMA, build_report
+from supervisor.watch.restart_policy import LaunchRecord, Outcome
 
 REPO = Path(__file__).resolve().parent.parent
 LID = "vm-n0-1-2-abc"
@@ -140,7 +140,7 @@ def test_ranks_show_io_progress_failed_saves_and_monotonic_age(tmp_path: Path):
     """A rank deep in a verify shows how far it got and on which file; one whose saves fail shows
     how many and why; a heartbeat of this boot is aged on the monotonic clock, so a wall clock
     that jumped ahead does not make a live rank look stale."""
-    from supervisor.heartbeat import boot_id
+    from supervisor.format.heartbeat import boot_id
 
     root = tmp_path / "run"
     write_state(root, RunState(host="vm", watchdog_pid=os.getpid(), status="running", launch_id=LID))

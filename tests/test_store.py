@@ -24,8 +24,8 @@ from store_helpers import (
 )
 
 from supervisor import store
-from supervisor.fsutil import hostname
-from supervisor.layout import REASON, RunDir, deleting_dirname, tmp_dirname
+from supervisor.format.atomic import hostname
+from supervisor.format.layout import REASON, RunDir, deleting_dirname, tmp_dirname
 from supervisor.store import Expectation, MismatchError, NoUsableCheckpoint, StoreError
 
 

@@ -11,8 +11,14 @@ import pytest
 from store_helpers import SHARD, committed_names, latest_text, make_ckpt, quarantine_dirs, write_tmp
 
 from supervisor import store
-from supervisor.layout import MANIFEST
-from supervisor.manifest import FORMAT_VERSION, CheckpointInfo, FileEntry, parse_manifest, writers_problem
+from supervisor.format.layout import MANIFEST
+from supervisor.format.manifest import (
+    FORMAT_VERSION,
+    CheckpointInfo,
+    FileEntry,
+    parse_manifest,
+    writers_problem,
+)
 
 WRITERS = {0: [".metadata", SHARD, "rank_00000.pt"], 1: ["__1_0.distcp"]}
 

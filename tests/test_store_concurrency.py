@@ -13,7 +13,7 @@ from store_helpers import latest_text, make_ckpt, quarantine_dirs
 from waiting import PATIENCE_S
 
 from supervisor import store
-from supervisor.layout import step_dirname
+from supervisor.format.layout import step_dirname
 
 COMMITS = 60
 KEEP = 2

@@ -22,14 +22,14 @@ import remote_support as rs
 from store_helpers import SHARD, committed_names, latest_text, make_ckpt, quarantine_dirs, write_tmp
 
 from supervisor import store
-from supervisor.cli import main
-from supervisor.events import read_events
-from supervisor.exitcodes import Exit
+from supervisor.cli.main import main
+from supervisor.cli.status import render
+from supervisor.format.events import read_events
+from supervisor.format.exitcodes import Exit
+from supervisor.format.layout import REMOTE_EVENTS, RunDir, step_dirname
+from supervisor.format.manifest import CheckpointInfo
 from supervisor.ioerrors import Evidence
-from supervisor.layout import REMOTE_EVENTS, RunDir, step_dirname
-from supervisor.manifest import CheckpointInfo
-from supervisor.status import build_report
-from supervisor.status_cmd import render
+from supervisor.report import build_report
 from supervisor.tiers.remote import LocalUnreadable, open_remote
 from supervisor.tiers.resume import prepare_resume
 from supervisor.tiers.uploader import Uploader, UploadPolicy

@@ -35,8 +35,8 @@ from store_helpers import (
 )
 
 from supervisor import store
-from supervisor.layout import MANIFEST, RunDir, step_dirname
-from supervisor.manifest import CheckpointInfo
+from supervisor.format.layout import MANIFEST, RunDir, step_dirname
+from supervisor.format.manifest import CheckpointInfo
 
 PHASES = ("fsync", "manifest", "rename", "latest")
 # A crash at these phases happens before the rename: the checkpoint never becomes visible.
@@ -224,7 +224,7 @@ _WRITER = textwrap.dedent(
     sys.path.insert(0, sys.argv[3])
     from store_helpers import make_ckpt, write_tmp
     from supervisor import store
-    from supervisor.manifest import CheckpointInfo
+    from supervisor.format.manifest import CheckpointInfo
     root, phase = sys.argv[1], sys.argv[2]
     make_ckpt(root, 10)
     tmp = write_tmp(root, 20)

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from store_helpers import committed_names, corrupt, latest_text, make_ckpt, quarantine_dirs
 
 from supervisor import store
-from supervisor.cli import main
-from supervisor.exitcodes import Exit
-from supervisor.layout import QUARANTINE_DELETING_PREFIX, REASON, RunDir
+from supervisor.cli.main import main
+from supervisor.format.exitcodes import Exit
+from supervisor.format.layout import QUARANTINE_DELETING_PREFIX, REASON, RunDir
 from supervisor.store import QuarantineEntry, plan_quarantine
 
 # ---------------------------------------------------------------- the plan, pure

@@ -11,8 +11,8 @@ import torch.distributed as dist
 from store_helpers import corrupt, make_ckpt, quarantine_dirs
 
 from supervisor import store
-from supervisor.exitcodes import NON_RETRYABLE, Exit
-from supervisor.heartbeat import HeartbeatWriter, Phase, read_heartbeats
+from supervisor.format.exitcodes import NON_RETRYABLE, Exit
+from supervisor.format.heartbeat import HeartbeatWriter, Phase, read_heartbeats
 from train_ref.config import get_config
 from train_ref.data import Corpus
 from train_ref.resume import _choose, choose_checkpoint

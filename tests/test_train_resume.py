@@ -34,10 +34,10 @@ from trainer_helpers import (
 )
 from waiting import wait_for, wait_held
 
-from supervisor.exitcodes import Exit
-from supervisor.fsutil import atomic_write_json
-from supervisor.layout import MANIFEST, RunDir
-from supervisor.manifest import read_manifest
+from supervisor.format.atomic import atomic_write_json
+from supervisor.format.exitcodes import Exit
+from supervisor.format.layout import MANIFEST, RunDir
+from supervisor.format.manifest import read_manifest
 from supervisor.store import read_latest
 from train_ref import hold
 from train_ref.data import build_corpus

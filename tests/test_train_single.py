@@ -9,7 +9,7 @@ import sys
 
 from trainer_helpers import REPO, SEED, digest, rewind, run_ok, train_args, trainer_env
 
-from supervisor.layout import FINAL
+from supervisor.format.layout import FINAL
 
 
 def alone(root, *args: str) -> subprocess.CompletedProcess[str]:

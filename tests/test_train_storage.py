@@ -35,10 +35,10 @@ from trainer_helpers import (
 from waiting import wait_for, wait_fs_blocked
 
 from supervisor import store
-from supervisor.exitcodes import Exit
-from supervisor.heartbeat import Phase, read_heartbeats
-from supervisor.layout import MANIFEST
-from supervisor.manifest import read_manifest
+from supervisor.format.exitcodes import Exit
+from supervisor.format.heartbeat import Phase, read_heartbeats
+from supervisor.format.layout import MANIFEST
+from supervisor.format.manifest import read_manifest
 
 pytestmark = pytest.mark.slow
 

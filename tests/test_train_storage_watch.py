@@ -31,9 +31,9 @@ from trainer_helpers import (
 )
 from waiting import wait_for, wait_fs_blocked
 
-from supervisor.events import events_path
-from supervisor.exitcodes import Exit
-from supervisor.heartbeat import Phase
+from supervisor.format.events import events_path
+from supervisor.format.exitcodes import Exit
+from supervisor.format.heartbeat import Phase
 
 pytestmark = pytest.mark.slow
 

@@ -19,9 +19,9 @@ import pytest
 from waiting import wait_for, wait_held, watchdog_events
 from watch_helpers import events, finish, leftovers, of, start_watchdog, watch_argv
 
-from supervisor.events import read_state, state_path
-from supervisor.exitcodes import Exit
-from supervisor.heartbeat import read_heartbeats
+from supervisor.format.events import read_state, state_path
+from supervisor.format.exitcodes import Exit
+from supervisor.format.heartbeat import read_heartbeats
 from train_ref import hold
 
 REPO = Path(__file__).resolve().parent.parent
@@ -219,7 +219,7 @@ def test_sigterm_leaves_no_orphans(tmp_path):
 
 
 def test_descendants_walks_the_tree_and_skips_zombies():
-    from supervisor.launcher import ProcInfo, descendants
+    from supervisor.watch.process import ProcInfo, descendants
 
     table = {
         p.pid: p
@@ -237,8 +237,8 @@ def test_descendants_walks_the_tree_and_skips_zombies():
 
 
 def test_state_round_trip_and_garbage(tmp_path):
-    from supervisor.events import RunState, parse_state, write_state
-    from supervisor.policy import LaunchRecord, Outcome
+    from supervisor.format.events import RunState, parse_state, write_state
+    from supervisor.watch.restart_policy import LaunchRecord, Outcome
 
     rec = LaunchRecord(1, "id", 1.0, 2.0, Outcome.HANG, "hang: rank 1", 5, 10, 12)
     st = RunState(status="running", restart_times=(1.5,), launches=(rec,), command=("a", "b"))

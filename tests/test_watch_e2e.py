@@ -19,7 +19,7 @@ from waiting import wait_for, wait_held, watchdog_events
 from watch_helpers import events, finish, leftovers, start_watchdog
 
 from supervisor import store
-from supervisor.exitcodes import Exit
+from supervisor.format.exitcodes import Exit
 from train_ref import hold
 
 pytestmark = pytest.mark.slow

@@ -22,9 +22,9 @@ from waiting import wait_for, wait_held
 from watch_helpers import REPO, events, finish, leftovers, of
 
 from supervisor import store
-from supervisor.events import read_state, state_path
-from supervisor.exitcodes import Exit
-from supervisor.heartbeat import read_heartbeats
+from supervisor.format.events import read_state, state_path
+from supervisor.format.exitcodes import Exit
+from supervisor.format.heartbeat import read_heartbeats
 from train_ref import hold
 
 # The fake trainer beats every step (0.05 s): tests that are not about a hang must never see one,
@@ -80,8 +80,8 @@ class Output:
 # ---------------------------------------------------------------- never orphans, never blocks
 
 INJECT = """import sys
-from supervisor import watch
-from supervisor.cli import main
+from supervisor.watch import loop as watch
+from supervisor.cli.main import main
 def boom(self, child, launch_id, snaps, beats):
     if any(b.step >= 3 for b in beats):
         raise RuntimeError("injected: a bug in the watchdog's loop")

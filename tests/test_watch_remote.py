@@ -13,8 +13,8 @@ from pathlib import Path
 from commands import REPO, supervisor_cmd
 from store_helpers import make_ckpt
 
-from supervisor.events import events_path, read_events
-from supervisor.exitcodes import Exit
+from supervisor.format.events import events_path, read_events
+from supervisor.format.exitcodes import Exit
 
 # Stands in for the trainer: succeeds only when the checkpoint it must resume from is in place.
 NEEDS_STEP_20 = (

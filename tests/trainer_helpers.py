@@ -16,8 +16,8 @@ from pathlib import Path
 
 from waiting import PATIENCE_S
 
-from supervisor.heartbeat import Heartbeat, Phase, read_heartbeats
-from supervisor.manifest import read_manifest
+from supervisor.format.heartbeat import Heartbeat, Phase, read_heartbeats
+from supervisor.format.manifest import read_manifest
 from train_ref import hold
 from train_ref.resume import split_by_size
 

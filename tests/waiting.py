@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from supervisor.drill.faultctl import Blocked, Controller
-from supervisor.events import read_events
-from supervisor.layout import RunDir
+from supervisor.format.events import read_events
+from supervisor.format.layout import RunDir
 from train_ref import hold
 
 T = TypeVar("T")

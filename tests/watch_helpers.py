@@ -12,7 +12,7 @@ import pytest
 from commands import REPO, supervisor_cmd
 from waiting import PATIENCE_S
 
-from supervisor.events import events_path, read_events
+from supervisor.format.events import events_path, read_events
 from train_ref import hold
 
 

@@ -57,9 +57,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as TorchFuture
 
 from supervisor import store
-from supervisor.heartbeat import HeartbeatWriter, Phase, Progress
-from supervisor.layout import DCP_METADATA, rank_state_filename, step_dirname
-from supervisor.manifest import CheckpointInfo, FileEntry, checksum_file
+from supervisor.format.heartbeat import HeartbeatWriter, Phase, Progress
+from supervisor.format.layout import DCP_METADATA, rank_state_filename, step_dirname
+from supervisor.format.manifest import CheckpointInfo, FileEntry, checksum_file
 from train_ref import agree
 from train_ref.progress_io import PROGRESS_CHUNK, ProgressFileSystem, open_progress
 from train_ref.safe_load import load_dcp, weights_only_refusal

@@ -15,7 +15,7 @@ import time
 from typing import NoReturn
 
 from supervisor.drill.switch import ENV, Switch, When
-from supervisor.fsutil import atomic_write_json
+from supervisor.format.atomic import atomic_write_json
 
 
 class DrillFaults:

@@ -40,9 +40,9 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from supervisor.exitcodes import Exit
-from supervisor.heartbeat import read_heartbeats
-from supervisor.layout import FINAL
+from supervisor.format.exitcodes import Exit
+from supervisor.format.heartbeat import read_heartbeats
+from supervisor.format.layout import FINAL
 from train_ref import hold
 
 SKIP_LINE = "gpu-check: skipped: no CUDA device (torch.cuda.is_available() is False)"

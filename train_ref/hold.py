@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from supervisor.fsutil import atomic_write_json, atomic_write_text
+from supervisor.format.atomic import atomic_write_json, atomic_write_text
 
 ENV_HOLD_FILE = "TRAIN_REF_HOLD_FILE"
 POLL_S = 0.02

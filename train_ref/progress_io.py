@@ -3,7 +3,7 @@
 DCP reads every file through its storage reader's ``fs.create_stream`` (torch 2.13,
 torch/distributed/checkpoint/filesystem.py): ``ProgressFileSystem`` opens those files through
 ``ProgressFile``, a raw file whose reads are at most ``PROGRESS_CHUNK`` bytes each and are counted
-into a heartbeat tracker (``supervisor.heartbeat.Progress``) that names the file being read. A
+into a heartbeat tracker (``supervisor.format.heartbeat.Progress``) that names the file being read. A
 load that moves slowly therefore beats at every chunk and is never taken for a hang, and a read
 that never returns leaves the heartbeat silent with that file in ``io_path``. Short reads are
 what a raw file may return; the buffered reader on top loops until it has what DCP asked for.

@@ -30,10 +30,10 @@ from pathlib import Path
 import torch.distributed as dist
 
 from supervisor import store
-from supervisor.exitcodes import Exit
-from supervisor.heartbeat import ENV_LAUNCH_ID, HeartbeatWriter, Phase
+from supervisor.format.exitcodes import Exit
+from supervisor.format.heartbeat import ENV_LAUNCH_ID, HeartbeatWriter, Phase
+from supervisor.format.manifest import Manifest, ProgressFn
 from supervisor.ioerrors import Evidence, backoff_s, describe
-from supervisor.manifest import Manifest, ProgressFn
 from supervisor.tiers.remote import RemoteUnavailable
 from train_ref import agree, tiering
 from train_ref.config import TrainConfig

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
-from supervisor.layout import parse_committed
+from supervisor.format.layout import parse_committed
 from supervisor.safepickle import WHY, UnsafePickle, load_restricted
 
 # torch's weights_only refusal names the global: "Unsupported global: GLOBAL posix.system was not ..."

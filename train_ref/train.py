@@ -12,7 +12,7 @@
 Outputs in the checkpoint root: ``metrics.jsonl`` (rank 0, appended across launches),
 ``final.json`` (at the end), ``samples/rank_NNNNN.jsonl`` (with --log-samples), heartbeats and
 checkpoints in the store's layout; with --remote also ``supervisor/remote.json`` and
-``supervisor/events.remote.jsonl``. Exit codes: supervisor.exitcodes.Exit (0 done, 65 mismatch,
+``supervisor/events.remote.jsonl``. Exit codes: supervisor.format.exitcodes.Exit (0 done, 65 mismatch,
 66 no usable checkpoint, 74 storage (unreadable at resume, or failed saves past the save policy),
 75 preempted and checkpointed, 77 a checkpoint that would have run code refused, 78 bad config,
 1 remote unreachable with nothing local to resume).
@@ -40,12 +40,12 @@ import torch
 import torch.distributed as dist
 
 from supervisor import store
-from supervisor.exitcodes import Exit
-from supervisor.fsutil import atomic_write_json, restrict_umask
-from supervisor.heartbeat import HeartbeatWriter, Phase
+from supervisor.format.atomic import atomic_write_json, restrict_umask
+from supervisor.format.exitcodes import Exit
+from supervisor.format.heartbeat import HeartbeatWriter, Phase
+from supervisor.format.layout import FINAL, RunDir
+from supervisor.format.manifest import CheckpointInfo
 from supervisor.ioerrors import backoff_s, retry_transient
-from supervisor.layout import FINAL, RunDir
-from supervisor.manifest import CheckpointInfo
 from supervisor.redact import redact_log_handlers
 from supervisor.safepickle import UnsafePickle
 from supervisor.signing import SigningKeyError, add_signing_key_arg, load_key

@@ -6,8 +6,8 @@ import os
 import signal
 from pathlib import Path
 
-from supervisor.heartbeat import read_heartbeats
-from supervisor.layout import DCP_METADATA, parse_tmp
+from supervisor.format.heartbeat import read_heartbeats
+from supervisor.format.layout import DCP_METADATA, parse_tmp
 from supervisor.store import list_checkpoints
 
 

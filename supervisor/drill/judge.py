@@ -22,9 +22,9 @@ from supervisor.drill.plan import (
     steps_redone_bound,
 )
 from supervisor.drill.switch import BLOCKING_FUNCTION
-from supervisor.eventnames import EventName
-from supervisor.exitcodes import Exit
-from supervisor.policy import Outcome
+from supervisor.format.eventnames import EventName
+from supervisor.format.exitcodes import Exit
+from supervisor.watch.restart_policy import Outcome
 
 # slow-storage: the resumed launch's verify + load must take this many times their timeout, or
 # the scenario proves nothing about long phases.

@@ -7,11 +7,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from supervisor.display import table
 from supervisor.drill.judge import StepRecord, Verdict, fault_windows
 from supervisor.drill.runner import ScenarioRun
-from supervisor.eventnames import EventName
-from supervisor.fmt import table
-from supervisor.layout import step_dirname
+from supervisor.format.eventnames import EventName
+from supervisor.format.layout import step_dirname
 from supervisor.redact import redact
 from supervisor.store import list_tmp
 

@@ -20,8 +20,8 @@ from supervisor.drill import inject, storage, switch
 from supervisor.drill.faultctl import Controller, FaultFS
 from supervisor.drill.judge import StepRecord, StorageFacts
 from supervisor.drill.plan import IN_SAVE, SELF_INFLICTED, Fault, Kind
-from supervisor.events import events_path, read_events
-from supervisor.layout import MANIFEST, RunDir, parse_committed
+from supervisor.format.events import events_path, read_events
+from supervisor.format.layout import MANIFEST, RunDir, parse_committed
 from supervisor.store import list_checkpoints
 
 POLL_S = 0.02

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, ClassVar
 from supervisor.drill.faultctl import fuse_unavailable
 from supervisor.drill.judge import StorageFacts
 from supervisor.drill.plan import DISK_FULL_FAILURES, STORAGE, Fault, Kind
-from supervisor.heartbeat import Phase, read_heartbeats
-from supervisor.layout import COMMITTED_GLOB, STEP_PREFIX, TMP_GLOB
+from supervisor.format.heartbeat import Phase, read_heartbeats
+from supervisor.format.layout import COMMITTED_GLOB, STEP_PREFIX, TMP_GLOB
 from supervisor.store import list_checkpoints, list_quarantined, list_tmp
 
 if TYPE_CHECKING:

@@ -19,8 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from supervisor.fsutil import atomic_write_bytes, fsync_dir, fsync_file, fsync_tree, hostname, pid_alive
-from supervisor.layout import MANIFEST, deleting_dirname, parse_committed, tmp_dirname
+from supervisor.format.atomic import (
+    atomic_write_bytes,
+    fsync_dir,
+    fsync_file,
+    fsync_tree,
+    hostname,
+    pid_alive,
+)
+from supervisor.format.layout import MANIFEST, deleting_dirname, parse_committed, tmp_dirname
 from supervisor.redact import redact
 from supervisor.store import StoreError, list_deleting, list_tmp, root_lock, tmp_is_stale
 

@@ -1,6 +1,6 @@
 """Where the tier's events go: the watchdog's event-log format, in a file of their own.
 
-The watchdog's log (supervisor/events.py) has one writer per file. The uploader runs inside the
+The watchdog's log (supervisor/format/events.py) has one writer per file. The uploader runs inside the
 trainer's rank 0, so it writes ``supervisor/events.remote.jsonl`` beside the watchdog's log (read it
 as those: ``status`` reads no event log; its remote line comes from ``remote.json``).
 ``prepare_resume`` runs in the watchdog, which passes its own ``EventLog.emit``.
@@ -12,9 +12,9 @@ import logging
 from pathlib import Path
 from typing import Any, Protocol
 
-from supervisor.eventnames import EventName
-from supervisor.events import EventLog
-from supervisor.layout import RunDir
+from supervisor.format.eventnames import EventName
+from supervisor.format.events import EventLog
+from supervisor.format.layout import RunDir
 
 log = logging.getLogger("supervisor.tiers")
 

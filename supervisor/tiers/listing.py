@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from supervisor.format.layout import step_dirname
 from supervisor.ioerrors import Evidence
-from supervisor.layout import step_dirname
 from supervisor.store import list_checkpoints, validate
 from supervisor.tiers.plan import RemoteState
 from supervisor.tiers.remote import RemoteTier, RemoteUnavailable

@@ -12,8 +12,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 
-from supervisor.layout import MANIFEST, SIGNATURE
-from supervisor.manifest import NOT_LISTED, Manifest, ManifestError, parse_manifest
+from supervisor.format.layout import MANIFEST, SIGNATURE
+from supervisor.format.manifest import NOT_LISTED, Manifest, ManifestError, parse_manifest
 from supervisor.signing import Signature, Untrusted, verify
 from supervisor.store import plan_retention
 

@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
-from supervisor.ioerrors import describe, is_transient
-from supervisor.layout import (
+from supervisor.format.layout import (
     MANIFEST,
     QUARANTINE,
     REASON,
@@ -34,7 +33,7 @@ from supervisor.layout import (
     quarantined_dirname,
     step_dirname,
 )
-from supervisor.manifest import (
+from supervisor.format.manifest import (
     CHECKSUM_ALGO,
     FileEntry,
     ManifestError,
@@ -42,6 +41,7 @@ from supervisor.manifest import (
     hash_file,
     parse_manifest,
 )
+from supervisor.ioerrors import describe, is_transient
 from supervisor.redact import redact
 from supervisor.signing import BAD, DIGEST_ALGO
 from supervisor.store import STALE_TMP_AFTER_S, CheckpointRef, begin, commit

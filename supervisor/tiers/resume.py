@@ -29,10 +29,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from supervisor.eventnames import EventName
+from supervisor.format.eventnames import EventName
+from supervisor.format.layout import QUARANTINE, RunDir
+from supervisor.format.manifest import Manifest
 from supervisor.ioerrors import IO_RETRY_S, Evidence, retry_transient
-from supervisor.layout import QUARANTINE, RunDir
-from supervisor.manifest import Manifest
 from supervisor.store import (
     CheckpointRef,
     Expectation,

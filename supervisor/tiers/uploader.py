@@ -32,10 +32,10 @@ from typing import Any
 
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from supervisor.eventnames import EventName
-from supervisor.fsutil import atomic_write_json
-from supervisor.layout import REMOTE_STATUS, RunDir, step_dirname
-from supervisor.manifest import ManifestError, read_manifest
+from supervisor.format.atomic import atomic_write_json
+from supervisor.format.eventnames import EventName
+from supervisor.format.layout import REMOTE_STATUS, RunDir, step_dirname
+from supervisor.format.manifest import ManifestError, read_manifest
 from supervisor.redact import redact_obj
 from supervisor.store import MIN_KEEP, CheckpointRef, StoreError, list_checkpoints, prune
 from supervisor.tiers.backends import RemoteConfigError

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from supervisor.fmt import human_age, human_bytes, human_duration, table
-from supervisor.status import StatusReport, build_report
+from supervisor.display import human_age, human_bytes, human_duration, table
+from supervisor.report import StatusReport, build_report
 
 # Rank tables longer than this show only the ranks that need a look, plus a summary.
 MAX_RANK_ROWS = 16

@@ -7,29 +7,30 @@ import os
 import signal
 from pathlib import Path
 
-from supervisor import policy, slurm, watch_config
-from supervisor.policy import Backoff, Budget, PhaseTimeouts, RestartPolicy
+from supervisor import slurm
 from supervisor.signing import add_signing_key_arg, load_key
+from supervisor.watch import config, restart_policy
+from supervisor.watch.restart_policy import Backoff, Budget, PhaseTimeouts, RestartPolicy
 
 EPILOG = """exit codes: 0 done; 10 restart budget exhausted; 11 no progress; 12 non-retryable child
 failure or no usable checkpoint (reason in DIR/supervisor/events.jsonl); 13 preempted and
 checkpointed, requeue me (--requeue-exit); 14 storage unavailable past --io-retry, requeue me;
 2 usage (bad options only); 128+N stopped by signal N."""
 
-# One flag per phase (policy.PhaseTimeouts); --hang-timeout is the train phase's.
+# One flag per phase (restart_policy.PhaseTimeouts); --hang-timeout is the train phase's.
 TIMEOUT_FLAGS = (
-    ("--hang-timeout", policy.DEFAULT_TRAIN_TIMEOUT_S, "the train phase (a step)"),
+    ("--hang-timeout", restart_policy.DEFAULT_TRAIN_TIMEOUT_S, "the train phase (a step)"),
     (
         "--startup-timeout",
-        policy.DEFAULT_STARTUP_TIMEOUT_S,
+        restart_policy.DEFAULT_STARTUP_TIMEOUT_S,
         "startup (imports, rendezvous, building the model), or before any heartbeat",
     ),
-    ("--verify-timeout", policy.DEFAULT_VERIFY_TIMEOUT_S, "verify (checking a checkpoint's files)"),
-    ("--download-timeout", policy.DEFAULT_DOWNLOAD_TIMEOUT_S, "download (from the remote tier)"),
-    ("--load-timeout", policy.DEFAULT_LOAD_TIMEOUT_S, "load (reading a checkpoint)"),
-    ("--save-timeout", policy.DEFAULT_SAVE_TIMEOUT_S, "save (writing a checkpoint)"),
-    ("--commit-timeout", policy.DEFAULT_COMMIT_TIMEOUT_S, "commit (fsync, manifest, rename)"),
-    ("--digest-timeout", policy.DEFAULT_DIGEST_TIMEOUT_S, "digest (the final parameter digest)"),
+    ("--verify-timeout", restart_policy.DEFAULT_VERIFY_TIMEOUT_S, "verify (checking a checkpoint's files)"),
+    ("--download-timeout", restart_policy.DEFAULT_DOWNLOAD_TIMEOUT_S, "download (from the remote tier)"),
+    ("--load-timeout", restart_policy.DEFAULT_LOAD_TIMEOUT_S, "load (reading a checkpoint)"),
+    ("--save-timeout", restart_policy.DEFAULT_SAVE_TIMEOUT_S, "save (writing a checkpoint)"),
+    ("--commit-timeout", restart_policy.DEFAULT_COMMIT_TIMEOUT_S, "commit (fsync, manifest, rename)"),
+    ("--digest-timeout", restart_policy.DEFAULT_DIGEST_TIMEOUT_S, "digest (the final parameter digest)"),
 )
 
 
@@ -54,16 +55,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=None,
         help="train timeout = max observed step time x FACTOR (at least --learn-floor) once steps are seen",
     )
-    g.add_argument("--learn-floor", type=float, default=policy.DEFAULT_LEARN_FLOOR_S)
+    g.add_argument("--learn-floor", type=float, default=restart_policy.DEFAULT_LEARN_FLOOR_S)
     g.add_argument(
-        "--poll-interval", type=float, default=watch_config.DEFAULT_POLL_S, help="heartbeat check period"
+        "--poll-interval", type=float, default=config.DEFAULT_POLL_S, help="heartbeat check period"
     )
-    g.add_argument(
-        "--dump-wait", type=float, default=watch_config.DEFAULT_DUMP_WAIT_S, help="wait for stack dumps"
-    )
-    g.add_argument(
-        "--kill-grace", type=float, default=watch_config.DEFAULT_KILL_GRACE_S, help="SIGTERM to SIGKILL"
-    )
+    g.add_argument("--dump-wait", type=float, default=config.DEFAULT_DUMP_WAIT_S, help="wait for stack dumps")
+    g.add_argument("--kill-grace", type=float, default=config.DEFAULT_KILL_GRACE_S, help="SIGTERM to SIGKILL")
     g.add_argument(
         "--stop-grace",
         type=float,
@@ -75,13 +72,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     g.add_argument(
         "--reap-timeout",
         type=float,
-        default=watch_config.DEFAULT_REAP_TIMEOUT_S,
+        default=config.DEFAULT_REAP_TIMEOUT_S,
         help="after SIGKILL, seconds to wait before naming what could not be reaped (state D) and going on",
     )
     g.add_argument(
         "--dead-rank-grace",
         type=float,
-        default=watch_config.DEFAULT_DEAD_RANK_GRACE_S,
+        default=config.DEFAULT_DEAD_RANK_GRACE_S,
         help="seconds a rank gone without an exit code may be a clean exit before it counts as dead",
     )
     g.add_argument(
@@ -94,14 +91,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     g.add_argument(
         "--preempt-fallback",
         type=float,
-        default=watch_config.DEFAULT_PREEMPT_FALLBACK_S,
+        default=config.DEFAULT_PREEMPT_FALLBACK_S,
         help="seconds a preemption notice waits for heartbeats before going to the ranks found in /proc",
     )
     io = p.add_argument_group("storage")
     io.add_argument(
         "--io-retry",
         type=float,
-        default=watch_config.IO_RETRY_S,
+        default=config.IO_RETRY_S,
         metavar="SECONDS",
         help="retry unreadable checkpoints (EIO, ESTALE...) this long before a relaunch, then exit 14",
     )
@@ -113,20 +110,24 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     r = p.add_argument_group("restart policy")
     r.add_argument(
-        "--max-restarts", type=int, default=policy.DEFAULT_MAX_RESTARTS, help="failed launches, total"
+        "--max-restarts", type=int, default=restart_policy.DEFAULT_MAX_RESTARTS, help="failed launches, total"
     )
-    r.add_argument("--max-restarts-per-window", type=int, default=policy.DEFAULT_MAX_RESTARTS_PER_WINDOW)
-    r.add_argument("--window", type=float, default=policy.DEFAULT_WINDOW_S, help="rate window in seconds")
+    r.add_argument(
+        "--max-restarts-per-window", type=int, default=restart_policy.DEFAULT_MAX_RESTARTS_PER_WINDOW
+    )
+    r.add_argument(
+        "--window", type=float, default=restart_policy.DEFAULT_WINDOW_S, help="rate window in seconds"
+    )
     r.add_argument(
         "--no-progress",
         type=int,
-        default=policy.DEFAULT_NO_PROGRESS_LAUNCHES,
+        default=restart_policy.DEFAULT_NO_PROGRESS_LAUNCHES,
         metavar="K",
         help="stop after K failed launches in a row without a newer checkpoint (0: never)",
     )
-    r.add_argument("--backoff-initial", type=float, default=policy.DEFAULT_BACKOFF_INITIAL_S)
-    r.add_argument("--backoff-max", type=float, default=policy.DEFAULT_BACKOFF_MAX_S)
-    r.add_argument("--backoff-jitter", type=float, default=policy.DEFAULT_BACKOFF_JITTER_S)
+    r.add_argument("--backoff-initial", type=float, default=restart_policy.DEFAULT_BACKOFF_INITIAL_S)
+    r.add_argument("--backoff-max", type=float, default=restart_policy.DEFAULT_BACKOFF_MAX_S)
+    r.add_argument("--backoff-jitter", type=float, default=restart_policy.DEFAULT_BACKOFF_JITTER_S)
     r.add_argument("--reset-budget", action="store_true", help="forget restarts recorded in state.json")
     r.add_argument("--requeue-exit", action="store_true", help="after a preemption checkpoint, exit 13")
     p.add_argument(
@@ -138,7 +139,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--no-share-store-fix",
         action="store_true",
-        help=f"do not set {watch_config.SHARE_STORE_ENV}=1 in the child's environment",
+        help=f"do not set {config.SHARE_STORE_ENV}=1 in the child's environment",
     )
     t = p.add_argument_group("remote tier (docs/tiers.md); pass the same --remote to the trainer")
     t.add_argument("--remote", help="shared directory or s3://bucket/prefix to resume from after node loss")
@@ -146,7 +147,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     t.add_argument(
         "--remote-wait",
         type=float,
-        default=watch_config.DEFAULT_REMOTE_WAIT_S,
+        default=config.DEFAULT_REMOTE_WAIT_S,
         help="seconds to retry an unreachable remote when nothing local is valid, then stop",
     )
     add_signing_key_arg(p)
@@ -182,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     for flag in ("--io-retry", "--reap-timeout", "--dead-rank-grace", "--preempt-fallback"):
         if getattr(args, flag[2:].replace("-", "_")) < 0:
             args.parser.error(f"{flag} must not be negative")
-    cfg = watch_config.WatchConfig(
+    cfg = config.WatchConfig(
         root=args.ckpt_root,
         command=tuple(command),
         node=args.node_rank,
@@ -222,6 +223,6 @@ def run(args: argparse.Namespace) -> int:
         notice_signal=args.notice_signal,
         sign_key=_signing_key(args),
     )
-    from supervisor.watch import watch  # the loop and its process machinery: only when watching
+    from supervisor.watch.loop import watch  # the loop and its process machinery: only when watching
 
     return watch(cfg)

@@ -12,9 +12,9 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from enum import Enum
 
-from supervisor.eventnames import EventName
-from supervisor.exitcodes import NON_RETRYABLE, Exit
-from supervisor.heartbeat import Heartbeat, HeartbeatSnapshot, Phase
+from supervisor.format.eventnames import EventName
+from supervisor.format.exitcodes import NON_RETRYABLE, Exit
+from supervisor.format.heartbeat import Heartbeat, HeartbeatSnapshot, Phase
 
 # Phase timeouts: seconds a rank may go without a heartbeat, i.e. without progress (beats are
 # driven by progress: steps, or bytes in the long I/O phases). Train is the tight one; startup

@@ -9,17 +9,17 @@ import os
 import sys
 
 from supervisor.errors import UserError
-from supervisor.exitcodes import Exit
-from supervisor.fsutil import restrict_umask
+from supervisor.format.atomic import restrict_umask
+from supervisor.format.exitcodes import Exit
 
 # One line per command: its module defines register(subparsers) and sets args.func. Only the
 # module of the command asked for is imported, so `status` and `ckpt list` stay fast.
 COMMANDS = {
-    "ckpt": "supervisor.ckpt_cmd",
-    "watch": "supervisor.watch_cmd",
-    "status": "supervisor.status_cmd",
-    "drill": "supervisor.drill_cmd",
-    "slurm": "supervisor.slurm_cmd",
+    "ckpt": "supervisor.cli.ckpt",
+    "watch": "supervisor.cli.watch",
+    "status": "supervisor.cli.status",
+    "drill": "supervisor.cli.drill",
+    "slurm": "supervisor.cli.slurm",
 }
 
 

@@ -23,9 +23,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from supervisor import events, slurm
-from supervisor.exitcodes import Exit
-from supervisor.fsutil import hostname
+from supervisor import slurm
+from supervisor.format import events
+from supervisor.format.atomic import hostname
+from supervisor.format.exitcodes import Exit
 from supervisor.redact import redact
 from supervisor.slurm import JobEnv, Knobs, SlurmError
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import xxhash
 
-from supervisor.layout import MANIFEST, SIGNATURE
+from supervisor.format.layout import MANIFEST, SIGNATURE
 
 FORMAT_VERSION = 2
 READABLE_VERSIONS = frozenset({1, 2})

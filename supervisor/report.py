@@ -13,12 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from supervisor import events, store
-from supervisor.fsutil import hostname, pid_alive
-from supervisor.heartbeat import Phase, boot_id, read_heartbeats
+from supervisor import store
+from supervisor.format import events
+from supervisor.format.atomic import hostname, pid_alive
+from supervisor.format.heartbeat import Phase, boot_id, read_heartbeats
+from supervisor.format.layout import STATE_GLOB, RunDir
 from supervisor.ioerrors import describe
-from supervisor.layout import STATE_GLOB, RunDir
-from supervisor.policy import Clock, PhaseTimeouts, describe_progress
+from supervisor.watch.restart_policy import Clock, PhaseTimeouts, describe_progress
 
 if TYPE_CHECKING:
     from supervisor.tiers.uploader import RemoteStatus

@@ -2,7 +2,7 @@
 login node.
 
 Thin wiring: parse flags, call supervisor.store, print a table or stable JSON (docs/cli.md).
-Exit codes (supervisor/exitcodes.py): 0 ok; 1 verify found an invalid checkpoint or pick found no
+Exit codes (supervisor/format/exitcodes.py): 0 ok; 1 verify found an invalid checkpoint or pick found no
 valid one; 2 bad input, with one line on stderr naming the path and the fix; 3 storage could not
 be read (a transient I/O error, not proof of corruption), one line on stderr.
 """
@@ -20,12 +20,12 @@ from functools import wraps
 from pathlib import Path
 from typing import Any
 
-from supervisor import fmt
-from supervisor.exitcodes import Exit
-from supervisor.fsutil import hostname, pid_alive
+from supervisor import display
+from supervisor.format.atomic import hostname, pid_alive
+from supervisor.format.exitcodes import Exit
+from supervisor.format.layout import MANIFEST, looks_like_run_dir, step_dirname
+from supervisor.format.manifest import NOT_LISTED, list_files
 from supervisor.ioerrors import describe, is_transient
-from supervisor.layout import MANIFEST, looks_like_run_dir, step_dirname
-from supervisor.manifest import NOT_LISTED, list_files
 from supervisor.store import (
     DEFAULT_KEEP,
     IO_RETRY_S,
@@ -189,14 +189,14 @@ def _visible(verdicts: list[Verdict]) -> list[Verdict]:
 
 
 def _ckpt_table(rows: list[dict[str, Any]]) -> str:
-    return fmt.table(
+    return display.table(
         ["", "step", "age", "size", "files", "status", "reason"],
         [
             [
                 "latest" if r["latest"] else "",
                 r["step"],
-                fmt.human_age(r["age_s"]),
-                fmt.human_bytes(r["bytes"]),
+                display.human_age(r["age_s"]),
+                display.human_bytes(r["bytes"]),
                 r["files"],
                 _STATUS[r["evidence"]],
                 _why(r),
@@ -235,7 +235,7 @@ def _progress(
     if not (deep and sys.stderr.isatty()):
         yield None
         return
-    bar = fmt.ProgressBar(_bytes_to_hash(refs, stop_at_valid), label)
+    bar = display.ProgressBar(_bytes_to_hash(refs, stop_at_valid), label)
     try:
         yield bar.advance
     finally:
@@ -282,14 +282,14 @@ def cmd_list(args: argparse.Namespace) -> int:
         parts.append(
             "quarantined (kept for inspection; `ckpt prune` keeps the newest, see --quarantine-keep):"
         )
-        parts.append(fmt.table(["name", "reason"], [[q["name"], q["reason"]] for q in quarantined]))
+        parts.append(display.table(["name", "reason"], [[q["name"], q["reason"]] for q in quarantined]))
     if tmps:
         parts.append("in progress or left behind (stale ones are removed by `ckpt prune`):")
         parts.append(
-            fmt.table(
+            display.table(
                 ["name", "age", "writer", "state"],
                 [
-                    [t["name"], fmt.human_age(t["age_s"]), f"{t['pid']}@{t['host']}", _tmp_state(t)]
+                    [t["name"], display.human_age(t["age_s"]), f"{t['pid']}@{t['host']}", _tmp_state(t)]
                     for t in tmps
                 ],
             )
@@ -331,8 +331,10 @@ def _tier_rows(root: Path, url: str, endpoint: str | None, key: bytes | None) ->
 def _tier_table(t: dict[str, Any]) -> str:
     head = f"tiers (remote {t['url']}"
     head += f": unreachable, {t['remote_error']})" if t["remote_error"] else f", lag {t['lag_steps']} steps)"
-    rows = [[r["name"], r["where"], r["local"], r["remote"], fmt.human_bytes(r["bytes"])] for r in t["rows"]]
-    return head + "\n" + fmt.table(["name", "where", "local", "remote", "size"], rows)
+    rows = [
+        [r["name"], r["where"], r["local"], r["remote"], display.human_bytes(r["bytes"])] for r in t["rows"]
+    ]
+    return head + "\n" + display.table(["name", "where", "local", "remote", "size"], rows)
 
 
 def _tmp_state(t: dict[str, Any]) -> str:

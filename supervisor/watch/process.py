@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from supervisor.blocked import blocked_io
+from supervisor.watch.blocked import blocked_io
 
 PR_SET_CHILD_SUBREAPER = 36
 POLL_S = 0.05
@@ -213,7 +213,7 @@ class Child:
 
 def where_blocked(pid: int) -> str:
     """'read(/ckpt/run/step_00000120/__0_0.distcp) (state D, wchan fuse_...)' for a process in a
-    file syscall (supervisor.blocked); '' when it is in none."""
+    file syscall (supervisor.watch.blocked); '' when it is in none."""
     calls = blocked_io(pid)
     if not calls:
         return ""

@@ -22,8 +22,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from supervisor.fsutil import atomic_write_json, hostname
-from supervisor.layout import HEARTBEATS, RunDir, parse_heartbeat_filename
+from supervisor.format.atomic import atomic_write_json, hostname
+from supervisor.format.layout import HEARTBEATS, RunDir, parse_heartbeat_filename
 
 # Set by the watchdog for each launch, read by the trainer's HeartbeatWriter.
 ENV_LAUNCH_ID = "SUPERVISOR_LAUNCH_ID"
@@ -299,7 +299,7 @@ class HeartbeatWriter:
 
 
 class Progress:
-    """A ``ProgressFn`` (``(n) -> None``, as supervisor.manifest uses) that beats a heartbeat."""
+    """A ``ProgressFn`` (``(n) -> None``, as supervisor.format.manifest uses) that beats a heartbeat."""
 
     def __init__(self, writer: HeartbeatWriter, phase: Phase, step: int, total: int) -> None:
         self.writer, self.phase, self.step, self.total = writer, phase, step, total

@@ -1,7 +1,7 @@
 """The watchdog loop: pick -> launch -> monitor heartbeats -> classify -> decide -> back off.
 
 Facts are gathered here (processes, heartbeat files, the store) and handed to the pure functions
-in ``policy.py``; this module only carries out what they decide and records it.
+in ``restart_policy.py``; this module only carries out what they decide and records it.
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar
 
-from supervisor import culprit, events, launcher, policy, store
-from supervisor.eventnames import EventName
-from supervisor.events import EventLog, RunState
-from supervisor.exitcodes import Exit
-from supervisor.fsutil import hostname
-from supervisor.heartbeat import (
+from supervisor import store
+from supervisor.format import events
+from supervisor.format.atomic import hostname
+from supervisor.format.eventnames import EventName
+from supervisor.format.events import EventLog, RunState
+from supervisor.format.exitcodes import Exit
+from supervisor.format.heartbeat import (
     ENV_LAUNCH_ID,
     ENV_RESTART_COUNT,
     Heartbeat,
@@ -31,10 +32,11 @@ from supervisor.heartbeat import (
     read_heartbeat,
     read_heartbeats,
 )
+from supervisor.format.layout import RunDir
 from supervisor.ioerrors import StorageUnavailable, describe, retry_transient
-from supervisor.layout import RunDir
-from supervisor.policy import Hang, LaunchRecord, Outcome
-from supervisor.watch_config import SHARE_STORE_ENV, WatchConfig
+from supervisor.watch import culprit, process, restart_policy
+from supervisor.watch.config import SHARE_STORE_ENV, WatchConfig
+from supervisor.watch.restart_policy import Hang, LaunchRecord, Outcome
 
 T = TypeVar("T")
 
@@ -56,7 +58,7 @@ class _Ended:
 
     returncode: int
     hangs: list[Hang] = field(default_factory=list)
-    dead: list[policy.DeadRank] = field(default_factory=list)
+    dead: list[restart_policy.DeadRank] = field(default_factory=list)
     stop_signal: int | None = None
     preempted: bool = False
     culprit: str = ""  # who hung it, from the stack dumps (culprit.py)
@@ -201,7 +203,7 @@ class Watchdog:
             return self._finish(Exit.STORAGE_UNAVAILABLE, events.FAILED, why)
 
     def _run(self) -> int:
-        subreaper = launcher.become_subreaper()
+        subreaper = process.become_subreaper()
         self.cfg.root.mkdir(parents=True, exist_ok=True)
         self.state = self._initial_state()
         carried = len(self.state.restart_times)
@@ -225,7 +227,7 @@ class Watchdog:
             rec, ended = self._launch_once(resumed_from)
             history = self.state.launches
             now = time.time()
-            d = policy.decide(
+            d = restart_policy.decide(
                 rec,
                 history,
                 self.state.restart_times,
@@ -408,7 +410,7 @@ class Watchdog:
                 self.log.emit(
                     EventName.KILL, f"launch {number}: killed what was left: {note}", unreaped=child.unreaped
                 )
-        beats = policy.launch_heartbeats(read_heartbeats(self.cfg.root), launch_id)
+        beats = restart_policy.launch_heartbeats(read_heartbeats(self.cfg.root), launch_id)
         cls = self._classify(ended, beats)
         if child.unreaped:
             cls = replace(
@@ -429,7 +431,7 @@ class Watchdog:
         self.log.emit(
             EventName.LAUNCH_END,
             f"launch {number} ended after {rec.ended - rec.started:.1f}s "
-            f"{policy.where_died(rec.last_step)}: {cls.reason}",
+            f"{restart_policy.where_died(rec.last_step)}: {cls.reason}",
             launch=number,
             launch_id=launch_id,
             outcome=cls.outcome.value,
@@ -441,11 +443,11 @@ class Watchdog:
         self._save(launches=self.state.with_launch(rec).launches)
         return rec, ended
 
-    def _start(self, env: dict[str, str]) -> launcher.Child:
+    def _start(self, env: dict[str, str]) -> process.Child:
         """Start COMMAND; one that cannot be executed stops the watchdog (exit 12) with a line
         naming it, a transient error reaches run() (exit 14)."""
         try:
-            return launcher.Child(
+            return process.Child(
                 list(self.cfg.command), env, reap_timeout_s=self.cfg.reap_timeout_s, abandoned=self.abandoned
             )
         except OSError as e:
@@ -456,34 +458,38 @@ class Watchdog:
                 f"cannot start {self.cfg.command[0]}: {describe(e)}; fix COMMAND (a path, or a program on PATH)",
             ) from None
 
-    def _classify(self, ended: _Ended, beats: list[Heartbeat]) -> policy.Classification:
+    def _classify(self, ended: _Ended, beats: list[Heartbeat]) -> restart_policy.Classification:
         """A rank's deliberate exit code (non-retryable, requeue) wins: the deaths and hangs of
         the others may just be the fallout of it."""
-        cls = policy.classify_exit(ended.returncode, (b.exit_code for b in beats))
+        cls = restart_policy.classify_exit(ended.returncode, (b.exit_code for b in beats))
         if cls.outcome in (Outcome.NON_RETRYABLE, Outcome.REQUEUE, Outcome.STORAGE, Outcome.DONE):
             return cls
         if ended.stop_signal is not None:
             name = signal.Signals(ended.stop_signal).name
-            return policy.Classification(
+            return restart_policy.Classification(
                 Outcome.STOPPED, ended.returncode, f"stopped by {name} ({cls.reason})"
             )
         if ended.dead:
             more = f" (+{len(ended.dead) - 1} more ranks)" if len(ended.dead) > 1 else ""
-            return policy.Classification(Outcome.CRASH, ended.returncode, f"{ended.dead[0].reason}{more}")
+            return restart_policy.Classification(
+                Outcome.CRASH, ended.returncode, f"{ended.dead[0].reason}{more}"
+            )
         if ended.hangs:
             h = ended.hangs[0]
             more = f" (+{len(ended.hangs) - 1} more ranks)" if len(ended.hangs) > 1 else ""
             who = f"; {ended.culprit}" if ended.culprit else ""
-            return policy.Classification(Outcome.HANG, ended.returncode, f"hang: {h.reason}{more}{who}")
+            return restart_policy.Classification(
+                Outcome.HANG, ended.returncode, f"hang: {h.reason}{more}{who}"
+            )
         return cls
 
     # ------------------------------------------------------------ monitoring one launch
 
-    def _monitor(self, child: launcher.Child, launch_id: str) -> _Ended:
+    def _monitor(self, child: process.Child, launch_id: str) -> _Ended:
         ended = _Ended(returncode=0)
         reader = _LaunchBeats(self.cfg.root, launch_id)
         next_check = time.monotonic() + self.cfg.poll_s
-        gone: list[policy.DeadRank] = []  # ranks seen vanished without an exit code, not yet dead
+        gone: list[restart_policy.DeadRank] = []  # ranks seen vanished without an exit code, not yet dead
         gone_since: dict[int, float] = {}
         save_seen: dict[int, int] = {}
         while True:
@@ -507,12 +513,12 @@ class Watchdog:
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + self.cfg.poll_s
                 snaps = reader.read()
-                beats = policy.launch_heartbeats(snaps, launch_id)
+                beats = restart_policy.launch_heartbeats(snaps, launch_id)
                 save_seen = self._report_saves(beats, save_seen)
                 tree = set(child.tree())  # after the read: a rank that beat and then died is gone
-                gone = policy.dead_ranks(beats, self.host, tree)
+                gone = restart_policy.dead_ranks(beats, self.host, tree)
                 survivors = any(b.host == self.host and b.pid in tree for b in beats)
-                dead, gone_since = policy.confirm_dead(
+                dead, gone_since = restart_policy.confirm_dead(
                     gone,
                     gone_since,
                     time.monotonic(),
@@ -543,7 +549,7 @@ class Watchdog:
 
     def _report_saves(self, beats: list[Heartbeat], seen: dict[int, int]) -> dict[int, int]:
         """save_failed / save_recovered events for what this node's ranks report."""
-        news, seen = policy.save_news((b for b in beats if b.host == self.host), seen)
+        news, seen = restart_policy.save_news((b for b in beats if b.host == self.host), seen)
         for n in news:
             self.log.emit(
                 n.event,
@@ -556,14 +562,14 @@ class Watchdog:
             )
         return seen
 
-    def _forward_preemption(self, child: launcher.Child, launch_id: str) -> bool:
+    def _forward_preemption(self, child: process.Child, launch_id: str) -> bool:
         """Send the notice (SIGUSR1 unless --notice-signal) to this launch's ranks on this host;
         True once delivered. Ranks still in
         startup may not handle it yet (its default action kills), so the notice waits for them;
         a command that writes no heartbeat gets it, after --preempt-fallback seconds, on its
-        ranks (launcher.Child.workers: never torchrun's agent, which SIGUSR1 would kill, nor a
+        ranks (process.Child.workers: never torchrun's agent, which SIGUSR1 would kill, nor a
         rank's DataLoader workers)."""
-        beats = policy.launch_heartbeats(read_heartbeats(self.cfg.root), launch_id)
+        beats = restart_policy.launch_heartbeats(read_heartbeats(self.cfg.root), launch_id)
         tree = set(child.tree())
         local = [b for b in beats if b.host == self.host and b.pid in tree]
         if any(b.phase == Phase.STARTUP for b in local):
@@ -576,13 +582,13 @@ class Watchdog:
             who = f"pids {pids} (this launch wrote no heartbeat)"
         else:
             return False
-        launcher.send(pids, self.cfg.notice_signal)
+        process.send(pids, self.cfg.notice_signal)
         name = signal.Signals(self.cfg.notice_signal).name
         self.log.emit(EventName.PREEMPT, f"preemption notice ({name}) forwarded to {who}", pids=pids)
         return True
 
     def _check_hangs(
-        self, child: launcher.Child, launch_id: str, snaps: list[HeartbeatSnapshot], beats: list[Heartbeat]
+        self, child: process.Child, launch_id: str, snaps: list[HeartbeatSnapshot], beats: list[Heartbeat]
     ) -> list[Hang]:
         timeouts = self.cfg.timeouts
         if self.cfg.learn_factor is not None:
@@ -590,25 +596,25 @@ class Watchdog:
                 b.last_step_s for b in beats if b.phase == Phase.TRAIN and b.last_step_s > 0
             )
             self.step_times = [max(self.step_times)] if self.step_times else []
-            learned = policy.learned_train_timeout(
+            learned = restart_policy.learned_train_timeout(
                 self.step_times, self.cfg.learn_factor, self.cfg.learn_floor_s
             )
-            timeouts = policy.effective_timeouts(timeouts, learned)
-        return policy.detect_hangs(
+            timeouts = restart_policy.effective_timeouts(timeouts, learned)
+        return restart_policy.detect_hangs(
             snaps,
             launch_id=launch_id,
             launch_age_s=time.monotonic() - child.started_mono,
-            clock=policy.Clock(time.time(), time.monotonic(), boot_id()),
+            clock=restart_policy.Clock(time.time(), time.monotonic(), boot_id()),
             timeouts=timeouts,
         )
 
-    def _where_blocked(self, child: launcher.Child, hangs: list[Hang]) -> list[Hang]:
+    def _where_blocked(self, child: process.Child, hangs: list[Hang]) -> list[Hang]:
         """Each hung rank with the file syscall /proc shows it blocked in (a read that never
         returns writes no heartbeat and no stack dump: this names its path)."""
         tree = set(child.tree())
         out = []
         for h in hangs:
-            where = launcher.where_blocked(h.pid) if h.pid in tree else ""
+            where = process.where_blocked(h.pid) if h.pid in tree else ""
             if where:
                 h = replace(h, blocked=where)
                 self.log.emit(
@@ -623,17 +629,17 @@ class Watchdog:
             out.append(h)
         return out
 
-    def _handle_hang(self, child: launcher.Child, hangs: list[Hang], launch_id: str) -> str:
+    def _handle_hang(self, child: process.Child, hangs: list[Hang], launch_id: str) -> str:
         """Dump every local rank's stacks, name the culprit from where each rank waits (culprit.py),
         log it with the dumps, then kill the launch. Returns who hung it, for the launch's reason."""
-        beats = policy.launch_heartbeats(read_heartbeats(self.cfg.root), launch_id)  # every rank
+        beats = restart_policy.launch_heartbeats(read_heartbeats(self.cfg.root), launch_id)  # every rank
         tree = set(child.tree())
-        stopped = set(launcher.stopped(tree))
+        stopped = set(process.stopped(tree))
         targets = {b.rank: b.pid for b in beats if b.host == self.host and b.pid in tree}
-        procs = {r: launcher.proc_state(pid) for r, pid in targets.items()}  # before SIGCONT
+        procs = {r: process.proc_state(pid) for r, pid in targets.items()}  # before SIGCONT
         run = RunDir.of(self.cfg.root)
         paths = {r: run.stack_dump(r) for r in targets}
-        dumps = launcher.dump_stacks(targets, paths, self.cfg.dump_wait_s)
+        dumps = process.dump_stacks(targets, paths, self.cfg.dump_wait_s)
         diag = culprit.diagnose(culprit.Probe(r, pid, *procs[r], dumps.get(r)) for r, pid in targets.items())
         who = diag.summary()
         self.log.emit(
@@ -680,7 +686,7 @@ class _LaunchBeats:
             snaps = [read_heartbeat(self.run.heartbeat(r), r) for r in self.ranks]
         if now >= self.next_full:
             self.next_full = now + FULL_SCAN_S
-        beats = policy.launch_heartbeats(snaps, self.launch_id)
+        beats = restart_policy.launch_heartbeats(snaps, self.launch_id)
         if full:
             self.ranks = [b.rank for b in beats]
         self.assembling = (

@@ -7,9 +7,9 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from supervisor import policy
 from supervisor.ioerrors import IO_RETRY_S
-from supervisor.policy import PhaseTimeouts, RestartPolicy
+from supervisor.watch import restart_policy
+from supervisor.watch.restart_policy import PhaseTimeouts, RestartPolicy
 
 # torchrun + gloo: a restarted group that reuses the agent's TCPStore hangs or fails to connect
 # (see docs/watchdog.md); set in the child's environment unless the operator set it.
@@ -38,7 +38,7 @@ class WatchConfig:
     deep_verify: bool = False
     timeouts: PhaseTimeouts = field(default_factory=PhaseTimeouts)
     learn_factor: float | None = None  # None: no learned train timeout
-    learn_floor_s: float = policy.DEFAULT_LEARN_FLOOR_S
+    learn_floor_s: float = restart_policy.DEFAULT_LEARN_FLOOR_S
     policy: RestartPolicy = field(default_factory=RestartPolicy)
     kill_grace_s: float = DEFAULT_KILL_GRACE_S
     # When the watchdog itself is told to stop (SIGTERM: a preemption with PreemptMode=REQUEUE

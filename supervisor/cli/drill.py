@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from supervisor.display import human_duration
 from supervisor.drill import plan as planning
 from supervisor.drill import storage
 from supervisor.drill.faultctl import FaultFSError
@@ -17,8 +18,7 @@ from supervisor.drill.judge import Verdict, judge
 from supervisor.drill.report import plot, summary, verdict_table, write_report
 from supervisor.drill.runner import DrillConfig, ScenarioRun, run_golden, run_scenario
 from supervisor.errors import UserError
-from supervisor.exitcodes import Exit
-from supervisor.fmt import human_duration
+from supervisor.format.exitcodes import Exit
 
 # Every scenario but sigstop (a stop the watchdog's own SIGCONT cures; `hang` is the real one),
 # which keeps `make drill` near 6 minutes on 2 cores; chaos still draws it, --scenario runs it.

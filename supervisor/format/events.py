@@ -17,11 +17,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
-from supervisor.eventnames import EventName
-from supervisor.fsutil import atomic_write_json
-from supervisor.layout import RunDir
-from supervisor.policy import LaunchRecord, Outcome
+from supervisor.format.atomic import atomic_write_json
+from supervisor.format.eventnames import EventName
+from supervisor.format.layout import RunDir
 from supervisor.redact import redact, redact_obj
+from supervisor.watch.restart_policy import LaunchRecord, Outcome
 
 STATE_VERSION = 1
 # Launch records kept in the state file (the event log keeps every one).

@@ -1,0 +1,1 @@
+"""The watchdog: its loop, restart policy, process control and hang diagnosis."""
