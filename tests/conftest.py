@@ -86,3 +86,12 @@ def tier(request: pytest.FixtureRequest, tmp_path: Path) -> RemoteTier:
 @pytest.fixture
 def local(tmp_path: Path) -> Path:
     return tmp_path / "local" / "run"
+
+
+@pytest.fixture(scope="session")
+def goldens(tmp_path_factory: pytest.TempPathFactory):
+    """Uninterrupted reference runs of the real trainer, made once per session and shared by every
+    test that compares a faulted run against one (trainer_helpers.Goldens)."""
+    from trainer_helpers import shared_goldens  # imports torch: only for the tests that need it
+
+    return shared_goldens(lambda: tmp_path_factory.mktemp("goldens"))

@@ -28,7 +28,6 @@ from trainer_helpers import (
     rewind,
     run,
     run_ok,
-    shared_goldens,
     train_args,
 )
 
@@ -40,11 +39,6 @@ from train_ref.state import RankState
 
 REPO = Path(__file__).resolve().parents[1]
 METADATA = ".metadata"
-
-
-@pytest.fixture(scope="module")
-def goldens(tmp_path_factory):
-    return shared_goldens(lambda: tmp_path_factory.mktemp("goldens"))
 
 
 @pytest.fixture(scope="module")

@@ -11,16 +11,11 @@ DataLoader worker RNG (derived from (seed, epoch, batch, sample), not state).
 from __future__ import annotations
 
 import pytest
-from trainer_helpers import SAVE_EVERY, digest, rewind, run_ok, shared_goldens, train_args
+from trainer_helpers import SAVE_EVERY, digest, rewind, run_ok, train_args
 
 from train_ref.state import ABLATABLE
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="session")
-def goldens(tmp_path_factory):
-    return shared_goldens(lambda: tmp_path_factory.mktemp("goldens"))
 
 
 @pytest.mark.parametrize("item", ABLATABLE)

@@ -28,7 +28,6 @@ from trainer_helpers import (
     rewind,
     run,
     run_ok,
-    shared_goldens,
     train_args,
     trainer_env,
 )
@@ -43,11 +42,6 @@ from train_ref import hold
 from train_ref.data import build_corpus
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="session")
-def goldens(tmp_path_factory):
-    return shared_goldens(lambda: tmp_path_factory.mktemp("goldens"))
 
 
 def _tree(root: Path) -> dict[str, tuple[int, int]]:

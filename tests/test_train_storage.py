@@ -29,7 +29,6 @@ from trainer_helpers import (
     rewind,
     run,
     run_ok,
-    shared_goldens,
     train_args,
 )
 from waiting import wait_for, wait_fs_blocked
@@ -41,11 +40,6 @@ from supervisor.format.layout import MANIFEST
 from supervisor.format.manifest import read_manifest
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="session")
-def goldens(tmp_path_factory):
-    return shared_goldens(lambda: tmp_path_factory.mktemp("goldens"))
 
 
 def leftovers(root: Path) -> list[str]:

@@ -24,7 +24,6 @@ from trainer_helpers import (
     kill_group,
     largest_share,
     rewind,
-    shared_goldens,
     torchrun_cmd,
     train_args,
     trainer_env,
@@ -39,11 +38,6 @@ pytestmark = pytest.mark.slow
 
 WATCH = ["--poll-interval", "0.2", "--kill-grace", "1", "--reap-timeout", "1", "--dump-wait", "1"]
 WATCH += ["--backoff-initial", "0.5", "--backoff-jitter", "0", "--startup-timeout", "120"]
-
-
-@pytest.fixture(scope="session")
-def goldens(tmp_path_factory):
-    return shared_goldens(lambda: tmp_path_factory.mktemp("goldens"))
 
 
 def watch(root: Path, *watch_args: str) -> subprocess.Popen[str]:

@@ -16,7 +16,6 @@ from trainer_helpers import (
     read_jsonl,
     rewind,
     run_ok,
-    shared_goldens,
     train_args,
 )
 
@@ -31,11 +30,6 @@ RESUME_AT = SAVE_EVERY
 # 5% leaves room for other seeds yet fails if the data or the state were wrong (a restart from
 # scratch or a skipped epoch moves the loss by >30% at this stage).
 LOSS_BOUND = 0.05
-
-
-@pytest.fixture(scope="session")
-def goldens(tmp_path_factory):
-    return shared_goldens(lambda: tmp_path_factory.mktemp("goldens"))
 
 
 def ids_by_step(root) -> dict[int, list[int]]:
