@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, ClassVar
 from supervisor.drill.faultctl import fuse_unavailable
 from supervisor.drill.judge import StorageFacts
 from supervisor.drill.plan import DISK_FULL_FAILURES, STORAGE, Fault, Kind
+from supervisor.format.eventnames import EventName
+from supervisor.format.events import events_path, read_events
 from supervisor.format.heartbeat import Phase, read_heartbeats
 from supervisor.format.layout import COMMITTED_GLOB, STEP_PREFIX, TMP_GLOB
 from supervisor.store import list_checkpoints, list_quarantined, list_tmp
@@ -113,7 +115,7 @@ class IoError(StorageDriver):
 
 
 class DiskFull(StorageDriver):
-    """ENOSPC on every write into a checkpoint tmp dir until the heartbeats report
+    """ENOSPC on every write into a checkpoint tmp dir until the watchdog has logged
     DISK_FULL_FAILURES failed saves in a row (an event, not a time), then space again. The job must
     ride it out in the same launch.
 
@@ -139,14 +141,18 @@ class DiskFull(StorageDriver):
         scene.struck(fault, t0, in_flight)
 
         def failures() -> int:
-            beats = (s.heartbeat for s in read_heartbeats(scene.root))
-            return max((hb.save_failures for hb in beats if hb and hb.launch_id == launch), default=0)
+            """Failed saves in a row as the watchdog logged them: the disk stays full until the
+            watchdog has seen them (a streak shorter than its poll would otherwise pass unseen)."""
+            logged = [
+                e for e in read_events(events_path(scene.root)) if e.get("event") == EventName.SAVE_FAILED
+            ]
+            return max((int(e.get("save_failures") or 0) for e in logged if e.get("t", 0) >= t0), default=0)
 
         reported = scene.wait(lambda: failures() >= DISK_FULL_FAILURES)
         after, hits, seen = committed_steps(scene.root), scene.fs.hits(rule), failures()
         scene.fs.clear(rule)
         scene.note(
-            f"space again at step {scene.step()}: the heartbeats reported {seen} failed save(s) in a row"
+            f"space again at step {scene.step()}: the watchdog logged {seen} failed save(s) in a row"
             + ("" if reported else f" (waited for {DISK_FULL_FAILURES} in vain)")
             + f"; {hits} write(s) failed with ENOSPC"
         )
