@@ -47,11 +47,14 @@ def faithful_run(kill_at: int = 17, resume_from: int = 10) -> list[StepRecord]:
     return curve("a", range(1, kill_at + 1)) + curve("b", range(resume_from + 1, STEPS + 1))
 
 
-def verdict(drill, *, faults=None, injected=None, in_flight=None, digest="d0", violations=()):
+def verdict(
+    drill, *, faults=None, injected=None, in_flight=None, digest="d0", violations=(), scenario="kill9", **seen
+):
+    """judge() on a drill run against GOLDEN; ``seen``: events, fault_times, storage."""
     faults = faults if faults is not None else [Fault(Kind.KILL9, 17, 1)]
     injected = injected if injected is not None else faults
     return judge(
-        "kill9",
+        scenario,
         faults=faults,
         injected=injected,
         save_in_flight=in_flight if in_flight is not None else [False] * len(injected),
@@ -62,7 +65,13 @@ def verdict(drill, *, faults=None, injected=None, in_flight=None, digest="d0", v
         golden_digest="d0",
         drill_digest=digest,
         latest_violations=list(violations),
+        **seen,
     )
+
+
+def seen_after_fault(drill) -> list[StepRecord]:
+    """The drill's records stamped as first seen: launch "a" before the fault at T0, "b" after."""
+    return [StepRecord(r.step, r.loss, r.lr, r.launch, T0 + (30 if r.launch == "b" else -1)) for r in drill]
 
 
 def failed(v) -> set[str]:
@@ -182,20 +191,11 @@ def hang_events(
 
 
 def hang_verdict(events, fault=HUNG, drill=None):
-    drill = drill or faithful_run()
-    drill = [StepRecord(r.step, r.loss, r.lr, r.launch, T0 + (30 if r.launch == "b" else -1)) for r in drill]
-    return judge(
-        fault.kind.value,
+    return verdict(
+        seen_after_fault(drill or faithful_run()),
         faults=[fault],
-        injected=[fault],
-        save_in_flight=[fault.kind == Kind.HANG_DURING_SAVE],
-        golden=GOLDEN,
-        drill=drill,
-        steps=STEPS,
-        save_every=EVERY,
-        golden_digest="d0",
-        drill_digest="d0",
-        latest_violations=[],
+        in_flight=[fault.kind == Kind.HANG_DURING_SAVE],
+        scenario=fault.kind.value,
         events=events,
         fault_times=[T0],
     )
@@ -319,19 +319,10 @@ def test_storage_scenarios_plan_one_fault_and_chaos_never_draws_them():
 
 def storage_verdict(fault: Fault, events: list[dict], facts: StorageFacts, drill=None) -> Verdict:
     drill = drill if drill is not None else faithful_run()
-    drill = [StepRecord(r.step, r.loss, r.lr, r.launch, T0 + (30 if r.launch == "b" else -1)) for r in drill]
-    return judge(
-        fault.kind.value,
+    return verdict(
+        seen_after_fault(drill),
         faults=[fault],
-        injected=[fault],
-        save_in_flight=[False],
-        golden=GOLDEN,
-        drill=drill,
-        steps=STEPS,
-        save_every=EVERY,
-        golden_digest="d0",
-        drill_digest="d0",
-        latest_violations=[],
+        scenario=fault.kind.value,
         events=events,
         fault_times=[T0],
         storage=facts,
