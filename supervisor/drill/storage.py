@@ -73,6 +73,19 @@ def checkpoint_bytes(root: Path) -> int:
     return sum(e.stat().st_size for e in os.scandir(newest.path) if e.is_file())
 
 
+def kill_under(scene: Scene, fault: Fault, launch: str, rule: str, what: str) -> bool:
+    """With the fault filesystem's ``rule`` in force (``what`` says which), kill -9 the fault's
+    rank, so its relaunch meets the rule. False (the rule cleared) when there was no rank to kill."""
+    assert scene.fs is not None
+    t0, in_flight = time.time(), scene.save_in_flight()
+    scene.note(what)
+    if not scene.kill(fault, launch):
+        scene.fs.clear(rule)
+        return False
+    scene.struck(fault, t0, in_flight)
+    return True
+
+
 class StorageDriver:
     """One storage fault kind: the job's extra flags, and ``drive`` (strike, wait, record)."""
 
@@ -99,15 +112,12 @@ class IoError(StorageDriver):
         if launch is None:
             return None
         rule = scene.fs.fail(f"/{COMMITTED_GLOB}/*", "EIO", ops=["read"], count=EIO_READS)
-        t0, in_flight = time.time(), scene.save_in_flight()
-        scene.note(
+        what = (
             f"EIO set on the next {EIO_READS} reads of committed checkpoint files "
             f"(committed: steps {', '.join(map(str, committed_steps(scene.root)))})"
         )
-        if not scene.kill(fault, launch):
-            scene.fs.clear(rule)
+        if not kill_under(scene, fault, launch, rule, what):
             return None
-        scene.struck(fault, t0, in_flight)
         scene.await_resume(fault, launch)
         hits = scene.fs.hits(rule)
         scene.note(f"the EIO rule fired {hits} time(s) of {EIO_READS}")
@@ -179,15 +189,12 @@ class SlowStorage(StorageDriver):
         size = checkpoint_bytes(scene.root)
         rate = max(size / SLOW_READ_S, 1.0)
         rule = scene.fs.throttle(f"/{STEP_PREFIX}*", rate)
-        t0, in_flight = time.time(), scene.save_in_flight()
-        scene.note(
+        what = (
             f"checkpoint reads and writes throttled to {rate / 1024:.0f} KiB/s "
             f"(the newest checkpoint, {size / 1024:.0f} KiB, in {SLOW_READ_S:g}s)"
         )
-        if not scene.kill(fault, launch):
-            scene.fs.clear(rule)
+        if not kill_under(scene, fault, launch, rule, what):
             return None
-        scene.struck(fault, t0, in_flight)
         clock = PhaseClock(scene.root, launch)
         scene.await_resume(fault, launch, observe=clock.poll)
         clock.poll()
