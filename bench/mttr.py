@@ -110,6 +110,11 @@ def hang_latency(tmp: Path, timeout_s: float) -> float:
         stop(p)
 
 
+def watch_cmd(root: Path, opts: list[str], command: list[str]) -> list[str]:
+    """``python -m supervisor watch --ckpt-root ROOT OPTS -- COMMAND``."""
+    return [PY, "-m", "supervisor", "watch", "--ckpt-root", str(root), *opts, "--", *command]
+
+
 def hang_latency_blocked_read(tmp: Path, timeout_s: float) -> float | None:
     """A read that never returns (faultfs block) -> the hang event; None where FUSE is unusable."""
     from supervisor.drill.faultctl import FaultFS, fuse_unavailable
@@ -121,19 +126,10 @@ def hang_latency_blocked_read(tmp: Path, timeout_s: float) -> float | None:
         root.mkdir()
         (root / "probe.bin").write_bytes(bytes(4096))
         rule = fs.block("/run/probe.bin", ops=["read"])
-        watch = [
-            PY,
-            "-m",
-            "supervisor",
-            "watch",
-            "--ckpt-root",
-            str(root),
-            "--verify-timeout",
-            str(timeout_s),
-        ]
-        watch += ["--kill-grace", "1", "--dump-wait", "1", "--reap-timeout", "1", "--no-progress", "0", "--"]
+        opts = ["--verify-timeout", str(timeout_s), "--kill-grace", "1", "--dump-wait", "1"]
+        opts += ["--reap-timeout", "1", "--no-progress", "0"]
         fake = [PY, FAKE, "--root", str(root), "--steps", "100000", "--fault", "read", "--fault-rank", "1"]
-        p = spawn([*watch, *fake, "--fault-step", "5"])
+        p = spawn(watch_cmd(root, opts, [*fake, "--fault-step", "5"]))
         try:
             (blocked,) = fs.wait_blocked(rule, timeout=300)
 
@@ -210,23 +206,8 @@ def main() -> int:
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
 
     def watchdog(root: Path, *opts: str) -> list[str]:
-        return [
-            PY,
-            "-m",
-            "supervisor",
-            "watch",
-            "--ckpt-root",
-            str(root),
-            *opts,
-            "--",
-            TORCHRUN,
-            "--standalone",
-            "--nproc-per-node=2",
-            "--max-restarts=0",
-            *TRAIN,
-            "--ckpt-root",
-            str(root),
-        ]
+        trainer = [TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=0", *TRAIN]
+        return watch_cmd(root, list(opts), [*trainer, "--ckpt-root", str(root)])
 
     def plain(root: Path) -> list[str]:
         return [
