@@ -10,14 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
-from commands import supervisor_cmd
+from commands import REPO, supervisor_cmd
 from store_helpers import corrupt, make_ckpt, quarantine_dirs, write_tmp
 
 from supervisor import store
 from supervisor.cli.main import main
 from supervisor.format.exitcodes import Exit
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

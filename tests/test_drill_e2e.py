@@ -7,10 +7,9 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-from pathlib import Path
 
 import pytest
-from commands import supervisor_cmd
+from commands import REPO, supervisor_cmd
 from waiting import PATIENCE_S, wait_held
 
 from supervisor.drill.judge import judge
@@ -23,7 +22,6 @@ from supervisor.format.exitcodes import Exit
 from train_ref import hold
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[1]
 RESTORE_NOTHING = ("optimizer", "scheduler", "sampler", "python_rng", "numpy_rng", "torch_rng")
 
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from commands import supervisor_cmd
+from commands import REPO, supervisor_cmd
 from security_helpers import KEY, OTHER_KEY, tamper
 from store_helpers import SHARD, corrupt, default_files, latest_text, make_ckpt, quarantine_dirs
 
@@ -26,7 +26,6 @@ from supervisor.signing import SigningKeyError, load_key
 from supervisor.tiers.remote import RemoteUntrusted, open_remote
 from supervisor.tiers.resume import prepare_resume
 
-REPO = Path(__file__).resolve().parents[1]
 ENV = "RT_TEST_SIGNING_KEY"
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from commands import REPO
 from waiting import wait_for
 
 from supervisor import slurm
@@ -34,7 +35,6 @@ from train_ref import hold
 
 pytestmark = pytest.mark.slurm
 
-REPO = Path(__file__).resolve().parent.parent
 CLUSTER_SH = REPO / "tests" / "slurm" / "cluster.sh"
 JOB_SH = REPO / "sbatch" / "job.sh"
 EXIT_UNAVAILABLE = 3  # cluster.sh: SLURM cannot be installed here

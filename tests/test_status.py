@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from commands import supervisor_cmd
+from commands import REPO, supervisor_cmd
 from store_helpers import corrupt, make_ckpt
 
 from supervisor import store
@@ -22,7 +22,6 @@ from supervisor.format.layout import RunDir
 from supervisor.report import STATUS_SCHEMA, build_report
 from supervisor.watch.restart_policy import LaunchRecord, Outcome
 
-REPO = Path(__file__).resolve().parent.parent
 LID = "vm-n0-1-2-abc"
 
 

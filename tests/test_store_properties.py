@@ -21,6 +21,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from commands import REPO
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -41,7 +42,6 @@ from supervisor.format.manifest import CheckpointInfo
 PHASES = ("fsync", "manifest", "rename", "latest")
 # A crash at these phases happens before the rename: the checkpoint never becomes visible.
 BEFORE_RENAME = frozenset({"fsync", "manifest", "rename"})
-REPO = Path(__file__).resolve().parents[1]
 
 
 class Crash(Exception):

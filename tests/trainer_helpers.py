@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
 
+from commands import REPO
 from waiting import PATIENCE_S
 
 from supervisor.format.heartbeat import Heartbeat, Phase, read_heartbeats
@@ -21,7 +22,6 @@ from supervisor.format.manifest import read_manifest
 from train_ref import hold
 from train_ref.resume import split_by_size
 
-REPO = Path(__file__).resolve().parent.parent
 # Small enough for CI (2 cores): ~0.05-0.2 s per step, 30 steps cross three saves.
 STEPS = 30
 SAVE_EVERY = 10
