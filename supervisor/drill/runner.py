@@ -22,6 +22,7 @@ from supervisor.drill.judge import StepRecord, StorageFacts
 from supervisor.drill.plan import IN_SAVE, SELF_INFLICTED, Fault, Kind
 from supervisor.format.events import events_path, read_events
 from supervisor.format.layout import MANIFEST, RunDir, parse_committed
+from supervisor.options import POSITIVE, option
 from supervisor.store import list_checkpoints
 
 POLL_S = 0.02
@@ -30,15 +31,25 @@ MOUNTS = "mnt"  # workdir/mnt/<scenario>: where a storage scenario's fault files
 ENV_SAVE_DELAY = "TRAIN_REF_SAVE_DELAY_S"
 
 
+def new_workdir() -> Path:
+    return Path("drill-runs") / time.strftime("%Y%m%d-%H%M%S")
+
+
 @dataclass(frozen=True)
 class DrillConfig:
-    workdir: Path
-    ranks: int = 4
-    steps: int = 60
-    save_every: int = 10
-    seed: int = 0
-    parallel: str = "fsdp"
-    hang_timeout_s: float = 4.0
+    """The drill's run; each option field is its ``drill`` flag (supervisor.options)."""
+
+    seed: int = option("drives fault steps, ranks and chaos; printed for replay", 0)
+    ranks: int = option("worker processes of the trainer (torchrun --nproc-per-node)", 4, check=POSITIVE)
+    steps: int = option("training steps of every run, golden and faulted", 80, check=POSITIVE)
+    save_every: int = option("a checkpoint every this many steps", 10, check=POSITIVE)
+    parallel: str = option("the trainer's parallelism", "fsdp", choices=("fsdp", "ddp"))
+    hang_timeout_s: float = option(
+        "the watchdog's train-phase timeout", 4.0, flag="--hang-timeout", check=POSITIVE
+    )
+    workdir: Path = option(
+        "where the runs, their logs and the report go (must be new or empty)", default_factory=new_workdir
+    )
     save_delay_s: float = 1.0
     fault_timeout_s: float = 180.0
     python: str = sys.executable
