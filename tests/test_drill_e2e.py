@@ -4,6 +4,7 @@ switches): it must fail, with the right reasons."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -40,10 +41,11 @@ def test_short_drill_passes_and_writes_report(tmp_path):
 
 def test_real_hang_named_killed_and_resumed_from_the_periodic_checkpoint(tmp_path):
     """A rank blocks in a read no signal cures (the trainer's drill switch): the watchdog names it
-    and its stack, needs SIGKILL, and the run resumes from the last periodic checkpoint."""
+    and its stack, needs SIGKILL, and the run resumes from the last periodic checkpoint. The verdict
+    as --json prints it."""
     work = tmp_path / "drill"
     cmd = supervisor_cmd("drill", "--scenario", "hang", "--ranks", "2")
-    cmd += ["--steps", "40", "--workdir", str(work)]
+    cmd += ["--steps", "40", "--workdir", str(work), "--json"]
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     (fault,) = plan("hang", seed=0, steps=40, save_every=10, ranks=2)
@@ -63,7 +65,20 @@ def test_real_hang_named_killed_and_resumed_from_the_periodic_checkpoint(tmp_pat
     assert f"culprit rank {fault.rank}" in first["msg"] and last["outcome"] == "done"
     (resumed,) = [e for e in evs if e["event"] == "launch" and e["launch"] == 2]
     assert resumed["resumed_from"] == first["newest_checkpoint"] and resumed["resumed_from"] % 10 == 0
-    assert "hang verdict names the culprit and its stack" in p.stdout and "PASS: 1 of 1 scenarios" in p.stdout
+    doc = json.loads(p.stdout)
+    assert (doc["schema"], doc["ok"], doc["verdict"], doc["report"]) == (
+        1,
+        True,
+        "PASS",
+        str(work / "report.md"),
+    )
+    (scenario,) = doc["scenarios"]
+    checks = {c["name"]: c["ok"] for c in scenario["checks"]}
+    assert checks["hang verdict names the culprit and its stack"] and all(checks.values())
+    assert [(f["kind"], f["at_step"], f["rank"]) for f in scenario["injected"]] == [
+        (fault.kind.value, fault.at_step, fault.rank)
+    ]
+    assert [r["ckpt_step"] for r in scenario["resumes"]] == [resumed["resumed_from"]]
 
 
 def test_storage_scenarios_ride_out_eio_a_full_disk_and_slow_storage(tmp_path, need_fuse):

@@ -4,6 +4,7 @@ storage scenarios' phase clock on heartbeat files written as the trainer writes 
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import sys
 from dataclasses import replace
@@ -26,6 +27,7 @@ from supervisor.drill.plan import (
     steps_redone_bound,
 )
 from supervisor.drill.report import summary, verdict_table
+from supervisor.drill.runner import ScenarioRun
 from supervisor.drill.storage import PhaseClock, at_end, driver_for
 from supervisor.format.heartbeat import Heartbeat, Phase, write_heartbeat
 
@@ -541,3 +543,30 @@ def test_the_report_says_why_there_is_no_plot_without_matplotlib(tmp_path, monke
         tmp_path / "report.md", settings="s", golden_digest="0" * 64, runs=[], verdicts=[], plot_line=line
     )
     assert line in (tmp_path / "report.md").read_text()
+
+
+def test_the_json_report_carries_every_check_fault_and_resume_and_redacts_urls(tmp_path):
+    """drill --json's document: a failed scenario with its failing check, a skipped one with its
+    reason, what was injected, the resumes; a credential in a note is redacted."""
+    drill = faithful_run(resume_from=0)
+    bad = verdict(drill)  # a resume that restarted from step 0: more redone than the bound
+    skipped = Verdict("disk-full", (), skipped="no /dev/fuse on this machine")
+    run = ScenarioRun("kill9", tmp_path, injected=[Fault(Kind.KILL9, 17, 1)], records=drill, digest="d1")
+    run.notes.append("uploaded to s3://AKIAEXAMPLE:secret@bucket/x")
+    files = {"report": "r.md", "plot": None, "log": "d.log"}
+    doc = json.loads(json.dumps(report.json_report({"seed": 0}, "d0", [run], [bad, skipped], files)))
+    assert (doc["schema"], doc["ok"], doc["verdict"]) == (report.DRILL_SCHEMA, False, "FAIL")
+    assert doc["summary"] == "0 of 1 scenarios (skipped: disk-full)" and doc["plot"] is None
+    first, second = doc["scenarios"]
+    assert first["result"] == "FAIL" and first["digest"] == "d1"
+    assert {c["name"] for c in first["checks"] if not c["ok"]} == failed(bad)
+    assert first["injected"] == [{"kind": "kill9", "at_step": 17, "rank": 1, "corruption": None}]
+    assert first["resumes"] == [
+        {"launch": "b", "ckpt_step": 0, "reached": 17, "first_seen": 0.0, "redone": 17}
+    ]
+    assert "secret" not in json.dumps(doc)
+    assert (second["result"], second["skipped"], second["checks"]) == (
+        "SKIPPED",
+        "no /dev/fuse on this machine",
+        [],
+    )

@@ -6,9 +6,11 @@ Exit 0 only when every check of every scenario holds; 1 when any fails; 2 on bad
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from supervisor import options
 from supervisor.display import human_duration
@@ -16,7 +18,7 @@ from supervisor.drill import plan as planning
 from supervisor.drill import storage
 from supervisor.drill.faultctl import FaultFSError
 from supervisor.drill.judge import StepRecord, Verdict, judge
-from supervisor.drill.report import plot, summary, verdict_table, write_report
+from supervisor.drill.report import json_report, plot, summary, verdict_table, write_report
 from supervisor.drill.runner import DrillConfig, ScenarioRun, run_golden, run_scenario
 from supervisor.errors import UserError
 from supervisor.format.exitcodes import Exit
@@ -49,6 +51,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "filesystem; skipped, with the reason, where /dev/fuse is unavailable",
     )
     options.add_options(p, DrillConfig)  # --seed, --ranks, --steps...: declared on DrillConfig
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='print the verdict as one JSON object ("schema": 1, docs/drill.md) instead of the table',
+    )
     p.set_defaults(func=run)
 
 
@@ -129,8 +136,23 @@ def run(args: argparse.Namespace) -> int:
     )
     took = time.monotonic() - started
     ok = all(v.ok for v in verdicts)
-    _print_verdicts(verdicts, report, png, took)
+    if args.json:
+        files = {"report": str(report), "plot": str(png) if png.exists() else None, "log": str(log)}
+        doc = json_report(_settings_json(cfg, scenarios, took), golden_digest, runs, verdicts, files)
+        print(json.dumps(doc, indent=1))
+    else:
+        _print_verdicts(verdicts, report, png, took)
     return Exit.OK if ok else Exit.FOUND_PROBLEM
+
+
+def _settings_json(cfg: DrillConfig, scenarios: list[str], took: float) -> dict[str, Any]:
+    keys = ("seed", "ranks", "steps", "save_every", "parallel", "hang_timeout_s")
+    return {
+        **{k: getattr(cfg, k) for k in keys},
+        "workdir": str(cfg.workdir),
+        "scenarios": scenarios,
+        "duration_s": round(took, 1),
+    }
 
 
 def _say(msg: str) -> None:
