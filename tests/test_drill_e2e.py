@@ -13,10 +13,10 @@ import pytest
 from commands import REPO, supervisor_cmd
 from waiting import PATIENCE_S, wait_held
 
-from supervisor.drill.judge import judge
+from supervisor.drill.judge import Case, judge
 from supervisor.drill.mounts import is_mounted
 from supervisor.drill.plan import Fault, Kind, plan
-from supervisor.drill.runner import DrillConfig, read_digest, read_metrics, run_golden
+from supervisor.drill.runner import DrillConfig, ScenarioRun, read_digest, read_metrics, run_golden
 from supervisor.drill.switch import BLOCKING_FUNCTION
 from supervisor.format.events import events_path, read_events
 from supervisor.format.exitcodes import Exit
@@ -128,19 +128,16 @@ def test_judge_fails_a_resume_that_restored_nothing(tmp_path):
         )
     assert second.returncode == 0
 
-    v = judge(
+    preempt = Fault(Kind.PREEMPT, 15, 0)
+    run = ScenarioRun(
         "ablated",
-        faults=[Fault(Kind.PREEMPT, 15, 0)],
-        injected=[Fault(Kind.PREEMPT, 15, 0)],
+        root,
+        [preempt],
         save_in_flight=[False],
-        golden=golden,
-        drill=read_metrics(root),
-        steps=cfg.steps,
-        save_every=cfg.save_every,
-        golden_digest=golden_digest,
-        drill_digest=read_digest(root),
-        latest_violations=[],
+        records=read_metrics(root),
+        digest=read_digest(root),
     )
+    v = judge(Case("ablated", [preempt], run, golden, golden_digest, cfg.steps, cfg.save_every))
     failed = {c.name for c in v.checks if not c.ok}
     assert not v.ok
     assert {"loss continuous", "final digest equals golden"} <= failed, v.failures()

@@ -8,6 +8,7 @@ import json
 import math
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from store_helpers import make_ckpt
@@ -15,7 +16,7 @@ from store_helpers import make_ckpt
 from supervisor import store
 from supervisor.cli.drill import chosen
 from supervisor.drill import report
-from supervisor.drill.judge import StepRecord, StorageFacts, Verdict, find_resumes, judge
+from supervisor.drill.judge import Case, StepRecord, StorageFacts, Verdict, find_resumes, judge
 from supervisor.drill.plan import (
     CHAOS,
     CORRUPTIONS,
@@ -55,20 +56,17 @@ def verdict(
     """judge() on a drill run against GOLDEN; ``seen``: events, fault_times, storage."""
     faults = faults if faults is not None else [Fault(Kind.KILL9, 17, 1)]
     injected = injected if injected is not None else faults
-    return judge(
+    run = ScenarioRun(
         scenario,
-        faults=faults,
-        injected=injected,
-        save_in_flight=in_flight if in_flight is not None else [False] * len(injected),
-        golden=GOLDEN,
-        drill=drill,
-        steps=STEPS,
-        save_every=EVERY,
-        golden_digest="d0",
-        drill_digest=digest,
+        Path(scenario),
+        injected=list(injected),
+        save_in_flight=list(in_flight if in_flight is not None else [False] * len(injected)),
+        records=list(drill),
+        digest=digest,
         latest_violations=list(violations),
         **seen,
     )
+    return judge(Case(scenario, faults, run, GOLDEN, "d0", STEPS, EVERY))
 
 
 def seen_after_fault(drill) -> list[StepRecord]:

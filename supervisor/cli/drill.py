@@ -17,7 +17,7 @@ from supervisor.display import human_duration
 from supervisor.drill import plan as planning
 from supervisor.drill import storage
 from supervisor.drill.faultctl import FaultFSError
-from supervisor.drill.judge import StepRecord, Verdict, judge
+from supervisor.drill.judge import Case, StepRecord, Verdict, judge
 from supervisor.drill.report import json_report, plot, summary, verdict_table, write_report
 from supervisor.drill.runner import DrillConfig, ScenarioRun, run_golden, run_scenario
 from supervisor.errors import UserError
@@ -182,22 +182,7 @@ def _scenarios(
             r = run_scenario(cfg, s, faults, log, _Progress(cfg.steps))
         except FaultFSError as e:
             raise FaultFSError(f"{s}: {e}") from None
-        v = judge(
-            s,
-            faults=faults,
-            injected=r.injected,
-            save_in_flight=r.save_in_flight,
-            golden=golden,
-            drill=r.records,
-            steps=cfg.steps,
-            save_every=cfg.save_every,
-            golden_digest=golden_digest,
-            drill_digest=r.digest,
-            latest_violations=r.latest_violations,
-            events=r.events,
-            fault_times=r.fault_times,
-            storage=r.storage,
-        )
+        v = judge(Case(s, faults, r, golden, golden_digest, cfg.steps, cfg.save_every))
         _say(f"{s}: {v.result}")
         runs.append(r)
         verdicts.append(v)
