@@ -16,10 +16,10 @@ from store_helpers import make_ckpt
 from supervisor import store
 from supervisor.cli.drill import chosen
 from supervisor.drill import report
+from supervisor.drill.corruption import DRILL
 from supervisor.drill.judge import Case, StepRecord, StorageFacts, Verdict, find_resumes, judge
 from supervisor.drill.plan import (
     CHAOS,
-    CORRUPTIONS,
     DISK_FULL_INTERVALS,
     SCENARIOS,
     Fault,
@@ -143,7 +143,7 @@ def test_plan_is_reproducible_and_in_range(scenario):
 
 def test_plan_shapes():
     assert [f.corruption for f in plan("corrupt-latest", seed=0, steps=80, save_every=10, ranks=2)] == list(
-        CORRUPTIONS
+        DRILL
     )
     chaos = plan(CHAOS, seed=3, steps=80, save_every=10, ranks=2)
     assert 3 <= len(chaos) <= 4

@@ -33,6 +33,7 @@ from trainer_helpers import (
 )
 from waiting import wait_for, wait_held
 
+from supervisor.drill.corruption import Corruption, corrupt
 from supervisor.format.atomic import atomic_write_json
 from supervisor.format.exitcodes import Exit
 from supervisor.format.layout import MANIFEST, RunDir
@@ -180,10 +181,7 @@ def test_a_same_size_bit_flip_is_caught_by_the_deep_check_and_resume_walks_back(
     """DCP has no checksums: without --verify deep (the default) this checkpoint loads silently."""
     golden = goldens.get("ddp", 2)
     root = rewind(golden, tmp_path / "run", 20)
-    shard = max((root / "step_00000020").glob("__*.distcp"), key=lambda p: p.stat().st_size)
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    shard.write_bytes(bytes(data))
+    corrupt(root / "step_00000020", Corruption.BITFLIP)
     r = run_ok(root, 2, *train_args("ddp"))
     assert "resumed from step_00000010, next step 11" in r.output
     assert [p.name.split("-")[0] for p in (root / "quarantine").iterdir()] == ["step_00000020"]

@@ -241,7 +241,7 @@ def _scenario_json(v: Verdict, run: ScenarioRun | None) -> dict[str, Any]:
                     "kind": f.kind.value,
                     "at_step": f.at_step,
                     "rank": f.rank,
-                    "corruption": f.corruption or None,
+                    "corruption": f.corruption and f.corruption.value,
                 }
                 for f in run.injected
             ],

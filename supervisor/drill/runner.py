@@ -448,6 +448,7 @@ def _inject(scene: Scene, fault: Fault, job: Job, log: Path, hangs: switch.Switc
             scene.dog.signal(signal.SIGTERM)
             run.exit_codes.append(scene.dog.wait(timeout=scene.cfg.fault_timeout_s))
             tail.poll()
+            assert fault.corruption is not None, "plan() gives every corrupt-latest fault its damage"
             did = inject.corrupt_newest(run.root, fault.corruption)
             scene.note(f"{fault.describe()}: job stopped at step {scene.step()}; {did}")
             scene.dog = Watchdog(scene.cfg, job, log)
