@@ -116,7 +116,7 @@ def test_kill_during_async_save_never_uses_that_checkpoint(goldens, tmp_path):
     assert digest(root) == digest(golden)
     # step 20 was written again by the relaunch; the dead writer's tmp dir is left to the store's
     # stale-tmp retention and is never read.
-    assert read_manifest(root / "step_00000020").meta["launch"] == metrics(root)[-1]["launch"]
+    assert read_manifest(root / "step_00000020").meta["launch"] == metrics(root)[-1].launch
 
 
 def test_sigusr2_dumps_stacks_and_sigusr1_checkpoints_then_exits_requeue(goldens, tmp_path):
@@ -145,7 +145,7 @@ def test_sigusr2_dumps_stacks_and_sigusr1_checkpoints_then_exits_requeue(goldens
     assert committed(root) == [f"step_{stopped:08d}"], "checkpoint is not at the last completed step"
     r2 = run_ok(root, 2, *args)
     assert f"resumed from step_{stopped:08d}, next step {stopped + 1}" in r2.output
-    assert [m["step"] for m in metrics(root)] == list(range(1, STEPS + 1)), "steps lost or repeated"
+    assert [m.step for m in metrics(root)] == list(range(1, STEPS + 1)), "steps lost or repeated"
     assert digest(root) == digest(golden)
 
 

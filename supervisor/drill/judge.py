@@ -34,7 +34,8 @@ SLOW_FACTOR = 3.0
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One line of metrics.jsonl as the drill saw it (``seen`` = when the drill first read it)."""
+    """What the judge reads of a metrics.jsonl record (supervisor.format.metrics), and ``seen``:
+    when the drill first read it."""
 
     step: int
     loss: float

@@ -22,6 +22,7 @@ from supervisor.drill.judge import StepRecord, StorageFacts
 from supervisor.drill.plan import IN_SAVE, SELF_INFLICTED, Fault, Kind
 from supervisor.format.events import events_path, read_events
 from supervisor.format.layout import MANIFEST, RunDir, parse_committed
+from supervisor.format.metrics import parse_line
 from supervisor.options import POSITIVE, option
 from supervisor.store import list_checkpoints
 
@@ -123,11 +124,8 @@ class MetricsTail:
 
 
 def parse_metrics_line(line: bytes, seen: float) -> StepRecord | None:
-    try:
-        d = json.loads(line)
-        return StepRecord(int(d["step"]), float(d["loss"]), float(d["lr"]), str(d.get("launch", "")), seen)
-    except (ValueError, KeyError, TypeError):
-        return None
+    r = parse_line(line)
+    return None if r is None else StepRecord(r.step, r.loss, r.lr, r.launch, seen)
 
 
 def read_metrics(root: Path) -> list[StepRecord]:
