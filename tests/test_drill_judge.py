@@ -492,7 +492,7 @@ def test_storage_scenarios_run_when_asked_for():
     assert chosen(None, True)[-3:] == ["io-error", "disk-full", "slow-storage"]
     assert chosen(["storage"], False) == ["io-error", "disk-full", "slow-storage"]
     assert chosen(["kill9", "disk-full"], True) == ["kill9", "disk-full", "io-error", "slow-storage"]
-    assert driver_for([IO_ERROR]).kind == Kind.IO_ERROR and driver_for([HUNG]) is None
+    assert driver_for([IO_ERROR]).kinds == {Kind.IO_ERROR} and driver_for([HUNG]) is None
 
 
 def test_the_phase_clock_times_each_phase_per_rank_and_the_longest_silence_in_verify_or_load(tmp_path):
