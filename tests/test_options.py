@@ -123,3 +123,12 @@ def test_watch_flags_fill_nested_configs_and_keep_their_names() -> None:
 def test_every_drill_option_default_is_the_drill_config_default() -> None:
     args = build_parser("drill").parse_args(["drill", "--workdir", "/w"])
     assert options.build(DrillConfig, args) == DrillConfig(workdir=Path("/w"))
+
+
+def test_watch_help_lists_every_flag_with_its_help_and_default() -> None:
+    watch = build_parser("watch")._subparsers._group_actions[0].choices["watch"]  # type: ignore[union-attr]
+    flags = [a for a in watch._actions if a.option_strings and a.dest != "help"]
+    assert all(a.help for a in flags), [a.option_strings for a in flags if not a.help]
+    text = " ".join(watch.format_help().split())
+    assert "(default: SIGUSR1)" in text and "(default: 10)" not in text  # a signal by its name
+    assert "--learn-floor LEARN_FLOOR the least learned train timeout, in seconds (default: 10.0)" in text

@@ -48,7 +48,7 @@ class WatchConfig:
     """Everything the watchdog is told; each option field is its ``watch`` flag (supervisor.options)."""
 
     root: Path = option("the run's checkpoint root", flag="--ckpt-root")
-    command: tuple[str, ...] = ()
+    command: tuple[str, ...] = ()  # the positional COMMAND, not an option (cli/watch.py refuses none)
     deep_verify: bool = option(
         "check before each relaunch", False, flag="--verify", choices={"quick": False, "deep": True}
     )
