@@ -405,12 +405,12 @@ def storage_checks(
     return checks
 
 
-def _events(events: Sequence[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+def _events(events: Sequence[dict[str, Any]], name: EventName) -> list[dict[str, Any]]:
     return [e for e in events if e.get("event") == name]
 
 
 def _nothing_quarantined(facts: StorageFacts, events: Sequence[dict[str, Any]]) -> Check:
-    moved = [str(e.get("why")) for e in _events(events, "quarantine")] + list(facts.quarantined)
+    moved = [str(e.get("why")) for e in _events(events, EventName.QUARANTINE)] + list(facts.quarantined)
     return Check(
         "nothing quarantined",
         not moved,
@@ -424,7 +424,7 @@ def _io_error_checks(
     after: Sequence[dict[str, Any]],
     resume: Resume | None,
 ) -> list[Check]:
-    retries = len(_events(after, "io_retry"))
+    retries = len(_events(after, EventName.IO_RETRY))
     hit = Check(
         "EIO met by the resume",
         facts.rule_hits > 0,
@@ -456,10 +456,10 @@ def _disk_full_checks(
     after: Sequence[dict[str, Any]],
     resume: Resume | None,
 ) -> list[Check]:
-    failed, recovered = _events(after, "save_failed"), _events(after, "save_recovered")
+    failed, recovered = _events(after, EventName.SAVE_FAILED), _events(after, EventName.SAVE_RECOVERED)
     most = max((int(e.get("save_failures") or 0) for e in failed), default=0)
     recovered = [e for e in recovered if failed and e.get("t", 0) >= failed[-1].get("t", 0)]
-    launches = _events(events, "launch")
+    launches = _events(events, EventName.LAUNCH)
     before, kept = facts.committed_before, facts.committed_after
     lost = sorted(set(before) - set(kept))
     return [
@@ -497,8 +497,8 @@ def _slow_storage_checks(
     after: Sequence[dict[str, Any]],
     resume: Resume | None,
 ) -> list[Check]:
-    hangs = _events(after, "hang")
-    ends = _events(after, "launch_end")  # the faulted launch's, then the resumed one's
+    hangs = _events(after, EventName.HANG)
+    ends = _events(after, EventName.LAUNCH_END)  # the faulted launch's, then the resumed one's
     outcome = ends[1].get("outcome") if len(ends) > 1 else None
     t = facts.timeout_s
     if facts.verify_s is None or facts.load_s is None:
@@ -519,7 +519,9 @@ def _slow_storage_checks(
             str(hangs[0].get("msg")) if hangs else "no hang event after the throttle: progress kept it alive",
         ),
         Check(
-            "resumed launch finished", outcome == "done", f"the resumed launch ended: {outcome or 'not seen'}"
+            "resumed launch finished",
+            outcome == Outcome.DONE,
+            f"the resumed launch ended: {outcome or 'not seen'}",
         ),
     ]
 
