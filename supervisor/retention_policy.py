@@ -86,10 +86,18 @@ class RetentionPolicy:
         if unknown:
             raise StoreError(f"unknown retention field '{unknown[0]}'")
         for key, value in d.items():
-            want = {"int": int, "float": (int, float), "str": str, "bool": bool}[str(names[key])]
+            want: type | tuple[type, ...] = _FIELD_TYPES[str(names[key])]
             if not isinstance(value, want) or (isinstance(value, bool) and names[key] != "bool"):
                 raise StoreError(f"retention field '{key}' has the wrong type")
         return cls(**d)
+
+
+_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+    "int": int,
+    "float": (int, float),
+    "str": str,
+    "bool": bool,
+}
 
 
 def _problem(p: RetentionPolicy) -> str:

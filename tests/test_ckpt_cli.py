@@ -54,7 +54,16 @@ def test_list_json_is_stable(root: Path, capsys) -> None:
     rc, out, _ = run(capsys, "list", "--ckpt-root", str(root), "--json")
     doc = json.loads(out)
     assert rc == 0
-    assert set(doc) == {"schema", "command", "root", "latest", "retention", "checkpoints", "quarantined", "tmp"}
+    assert set(doc) == {
+        "schema",
+        "command",
+        "root",
+        "latest",
+        "retention",
+        "checkpoints",
+        "quarantined",
+        "tmp",
+    }
     assert (doc["schema"], doc["command"], doc["latest"]) == (1, "list", "step_00000020")
     c = doc["checkpoints"][0]
     assert set(c) == {

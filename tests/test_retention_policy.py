@@ -4,6 +4,7 @@ reasons, property-based, plus the flags that build a policy and prune applying i
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from hypothesis import strategies as st
 from store_helpers import committed_names, make_ckpt
 
 from supervisor import store
+from supervisor.cli.main import main
+from supervisor.report import build_report
 from supervisor.retention_policy import (
     Candidate,
     KeepReason,
@@ -208,3 +211,57 @@ def test_recorded_policy_is_read_back_and_a_bad_record_is_one_line(tmp_path: Pat
     path.write_text('{"schema": 1, "policy": {"keep": 1}}')
     with pytest.raises(StoreError, match=r"retention.json: --keep 1 refused.*remove it"):
         store.read_policy(tmp_path)
+
+
+# ---------------------------------------------------------------- commands
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_list_explains_kept_by_flags_else_the_recorded_policy_and_status_shows_it(
+    tmp_path: Path, capsys
+) -> None:
+    for s, loss in ((10, 0.1), (20, 0.9), (30, 0.8), (40, 0.7)):
+        make_ckpt(tmp_path, s, metrics={"loss": loss})
+    rc, out, _ = _cli(capsys, "ckpt", "list", "--ckpt-root", str(tmp_path), "--json")
+    doc = json.loads(out)
+    assert rc == 0 and doc["retention"]["source"] == "the default; none recorded"
+    assert {c["step"]: c["kept"] for c in doc["checkpoints"]} == {
+        40: ["newest"],
+        30: ["newest"],
+        20: ["newest"],
+        10: [],
+    }
+    store.record_policy(tmp_path, RetentionPolicy(keep=2, best_metric="loss"))
+    rc, out, _ = _cli(capsys, "ckpt", "list", "--ckpt-root", str(tmp_path))
+    row = {line.split()[0]: line for line in out.splitlines()[1:5]}
+    assert "best" in row["10"] and "prunable" in row["20"] and "recorded in" in out
+    rc, out, _ = _cli(capsys, "ckpt", "list", "--ckpt-root", str(tmp_path), "--keep-all")
+    assert [line.split()[-1] for line in out.splitlines()[1:5]] == ["all"] * 4 and "from the flags" in out
+    rc, out, _ = _cli(capsys, "status", "--ckpt-root", str(tmp_path))
+    assert "retention: keeps newest 2, best 1 by loss (min)" in out
+    assert build_report(tmp_path).retention == "keeps newest 2, best 1 by loss (min)"
+
+
+def test_prune_flags(tmp_path: Path, capsys) -> None:
+    for s, loss in ((10, 0.1), (20, 0.9), (30, 0.8), (40, 0.7)):
+        make_ckpt(tmp_path, s, metrics={"loss": loss})
+    argv = ["ckpt", "prune", "--ckpt-root", str(tmp_path), "--keep", "2", "--keep-best", "loss:min", "--json"]
+    rc, out, _ = _cli(capsys, *argv)
+    doc = json.loads(out)
+    assert rc == 0 and doc["deleted"] == ["step_00000020"]
+    assert doc["why_kept"] == {
+        "step_00000040": ["newest"],
+        "step_00000030": ["newest"],
+        "step_00000010": ["best"],
+    }
+    assert doc["policy"]["best_metric"] == "loss" and (doc["keep"], doc["milestone_every"]) == (2, 0)
+    rc, out, err = _cli(capsys, "ckpt", "prune", "--ckpt-root", str(tmp_path), "--keep-every-s", "-1")
+    assert rc == 2 and out == "" and "--keep-every-s -1.0 refused" in err
+    with pytest.raises(SystemExit) as e:  # argparse's usage error
+        main(["ckpt", "prune", "--ckpt-root", str(tmp_path), "--keep-best", "loss"])
+    assert e.value.code == 2 and "give METRIC:min or METRIC:max" in capsys.readouterr().err
