@@ -260,6 +260,14 @@ def test_prune_flags(tmp_path: Path, capsys) -> None:
         "step_00000010": ["best"],
     }
     assert doc["policy"]["best_metric"] == "loss" and (doc["keep"], doc["milestone_every"]) == (2, 0)
+    assert doc["policy_source"] == "from the flags"
+    # without flags: the policy the trainer recorded, so its best one is not deleted by hand
+    make_ckpt(tmp_path, 50, metrics={"loss": 0.6})
+    make_ckpt(tmp_path, 60, metrics={"loss": 0.5})
+    store.record_policy(tmp_path, RetentionPolicy(keep=2, best_metric="loss"))
+    rc, out, _ = _cli(capsys, "ckpt", "prune", "--ckpt-root", str(tmp_path))
+    assert rc == 0 and "recorded in" in out
+    assert committed_names(tmp_path) == {"step_00000060", "step_00000050", "step_00000010"}
     rc, out, err = _cli(capsys, "ckpt", "prune", "--ckpt-root", str(tmp_path), "--keep-every-s", "-1")
     assert rc == 2 and out == "" and "--keep-every-s -1.0 refused" in err
     with pytest.raises(SystemExit) as e:  # argparse's usage error

@@ -285,7 +285,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     key = _signing_key(args, root)
     now, me = time.time(), hostname()
     latest = read_latest(root)
-    policy, source = _list_policy(args, root)
+    policy, source = _policy_in_force(args, root)
     verdicts = _visible([validate(r, key=key) for r in list_checkpoints(root)])
     kept = plan_retention([Candidate.of(v.manifest) for v in verdicts if v.ok and v.manifest], policy)
     rows = [_ckpt_row(v, latest, now, kept) for v in verdicts]
@@ -329,9 +329,10 @@ def cmd_list(args: argparse.Namespace) -> int:
     return Exit.OK
 
 
-def _list_policy(args: argparse.Namespace, root: Path) -> tuple[RetentionPolicy, str]:
-    """The policy `list` explains its kept column by, and where it comes from: the flags, else
-    the one the trainer recorded, else the default."""
+def _policy_in_force(args: argparse.Namespace, root: Path) -> tuple[RetentionPolicy, str]:
+    """The policy `prune` applies and `list` explains its kept column by, and where it comes
+    from: the flags, else the one the trainer recorded (a prune by hand without flags must not
+    delete what the trainer keeps, e.g. its best checkpoints), else the default."""
     given = policy_from_args(args)
     if given is not None:
         return given, "from the flags"
@@ -472,8 +473,9 @@ def _pick_lines(root: Path, res: PickResult, no_usable: str) -> list[str]:
 
 @_one_line_errors
 def cmd_prune(args: argparse.Namespace) -> int:
-    policy = policy_from_args(args) or RetentionPolicy()  # a bad flag is refused before any work
+    policy_from_args(args)  # a bad flag is refused before any work
     root = open_run_dir(args.ckpt_root)
+    policy, source = _policy_in_force(args, root)
     res = prune(
         root,
         policy=policy,
@@ -487,6 +489,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
         "keep": policy.keep,
         "milestone_every": policy.milestone_every,
         "policy": policy.to_dict(),
+        "policy_source": source,
         "quarantine_keep": args.quarantine_keep,
         "quarantine_max_bytes": args.quarantine_max_bytes,
         "deleted": list(res.deleted),
@@ -507,7 +510,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
         n + (f" ({', '.join(r.value for r in res.why_kept[n])})" if n in res.why_kept else "")
         for n in res.kept
     ]
-    lines.append(f"kept {len(res.kept)} ({policy.describe()}): {', '.join(kept) or '(none)'}")
+    lines.append(f"kept {len(res.kept)} ({policy.describe()}; {source}): {', '.join(kept) or '(none)'}")
     _emit(args, doc, "\n".join(lines))
     return Exit.OK
 
