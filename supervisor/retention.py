@@ -306,8 +306,9 @@ def _policy(policy: RetentionPolicy | None, keep: int | None, milestone_every: i
 
 
 def record_policy(root: str | Path, policy: RetentionPolicy) -> None:
-    """Write ``supervisor/retention.json``, the policy a trainer prunes this run with, so `status`
-    and `ckpt list` can show it; only when it changed (a trainer calls this at every start)."""
+    """Write ``supervisor/retention.json``, the policy a trainer prunes this run with: `status`
+    shows it, and `ckpt list` / `ckpt prune` without policy flags follow it. Written only when it
+    changed, so a trainer can call this at every start."""
     path = RunDir.of(root).retention
     doc = {"schema": 1, "policy": policy.to_dict()}
     with suppress(OSError, ValueError):
