@@ -74,6 +74,7 @@ class RankRow:
     progress: str = ""  # in a long I/O phase: '45% at step_00000120/__1_0.distcp'
     save_failures: int = 0  # failed saves in a row the rank reports
     last_error: str = ""
+    exit_code: int | None = None  # set when the rank exited deliberately (its last heartbeat)
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,7 @@ class StatusReport:
     remote: RemoteStatus | None = None  # the uploader's last word (remote.json); no network call
     storage_problem: str = ""  # the checkpoints or the quarantine could not be listed, and why
     slurm: str = ""  # sbatch/job.sh's requeue budgets (supervisor/slurm.json), one line; "" if none
+    retention: str = ""  # the trainer's retention policy (supervisor/retention.json), one line; "" if none
 
     def to_dict(self) -> dict[str, Any]:
         """Shallow per row: ``dataclasses.asdict`` deep-copies and costs 10x on 4096 ranks."""
@@ -215,6 +217,7 @@ def _ranks(root: Path, clock: Clock, timeouts: PhaseTimeouts, current: set[str])
                 progress,
                 hb.save_failures,
                 hb.last_error,
+                hb.exit_code,
             )
         )
     return rows
@@ -266,6 +269,42 @@ def _overall(nodes: list[NodeRow], ranks: list[RankRow]) -> tuple[str, str]:
     return UNKNOWN, "no watchdog state and no live heartbeat"
 
 
+@dataclass(frozen=True)
+class LiveSign:
+    """Something that says a run is using its run directory now."""
+
+    what: str  # one line naming the watchdog or rank, its host and pid
+    here: bool  # on this host, its pid alive: proof; else only its own word, not checkable from here
+
+
+def live_signs(root: str | Path) -> list[LiveSign]:
+    """Watchdogs whose state says running or restarting, and ranks whose heartbeat is fresh
+    (within its phase's timeout), not done and not exited; on this host only those whose pid is
+    alive. What mutating commands (`ckpt rollback`) refuse to run beside."""
+    root = store.require_root(root)
+    me = hostname()
+    nodes, _, tdict, current = _nodes(root)
+    try:
+        timeouts = PhaseTimeouts.from_dict(tdict)
+    except ValueError:
+        timeouts = PhaseTimeouts()
+    signs = [
+        LiveSign(f"watchdog pid {n.watchdog_pid} on {n.host} is {n.status}", n.host == me)
+        for n in nodes
+        if n.status in (events.RUNNING, events.RESTARTING)
+    ]
+    clock = Clock(time.time(), time.monotonic(), boot_id())
+    for r in _ranks(root, clock, timeouts, current):
+        if r.stale or r.phase in (Phase.DONE.value, UNKNOWN) or r.exit_code is not None:
+            continue
+        if r.host != me or (r.pid is not None and pid_alive(r.pid)):
+            age = "-" if r.age_s is None else f"{r.age_s:.0f}s"
+            signs.append(
+                LiveSign(f"rank {r.rank} (pid {r.pid} on {r.host}) beat {age} ago, {r.phase}", r.host == me)
+            )
+    return signs
+
+
 def _median(xs: list[float]) -> float:
     """Here rather than ``statistics.median``: importing statistics costs `status` 12 ms."""
     s = sorted(xs)
@@ -306,7 +345,19 @@ def build_report(root: str | Path, now: float | None = None) -> StatusReport:
         remote=_remote_status(root),
         storage_problem=storage_problem,
         slurm=_slurm_line(root),
+        retention=_retention_line(root),
     )
+
+
+def _retention_line(root: Path) -> str:
+    """The retention policy the trainer recorded; a record that cannot be used is said, not fatal."""
+    try:
+        policy = store.read_policy(root)
+    except store.StoreError as e:
+        return str(e)
+    except OSError as e:
+        return f"{RunDir.of(root).retention}: {describe(e)}"
+    return "" if policy is None else f"keeps {policy.describe()}"
 
 
 def _slurm_line(root: Path) -> str:

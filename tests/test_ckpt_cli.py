@@ -39,7 +39,7 @@ def test_list_table(root: Path, capsys) -> None:
     rc, out, err = run(capsys, "list", "--ckpt-root", str(root))
     assert rc == Exit.OK and err == ""
     lines = out.splitlines()
-    assert lines[0].split() == ["step", "age", "size", "files", "status", "reason"]
+    assert lines[0].split() == ["step", "age", "size", "files", "status", "kept", "reason"]
     assert lines[1].split()[:2] == ["latest", "30"] and "ok" in lines[1]
     assert "INVALID" in lines[2] and "__0_0.distcp is 128 bytes, manifest says 256" in lines[2]
     assert "step_00000040.tmp." in out and "may be writing" in out
@@ -53,7 +53,16 @@ def test_list_json_is_stable(root: Path, capsys) -> None:
     rc, out, _ = run(capsys, "list", "--ckpt-root", str(root), "--json")
     doc = json.loads(out)
     assert rc == 0
-    assert set(doc) == {"schema", "command", "root", "latest", "checkpoints", "quarantined", "tmp"}
+    assert set(doc) == {
+        "schema",
+        "command",
+        "root",
+        "latest",
+        "retention",
+        "checkpoints",
+        "quarantined",
+        "tmp",
+    }
     assert (doc["schema"], doc["command"], doc["latest"]) == (1, "list", "step_00000020")
     c = doc["checkpoints"][0]
     assert set(c) == {
@@ -68,6 +77,7 @@ def test_list_json_is_stable(root: Path, capsys) -> None:
         "bytes",
         "files",
         "latest",
+        "kept",
     }
     assert (c["name"], c["step"], c["ok"], c["latest"], c["files"]) == ("step_00000020", 20, True, True, 4)
     assert c["evidence"] == "ok"

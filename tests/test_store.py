@@ -388,9 +388,3 @@ def test_young_old_tmp_age_counts_from_the_newest_file(tmp_path: Path) -> None:
     os.utime(d / "shard")  # a writer still appending to a big shard
     (t,) = store.list_tmp(tmp_path)
     assert t.age_s < 60
-
-
-def test_plan_retention_is_pure() -> None:
-    assert store.plan_retention([5, 4, 3, 2, 1], 2, 0, 5) == {5, 4}
-    assert store.plan_retention([5, 4, 3, 2, 1], 2, 2, 5) == {5, 4, 2}
-    assert store.plan_retention([5, 4, 3], 2, 0, 3) == {5, 4, 3}

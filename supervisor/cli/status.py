@@ -91,6 +91,8 @@ def render(r: StatusReport) -> str:
         out += ["", _remote_line(r)]
     if r.slurm:
         out += ["", f"slurm {r.slurm}"]
+    if r.retention:
+        out += ["", f"retention: {r.retention}"]
     return "\n".join(out)
 
 

@@ -16,6 +16,7 @@
       supervisor/events.remote.jsonl the remote-tier uploader's event log (trainer rank 0)
       supervisor/remote.json         the uploader's status
       supervisor/slurm.json          the SLURM job's requeue budget and history
+      supervisor/retention.json      the retention policy the trainer prunes with (for `status`)
       metrics.jsonl                  the trainer's per-step metrics (rank 0, across launches)
       samples/rank_00003.jsonl       with --log-samples: the sample ids each rank trained on
       final.json                     the trainer's final digest
@@ -62,6 +63,7 @@ STATE_GLOB = "state*.json"
 REMOTE_STATUS = "remote.json"
 REMOTE_EVENTS = "events.remote.jsonl"
 REQUEUE_STATE = "slurm.json"
+RETENTION = "retention.json"
 # Per-rank files: heartbeats/rank_00003.json, and names of the same form elsewhere.
 RANK_PREFIX = "rank_"
 
@@ -272,6 +274,10 @@ class RunDir:
     @property
     def requeue_state(self) -> Path:
         return self.supervisor / REQUEUE_STATE
+
+    @property
+    def retention(self) -> Path:
+        return self.supervisor / RETENTION
 
     @property
     def metrics(self) -> Path:
