@@ -24,6 +24,7 @@ from typing import Any
 
 from supervisor.errors import UserError
 from supervisor.format.atomic import atomic_write_json
+from supervisor.format.eventnames import RequeueEvent
 from supervisor.format.exitcodes import Exit
 from supervisor.format.layout import RunDir
 
@@ -574,8 +575,8 @@ class RequeueState:
     def with_limits(self, limits: Budgets) -> RequeueState:
         return replace(self, max_preempt_requeues=limits.preempt, max_requeues=limits.failure)
 
-    def with_event(self, event: str, **fields: Any) -> RequeueState:
-        entry = {"time": round(time.time(), 3), "event": event, "job_id": self.job_id, **fields}
+    def with_event(self, event: RequeueEvent, **fields: Any) -> RequeueState:
+        entry = {"time": round(time.time(), 3), "event": event.value, "job_id": self.job_id, **fields}
         return replace(self, history=(*self.history, entry)[-KEEP_HISTORY:])
 
 
@@ -622,7 +623,7 @@ def parse_requeue_state(d: Any) -> RequeueState:
 def _is_preempt_requeue(h: Any, job_id: str) -> bool:
     return (
         isinstance(h, dict)
-        and h.get("event") == "requeue"
+        and h.get("event") == RequeueEvent.REQUEUE
         and str(h.get("job_id")) == job_id
         and h.get("exit_code") == Exit.REQUEUE_REQUESTED
     )

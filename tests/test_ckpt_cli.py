@@ -10,14 +10,13 @@ import time
 from pathlib import Path
 
 import pytest
-from commands import supervisor_cmd
-from store_helpers import corrupt, make_ckpt, quarantine_dirs, write_tmp
+from commands import REPO, supervisor_cmd
+from store_helpers import make_ckpt, quarantine_dirs, write_tmp
 
 from supervisor import store
 from supervisor.cli.main import main
+from supervisor.drill.corruption import Corruption, corrupt
 from supervisor.format.exitcodes import Exit
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -35,7 +34,7 @@ def root(tmp_path: Path) -> Path:
 
 
 def test_list_table(root: Path, capsys) -> None:
-    corrupt(root / "step_00000020", "truncate")
+    corrupt(root / "step_00000020", Corruption.TRUNCATE)
     write_tmp(root, 40)
     rc, out, err = run(capsys, "list", "--ckpt-root", str(root))
     assert rc == Exit.OK and err == ""
@@ -49,7 +48,7 @@ def test_list_table(root: Path, capsys) -> None:
 
 def test_list_json_is_stable(root: Path, capsys) -> None:
     store.pick(root)
-    corrupt(root / "step_00000030", "delete_manifest")
+    corrupt(root / "step_00000030", Corruption.DELETE_MANIFEST)
     store.pick(root)
     rc, out, _ = run(capsys, "list", "--ckpt-root", str(root), "--json")
     doc = json.loads(out)
@@ -88,7 +87,7 @@ def test_list_json_is_stable(root: Path, capsys) -> None:
 
 def test_verify_exit_codes_and_depth(root: Path, capsys) -> None:
     assert run(capsys, "verify", "--ckpt-root", str(root))[0] == Exit.OK
-    corrupt(root / "step_00000020", "bitflip")
+    corrupt(root / "step_00000020", Corruption.BITFLIP)
     assert run(capsys, "verify", "--ckpt-root", str(root))[0] == Exit.OK  # sizes still match
     rc, out, _ = run(capsys, "verify", "--ckpt-root", str(root), "--deep", "--json")
     doc = json.loads(out)
@@ -112,7 +111,7 @@ def test_deep_verify_draws_a_bar_on_a_terminal_only(root: Path, capsys, monkeypa
 
 
 def test_pick_dry_run_then_pick(root: Path, capsys) -> None:
-    corrupt(root / "step_00000030", "garbage_manifest")
+    corrupt(root / "step_00000030", Corruption.GARBAGE_MANIFEST)
     rc, out, _ = run(capsys, "pick", "--ckpt-root", str(root), "--dry-run")
     assert rc == 0 and "would quarantine step_00000030" in out and "would pick step_00000020" in out
     assert not quarantine_dirs(root)
@@ -125,7 +124,7 @@ def test_pick_dry_run_then_pick(root: Path, capsys) -> None:
 
 def test_pick_with_none_valid_exits_1(tmp_path: Path, capsys) -> None:
     make_ckpt(tmp_path, 10)
-    corrupt(tmp_path / "step_00000010", "delete_shard")
+    corrupt(tmp_path / "step_00000010", Corruption.DELETE_SHARD)
     rc, out, _ = run(capsys, "pick", "--ckpt-root", str(tmp_path), "--deep")
     assert rc == Exit.FOUND_PROBLEM and "quarantined step_00000010: __0_0.distcp is missing" in out
     assert "no usable checkpoint, but 1 checkpoint is quarantined" in out and "--allow-fresh-start" in out

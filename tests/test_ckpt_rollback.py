@@ -11,12 +11,14 @@ import time
 from pathlib import Path
 
 import pytest
-from store_helpers import committed_names, corrupt, latest_text, make_ckpt, quarantine_dirs
+from commands import REPO
+from store_helpers import committed_names, latest_text, make_ckpt, quarantine_dirs
 from waiting import wait_held
 from watch_helpers import finish, start_watchdog
 
 from supervisor import store
 from supervisor.cli.main import main
+from supervisor.drill.corruption import Corruption, corrupt
 from supervisor.format.atomic import hostname
 from supervisor.format.events import RunState, write_state
 from supervisor.format.exitcodes import Exit
@@ -25,7 +27,6 @@ from supervisor.format.layout import REASON, RunDir
 from supervisor.report import build_report
 from train_ref import hold
 
-REPO = Path(__file__).resolve().parent.parent
 FAKE = str(REPO / "tests" / "fake_trainer.py")
 
 
@@ -53,7 +54,7 @@ def refused(capsys, root: Path, *argv: str) -> str:
 
 
 def test_rollback_quarantines_newer_ones_and_points_latest_at_the_target(root: Path, capsys) -> None:
-    corrupt(root / "step_00000040", "truncate")  # invalid ones newer than the target go too
+    corrupt(root / "step_00000040", Corruption.TRUNCATE)  # invalid ones newer than the target go too
     shard = (root / "step_00000030" / "__0_0.distcp").read_bytes()
     rc, out, _ = rollback(capsys, root, "--to", "20", "--yes", "--json")
     doc = json.loads(out)
@@ -84,7 +85,7 @@ def test_refuses_a_target_that_is_not_a_valid_checkpoint(root: Path, capsys) -> 
     assert "step_00000025: cannot roll back to it: no such committed checkpoint" in refused(
         capsys, root, "--to", "25", "--yes"
     )
-    corrupt(root / "step_00000020", "delete_shard")
+    corrupt(root / "step_00000020", Corruption.DELETE_SHARD)
     err = refused(capsys, root, "--to", "20", "--yes")
     assert "__0_0.distcp is missing" in err and "ckpt list" in err
     assert "out of range" in refused(capsys, root, "--to", str(10**9), "--yes")

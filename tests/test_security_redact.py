@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from commands import supervisor_cmd
+from commands import REPO, supervisor_cmd
 from store_helpers import make_ckpt
 
 from supervisor.drill.report import write_report
@@ -24,7 +24,6 @@ from supervisor.tiers.backends import DirBackend, RemoteConfigError, open_backen
 from supervisor.tiers.remote import RemoteTier, RemoteUnavailable
 from supervisor.tiers.uploader import Uploader, UploadPolicy
 
-REPO = Path(__file__).resolve().parents[1]
 SECRETS = ("AKIAEXAMPLE", "s3cr3t", "hunter2", "SIGVALUE", "CREDVALUE", "TOKENVALUE", "SASVALUE")
 # A remote URL and an endpoint as a careless user might pass them: every kind of credential.
 URL = "s3://AKIAEXAMPLE:s3cr3t@bucket/run"

@@ -25,16 +25,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from commands import REPO
 from waiting import wait_for
 
 from supervisor import slurm
 from supervisor.format import events
 from supervisor.format.exitcodes import Exit
+from supervisor.format.layout import RunDir
+from supervisor.format.metrics import MetricsRecord, read_metrics
 from train_ref import hold
 
 pytestmark = pytest.mark.slurm
 
-REPO = Path(__file__).resolve().parent.parent
 CLUSTER_SH = REPO / "tests" / "slurm" / "cluster.sh"
 JOB_SH = REPO / "sbatch" / "job.sh"
 EXIT_UNAVAILABLE = 3  # cluster.sh: SLURM cannot be installed here
@@ -157,17 +159,8 @@ class Job:
         """A preemption notice as SLURM would deliver it: the signal to the batch shell."""
         self.cluster.run("scancel", f"--signal={sig}", "--batch", self.job_id)
 
-    def metrics(self) -> list[dict]:
-        path = self.run_dir / "metrics.jsonl"
-        if not path.exists():
-            return []
-        rows = []
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                continue  # a line being written
-        return rows
+    def metrics(self) -> list[MetricsRecord]:
+        return read_metrics(RunDir.of(self.run_dir).metrics)
 
     def digest(self) -> str:
         return json.loads((self.run_dir / "final.json").read_text())["params_sha256"]
@@ -210,11 +203,11 @@ def submit(
     return Job(cluster, r.stdout.strip().split(";")[0], run_dir, out), gate
 
 
-def assert_no_step_lost(rows: list[dict], steps: int) -> list[str]:
+def assert_no_step_lost(rows: list[MetricsRecord], steps: int) -> list[str]:
     """Every step 1..steps logged exactly once, each launch starting right after the previous one
     stopped: a preemption checkpoint at the step boundary loses nothing. Returns the launch ids."""
-    assert [r["step"] for r in rows] == list(range(1, steps + 1)), [r["step"] for r in rows]
-    return list(dict.fromkeys(r["launch"] for r in rows))
+    assert [r.step for r in rows] == list(range(1, steps + 1)), [r.step for r in rows]
+    return list(dict.fromkeys(r.launch for r in rows))
 
 
 def golden_digest(root: Path, steps: int) -> str:
@@ -276,9 +269,7 @@ def test_preemption_twice_requeues_and_loses_no_step(cluster: Cluster, tmp_path:
     assert (job.requeue_state()["preempt_requeues"], job.requeue_state()["failure_requeues"]) == (2, 0)
     rows = job.metrics()
     launches = assert_no_step_lost(rows, STEPS)
-    assert [max(r["step"] for r in rows if r["launch"] == x) for x in launches] == [9, 21, STEPS], (
-        job.explain()
-    )
+    assert [max(r.step for r in rows if r.launch == x) for x in launches] == [9, 21, STEPS], job.explain()
     assert job.digest() == golden
 
 
@@ -311,7 +302,7 @@ def test_requeue_signal_urg_is_trapped_forwarded_and_acted_on(
     assert "] WARNING: job" not in out, job.explain()  # slurm start's --signal check
     rows = job.metrics()
     launches = assert_no_step_lost(rows, STEPS)
-    assert [max(r["step"] for r in rows if r["launch"] == x) for x in launches] == [9, STEPS], job.explain()
+    assert [max(r.step for r in rows if r.launch == x) for x in launches] == [9, STEPS], job.explain()
     assert job.digest() == golden
 
 
@@ -343,7 +334,7 @@ def test_preemption_by_a_higher_tier_job_sigterm_checkpoints_and_requeues_once(
     assert (job.requeue_state()["preempt_requeues"], job.requeue_state()["failure_requeues"]) == (1, 0)
     rows = job.metrics()
     launches = assert_no_step_lost(rows, STEPS)
-    assert [max(r["step"] for r in rows if r["launch"] == x) for x in launches] == [9, STEPS], job.explain()
+    assert [max(r.step for r in rows if r.launch == x) for x in launches] == [9, STEPS], job.explain()
     assert job.digest() == golden
 
 
@@ -389,7 +380,7 @@ def test_array_tasks_keep_their_own_run_dirs_and_a_preempted_task_requeues_only_
     assert preempted.output().count(f"scontrol requeue {preempted.job_id}") == 1
     rows = preempted.metrics()
     launches = assert_no_step_lost(rows, STEPS)
-    assert [max(r["step"] for r in rows if r["launch"] == x) for x in launches] == [9, STEPS]
+    assert [max(r.step for r in rows if r.launch == x) for x in launches] == [9, STEPS]
 
 
 def test_torchrun_restarts_are_refused_before_anything_runs(cluster: Cluster, tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ import pytest
 from commands import supervisor_cmd
 
 from supervisor import slurm
+from supervisor.format.eventnames import RequeueEvent
 from supervisor.format.exitcodes import Exit
 from supervisor.slurm import JobEnv, Knobs, SlurmError
 
@@ -299,7 +300,7 @@ def test_requeue_state_that_cannot_be_read_falls_back_to_slurms_restart_count(tm
 def test_history_is_capped(tmp_path: Path) -> None:
     state = slurm.RequeueState(job_id="1")
     for i in range(slurm.KEEP_HISTORY + 5):
-        state = state.with_event("start", n=i)
+        state = state.with_event(RequeueEvent.START, n=i)
     assert len(state.history) == slurm.KEEP_HISTORY
     assert state.history[-1]["n"] == slurm.KEEP_HISTORY + 4
 
@@ -560,7 +561,12 @@ def test_status_shows_both_budgets(tmp_path: Path) -> None:
 
     assert build_report(tmp_path).slurm == ""  # a run not started by sbatch/job.sh
     state = slurm.RequeueState(job_id="4242", restart_count=3).with_limits(slurm.Budgets(100, 10))
-    state = state.counted(slurm.PREEMPT).counted(slurm.PREEMPT).counted(slurm.FAILURE).with_event("start")
+    state = (
+        state.counted(slurm.PREEMPT)
+        .counted(slurm.PREEMPT)
+        .counted(slurm.FAILURE)
+        .with_event(RequeueEvent.START)
+    )
     slurm.save_requeue_state(tmp_path, state)
     report = build_report(tmp_path)
     assert report.slurm == (

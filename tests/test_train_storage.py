@@ -65,7 +65,7 @@ def test_a_save_that_hits_enospc_commits_nothing_and_training_goes_on(goldens, f
         committed(root) == ["step_00000010", "step_00000030"] and store.read_latest(root) == "step_00000030"
     )
     assert leftovers(root) == []
-    assert [m["step"] for m in metrics(root)] == list(range(1, 31))
+    assert [m.step for m in metrics(root)] == list(range(1, 31))
     assert {s.heartbeat.save_failures for s in read_heartbeats(root)} == {0}  # reset by step 30
     assert digest(root) == digest(golden)
 

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from commands import REPO
 from waiting import wait_for, wait_held, watchdog_events
 from watch_helpers import events, finish, leftovers, of, start_watchdog, watch_argv
 
@@ -24,7 +25,6 @@ from supervisor.format.exitcodes import Exit
 from supervisor.format.heartbeat import read_heartbeats
 from train_ref import hold
 
-REPO = Path(__file__).resolve().parent.parent
 FAKE = str(REPO / "tests" / "fake_trainer.py")
 # The fake trainer beats every step (0.05 s): a minute of silence is a real hang, never load.
 FAST = ["--hang-timeout", "60", "--poll-interval", "0.1", "--kill-grace", "1", "--dump-wait", "1"]

@@ -17,9 +17,10 @@ import threading
 from pathlib import Path
 
 import pytest
+from commands import REPO
 from test_watch import hold_file, start, watch_cmd
 from waiting import wait_for, wait_held
-from watch_helpers import REPO, events, finish, leftovers, of
+from watch_helpers import events, finish, leftovers, of
 
 from supervisor import store
 from supervisor.format.events import read_state, state_path

@@ -45,6 +45,7 @@ from supervisor.format.exitcodes import Exit
 from supervisor.format.heartbeat import HeartbeatWriter, Phase
 from supervisor.format.layout import FINAL, RunDir
 from supervisor.format.manifest import CheckpointInfo
+from supervisor.format.metrics import MetricsRecord
 from supervisor.ioerrors import backoff_s, retry_transient
 from supervisor.redact import redact_log_handlers
 from supervisor.safepickle import UnsafePickle
@@ -408,17 +409,9 @@ class Trainer:
             last_dt = time.perf_counter() - t0
             if metrics:
                 metrics.append(
-                    json.dumps(
-                        {
-                            "step": st.step,
-                            "loss": loss,
-                            "lr": lr,
-                            "grad_norm": norm,
-                            "step_time": round(last_dt, 6),
-                            "restart_count": self.hb.restart_count,
-                            "launch": self.launch,
-                        }
-                    )
+                    MetricsRecord(
+                        st.step, loss, lr, norm, round(last_dt, 6), self.hb.restart_count, self.launch
+                    ).to_line()
                 )
             if self.samples_file:
                 self.samples_file.append(json.dumps({"launch": self.launch, "step": st.step, "ids": ids}))

@@ -26,6 +26,7 @@ from pathlib import Path
 from supervisor import slurm
 from supervisor.format import events
 from supervisor.format.atomic import hostname
+from supervisor.format.eventnames import RequeueEvent
 from supervisor.format.exitcodes import Exit
 from supervisor.redact import redact
 from supervisor.slurm import JobEnv, Knobs, SlurmError
@@ -128,7 +129,7 @@ def start(args: argparse.Namespace) -> int:
         )
     say(f"each node runs: {shlex.join(slurm.launch_command(knobs, rdzv))}")
     slurm.save_requeue_state(
-        knobs.run_dir, state.with_event("start", restart_count=job.restart_count, nodes=hosts)
+        knobs.run_dir, state.with_event(RequeueEvent.START, restart_count=job.restart_count, nodes=hosts)
     )
     return Exit.OK
 
@@ -184,24 +185,24 @@ def finish(args: argparse.Namespace) -> int:
     reason = f"{d.reason}: {why}" if why else d.reason
     if not d.requeue:
         say(f"job {job.job_id} ends: {reason} (exit {d.exit_code})")
-        _record(knobs, state.with_event("end", exit_code=args.exit_code, reason=reason))
+        _record(knobs, state.with_event(RequeueEvent.END, exit_code=args.exit_code, reason=reason))
         return d.exit_code
     skip = slurm.why_not_requeue(slurm.scontrol_show("job", job.requeue_id), job.restart_count)
     if skip:
         say(f"job {job.job_id}: {reason}; {skip}: not requeueing it again")
-        _record(knobs, state.with_event("requeue_skipped", exit_code=args.exit_code, reason=skip))
+        _record(knobs, state.with_event(RequeueEvent.REQUEUE_SKIPPED, exit_code=args.exit_code, reason=skip))
         return Exit.OK if skip.startswith("SLURM is requeueing") else args.exit_code
     # Count first: SLURM sends SIGTERM right after the requeue, and an uncounted requeue could
     # repeat forever. Where the count cannot be written (the storage is what failed, exit 14),
     # SLURM's own restart count bounds the requeues: load_requeue_state falls back to it.
-    state = state.counted(d.kind).with_event("requeue", exit_code=args.exit_code, reason=reason)
+    state = state.counted(d.kind).with_event(RequeueEvent.REQUEUE, exit_code=args.exit_code, reason=reason)
     _record(knobs, state)
     say(f"job {job.job_id}: {reason}; scontrol requeue {job.requeue_id}")
     try:
         slurm.scontrol_requeue(job.requeue_id)
     except SlurmError as e:
         say(f"error: {e}")
-        _record(knobs, state.with_event("requeue_failed", reason=str(e)))
+        _record(knobs, state.with_event(RequeueEvent.REQUEUE_FAILED, reason=str(e)))
         return args.exit_code
     return d.exit_code
 

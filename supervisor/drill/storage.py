@@ -14,8 +14,9 @@ import itertools
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
+from supervisor.drill.drivers import Driver
 from supervisor.drill.faultctl import fuse_unavailable
 from supervisor.drill.judge import StorageFacts
 from supervisor.drill.plan import DISK_FULL_FAILURES, STORAGE, Fault, Kind
@@ -86,25 +87,11 @@ def kill_under(scene: Scene, fault: Fault, launch: str, rule: str, what: str) ->
     return True
 
 
-class StorageDriver:
-    """One storage fault kind: the job's extra flags, and ``drive`` (strike, wait, record)."""
-
-    kind: ClassVar[Kind]
-
-    def job_args(self, cfg: DrillConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """Extra flags for the watchdog and for the trainer."""
-        return (), ()
-
-    def drive(self, scene: Scene, fault: Fault) -> StorageFacts | None:
-        """Inject the fault into the running scene and wait until it is over; None: not injected."""
-        raise NotImplementedError
-
-
-class IoError(StorageDriver):
+class IoError(Driver):
     """EIO on the next reads of committed checkpoint files, then kill -9 a rank: the resume's pick
     (the watchdog's, then the trainer's) meets the errors and must retry, not quarantine."""
 
-    kind = Kind.IO_ERROR
+    kinds = frozenset({Kind.IO_ERROR})
 
     def drive(self, scene: Scene, fault: Fault) -> StorageFacts | None:
         assert scene.fs is not None
@@ -124,7 +111,7 @@ class IoError(StorageDriver):
         return StorageFacts(rule_hits=hits)
 
 
-class DiskFull(StorageDriver):
+class DiskFull(Driver):
     """ENOSPC on every write into a checkpoint tmp dir until the watchdog has logged
     DISK_FULL_FAILURES failed saves in a row (an event, not a time), then space again. The job must
     ride it out in the same launch.
@@ -134,7 +121,7 @@ class DiskFull(StorageDriver):
     The trainer's give-up policy is set out of reach, so how soon the drill frees the disk cannot
     turn into a relaunch (the policy has tests of its own)."""
 
-    kind = Kind.DISK_FULL
+    kinds = frozenset({Kind.DISK_FULL})
 
     def job_args(self, cfg: DrillConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
         return (), ("--max-failed-saves", str(cfg.steps // cfg.save_every + 1))
@@ -169,13 +156,13 @@ class DiskFull(StorageDriver):
         return StorageFacts(rule_hits=hits, committed_before=before, committed_after=after)
 
 
-class SlowStorage(StorageDriver):
+class SlowStorage(Driver):
     """Checkpoint reads and writes throttled so that the newest checkpoint takes SLOW_READ_S to read
     once, then kill -9 a rank: the resume's verify and load run for several times their timeouts
     (SLOW_TIMEOUT_S, passed to the watchdog) and must not be taken for a hang, since they progress.
     The throttle is lifted at the first resumed step."""
 
-    kind = Kind.SLOW_STORAGE
+    kinds = frozenset({Kind.SLOW_STORAGE})
 
     def job_args(self, cfg: DrillConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
         t = f"{SLOW_TIMEOUT_S:g}"
@@ -251,11 +238,11 @@ def _secs(s: float | None) -> str:
     return "?" if s is None else f"{s:.1f}s"
 
 
-DRIVERS: dict[Kind, type[StorageDriver]] = {d.kind: d for d in (IoError, DiskFull, SlowStorage)}
+DRIVERS: dict[Kind, type[Driver]] = {k: d for d in (IoError, DiskFull, SlowStorage) for k in d.kinds}
 assert set(DRIVERS) == set(STORAGE), "a driver for every storage fault kind"
 
 
-def driver_for(faults: list[Fault]) -> StorageDriver | None:
+def driver_for(faults: list[Fault]) -> Driver | None:
     """The driver of a storage scenario (its one fault), or None for any other scenario."""
     kinds = {f.kind for f in faults if f.kind in DRIVERS}
     if not kinds:
