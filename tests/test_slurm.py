@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from slurm_jobs import (
+from slurm_helpers import (
     JOB_SH,
     JOB_TIMEOUT_S,
     REPO,
