@@ -210,11 +210,13 @@ unavailable_net() {
   exit "$EXIT_UNAVAILABLE"
 }
 
-# A /24 of 198.18.0.0/15 (reserved for tests) that no interface here uses yet.
+# A /24 of 198.18.0.0/15 (reserved for tests) that no interface here uses yet; the search starts
+# at a random one, so two clusters starting at the same moment rarely pick the same.
 free_net() {
-  local k used
+  local i k used start=$((RANDOM % 254))
   used=$(ip -o -4 addr show 2>/dev/null || true)
-  for k in $(seq 1 254); do
+  for i in $(seq 0 253); do
+    k=$(((start + i) % 254 + 1))
     [[ "$used" == *" 198.18.$k."* ]] || { printf '198.18.%s' "$k"; return 0; }
   done
   return 1
