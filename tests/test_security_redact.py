@@ -79,6 +79,9 @@ def test_redact_finds_urls_in_text_and_leaves_the_rest() -> None:
         == 'Invalid bucket name "REDACTED@bucket": must'
     )
     assert redact("git@github.com:org/repo at 10:30 @home") == "git@github.com:org/repo at 10:30 @home"
+    # SLURM's --signal=[B:]SIG@SECONDS is a number after the @, not a host; an address is one.
+    assert redact("use --signal=B:USR1@120 (or B:URG@60)") == "use --signal=B:USR1@120 (or B:URG@60)"
+    assert redact("u:pw@10.0.0.1:9000 and u:pw@7host") == "REDACTED@10.0.0.1:9000 and REDACTED@7host"
 
 
 def test_redact_obj_walks_json() -> None:

@@ -37,7 +37,7 @@ from supervisor.drill.corruption import Corruption, corrupt
 from supervisor.format.atomic import atomic_write_json
 from supervisor.format.exitcodes import Exit
 from supervisor.format.layout import MANIFEST, RunDir
-from supervisor.format.manifest import read_manifest
+from supervisor.format.manifest import META_SAVE_S, read_manifest
 from supervisor.store import read_latest
 from train_ref import hold
 from train_ref.data import build_corpus
@@ -116,7 +116,11 @@ def test_kill_during_async_save_never_uses_that_checkpoint(goldens, tmp_path):
     assert digest(root) == digest(golden)
     # step 20 was written again by the relaunch; the dead writer's tmp dir is left to the store's
     # stale-tmp retention and is never read.
-    assert read_manifest(root / "step_00000020").meta["launch"] == metrics(root)[-1].launch
+    meta = read_manifest(root / "step_00000020").meta
+    assert meta["launch"] == metrics(root)[-1].launch
+    # The save's duration, for `slurm start`'s --signal lead check: an async save of a tiny model
+    # commits at a step boundary within seconds.
+    assert 0 < meta[META_SAVE_S] < 60, meta
 
 
 def test_sigusr2_dumps_stacks_and_sigusr1_checkpoints_then_exits_requeue(goldens, tmp_path):

@@ -114,7 +114,7 @@ def start(args: argparse.Namespace) -> int:
             f"SLURM restarted this job {job.restart_count} time(s), {ours} of them requeued "
             "by this script (the others by SLURM's preemption, a node failure or an operator)"
         )
-    problem = _notice_problem(args.job_script, knobs.requeue_signal)
+    problem = _notice_problem(args.job_script, knobs.requeue_signal, knobs.run_dir)
     if problem:
         say(f"WARNING: job {job.job_id}: {problem}")
     partition = slurm.scontrol_show("partition", os.environ.get("SLURM_JOB_PARTITION", ""))
@@ -134,19 +134,30 @@ def start(args: argparse.Namespace) -> int:
     return Exit.OK
 
 
-def _notice_problem(script: Path | None, requeue_signal: str) -> str:
-    """The job's --signal, from SBATCH_SIGNAL (it overrides the script's line) or the script's
-    ``#SBATCH --signal``; why its notice can never arrive, or ""."""
-    env = os.environ.get("SBATCH_SIGNAL", "")
-    if env:
-        return slurm.notice_problem(env, "SBATCH_SIGNAL", requeue_signal)
-    if script is None:
-        return ""
+def _notice_problem(script: Path | None, requeue_signal: str, run_dir: Path) -> str:
+    """Why the job's notice can never arrive, or comes later than one checkpoint of this run
+    takes (``slurm.lead_problem``), or ""."""
     try:
-        spec = slurm.script_signal_spec(script.read_text(errors="replace"))
+        spec, where = _job_signal(script)
     except OSError as e:
         return f"cannot read the job script {script} to check its --signal ({e})"
-    return slurm.notice_problem(spec, f"#SBATCH lines of {script}", requeue_signal)
+    if not where:
+        return ""
+    return slurm.notice_problem(spec, where, requeue_signal) or slurm.lead_problem(
+        spec, where, slurm.last_save_time(run_dir)
+    )
+
+
+def _job_signal(script: Path | None) -> tuple[str | None, str]:
+    """The job's --signal and where it was read: SBATCH_SIGNAL (it overrides the script's line),
+    else the script's last ``#SBATCH --signal`` (None when it has none); (None, "") without a
+    script. OSError when the script cannot be read."""
+    env = os.environ.get("SBATCH_SIGNAL", "")
+    if env:
+        return env, "SBATCH_SIGNAL"
+    if script is None:
+        return None, ""
+    return slurm.script_signal_spec(script.read_text(errors="replace")), f"#SBATCH lines of {script}"
 
 
 def launch(args: argparse.Namespace) -> int:

@@ -32,6 +32,10 @@ READ_CHUNK = 8 << 20
 VERIFY_THREADS = min(8, os.cpu_count() or 1)
 
 ProgressFn = Callable[[int], None]
+# A ``meta`` key (optional; the reference trainer writes it): seconds from the save call to the
+# commit on rank 0's clock, an async save's wait for its commit step boundary included. `slurm
+# start` compares the newest one with the job's --signal lead time.
+META_SAVE_S = "save_s"
 # Files of a checkpoint its manifest does not list: itself, and the signature written after it.
 NOT_LISTED = frozenset({MANIFEST, SIGNATURE})
 
