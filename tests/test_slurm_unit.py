@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 from commands import supervisor_cmd
-from store_helpers import corrupt, make_ckpt
+from store_helpers import make_ckpt
 
 from supervisor import slurm
+from supervisor.drill.corruption import Corruption, corrupt
 from supervisor.format.eventnames import RequeueEvent
 from supervisor.format.exitcodes import Exit
 from supervisor.format.manifest import META_SAVE_S
@@ -553,7 +554,7 @@ def test_last_save_time_is_the_newest_readable_manifests(tmp_path: Path) -> None
     make_ckpt(root, 20, meta={META_SAVE_S: 7.25})
     assert slurm.last_save_time(root) == SaveTime("step_00000020", 7.25)
     newest = make_ckpt(root, 30, meta={META_SAVE_S: 9.0})
-    corrupt(newest.path, "garbage_manifest")
+    corrupt(newest.path, Corruption.GARBAGE_MANIFEST)
     assert slurm.last_save_time(root) == SaveTime("step_00000020", 7.25)
     make_ckpt(root, 40, meta={"launch": "x"})  # a trainer that does not record it
     assert slurm.last_save_time(root) is None
