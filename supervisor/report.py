@@ -9,16 +9,18 @@ with the reason. So does storage that does not answer: a checkpoint that cannot 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from supervisor import store
 from supervisor.format import events
 from supervisor.format.atomic import hostname, pid_alive
-from supervisor.format.heartbeat import Phase, boot_id, read_heartbeats
+from supervisor.format.heartbeat import HeartbeatSnapshot, Phase, boot_id, read_heartbeats
 from supervisor.format.layout import STATE_GLOB, RunDir
+from supervisor.format.nodesummary import NodeSummary, newest_per_rank, read_summary, summary_paths
 from supervisor.ioerrors import describe
+from supervisor.watch.node_summary import rank_stale
 from supervisor.watch.restart_policy import Clock, PhaseTimeouts, describe_progress
 
 if TYPE_CHECKING:
@@ -28,10 +30,15 @@ UNKNOWN = "unknown"
 # Worst first: the run's state is the worst of its nodes' states.
 _SEVERITY = (events.FAILED, events.STOPPED, events.REQUEUED, events.RESTARTING, events.RUNNING, events.DONE)
 RECENT_LAUNCHES = 10
+# Up to this many ranks every rank gets a row; above, the ranks that need a look do (stale,
+# unknown, an exit code, failed saves) and the others are counted per node from the summaries'
+# headers, so `status` costs the same at 16 or 16,384 ranks (`--all-ranks` lists every one).
+FULL_RANKS = 512
 
 
 # `status --json`'s layout: raised when a field changes meaning or goes away (new fields do not).
-STATUS_SCHEMA = 1
+# 2: over FULL_RANKS ranks, ``ranks`` lists only those that need a look (``rank_counts`` counts all).
+STATUS_SCHEMA = 2
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,24 @@ class NodeRow:
     restarts: int
     launch_id: str
     problem: str = ""
+    # From the node's summary (heartbeats/node_NNNNN.json), when its watchdog publishes one.
+    summary_age_s: float | None = None
+    summary_stale: bool = False  # not rewritten for stale_after_s: watchdog gone or node lost
+    ranks: int = 0
+    verdict: str = ""  # the last launch's, as the node's watchdog judged it
+    culprit: str = ""
+
+
+@dataclass(frozen=True)
+class RankCounts:
+    """Every rank, counted (the rows may list only those that need a look)."""
+
+    total: int = 0
+    phases: tuple[tuple[str, int], ...] = ()
+    step_min: int | None = None
+    step_max: int | None = None
+    stale: int = 0  # stale or unknown
+    complete: bool = True  # every rank has a row in ``ranks``
 
 
 @dataclass(frozen=True)
@@ -112,10 +137,12 @@ class StatusReport:
     remote: RemoteStatus | None = None  # the uploader's last word (remote.json); no network call
     storage_problem: str = ""  # the checkpoints or the quarantine could not be listed, and why
     slurm: str = ""  # sbatch/job.sh's requeue budgets (supervisor/slurm.json), one line; "" if none
+    rank_counts: RankCounts = RankCounts()
 
     def to_dict(self) -> dict[str, Any]:
         """Shallow per row: ``dataclasses.asdict`` deep-copies and costs 10x on 4096 ranks."""
         d = {"schema": STATUS_SCHEMA, **self.__dict__}
+        d["rank_counts"] = dict(self.rank_counts.__dict__, phases=dict(self.rank_counts.phases))
         for key in ("nodes", "launches", "ranks", "checkpoints", "quarantined"):
             d[key] = [row.__dict__ for row in d[key]]
         d["in_progress"] = list(self.in_progress)
@@ -180,44 +207,167 @@ def _nodes(root: Path) -> tuple[list[NodeRow], list[LaunchRow], dict[str, float]
     return nodes, launches[-RECENT_LAUNCHES:], timeouts, current
 
 
-def _ranks(root: Path, clock: Clock, timeouts: PhaseTimeouts, current: set[str]) -> list[RankRow]:
-    rows = []
-    for snap in read_heartbeats(root):
-        hb = snap.heartbeat
-        if hb is None:
-            rows.append(RankRow(snap.rank, "", None, None, UNKNOWN, None, None, True, snap.problem))
+def _row(
+    snap: HeartbeatSnapshot, clock: Clock, timeouts: PhaseTimeouts, current: set[str], lost: str
+) -> RankRow:
+    """One rank's row; ``lost`` says its node's summary is stale (its news may be old)."""
+    hb = snap.heartbeat
+    if hb is None:
+        return RankRow(snap.rank, "", None, None, UNKNOWN, None, None, True, snap.problem)
+    age = clock.age(hb)
+    stale, note = rank_stale(hb, age, timeouts.for_phase(hb.phase), current)
+    if lost and hb.phase != Phase.DONE:
+        stale, note = True, lost
+    if hb.exit_code is not None:
+        note = (note + "; " if note else "") + f"exit code {hb.exit_code}"
+    if hb.save_failures:
+        note = (note + "; " if note else "") + f"{hb.save_failures} failed saves: {hb.last_error}"
+    progress = (
+        ""
+        if hb.phase in (Phase.TRAIN, Phase.DONE)
+        else describe_progress(hb.progress, hb.progress_total, hb.io_path)
+    )
+    return RankRow(
+        hb.rank,
+        hb.host,
+        hb.pid,
+        hb.step,
+        hb.phase.value,
+        age,
+        hb.last_step_s,
+        stale,
+        note,
+        progress,
+        hb.save_failures,
+        hb.last_error,
+    )
+
+
+@dataclass
+class _RankView:
+    """What the heartbeats say: rows, counts, and the live steps and step times of the ranks."""
+
+    rows: list[RankRow]
+    counts: RankCounts
+    live_steps: list[int]
+    step_times: list[float]
+    summaries: dict[int, NodeSummary]
+    summary_problems: dict[int, str]
+
+
+def _summaries(root: Path) -> tuple[dict[int, NodeSummary], dict[int, str]]:
+    """Every node summary's header (records unparsed), and the ones that cannot be used, why."""
+    ok: dict[int, NodeSummary] = {}
+    bad: dict[int, str] = {}
+    for node, path in summary_paths(root):
+        try:
+            ok[node] = read_summary(path)
+        except OSError as e:
+            bad[node] = f"{path}: {describe(e)}"
+        except ValueError as e:
+            bad[node] = f"{path}: {e}"
+    return ok, bad
+
+
+def stale_note(s: NodeSummary, age: float) -> str:
+    h = s.header
+    return (
+        f"node {h.node} summary {age:.0f}s old (stale after {h.stale_after_s:g}s): "
+        "its watchdog is gone or the node is lost"
+    )
+
+
+def _ranks(
+    root: Path, clock: Clock, timeouts: PhaseTimeouts, current: set[str], all_ranks: bool, ended: set[int]
+) -> _RankView:
+    """Ranks from the node summaries and any rank files in the run directory (ranks without a
+    watchdog). Up to FULL_RANKS (or ``all_ranks``) every rank gets a row; above, only the ranks
+    the watchdogs flagged and every rank of a stale node do, the rest are counted from headers.
+    A summary is stale when not rewritten for its stale_after_s while its watchdog's state does
+    not say it ended (``ended``: those nodes wrote their last summary on the way out)."""
+    summaries, bad = _summaries(root)
+    snaps = list(read_heartbeats(root))
+    total = len(snaps) + sum(s.header.ranks for s in summaries.values())
+    complete = all_ranks or total <= FULL_RANKS
+    lost: dict[str, str] = {}  # summary path -> why its ranks' news may be old
+    counted: list[NodeSummary] = []  # fresh nodes counted from their header
+    for node, s in summaries.items():
+        age = clock.age(s.header)
+        if age > s.header.stale_after_s and node not in ended:
+            lost[s.path] = stale_note(s, age)
+        elif not complete:
+            counted.append(s)
+            if not s.header.attention:
+                continue
+        try:
+            node_snaps = s.snapshots()
+        except ValueError as e:
+            bad[node] = f"{s.path}: {e}"
             continue
-        age = clock.age(hb)
-        limit = timeouts.for_phase(hb.phase)
-        old_launch = bool(current) and hb.launch_id not in current
-        stale = hb.phase != Phase.DONE and (old_launch or (limit is not None and age > limit))
-        note = "from an earlier launch" if old_launch else (f"silent > {limit:g}s" if stale else "")
-        if hb.exit_code is not None:
-            note = (note + "; " if note else "") + f"exit code {hb.exit_code}"
-        if hb.save_failures:
-            note = (note + "; " if note else "") + f"{hb.save_failures} failed saves: {hb.last_error}"
-        progress = (
-            ""
-            if hb.phase in (Phase.TRAIN, Phase.DONE)
-            else describe_progress(hb.progress, hb.progress_total, hb.io_path)
-        )
-        rows.append(
-            RankRow(
-                hb.rank,
-                hb.host,
-                hb.pid,
-                hb.step,
-                hb.phase.value,
-                age,
-                hb.last_step_s,
-                stale,
-                note,
-                progress,
-                hb.save_failures,
-                hb.last_error,
+        keep = set(s.header.attention) if s in counted else None
+        snaps += [x for x in node_snaps if keep is None or x.rank in keep]
+    rows = [_row(x, clock, timeouts, current, lost.get(x.path, "")) for x in newest_per_rank(snaps)]
+    return _RankView(rows, *_tally(rows, counted, complete), summaries, bad)
+
+
+def _tally(
+    rows: list[RankRow], counted: list[NodeSummary], complete: bool
+) -> tuple[RankCounts, list[int], list[float]]:
+    """Counts over the rows and the counted nodes (whose flagged ranks are among the rows)."""
+    listed = {r.rank: r for r in rows}
+    phases: dict[str, int] = {}
+    for r in rows:
+        phases[r.phase] = phases.get(r.phase, 0) + 1
+    steps = [r.step for r in rows if r.step is not None]
+    live = [r for r in rows if not r.stale and r.step is not None]
+    live_steps = [r.step for r in live if r.step is not None]
+    step_times = [r.last_step_s for r in live if r.phase == Phase.TRAIN.value and r.last_step_s]
+    total = len(rows)
+    for s in counted:
+        h = s.header
+        flagged = [listed[a] for a in h.attention if a in listed]
+        total += h.ranks - len(flagged)
+        for phase, n in h.phases.items():
+            phases[phase] = phases.get(phase, 0) + n - sum(1 for r in flagged if r.phase == phase)
+        steps += [x for x in (h.step_min, h.step_max) if x is not None]
+        live_steps += [h.live_step_max] if h.live_step_max is not None else []
+        step_times += [h.last_step_s] if h.last_step_s else []
+    counts = RankCounts(
+        total=total,
+        phases=tuple(sorted((p, n) for p, n in phases.items() if n > 0)),
+        step_min=min(steps, default=None),
+        step_max=max(steps, default=None),
+        stale=sum(1 for r in rows if r.stale),
+        complete=complete,
+    )
+    return counts, live_steps, step_times
+
+
+def _ended(nodes: list[NodeRow]) -> set[int]:
+    """Nodes whose watchdog's state says it is neither running nor about to relaunch."""
+    return {n.node for n in nodes if n.status not in (events.RUNNING, events.RESTARTING, UNKNOWN)}
+
+
+def _with_summaries(nodes: list[NodeRow], view: _RankView, clock: Clock) -> list[NodeRow]:
+    """Each watchdog's row with what its node summary says (age, stale, verdict, culprit)."""
+    out = []
+    ended = _ended(nodes)
+    for n in nodes:
+        s = view.summaries.get(n.node)
+        if s is not None:
+            age = clock.age(s.header)
+            n = replace(
+                n,
+                summary_age_s=age,
+                summary_stale=age > s.header.stale_after_s and n.node not in ended,
+                ranks=s.header.ranks,
+                verdict=s.header.verdict,
+                culprit=s.header.culprit,
             )
-        )
-    return rows
+        elif n.node in view.summary_problems:
+            n = replace(n, problem=n.problem or f"node summary unusable: {view.summary_problems[n.node]}")
+        out.append(n)
+    return out
 
 
 def _checkpoints(root: Path, now: float) -> list[CheckpointRow]:
@@ -253,15 +403,18 @@ def _stored(root: Path, now: float) -> tuple[list[CheckpointRow], list[Quarantin
     return ckpts, quarantined, "; ".join(problems)
 
 
-def _overall(nodes: list[NodeRow], ranks: list[RankRow]) -> tuple[str, str]:
+def _overall(nodes: list[NodeRow], view: _RankView) -> tuple[str, str]:
     known = [n for n in nodes if n.status in _SEVERITY]
     if known:
         worst = min(known, key=lambda n: _SEVERITY.index(n.status))
         where = f" (node {worst.node})" if len(nodes) > 1 else ""
+        lost = [n.node for n in nodes if n.summary_stale]
+        if lost:
+            where += f"; STALE node summary of node {', '.join(map(str, lost))}: watchdog gone or node lost?"
         return worst.status, worst.reason + where
     if nodes:
         return UNKNOWN, nodes[0].problem
-    if any(not r.stale for r in ranks):
+    if view.counts.total > view.counts.stale:
         return events.RUNNING, "ranks are beating; no watchdog state (not started by `supervisor watch`?)"
     return UNKNOWN, "no watchdog state and no live heartbeat"
 
@@ -273,7 +426,7 @@ def _median(xs: list[float]) -> float:
     return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
 
 
-def build_report(root: str | Path, now: float | None = None) -> StatusReport:
+def build_report(root: str | Path, now: float | None = None, all_ranks: bool = False) -> StatusReport:
     root = store.require_root(root)
     # Heartbeats of this host's boot are aged on the monotonic clock, unless a time is given.
     clock = Clock(time.time(), time.monotonic(), boot_id()) if now is None else Clock(now)
@@ -283,12 +436,11 @@ def build_report(root: str | Path, now: float | None = None) -> StatusReport:
         timeouts = PhaseTimeouts.from_dict(tdict)
     except ValueError:
         timeouts = PhaseTimeouts()
-    ranks = _ranks(root, clock, timeouts, current)
-    state, why = _overall(nodes, ranks)
-    live = [r for r in ranks if not r.stale and r.step is not None]
-    live_steps = [r.step for r in live if r.step is not None]
+    view = _ranks(root, clock, timeouts, current, all_ranks, _ended(nodes))
+    nodes = _with_summaries(nodes, view, clock)
+    state, why = _overall(nodes, view)
+    live_steps, step_times = view.live_steps, view.step_times
     checkpoints, quarantined, storage_problem = _stored(root, now)
-    step_times = [r.last_step_s for r in live if r.phase == Phase.TRAIN.value and r.last_step_s]
     return StatusReport(
         root=str(root),
         time=now,
@@ -296,7 +448,7 @@ def build_report(root: str | Path, now: float | None = None) -> StatusReport:
         why=why,
         nodes=tuple(nodes),
         launches=tuple(launches),
-        ranks=tuple(ranks),
+        ranks=tuple(view.rows),
         current_step=max(live_steps, default=None),
         steps_per_s=1.0 / _median(step_times) if step_times else None,
         checkpoints=tuple(checkpoints),
@@ -306,6 +458,7 @@ def build_report(root: str | Path, now: float | None = None) -> StatusReport:
         remote=_remote_status(root),
         storage_problem=storage_problem,
         slurm=_slurm_line(root),
+        rank_counts=view.counts,
     )
 
 

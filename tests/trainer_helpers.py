@@ -16,8 +16,9 @@ from pathlib import Path
 
 from waiting import PATIENCE_S
 
-from supervisor.format.heartbeat import Heartbeat, Phase, read_heartbeats
+from supervisor.format.heartbeat import Heartbeat, Phase
 from supervisor.format.manifest import read_manifest
+from supervisor.format.nodesummary import read_run_heartbeats
 from train_ref import hold
 from train_ref.resume import split_by_size
 
@@ -128,7 +129,7 @@ def digest(root: Path) -> str:
 
 def worker_pid(root: Path, rank: int, launched_after: float) -> int:
     """The pid of ``rank`` in the current launch, from its heartbeat (written at startup)."""
-    for s in read_heartbeats(root):
+    for s in read_run_heartbeats(root):
         hb = s.heartbeat
         if hb and hb.rank == rank and hb.wall_time >= launched_after:
             return hb.pid
@@ -136,7 +137,7 @@ def worker_pid(root: Path, rank: int, launched_after: float) -> int:
 
 
 def heartbeat_exit_codes(root: Path) -> dict[int, int | None]:
-    return {s.rank: s.heartbeat.exit_code for s in read_heartbeats(root) if s.heartbeat}
+    return {s.rank: s.heartbeat.exit_code for s in read_run_heartbeats(root) if s.heartbeat}
 
 
 def committed(root: Path) -> list[str]:
@@ -195,7 +196,7 @@ def shared_goldens(make_base: Callable[[], Path]) -> Goldens:
 
 def beats(root: Path) -> dict[int, Heartbeat]:
     """Each rank's heartbeat now (unreadable ones left out)."""
-    return {s.rank: s.heartbeat for s in read_heartbeats(root) if s.heartbeat is not None}
+    return {s.rank: s.heartbeat for s in read_run_heartbeats(root) if s.heartbeat is not None}
 
 
 class BeatLog:

@@ -94,6 +94,21 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=config.DEFAULT_PREEMPT_FALLBACK_S,
         help="seconds a preemption notice waits for heartbeats before going to the ranks found in /proc",
     )
+    g.add_argument(
+        "--node-dir",
+        type=Path,
+        default=None,
+        metavar="BASE",
+        help="node-local base folder of the ranks' heartbeats (default $SUPERVISOR_NODE_DIR, else /dev/shm, "
+        "else $TMPDIR); the watchdog publishes them as one summary per node into DIR/heartbeats/",
+    )
+    g.add_argument(
+        "--summary-interval",
+        type=float,
+        default=config.DEFAULT_SUMMARY_INTERVAL_S,
+        metavar="SECONDS",
+        help="seconds between two writes of the node summary to the run directory",
+    )
     io = p.add_argument_group("storage")
     io.add_argument(
         "--io-retry",
@@ -175,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         command = command[1:]
     if not command:
         args.parser.error("no COMMAND given; usage: watch --ckpt-root DIR [options] -- COMMAND...")
-    for flag in (*(f for f, _, _ in TIMEOUT_FLAGS), "--poll-interval"):
+    for flag in (*(f for f, _, _ in TIMEOUT_FLAGS), "--poll-interval", "--summary-interval"):
         if getattr(args, flag[2:].replace("-", "_")) <= 0:
             args.parser.error(f"{flag} must be positive")
     if args.stop_grace is not None and args.stop_grace <= 0:
@@ -221,6 +236,8 @@ def run(args: argparse.Namespace) -> int:
         dead_rank_grace_s=args.dead_rank_grace,
         preempt_fallback_s=args.preempt_fallback,
         notice_signal=args.notice_signal,
+        node_dir=args.node_dir,
+        summary_interval_s=args.summary_interval,
         sign_key=_signing_key(args),
     )
     from supervisor.watch.loop import watch  # the loop and its process machinery: only when watching

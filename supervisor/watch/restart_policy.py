@@ -11,6 +11,7 @@ import signal
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from enum import Enum
+from typing import Protocol
 
 from supervisor.format.eventnames import EventName
 from supervisor.format.exitcodes import NON_RETRYABLE, Exit
@@ -152,6 +153,17 @@ def effective_timeouts(base: PhaseTimeouts, learned_train: float | None) -> Phas
     return replace(base, train=learned_train)
 
 
+class Stamped(Protocol):
+    """Something written at a time: a heartbeat, a node summary."""
+
+    @property
+    def wall_time(self) -> float: ...
+    @property
+    def mono_time(self) -> float: ...
+    @property
+    def boot_id(self) -> str: ...
+
+
 @dataclass(frozen=True)
 class Clock:
     """The watchdog's "now". A heartbeat written on this host during this boot is aged on the
@@ -162,7 +174,7 @@ class Clock:
     mono: float = 0.0
     boot_id: str = ""
 
-    def age(self, hb: Heartbeat) -> float:
+    def age(self, hb: Stamped) -> float:
         if self.boot_id and hb.boot_id == self.boot_id and hb.mono_time > 0:
             return self.mono - hb.mono_time
         return self.wall - hb.wall_time
