@@ -17,7 +17,7 @@ from supervisor import store
 from supervisor.format import events
 from supervisor.format.atomic import hostname, pid_alive
 from supervisor.format.heartbeat import HeartbeatSnapshot, Phase, boot_id, read_heartbeats
-from supervisor.format.layout import STATE_GLOB, RunDir
+from supervisor.format.layout import STATE_GLOB, RunDir, parse_state_filename
 from supervisor.format.nodesummary import NodeSummary, newest_per_rank, read_summary, summary_paths
 from supervisor.ioerrors import describe
 from supervisor.watch.node_summary import rank_stale
@@ -150,14 +150,41 @@ class StatusReport:
         return d
 
 
-def _nodes(root: Path) -> tuple[list[NodeRow], list[LaunchRow], dict[str, float], set[str]]:
-    """Node rows, recent launches, the phase timeouts in force, and the current launch ids."""
+def _alive(status: str, reason: str, host: str, pid: int, me: str) -> tuple[str, str]:
+    """A watchdog on this host whose pid is gone while its state says running has failed."""
+    if status in (events.RUNNING, events.RESTARTING) and host == me and not pid_alive(pid):
+        return events.FAILED, f"watchdog pid {pid} is gone (its state said: {reason})"
+    return status, reason
+
+
+def _from_summary(s: NodeSummary, me: str) -> NodeRow:
+    h = s.header
+    status, reason = _alive(h.status, h.reason, h.host, h.watchdog_pid, me)
+    return NodeRow(
+        h.node, h.host, h.watchdog_pid, status, reason, h.exit_code, h.launch_count, h.restarts, h.launch_id
+    )
+
+
+def _nodes(
+    root: Path, summaries: dict[int, NodeSummary]
+) -> tuple[list[NodeRow], list[LaunchRow], dict[str, float], set[str]]:
+    """Node rows, recent launches, the phase timeouts in force, and the current launch ids. Node
+    0's state file is read whole (launches, timeouts); node N > 0's state is taken from its
+    summary's header when it has one (2,048 state files with their launch histories would cost
+    `status` seconds; every node relaunches together, and each header has its last verdict)."""
     nodes: list[NodeRow] = []
     launches: list[LaunchRow] = []
     timeouts: dict[str, float] = {}
     current: set[str] = set()
     me = hostname()
     for path in sorted(RunDir.of(root).supervisor.glob(STATE_GLOB)):
+        node = parse_state_filename(path.name)
+        if node and node in summaries:
+            row = _from_summary(summaries[node], me)
+            nodes.append(row)
+            if row.status == events.RUNNING:
+                current.add(summaries[node].header.launch_id)
+            continue
         try:
             st = events.read_state(path)
         except ValueError as e:
@@ -168,12 +195,7 @@ def _nodes(root: Path) -> tuple[list[NodeRow], list[LaunchRow], dict[str, float]
             continue
         if st is None:
             continue
-        status, reason = st.status, st.reason
-        if status in (events.RUNNING, events.RESTARTING) and st.host == me and not pid_alive(st.watchdog_pid):
-            status, reason = (
-                events.FAILED,
-                f"watchdog pid {st.watchdog_pid} is gone (its state said: {reason})",
-            )
+        status, reason = _alive(st.status, st.reason, st.host, st.watchdog_pid, me)
         nodes.append(
             NodeRow(
                 st.node,
@@ -278,14 +300,20 @@ def stale_note(s: NodeSummary, age: float) -> str:
 
 
 def _ranks(
-    root: Path, clock: Clock, timeouts: PhaseTimeouts, current: set[str], all_ranks: bool, ended: set[int]
+    root: Path,
+    clock: Clock,
+    timeouts: PhaseTimeouts,
+    current: set[str],
+    all_ranks: bool,
+    ended: set[int],
+    read: tuple[dict[int, NodeSummary], dict[int, str]],
 ) -> _RankView:
     """Ranks from the node summaries and any rank files in the run directory (ranks without a
     watchdog). Up to FULL_RANKS (or ``all_ranks``) every rank gets a row; above, only the ranks
     the watchdogs flagged and every rank of a stale node do, the rest are counted from headers.
     A summary is stale when not rewritten for its stale_after_s while its watchdog's state does
     not say it ended (``ended``: those nodes wrote their last summary on the way out)."""
-    summaries, bad = _summaries(root)
+    summaries, bad = read
     snaps = list(read_heartbeats(root))
     total = len(snaps) + sum(s.header.ranks for s in summaries.values())
     complete = all_ranks or total <= FULL_RANKS
@@ -431,12 +459,13 @@ def build_report(root: str | Path, now: float | None = None, all_ranks: bool = F
     # Heartbeats of this host's boot are aged on the monotonic clock, unless a time is given.
     clock = Clock(time.time(), time.monotonic(), boot_id()) if now is None else Clock(now)
     now = clock.wall
-    nodes, launches, tdict, current = _nodes(root)
+    summaries = _summaries(root)
+    nodes, launches, tdict, current = _nodes(root, summaries[0])
     try:
         timeouts = PhaseTimeouts.from_dict(tdict)
     except ValueError:
         timeouts = PhaseTimeouts()
-    view = _ranks(root, clock, timeouts, current, all_ranks, _ended(nodes))
+    view = _ranks(root, clock, timeouts, current, all_ranks, _ended(nodes), summaries)
     nodes = _with_summaries(nodes, view, clock)
     state, why = _overall(nodes, view)
     live_steps, step_times = view.live_steps, view.step_times

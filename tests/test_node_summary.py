@@ -97,7 +97,7 @@ def test_summary_flags_ranks_that_need_a_look_and_carries_records_whole(tmp_path
     assert [p.rank for p in problems] == [4] and "JSON" in problems[0].problem
     # a new launch makes the old records need a look too
     other = build_summary(
-        read_heartbeat_folder(folder), NodeFacts(3, "h0", 55, 5.0, "L2"), Clock(1000.0), TIMEOUTS
+        read_heartbeat_folder(folder), NodeFacts(3, "h0", 55, 5.0, launch_id="L2"), Clock(1000.0), TIMEOUTS
     )
     assert other[0].attention == (0, 1, 2, 3, 4)
 
@@ -187,6 +187,21 @@ def test_a_stale_summary_marks_its_ranks_and_the_run(tmp_path):
     # the watchdog said it ended: its last summary is old by design, not stale
     done = build_report(run_dir(tmp_path / "done", status="done"))
     assert not done.nodes[0].summary_stale
+
+
+def test_node_n_state_comes_from_its_summary_header(tmp_path):
+    """Node 0's state file is read whole; node 1's state (status, launches, restarts) comes from its
+    summary's header, so 2,048 state files with their histories are not parsed."""
+    root = run_dir(tmp_path)
+    write_state(root, RunState(node=1, host="elsewhere", status="running", launch_count=1, launch_id="old"))
+    now = time.time()
+    write_heartbeat_in(tmp_path / "n1", hb(8, t=now))
+    facts = NodeFacts(1, "h1", 99, 5.0, "restarting", "launch 7: crash", None, 7, 6, "", "launch 7: crash")
+    write_summary(root, *build_summary(read_heartbeat_folder(tmp_path / "n1"), facts, Clock(now), TIMEOUTS))
+    r = build_report(root)
+    n1 = next(n for n in r.nodes if n.node == 1)
+    assert (n1.status, n1.launches, n1.restarts, n1.verdict) == ("restarting", 7, 6, "launch 7: crash")
+    assert (r.state, r.why) == ("restarting", "launch 7: crash (node 1)")
 
 
 def test_a_garbage_summary_is_named_never_fatal(tmp_path):

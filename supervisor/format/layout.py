@@ -260,6 +260,15 @@ def state_filename(node: int = 0) -> str:
     return f"state{_node_suffix(node)}.json"
 
 
+def parse_state_filename(name: str) -> int | None:
+    """The node of a watchdog's state file name (``state.json`` 0, ``state.node3.json`` 3)."""
+    if name == state_filename(0):
+        return 0
+    digits = name[len("state.node") : -len(".json")]
+    ok = name.startswith("state.node") and name.endswith(".json") and digits.isdigit()
+    return int(digits) if ok else None
+
+
 def events_filename(node: int = 0) -> str:
     return f"events{_node_suffix(node)}.jsonl"
 

@@ -6,8 +6,10 @@ memory, /dev/shm, by default); the watchdog reads them there and publishes
 whatever the ranks per node. The file is two JSON lines:
 
     1. the header: node, host, watchdog pid, when it was written (wall and monotonic clock, boot),
-       the interval and the age past which it is stale, the current launch, the last launch's
-       verdict and culprit, counts (ranks, phases, step span, median step time) and the ranks
+       the interval and the age past which it is stale, the watchdog's state (status, reason, exit
+       code, launches, restarts: what state.nodeN.json says, so `status` need not parse 2,048
+       state files with their launch histories), the current launch, the last launch's verdict
+       and culprit, counts (ranks, phases, step span, median step time) and the ranks
        that need a look (stale, unknown, an exit code, failed saves) as the watchdog judged them
     2. ``{"heartbeats": [...], "problems": [...]}``: every rank's record exactly as the rank wrote
        it (fields this code does not know travel too), and the rank files that could not be read
@@ -61,6 +63,11 @@ class SummaryHeader:
     stale_after_s: float
     mono_time: float = 0.0
     boot_id: str = ""
+    status: str = ""  # the watchdog's state, as in its state file (events.RunState)
+    reason: str = ""
+    exit_code: int | None = None
+    launch_count: int = 0
+    restarts: int = 0
     launch_id: str = ""
     verdict: str = ""  # the last launch's reason (its outcome in words)
     culprit: str = ""  # who hung the last hung launch, from the stack dumps
@@ -128,6 +135,11 @@ def parse_header(line: bytes | str) -> SummaryHeader:
         stale_after_s=float(_check(d, "stale_after_s", _NUM)),
         mono_time=float(_check(d, "mono_time", _NUM)),
         boot_id=_check(d, "boot_id", str),
+        status=_check(d, "status", str),
+        reason=_check(d, "reason", str),
+        exit_code=_check(d, "exit_code", int, optional=True),
+        launch_count=_check(d, "launch_count", int),
+        restarts=_check(d, "restarts", int),
         launch_id=_check(d, "launch_id", str),
         verdict=_check(d, "verdict", str),
         culprit=_check(d, "culprit", str),

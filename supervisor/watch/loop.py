@@ -133,6 +133,14 @@ class Watchdog:
         line goes to stderr, and the next save writes all of it."""
         # replace() checks each field name at run time; mypy cannot type **changes per field
         self.state = replace(self.state, **changes)  # type: ignore[arg-type]
+        st = self.state
+        self._publish(
+            status=st.status,
+            reason=st.reason,
+            exit_code=st.exit_code,
+            launch_count=st.launch_count,
+            restarts=len(st.restart_times),
+        )
         if not self.state_loaded:
             return
         try:
@@ -467,7 +475,7 @@ class Watchdog:
         self._save(launches=self.state.with_launch(rec).launches)
         return rec, ended
 
-    def _publish(self, **facts: str) -> None:
+    def _publish(self, **facts: str | int | None) -> None:
         """News for the node summary (written at its next interval)."""
         if self.publisher is not None:
             self.publisher.update(**facts)

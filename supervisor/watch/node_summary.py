@@ -49,6 +49,11 @@ class NodeFacts:
     host: str
     watchdog_pid: int
     interval_s: float
+    status: str = ""  # the watchdog's state (events.RunState), kept current by the loop
+    reason: str = ""
+    exit_code: int | None = None
+    launch_count: int = 0
+    restarts: int = 0
     launch_id: str = ""  # the launch running now ('' between launches)
     verdict: str = ""
     culprit: str = ""
@@ -89,6 +94,11 @@ def build_summary(
         stale_after_s=stale_after(facts.interval_s),
         mono_time=clock.mono,
         boot_id=clock.boot_id,
+        status=facts.status,
+        reason=facts.reason,
+        exit_code=facts.exit_code,
+        launch_count=facts.launch_count,
+        restarts=facts.restarts,
         launch_id=facts.launch_id,
         verdict=facts.verdict,
         culprit=facts.culprit,
@@ -146,7 +156,7 @@ class Publisher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="node-summary", daemon=True)
 
-    def update(self, **changes: str) -> None:
+    def update(self, **changes: str | int | None) -> None:
         """A new launch id, verdict or culprit: in the next summary (one write per interval)."""
         self.facts = replace(self.facts, **changes)  # type: ignore[arg-type]
 
