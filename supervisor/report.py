@@ -20,8 +20,7 @@ from supervisor.format.heartbeat import HeartbeatSnapshot, Phase, boot_id, read_
 from supervisor.format.layout import STATE_GLOB, RunDir, parse_state_filename
 from supervisor.format.nodesummary import NodeSummary, newest_per_rank, read_summary, summary_paths
 from supervisor.ioerrors import describe
-from supervisor.watch.node_summary import rank_stale
-from supervisor.watch.restart_policy import Clock, PhaseTimeouts, describe_progress
+from supervisor.watch.restart_policy import Clock, PhaseTimeouts, describe_progress, rank_stale
 
 if TYPE_CHECKING:
     from supervisor.tiers.uploader import RemoteStatus

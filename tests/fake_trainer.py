@@ -49,8 +49,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from supervisor import store
 from supervisor.format.exitcodes import Exit
-from supervisor.format.heartbeat import ENV_RESTART_COUNT, HeartbeatWriter, Phase, read_heartbeat
-from supervisor.format.layout import RunDir, heartbeat_filename
+from supervisor.format.heartbeat import (
+    ENV_RESTART_COUNT,
+    HeartbeatWriter,
+    Phase,
+    read_heartbeat,
+    stack_dump_path,
+)
+from supervisor.format.layout import heartbeat_filename
 from supervisor.format.manifest import CheckpointInfo
 from train_ref.hold import HoldGate
 
@@ -175,7 +181,7 @@ def stay_in_collective() -> None:
 
 
 def worker(a: argparse.Namespace, rank: int) -> int:
-    dump = RunDir.of(a.root).stack_dump(rank)
+    dump = stack_dump_path(a.root, rank)
     dump.parent.mkdir(parents=True, exist_ok=True)
     faulthandler.register(signal.SIGUSR2, file=open(dump, "a"), all_threads=True)  # noqa: SIM115
     if a.ignore_sigterm:

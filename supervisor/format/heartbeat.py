@@ -30,6 +30,7 @@ from supervisor.format.layout import (
     RunDir,
     heartbeat_filename,
     parse_heartbeat_filename,
+    stack_dump_filename,
 )
 
 # Set by the watchdog for each launch, read by the trainer's HeartbeatWriter.
@@ -117,6 +118,13 @@ def heartbeat_folder(root: str | Path, environ: Mapping[str, str] = os.environ) 
     """Where a rank writes its heartbeat: the node-local folder its watchdog named in the
     environment, else (a rank run without a watchdog) the run directory's heartbeats/."""
     return Path(environ[HEARTBEAT_DIR_ENV]) if environ.get(HEARTBEAT_DIR_ENV) else RunDir.of(root).heartbeats
+
+
+def stack_dump_path(root: str | Path, rank: int) -> Path:
+    """Where a rank's faulthandler writes its stacks on SIGUSR2: next to its heartbeat, so the
+    watchdog of its node reads it (its text goes into the event log) and the shared filesystem
+    gets no file per rank per launch."""
+    return heartbeat_folder(root) / stack_dump_filename(rank)
 
 
 def write_heartbeat(root: str | Path, hb: Heartbeat) -> None:

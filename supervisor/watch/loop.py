@@ -32,7 +32,13 @@ from supervisor.format.heartbeat import (
     read_heartbeat,
     read_heartbeat_folder,
 )
-from supervisor.format.layout import HEARTBEAT_DIR_ENV, RunDir, heartbeat_filename, node_local_base
+from supervisor.format.layout import (
+    HEARTBEAT_DIR_ENV,
+    RunDir,
+    heartbeat_filename,
+    node_local_base,
+    stack_dump_filename,
+)
 from supervisor.ioerrors import StorageUnavailable, describe, retry_transient
 from supervisor.watch import culprit, node_summary, process, restart_policy
 from supervisor.watch.config import SHARE_STORE_ENV, WatchConfig
@@ -674,8 +680,7 @@ class Watchdog:
         stopped = set(process.stopped(tree))
         targets = {b.rank: b.pid for b in beats if b.host == self.host and b.pid in tree}
         procs = {r: process.proc_state(pid) for r, pid in targets.items()}  # before SIGCONT
-        run = RunDir.of(self.cfg.root)
-        paths = {r: run.stack_dump(r) for r in targets}
+        paths = {r: self.hb_dir / stack_dump_filename(r) for r in targets}
         dumps = process.dump_stacks(targets, paths, self.cfg.dump_wait_s)
         diag = culprit.diagnose(culprit.Probe(r, pid, *procs[r], dumps.get(r)) for r, pid in targets.items())
         who = diag.summary()

@@ -15,7 +15,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -25,20 +25,11 @@ from supervisor.format.heartbeat import Heartbeat, HeartbeatSnapshot, Phase, boo
 from supervisor.format.layout import RunDir, job_key, node_heartbeat_dir
 from supervisor.format.nodesummary import RankProblem, SummaryHeader, stale_after, write_summary
 from supervisor.ioerrors import describe
-from supervisor.watch.restart_policy import Clock, PhaseTimeouts
+from supervisor.watch.restart_policy import Clock, PhaseTimeouts, rank_stale
 
 # At exit, how long to wait for the publisher thread (a write blocked on a hung shared
 # filesystem) before giving up on the final summary.
 STOP_WAIT_S = 5.0
-
-
-def rank_stale(hb: Heartbeat, age: float, limit: float | None, current: Collection[str]) -> tuple[bool, str]:
-    """Whether a rank needs a look for its silence, and the note that says why: from an earlier
-    launch than the current ones, or silent past its phase's timeout (a finished rank never)."""
-    old_launch = bool(current) and hb.launch_id not in current
-    stale = hb.phase != Phase.DONE and (old_launch or (limit is not None and age > limit))
-    note = "from an earlier launch" if old_launch else (f"silent > {limit:g}s" if stale else "")
-    return stale, note
 
 
 @dataclass(frozen=True)

@@ -180,6 +180,15 @@ class Clock:
         return self.wall - hb.wall_time
 
 
+def rank_stale(hb: Heartbeat, age: float, limit: float | None, current: Collection[str]) -> tuple[bool, str]:
+    """Whether a rank needs a look for its silence, and the note that says why: from an earlier
+    launch than the current ones, or silent past its phase's timeout (a finished rank never)."""
+    old_launch = bool(current) and hb.launch_id not in current
+    stale = hb.phase != Phase.DONE and (old_launch or (limit is not None and age > limit))
+    note = "from an earlier launch" if old_launch else (f"silent > {limit:g}s" if stale else "")
+    return stale, note
+
+
 def describe_progress(progress: int, total: int, io_path: str) -> str:
     """'45% at step_00000120/__1_0.distcp' (a count where the total is unknown); '' when the
     heartbeat carries neither."""
