@@ -62,7 +62,6 @@ FINAL = "final.json"
 SAMPLES = "samples"
 # Under SUPERVISOR: each watchdog's state and event log (node N > 0 adds ".nodeN"), the remote
 # tier's status and events (written by the uploader in the trainer), SLURM's requeue record.
-STATE_GLOB = "state*.json"
 REMOTE_STATUS = "remote.json"
 REMOTE_EVENTS = "events.remote.jsonl"
 REQUEUE_STATE = "slurm.json"
