@@ -116,7 +116,7 @@ def _check(d: dict[str, Any], key: str, types: type | tuple[type, ...], optional
     v = d.get(key)
     if (v is None and optional) or (isinstance(v, types) and not isinstance(v, bool)):
         return v
-    raise ValueError(f"field {key!r} is {v!r}")
+    raise ValueError(f"field {key!r} is {v!r:.60}")
 
 
 def parse_header(line: bytes | str) -> SummaryHeader:
