@@ -34,6 +34,7 @@ from slurm_helpers import (
 
 from supervisor.format import events
 from supervisor.format.eventnames import EventName
+from supervisor.format.nodesummary import read_run_heartbeats
 from train_ref import hold
 
 pytestmark = pytest.mark.slurm
@@ -85,7 +86,7 @@ def test_two_nodes_run_to_completion_digest_equal(cluster2: Cluster, tmp_path: P
     acks = job.wait_held(gate, 5)
     # One rank on each node, each in its node's namespaces (its own host name).
     assert sorted(node_of(a["pid"]) for a in acks.values()) == ["n1", "n2"], job.explain()
-    hosts = {json.loads(p.read_text())["host"] for p in (job.run_dir / "heartbeats").glob("rank_*.json")}
+    hosts = {s.heartbeat.host for s in read_run_heartbeats(job.run_dir) if s.heartbeat is not None}
     assert hosts == {"n1", "n2"}, hosts
     hold.release(gate)
     info = job.wait_done()

@@ -22,7 +22,7 @@ from watch_helpers import events, finish, leftovers, of, start_watchdog, watch_a
 
 from supervisor.format.events import read_state, state_path
 from supervisor.format.exitcodes import Exit
-from supervisor.format.heartbeat import read_heartbeats
+from supervisor.format.nodesummary import read_run_heartbeats
 from train_ref import hold
 
 FAKE = str(REPO / "tests" / "fake_trainer.py")
@@ -113,7 +113,7 @@ def test_long_save_is_no_false_alarm(tmp_path):
     wait_held(hold_file(root), 1, 10, proc=p)
 
     def save_silent_for() -> float:
-        hb = read_heartbeats(root)[0].heartbeat
+        hb = read_run_heartbeats(root)[0].heartbeat
         assert hb is not None and hb.phase.value == "save", hb
         return time.time() - hb.wall_time
 

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from supervisor import store
 from supervisor.format.atomic import atomic_write_json, restrict_umask
 from supervisor.format.exitcodes import Exit
-from supervisor.format.heartbeat import HeartbeatWriter, Phase
+from supervisor.format.heartbeat import HeartbeatWriter, Phase, stack_dump_path
 from supervisor.format.layout import FINAL, RunDir
 from supervisor.format.manifest import CheckpointInfo
 from supervisor.format.metrics import MetricsRecord
@@ -555,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
     args.ckpt_root.mkdir(parents=True, exist_ok=True)
     hb = HeartbeatWriter(args.ckpt_root, rank=d.rank, local_rank=d.local_rank, world_size=d.world_size)
     hb.beat(0, Phase.STARTUP)
-    stacks = register_stack_dump(RunDir.of(args.ckpt_root).stack_dump(d.rank))  # open until exit
+    stacks = register_stack_dump(stack_dump_path(args.ckpt_root, d.rank))  # open until exit
     signal_problem = PREEMPTION.install()
     corpus = Corpus.load(args.corpus)
     cfg = get_config(args.config, corpus.tokenizer.vocab_size)

@@ -7,14 +7,14 @@ import signal
 from pathlib import Path
 
 from supervisor.drill.corruption import Corruption, corrupt
-from supervisor.format.heartbeat import read_heartbeats
 from supervisor.format.layout import parse_tmp
+from supervisor.format.nodesummary import read_run_heartbeats
 from supervisor.store import list_checkpoints
 
 
 def worker_pid(root: Path, rank: int, launch: str) -> int | None:
     """The pid of ``rank`` in the given launch, from its heartbeat (None when not yet written)."""
-    for snap in read_heartbeats(root):
+    for snap in read_run_heartbeats(root):
         hb = snap.heartbeat
         if hb and hb.rank == rank and hb.launch_id == launch:
             return hb.pid

@@ -22,8 +22,9 @@ from supervisor.drill.judge import StorageFacts
 from supervisor.drill.plan import DISK_FULL_FAILURES, STORAGE, Fault, Kind
 from supervisor.format.eventnames import EventName
 from supervisor.format.events import events_path, read_events
-from supervisor.format.heartbeat import Phase, read_heartbeats
+from supervisor.format.heartbeat import Phase
 from supervisor.format.layout import COMMITTED_GLOB, STEP_PREFIX, TMP_GLOB
+from supervisor.format.nodesummary import read_run_heartbeats
 from supervisor.store import list_checkpoints, list_quarantined, list_tmp
 
 if TYPE_CHECKING:
@@ -211,7 +212,7 @@ class PhaseClock:
         self._last: dict[int, float] = {}  # rank -> its last beat, while in verify or load
 
     def poll(self) -> None:
-        for snap in read_heartbeats(self.root):
+        for snap in read_run_heartbeats(self.root):
             hb = snap.heartbeat
             if hb is None or not hb.launch_id or hb.launch_id == self.old_launch:
                 continue

@@ -31,6 +31,7 @@ class EventName(str, Enum):
     REMOTE_UNAVAILABLE = "remote_unavailable"
     SAVE_FAILED = "save_failed"
     SAVE_RECOVERED = "save_recovered"
+    HEARTBEAT_DIR = "heartbeat_dir"  # where this node's ranks write their heartbeats, and why there
     # Picking across tiers (the watchdog's log; the trainer's events.remote.jsonl when it picks)
     DOWNLOAD_WAIT = "download_wait"
     DOWNLOADED = "downloaded"

@@ -28,6 +28,9 @@ DEFAULT_REAP_TIMEOUT_S = 30.0
 # A rank gone without an exit code while others still run is dead after this; it covers the
 # spread of ranks that exit 0 together but could not write their last heartbeat (a full disk).
 DEFAULT_DEAD_RANK_GRACE_S = 1.0
+# The node summary (heartbeats/node_NNNNN.json) is rewritten this often: one write per node per
+# interval on the shared filesystem; status sees a rank's news at most this late.
+DEFAULT_SUMMARY_INTERVAL_S = 5.0
 # A preemption notice waits this long for ranks' heartbeats before going to the ranks found in /proc.
 DEFAULT_PREEMPT_FALLBACK_S = 10.0
 
@@ -147,6 +150,23 @@ class WatchConfig:
         DEFAULT_REMOTE_WAIT_S,
         flag="--remote-wait",
         group=REMOTE,
+    )
+    # Base of the node-local heartbeat folders (layout.node_heartbeat_dir); None: layout.node_local_base().
+    node_dir: Path | None = option(
+        "node-local base folder of the ranks' heartbeats (default $SUPERVISOR_NODE_DIR, else /dev/shm, "
+        "else $TMPDIR); the watchdog publishes them as one summary per node into DIR/heartbeats/",
+        None,
+        flag="--node-dir",
+        metavar="BASE",
+        group=HANG,
+    )
+    summary_interval_s: float = option(
+        "seconds between two writes of the node summary to the run directory",
+        DEFAULT_SUMMARY_INTERVAL_S,
+        flag="--summary-interval",
+        metavar="SECONDS",
+        check=POSITIVE,
+        group=HANG,
     )
     # --signing-key's key (docs/security.md): picks skip checkpoints not signed with it. Never printed.
     sign_key: bytes | None = field(default=None, repr=False)

@@ -11,6 +11,7 @@ import signal
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from enum import Enum
+from typing import Protocol
 
 from supervisor.format.eventnames import EventName
 from supervisor.format.exitcodes import NON_RETRYABLE, Exit
@@ -168,6 +169,17 @@ def effective_timeouts(base: PhaseTimeouts, learned_train: float | None) -> Phas
     return replace(base, train=learned_train)
 
 
+class Stamped(Protocol):
+    """Something written at a time: a heartbeat, a node summary."""
+
+    @property
+    def wall_time(self) -> float: ...
+    @property
+    def mono_time(self) -> float: ...
+    @property
+    def boot_id(self) -> str: ...
+
+
 @dataclass(frozen=True)
 class Clock:
     """The watchdog's "now". A heartbeat written on this host during this boot is aged on the
@@ -178,10 +190,19 @@ class Clock:
     mono: float = 0.0
     boot_id: str = ""
 
-    def age(self, hb: Heartbeat) -> float:
+    def age(self, hb: Stamped) -> float:
         if self.boot_id and hb.boot_id == self.boot_id and hb.mono_time > 0:
             return self.mono - hb.mono_time
         return self.wall - hb.wall_time
+
+
+def rank_stale(hb: Heartbeat, age: float, limit: float | None, current: Collection[str]) -> tuple[bool, str]:
+    """Whether a rank needs a look for its silence, and the note that says why: from an earlier
+    launch than the current ones, or silent past its phase's timeout (a finished rank never)."""
+    old_launch = bool(current) and hb.launch_id not in current
+    stale = hb.phase != Phase.DONE and (old_launch or (limit is not None and age > limit))
+    note = "from an earlier launch" if old_launch else (f"silent > {limit:g}s" if stale else "")
+    return stale, note
 
 
 def describe_progress(progress: int, total: int, io_path: str) -> str:
