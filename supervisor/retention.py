@@ -367,15 +367,18 @@ def _quarantine_leftovers(qdir: Path) -> list[Path]:
         return []
 
 
-def disk_usage(path: str | Path) -> int:
+def disk_usage(path: str | Path, known: Mapping[str, int] | None = None) -> int:
     """Bytes of every file under ``path`` (links not followed) that can be read: best effort, for a
-    report or a retention limit. scandir: `status` walks 10^4 files."""
-    total, todo = 0, [os.fspath(path)]
+    report or a retention limit. scandir: `status` walks 10^4 files. ``known``: bytes under some
+    folders (by their path as found under ``path``) already counted, not walked again."""
+    total, todo, known = 0, [os.fspath(path)], known or {}
     while todo:
         with suppress(OSError), os.scandir(todo.pop()) as entries:
             for e in entries:  # reading the directory can fail here too, not only in scandir()
                 with suppress(OSError):
-                    if e.is_dir(follow_symlinks=False):
+                    if e.path in known:
+                        total += known[e.path]
+                    elif e.is_dir(follow_symlinks=False):
                         todo.append(e.path)
                     else:
                         total += e.stat(follow_symlinks=False).st_size
