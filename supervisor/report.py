@@ -185,16 +185,16 @@ def _from_summary(s: NodeSummary, me: str, clock: Clock) -> NodeRow:
     )
 
 
-def _state_files(root: Path) -> list[tuple[int, Path]]:
-    """(node, path) of every watchdog's state file, by node (os.listdir: 2,048 Path objects
-    globbed and sorted cost `status` tens of ms)."""
-    folder = RunDir.of(root).supervisor
+def _state_files(root: Path) -> list[tuple[int, str]]:
+    """(node, path) of every watchdog's state file, by node (os.listdir and plain strings: 2,048
+    Path objects globbed and sorted cost `status` tens of ms)."""
+    folder = os.fspath(RunDir.of(root).supervisor)
     try:
         names = os.listdir(folder)
     except OSError:
         return []
     found = ((parse_state_filename(n), n) for n in names)
-    return sorted((node, folder / n) for node, n in found if node is not None)
+    return sorted((node, os.path.join(folder, n)) for node, n in found if node is not None)
 
 
 def _nodes(

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -261,7 +259,7 @@ def prune(
             for v in bad_old:
                 quarantine_locked(root, v.ref, v.reason)
             for name in q_doomed:
-                dest = qdir / f"{QUARANTINE_DELETING_PREFIX}{name}.{uuid.uuid4().hex[:8]}"
+                dest = qdir / f"{QUARANTINE_DELETING_PREFIX}{name}.{os.urandom(4).hex()}"
                 os.rename(qdir / name, dest)
                 trash.append(dest)
             if q_doomed:
@@ -274,6 +272,8 @@ def prune(
                 fsync_dir(root)
     if not dry_run:
         trash += [p for p in _quarantine_leftovers(qdir) if p not in trash]  # a crashed prune's
+        import shutil  # here: `status` imports this module and never removes
+
         for path in trash:
             shutil.rmtree(path, ignore_errors=True)
         if trash:
