@@ -1,7 +1,8 @@
 """Run directory -> a frozen report of where the run stands, for a person or a script.
 
 Only reads (no lock, no torch): the watchdogs' state files, heartbeats, checkpoints (quick check:
-manifest and file sizes), quarantine, disk use. A garbage file never stops it; it shows as unknown
+manifest and file sizes), quarantine, disk use. Its one write: the quick checks that passed, to
+list an unchanged checkpoint next time without checking it again (supervisor/quickcache.py). A garbage file never stops it; it shows as unknown
 with the reason. So does storage that does not answer: a checkpoint that cannot be read is
 "unknown" (not invalid), a directory that cannot be listed is named in ``storage_problem``.
 """
@@ -456,11 +457,12 @@ def _checkpoints(root: Path, now: float, disk: dict[str, int]) -> list[Checkpoin
     return rows
 
 
-def _stored(root: Path, now: float) -> tuple[list[CheckpointRow], list[QuarantineRow], str, int]:
-    """Checkpoints, quarantine and the disk use; what could not be listed is said in one line,
-    never raised."""
+def _stored(
+    root: Path, now: float, disk: dict[str, int]
+) -> tuple[list[CheckpointRow], list[QuarantineRow], str, int]:
+    """Checkpoints, quarantine and the disk use (``disk``: bytes of the files already read, by
+    path); what could not be listed is said in one line, never raised."""
     problems = []
-    disk: dict[str, int] = {}
     try:
         ckpts = _checkpoints(root, now, disk)
     except OSError as e:
@@ -542,7 +544,8 @@ def build_report(root: str | Path, now: float | None = None, all_ranks: bool = F
     nodes = _with_summaries(nodes, view, clock)
     state, why = _overall(nodes, view)
     live_steps, step_times = view.live_steps, view.step_times
-    checkpoints, quarantined, storage_problem, disk_bytes = _stored(root, now)
+    read = {s.path: s.size for s in view.summaries.values()}
+    checkpoints, quarantined, storage_problem, disk_bytes = _stored(root, now, read)
     return StatusReport(
         root=str(root),
         time=now,

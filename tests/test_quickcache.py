@@ -13,8 +13,11 @@ from store_helpers import make_ckpt
 from supervisor import store
 from supervisor.drill.corruption import DEEP_ONLY, Corruption, corrupt
 from supervisor.format.layout import RunDir
+from supervisor.format.nodesummary import write_summary
 from supervisor.quickcache import QuickChecks, fingerprint
 from supervisor.report import CheckpointRow, build_report
+from supervisor.watch.node_summary import NodeFacts, build_summary
+from supervisor.watch.restart_policy import Clock, PhaseTimeouts
 
 STEPS = (10, 20, 30)
 
@@ -117,6 +120,10 @@ def test_a_symlink_in_a_checkpoint_is_never_cached(root: Path, tmp_path: Path) -
     assert not rows(root)["step_00000010"].valid
 
 
-def test_disk_use_counts_the_checkpoints_it_stat_ed_once(root: Path) -> None:
+def test_disk_use_counts_what_it_stat_ed_or_read_once(root: Path) -> None:
+    """Checkpoints sized from their keys and node summaries from their reads: the same total."""
+    for node in (0, 1):
+        facts = NodeFacts(node, f"h{node}", 55, 5.0, launch_id="L")
+        write_summary(root, *build_summary([], facts, Clock(1000.0), PhaseTimeouts()))
     rows(root)  # the cache file exists before both are measured
     assert build_report(root).disk_bytes == store.disk_usage(root)

@@ -217,6 +217,7 @@ class NodeSummary:
     path: str
     header: SummaryHeader
     body: bytes = field(default=b"", repr=False)
+    size: int = 0  # bytes read: `status` counts them in the disk use without a stat
 
     def snapshots(self) -> list[HeartbeatSnapshot]:
         """Every rank of the node; ValueError when the records line is not one."""
@@ -226,8 +227,9 @@ class NodeSummary:
 def read_summary(path: str | Path) -> NodeSummary:
     """The summary at ``path``. Raises OSError (cannot be read) or ValueError (not a summary: a
     foreign or damaged file, with the reason)."""
-    head, _, body = read_small(path).partition(b"\n")
-    return NodeSummary(str(path), parse_header(head), body)
+    data = read_small(path)
+    head, _, body = data.partition(b"\n")
+    return NodeSummary(str(path), parse_header(head), body, len(data))
 
 
 def parse_records(path: str, body: bytes) -> list[HeartbeatSnapshot]:
