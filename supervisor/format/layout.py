@@ -67,6 +67,8 @@ REMOTE_STATUS = "remote.json"
 REMOTE_EVENTS = "events.remote.jsonl"
 REQUEUE_STATE = "slurm.json"
 RETENTION = "retention.json"
+# `status`'s remembered quick checks of committed checkpoints (supervisor/quickcache.py).
+STATUS_CACHE = "status_cache.json"
 # Per-rank files: heartbeats/rank_00003.json, and names of the same form elsewhere.
 RANK_PREFIX = "rank_"
 # A watchdog's summary of its node: heartbeats/node_00003.json.
@@ -341,6 +343,10 @@ class RunDir:
     @property
     def retention(self) -> Path:
         return self.supervisor / RETENTION
+
+    @property
+    def status_cache(self) -> Path:
+        return self.supervisor / STATUS_CACHE
 
     @property
     def metrics(self) -> Path:
