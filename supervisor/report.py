@@ -188,7 +188,7 @@ def _ranks(root: Path, clock: Clock, timeouts: PhaseTimeouts, current: set[str])
             rows.append(RankRow(snap.rank, "", None, None, UNKNOWN, None, None, True, snap.problem))
             continue
         age = clock.age(hb)
-        limit = timeouts.for_phase(hb.phase)
+        limit = timeouts.for_beat(hb)
         old_launch = bool(current) and hb.launch_id not in current
         stale = hb.phase != Phase.DONE and (old_launch or (limit is not None and age > limit))
         note = "from an earlier launch" if old_launch else (f"silent > {limit:g}s" if stale else "")
@@ -207,7 +207,7 @@ def _ranks(root: Path, clock: Clock, timeouts: PhaseTimeouts, current: set[str])
                 hb.host,
                 hb.pid,
                 hb.step,
-                hb.phase.value,
+                hb.label,
                 age,
                 hb.last_step_s,
                 stale,

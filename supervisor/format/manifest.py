@@ -58,6 +58,8 @@ class CheckpointInfo:
     parallelism: Mapping[str, Any] = field(default_factory=dict)
     torch_version: str = ""
     meta: Mapping[str, Any] = field(default_factory=dict)
+    # The trainer's metrics of the saved step (loss, accuracy...): retention by metric reads them.
+    metrics: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,8 @@ class Manifest:
     parallelism: Mapping[str, Any] = field(default_factory=dict)
     torch_version: str = ""
     meta: Mapping[str, Any] = field(default_factory=dict)
+    # The trainer's metrics of the saved step (loss, accuracy...): retention by metric reads them.
+    metrics: Mapping[str, float] = field(default_factory=dict)
     wall_time: float = 0.0
     # rank -> the files it wrote (format 2); empty: not recorded (format 1, or a commit that did
     # not report them), so rank coverage is not checked.
@@ -154,11 +158,23 @@ def parse_manifest(text: str | bytes) -> Manifest:
         parallelism=d["parallelism"],
         torch_version=d["torch_version"],
         meta=d["meta"],
+        metrics=_parse_metrics(d),
         wall_time=float(d["wall_time"]),
         writers=writers,
         format_version=d["format_version"],
         checksum_algo=d["checksum_algo"],
     )
+
+
+def _parse_metrics(d: Mapping[str, Any]) -> dict[str, float]:
+    """The optional ``metrics``: ``{"name": number}`` (absent in older manifests: empty)."""
+    raw = d.get("metrics", {})
+    ok = isinstance(raw, dict) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in raw.values()
+    )
+    if not ok:
+        raise ManifestError(f"{MANIFEST} field 'metrics' is not an object of numbers")
+    return {str(k): float(v) for k, v in raw.items()}
 
 
 def _parse_writers(d: Mapping[str, Any]) -> dict[int, tuple[str, ...]]:
