@@ -31,7 +31,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -108,6 +108,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--keep", type=int, default=store.DEFAULT_KEEP)
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
+    for flag, what in (("--lr", "peak learning rate"), ("--weight-decay", "AdamW weight decay")):
+        p.add_argument(flag, type=float, default=None, help=f"{what} (default: the config's)")
+    p.add_argument("--decay-steps", type=int, default=None, help="cosine horizon (default: the config's)")
     p.add_argument("--corpus", default=None, help="UTF-8 text file (default: the built-in corpus)")
     p.add_argument("--allow-config-change", action="store_true")
     p.add_argument("--allow-data-change", action="store_true")
@@ -501,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     restrict_umask()  # nothing this run creates is world-writable (docs/security.md)
     args.ckpt_root.mkdir(parents=True, exist_ok=True)
     corpus = Corpus.load(args.corpus)
-    cfg = get_config(args.config, corpus.tokenizer.vocab_size)
+    cfg = with_overrides(get_config(args.config, corpus.tokenizer.vocab_size), args)
     args.sign_key, key_problem = signing_key(args)
     problem = d.problem or config_problem(args, cfg, d.world_size) or key_problem or signal_problem
     if problem:  # before anything is built on it (a batch that does not split, no device...)
@@ -527,6 +530,13 @@ def signing_key(args: argparse.Namespace) -> tuple[bytes | None, str]:
         return load_key(args.signing_key, outside=(args.ckpt_root, args.remote)), ""
     except SigningKeyError as e:
         return None, str(e)
+
+
+def with_overrides(cfg: TrainConfig, args: argparse.Namespace) -> TrainConfig:
+    """The named config with --lr, --weight-decay, --decay-steps where given (part of the identity:
+    a resume with other values is refused unless --allow-config-change, which applies them)."""
+    given = {"lr": args.lr, "weight_decay": args.weight_decay, "decay_steps": args.decay_steps}
+    return replace(cfg, **{k: v for k, v in given.items() if v is not None})
 
 
 def config_problem(args: argparse.Namespace, cfg: TrainConfig, world: int) -> str:

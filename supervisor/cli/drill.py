@@ -56,6 +56,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--parallel", choices=("fsdp", "ddp"), default="fsdp")
     p.add_argument("--hang-timeout", type=float, default=4.0, help="the watchdog's train-phase timeout")
     p.add_argument("--workdir", type=Path, default=Path("drill-runs") / time.strftime("%Y%m%d-%H%M%S"))
+    p.add_argument(
+        "--trainer",
+        type=Path,
+        default=None,
+        metavar="SCRIPT",
+        help="drill your own script (started by torchrun with --ckpt-root --steps --save-every --seed) "
+        "instead of the reference trainer; e.g. examples/plain_loop.py",
+    )
     p.set_defaults(func=run)
 
 
@@ -104,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         parallel=args.parallel,
         hang_timeout_s=args.hang_timeout,
+        trainer=args.trainer,
     )
     try:
         plans = {
