@@ -37,11 +37,17 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.checkpoint.stateful import Stateful
 
 from supervisor import store
@@ -53,14 +59,15 @@ from supervisor.format.manifest import CheckpointInfo
 from supervisor.ioerrors import backoff_s, retry_transient
 from supervisor.safepickle import UnsafePickle
 from supervisor.tiers.uploader import Uploader
-from train_ref import tiering
+from train_ref import agree, tiering
 from train_ref.appender import LineAppender
 from train_ref.checkpointer import Checkpointer, CommitInfo, Saveable, SaveOutcome, StorageGaveUp
 from train_ref.devices import DeviceError
 from train_ref.drill_faults import DrillFaults, When
 from train_ref.parallel import params_digest
+from train_ref.progress_io import ProgressFileSystem
 from train_ref.resume import RETRY_LATER, Choice, choose_checkpoint, describe_diff, identity_diff
-from train_ref.safe_load import refusal_line
+from train_ref.safe_load import load_dcp, refusal_line
 from train_ref.save_policy import DEFAULT_MAX_FAILED_SAVES, SavePolicy
 from train_ref.signals import PreemptionFlag, register_stack_dump
 from train_ref.state import seed_rank_rng
@@ -141,6 +148,10 @@ class ResumeOptions:
     allow_config_change: bool = False
     allow_data_change: bool = False
     load_step: int | None = None  # this step instead of the newest (newer ones are moved aside)
+    # A new run's starting point: another run's weights, DIR or DIR:STEP (default its newest valid
+    # checkpoint), and with init_optimizer its optimizer state too; recorded in every manifest.
+    init_from: str | None = None
+    init_optimizer: bool = False
     sign_key: bytes | None = field(default=None, repr=False)
     remote: argparse.Namespace | None = None  # tiering.add_args' options, with --remote set
 
@@ -176,6 +187,58 @@ class Objects(Stateful):
         for k, v in self.others.items():
             v.load_state_dict(sd[k])
         self.step = int(sd["step"])
+
+
+class _Weights(Stateful):
+    """The model (and with ``optimizer`` its optimizer) of a Saveable, as a DCP load of another
+    run's checkpoint reads them: everything else of that run stays behind."""
+
+    def __init__(self, state: Saveable, optimizer: bool):
+        self.model: torch.nn.Module = getattr(state, "model")  # noqa: B009 - both Saveables have one
+        self.optimizer: torch.optim.Optimizer | None = getattr(state, "optimizer") if optimizer else None  # noqa: B009
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.optimizer is None:
+            return {"model": get_model_state_dict(self.model)}
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if self.optimizer is None:
+            set_model_state_dict(self.model, sd["model"])
+        else:
+            set_state_dict(
+                self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
+            )
+
+
+def _first_cause(e: BaseException) -> str:
+    """One line of what went wrong (DCP wraps each rank's exception into a CheckpointException)."""
+    if isinstance(e, CheckpointException) and e.failures:
+        e = min(e.failures.items())[1][0]
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def init_source(spec: str) -> Path | str:
+    """Rank 0, ``--init-from DIR[:STEP]``: the checkpoint to start from (checked deep, read only:
+    nothing in the other run is moved), or why not (one line)."""
+    where, _, step = spec.rpartition(":") if spec.rpartition(":")[2].isdigit() else (spec, "", "")
+    root = Path(where)
+    try:
+        refs = store.list_checkpoints(root)
+    except OSError as e:
+        return f"{root}: cannot list it ({e.strerror})"
+    if step:
+        refs = [r for r in refs if r.step == int(step)]
+    for ref in refs:
+        v = store.validate(ref, deep=True)
+        if v.ok:
+            return ref.path
+        if step:
+            return f"{v.reason}"
+    have = "no committed checkpoint" if not step else f"no committed step {step}"
+    return f"{root}: {have} that passes its checks (ckpt list --ckpt-root {root})"
 
 
 def deliberate_exit(
@@ -250,6 +313,7 @@ class Resumable:
             rank_extra=rank_items,
         )
         self.launch = ""
+        self.init_source = ""
         self.start = 0  # the step this launch resumed at
         self.metrics: dict[str, float] = {}  # the last step's, saved into the manifest
         self.metrics_file: LineAppender | None = None
@@ -279,10 +343,14 @@ class Resumable:
         diff = self._identity_change(choice)
         if self.identity.seed is not None:
             seed_rank_rng(self.identity.seed, self.rank, 0)
-        if choice.ckpt is None:
-            log.info("no checkpoint in %s: starting at step 0", self.root)
-        else:
+        self.init_source = ""  # --init-from's checkpoint, recorded in every manifest of this run
+        if choice.ckpt is not None:
             self._load_checked(choice)
+            self.init_source = str(choice.manifest.meta.get("init_from", "")) if choice.manifest else ""
+        elif self.options.init_from:
+            self._init_from(self.options.init_from)
+        else:
+            log.info("no checkpoint in %s: starting at step 0", self.root)
         if diff:
             self.apply_config_change(diff)
         self.start = self.state.step
@@ -315,6 +383,34 @@ class Resumable:
                     self.world_size,
                     self.state.step,
                 )
+
+    def _init_from(self, spec: str) -> None:
+        """A new run starts from another run's weights (and optimizer): its own identity, step 0."""
+        mine = init_source(spec) if self.rank == 0 else None
+        # cast: mypy solves broadcast's T for a union as their join (object)
+        src = cast("Path | str", agree.broadcast(mine, None, lambda: self.hb.beat(0, Phase.VERIFY)))
+        if isinstance(src, str):
+            self.stop(Exit.BAD_CONFIG, Phase.STARTUP, f"refused: --init-from {spec}: {src}")
+        what = "weights and optimizer" if self.options.init_optimizer else "weights"
+        try:
+            load_dcp(
+                src,
+                {"app": _Weights(self.state, self.options.init_optimizer)},
+                self.ckpt.dcp_group,
+                fs=ProgressFileSystem(src.parent, self.hb.tracker(Phase.LOAD, 0)),
+            )
+        except UnsafePickle as e:
+            self.stop(Exit.UNTRUSTED, Phase.LOAD, refusal_line(e, src.parent, src))
+        except (Exception, CheckpointException) as e:  # another model's: one line, not a traceback
+            first = _first_cause(e)
+            self.stop(
+                Exit.BAD_CONFIG,
+                Phase.LOAD,
+                f"refused: --init-from {spec}: the {what} of {src} do not fit this model ({first[:300]})",
+            )
+        self.init_source = str(src)
+        if self.rank == 0:
+            log.info("new run: %s from %s (--init-from), starting at step 0", what, src)
 
     def load(self, choice: Choice) -> bool:
         """Load the chosen checkpoint; returns whether the per-rank state was restored (not on
@@ -468,6 +564,7 @@ class Resumable:
             "launch": self.launch,
             "loss": self.metrics.get("loss"),
             "identity": self.identity.all_fields,
+            **({"init_from": self.init_source} if self.init_source else {}),
             "metrics": {k: float(v) for k, v in self.metrics.items()},
         }
 

@@ -359,14 +359,16 @@ def describe_diff(diff: Mapping[str, tuple[Any, Any]]) -> str:
 
 
 def mismatch_fields(root: Path, identity: Mapping[str, Any] | None) -> str:
-    """'; fields: seed 7 -> 8' from the newest checkpoint's recorded identity, or '' when it has
-    none (an older checkpoint) or cannot be read: the hashes alone still say it differs."""
-    latest = store.read_latest(root)
-    if identity is None or latest is None:
+    """' (fields that differ: seed 7 -> 8)' from the newest readable checkpoint's recorded identity
+    (the pick refused the newest valid one), or '' when it records none (an older checkpoint) or
+    none can be read: the hashes alone still say that it differs."""
+    if identity is None:
         return ""
-    try:
-        saved = read_manifest(root / latest).meta.get("identity")
-    except (OSError, ManifestError):
-        return ""
-    diff = identity_diff(saved, identity) if isinstance(saved, dict) else {}
-    return f" (fields that differ: {describe_diff(diff)})" if diff else ""
+    for ref in store.list_checkpoints(root):
+        try:
+            saved = read_manifest(ref.path).meta.get("identity")
+        except (OSError, ManifestError):
+            continue
+        diff = identity_diff(saved, identity) if isinstance(saved, dict) else {}
+        return f" (fields that differ: {describe_diff(diff)})" if diff else ""
+    return ""

@@ -108,6 +108,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--keep", type=int, default=store.DEFAULT_KEEP)
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
+    p.add_argument(
+        "--init-from",
+        default=None,
+        metavar="DIR[:STEP]",
+        help="a NEW run starts from another run's weights (its newest valid checkpoint, or STEP); "
+        "recorded in every manifest; ignored once this run has checkpoints of its own",
+    )
+    p.add_argument("--init-optimizer", action="store_true", help="with --init-from: its optimizer state too")
     for flag, what in (("--lr", "peak learning rate"), ("--weight-decay", "AdamW weight decay")):
         p.add_argument(flag, type=float, default=None, help=f"{what} (default: the config's)")
     p.add_argument("--decay-steps", type=int, default=None, help="cosine horizon (default: the config's)")
@@ -265,6 +273,8 @@ def options(args: argparse.Namespace) -> ResumeOptions:
         allow_config_change=args.allow_config_change,
         allow_data_change=args.allow_data_change,
         load_step=args.load_step,
+        init_from=args.init_from,
+        init_optimizer=args.init_optimizer,
         sign_key=args.sign_key,
         remote=args if args.remote else None,
     )
