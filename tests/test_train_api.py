@@ -111,3 +111,21 @@ def test_the_example_plain_loop_passes_the_drill(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     assert "PASS: 3 of 3 scenarios" in p.stdout
     assert p.stdout.count("final digest equals golden") == 3
+
+
+def test_init_from_starts_a_new_run_from_another_runs_weights(goldens, tmp_path):
+    golden = goldens.get("ddp", 2)
+    root = tmp_path / "new"
+    # --steps 0: nothing trained, so the final digest is that of the weights loaded
+    run_ok(root, 2, *train_args("fsdp", "--init-from", str(golden), "--seed", "99", steps=0))
+    assert digest(root) == digest(golden)
+    run_ok(
+        root,
+        2,
+        *train_args("fsdp", "--init-from", f"{golden}:20", "--init-optimizer", "--seed", "99", steps=3),
+    )
+    m = read_manifest(root / "step_00000003")
+    assert m.meta["init_from"] == str(golden / "step_00000020") and m.meta["identity"]["seed"] == 99
+    r = run(tmp_path / "other", 2, *train_args("fsdp", "--init-from", f"{golden}:15", steps=3))
+    assert set(heartbeat_exit_codes(tmp_path / "other").values()) == {Exit.BAD_CONFIG}
+    assert "--init-from" in _refusal(r.output) and "no committed step 15" in _refusal(r.output)
