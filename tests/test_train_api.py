@@ -4,6 +4,7 @@ and the example plain loop under the fault drill. Exactness by final digests, as
 from __future__ import annotations
 
 import subprocess
+from dataclasses import replace
 
 import pytest
 from commands import supervisor_cmd
@@ -81,7 +82,9 @@ def test_allow_config_change_applies_a_new_learning_rate_on_resume(goldens, tmp_
     r = run_ok(root, 2, *train_args("ddp", "--lr", "0.001", "--allow-config-change"))
     assert "applying lr 0.003 -> 0.001" in r.output
     assert "resume sanity: LR" not in r.output  # the scheduler and the optimizer agree with it
-    cfg = get_config("tiny", Corpus.load(None).tokenizer.vocab_size)
+    cfg = replace(
+        get_config("tiny", Corpus.load(None).tokenizer.vocab_size), lr=0.001
+    )  # floor: min_lr / 0.001
     lr21 = next(m["lr"] for m in reversed(metrics(root)) if m["step"] == 21)
     assert lr21 == pytest.approx(0.001 * WarmupCosine.of(cfg)(20), rel=1e-12)
     assert digest(root) != digest(golden)

@@ -468,16 +468,18 @@ class Resumable:
     def _args(self) -> argparse.Namespace:
         """The options as resume.py and tiering.py read them."""
         o = self.options
+        mine = {
+            "ckpt_root": self.root,
+            "verify": o.verify,
+            "io_retry": o.io_retry_s,
+            "allow_fresh_start": o.allow_fresh_start,
+            "sign_key": o.sign_key,
+            "load_step": o.load_step,
+            "identity": self.identity.all_fields,
+            "keep": self.saves.keep,
+        }
         return argparse.Namespace(
-            **(vars(o.remote) if o.remote is not None else {"remote": None}),
-            ckpt_root=self.root,
-            verify=o.verify,
-            io_retry=o.io_retry_s,
-            allow_fresh_start=o.allow_fresh_start,
-            sign_key=o.sign_key,
-            load_step=o.load_step,
-            identity=self.identity.all_fields,
-            keep=self.saves.keep,
+            **{**(vars(o.remote) if o.remote is not None else {"remote": None}), **mine}
         )
 
     def _remote_problem(self) -> str:
@@ -614,6 +616,7 @@ class Resumable:
             self.stop(Exit.STORAGE, Phase.SAVE, str(e))
         if self.metrics_file is not None:
             self.metrics_file.close()
+            self.metrics_file = None
         digest = self._final_record()
         flush = self.options.remote.remote_flush_timeout if self.options.remote is not None else 0.0
         self.close_uploader(flush)
@@ -665,4 +668,7 @@ class Resumable:
 
     def stop(self, code: Exit, phase: Phase, msg: str = "") -> NoReturn:
         """A deliberate exit: the code into the heartbeat, ``msg`` on stderr (rank 0), SystemExit."""
+        if self.metrics_file is not None:  # lines a full disk held back get their last chance
+            self.metrics_file.close()
+            self.metrics_file = None
         raise SystemExit(deliberate_exit(self.hb, self.rank, self.state.step, phase, code, msg))
