@@ -195,3 +195,41 @@ def test_resumable_in_two_ranks_hooks_the_staging_wait_agrees_saves_and_declares
     # A second launch resumes at the final step and has nothing left to do.
     res2 = _two_ranks(tmp_path)
     assert res2[0][1] == 6 and res2[0][-1] == res[0][-1]
+
+
+# ---------------------------------------------------------------- --load-step and --init-from (rank 0's part)
+
+
+def test_load_step_picks_that_step_and_moves_the_abandoned_future_aside(tmp_path: Path) -> None:
+    from store_helpers import make_ckpt
+
+    from supervisor import store
+    from train_ref.resume import pick_step
+
+    for step in (10, 20, 30):
+        make_ckpt(tmp_path, step)
+    v = pick_step(tmp_path, 20, store.Expectation(), None)
+    assert v.ok and v.ref.step == 20
+    assert [r.step for r in store.list_checkpoints(tmp_path)] == [20, 10]
+    reasons = [(q / "reason.txt").read_text() for q in (tmp_path / "quarantine").iterdir()]
+    assert reasons and all("--load-step 20" in r for r in reasons)
+    with pytest.raises(store.StoreError, match=r"--load-step 15: .*committed steps: 10, 20"):
+        pick_step(tmp_path, 15, store.Expectation(), None)
+
+
+def test_init_from_names_a_checkpoint_that_passes_its_deep_check_and_moves_nothing(tmp_path: Path) -> None:
+    from store_helpers import make_ckpt
+
+    from train_ref.resumable import init_source
+
+    for step in (10, 20):
+        make_ckpt(tmp_path, step, {"a.bin": b"x" * 100})
+    bad = tmp_path / "step_00000020" / "a.bin"
+    bad.write_bytes(b"y" * 100)  # same size: only the checksum tells
+    assert init_source(str(tmp_path)) == tmp_path / "step_00000010"
+    assert "a.bin" in str(init_source(f"{tmp_path}:20"))
+    assert "no committed step 15" in str(init_source(f"{tmp_path}:15"))
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == [
+        "step_00000010",
+        "step_00000020",
+    ]
