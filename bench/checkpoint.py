@@ -65,13 +65,12 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    from supervisor.format.heartbeat import HeartbeatWriter
-    from supervisor.format.manifest import CheckpointInfo, list_files
+    from supervisor.format.manifest import list_files
     from supervisor.store import list_checkpoints
     from train_ref import train
-    from train_ref.checkpointer import CommitInfo
-    from train_ref.config import config_hash, get_config
+    from train_ref.config import get_config
     from train_ref.data import Corpus
+    from train_ref.state import seed_rank_rng
 
     root = Path(args.dir) / "ckpt"
     targs = train.parse_args(
@@ -82,18 +81,8 @@ def worker(args: argparse.Namespace) -> None:
     root.mkdir(parents=True, exist_ok=True)
     corpus = Corpus.load(None)
     cfg = get_config("bench", corpus.tokenizer.vocab_size)
-    run = CheckpointInfo(
-        step=0,
-        world_size=d.world_size,
-        model_config_hash=config_hash(cfg),
-        data_fingerprint=corpus.fingerprint,
-        parallelism={"mode": "fsdp", "world_size": d.world_size},
-        torch_version=torch.__version__,
-    )
-    info = CommitInfo(run)
-    hb = HeartbeatWriter(root, rank=d.rank, local_rank=d.local_rank, world_size=d.world_size)
-    t = train.Trainer(targs, d, cfg, corpus, hb, info, "bench")
-    train.seed_rank_rng(0, d.rank, 0)
+    t = train.Trainer(targs, d, cfg, corpus)  # its Resumable's staging hook guards every step
+    seed_rank_rng(0, d.rank, 0)
     batches = iter(t.loader())
     st = t.state
 

@@ -269,7 +269,7 @@ def _row(
     if hb is None:
         return RankRow(snap.rank, "", None, None, UNKNOWN, None, None, True, snap.problem)
     age = clock.age(hb)
-    stale, note = rank_stale(hb, age, timeouts.for_phase(hb.phase), current)
+    stale, note = rank_stale(hb, age, timeouts.for_beat(hb), current)
     if lost and hb.phase != Phase.DONE:
         stale, note = True, lost
     if hb.exit_code is not None:
@@ -286,7 +286,7 @@ def _row(
         hb.host,
         hb.pid,
         hb.step,
-        hb.phase.value,
+        hb.label,
         age,
         hb.last_step_s,
         stale,

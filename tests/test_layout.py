@@ -138,7 +138,10 @@ def test_a_metrics_record_round_trips_and_a_partial_line_is_no_record(tmp_path):
     )
     assert parse_line(rec.to_line()) == rec
     assert parse_line(rec.to_line()[:20]) is None  # still being written, or cut by a full disk
-    assert parse_line('{"step": 1, "loss": 1.0, "lr": 0.1, "new_field": 3}') == MetricsRecord(1, 1.0, 0.1)
+    # A trainer's own metrics (Resumable.step_end) travel as extra keys of the same line.
+    mine = MetricsRecord.of(3, {"loss": 1.0, "lr": 0.1, "accuracy": 0.75}, 0, "L1")
+    assert mine.extra == {"accuracy": 0.75} and parse_line(mine.to_line()) == mine
+    assert parse_line('{"step": 1, "loss": 1.0, "lr": 0.1, "note": "x"}') == MetricsRecord(1, 1.0, 0.1)
     path = tmp_path / "metrics.jsonl"
     assert read_metrics(path) == []
     path.write_text(rec.to_line() + "\n" + rec.to_line()[:9])

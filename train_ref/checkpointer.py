@@ -43,7 +43,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as TorchFuture
 
@@ -64,7 +65,7 @@ from train_ref import agree
 from train_ref.progress_io import PROGRESS_CHUNK, ProgressFileSystem, open_progress
 from train_ref.safe_load import load_dcp, weights_only_refusal
 from train_ref.save_policy import SaveError, SavePolicy, dcp_save_error, failure_line, give_up, save_error
-from train_ref.state import RankState, TrainState
+from train_ref.state import RankState
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,22 @@ class OrderedStager(DefaultStager):
         if ready is not None and self._staging_stream is not None:
             self._staging_stream.wait_event(ready)
         return super()._stage(state_dict, **kwargs)
+
+
+class Saveable(Protocol):
+    """What a save takes: a DCP Stateful at a step (``TrainState``, or ``resumable.Objects``).
+    Not a subclass of Stateful: DCP's isinstance checks against that runtime protocol would then
+    visit this one, which has a data member and cannot be checked at runtime."""
+
+    step: int
+
+    def saving(self, rank: int, world_size: int) -> Stateful:
+        """What this rank hands DCP (its share, when the state is replicated)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -172,12 +189,15 @@ class Checkpointer:
         hb: HeartbeatWriter,
         policy: SavePolicy | None = None,
         on_commit: Callable[[store.CheckpointRef], None] | None = None,
+        rank_extra: Stateful | None = None,
     ):
         """``on_commit`` (rank 0) takes over retention: pruning here could delete a checkpoint
-        while a background upload reads it."""
+        while a background upload reads it. ``rank_extra``: the trainer's own per-rank items,
+        saved in the per-rank file beside the RNG streams."""
         self.root, self.async_save, self.keep, self.info, self.hb = root, async_save, keep, info, hb
         self.policy = policy or SavePolicy()
         self.on_commit = on_commit
+        self.rank_extra = rank_extra
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dcp_group = dist.new_group(backend="gloo")
         self.ctl_group = dist.new_group(backend="gloo")
@@ -195,9 +215,10 @@ class Checkpointer:
 
     # ------------------------------------------------------------ saving
 
-    def save(self, state: TrainState, meta: dict[str, Any], *, blocking: bool = False) -> SaveOutcome | None:
+    def save(self, state: Saveable, meta: dict[str, Any], *, blocking: bool = False) -> SaveOutcome | None:
         """Checkpoint ``state`` at its current step. ``blocking`` forces a synchronous save, and
         returns its outcome; an async save returns None (its outcome comes with its commit).
+        ``meta["metrics"]``, when given, becomes the manifest's ``metrics`` (the rest its ``meta``).
         Raises StorageGaveUp, on every rank, when the save policy says to stop."""
         t0 = time.monotonic()
         self.finish()
@@ -206,7 +227,7 @@ class Checkpointer:
             return tmp
         error = None
         try:
-            RankState.save(tmp / rank_state_filename(self.rank))
+            RankState.save(tmp / rank_state_filename(self.rank), self.rank_extra)
         except OSError as e:
             error = save_error(e, self.rank, self.root)
         if self.async_save and not blocking:
@@ -247,12 +268,18 @@ class Checkpointer:
     def step_boundary(self, preempt_requested: bool) -> bool:
         """One small collective per step: do all ranks agree the upload is done (then commit), and
         has any rank been asked to stop? Returns the latter, identical on every rank."""
+        return self.boundary(preempt_requested)[0]
+
+    def boundary(self, preempt_requested: bool, save_due: bool = False) -> tuple[bool, bool]:
+        """``step_boundary``, also carrying rank 0's ``save_due`` (a time-based save: one clock
+        decides, never each rank's own). Returns (preempt, save), identical on every rank."""
         busy = self.in_flight is not None and not self.in_flight.upload.done()
-        flags = torch.tensor([int(preempt_requested), int(busy)], dtype=torch.int64)
+        due = save_due and self.rank == 0
+        flags = torch.tensor([int(preempt_requested), int(busy), int(due)], dtype=torch.int64)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.ctl_group)
         if self.in_flight is not None and not flags[1]:
             self.finish()
-        return bool(flags[0])
+        return bool(flags[0]), bool(flags[2])
 
     def finish(self) -> SaveOutcome | None:
         """Wait for the in-flight save, if any, and commit it (or agree that it failed)."""
@@ -386,7 +413,13 @@ class Checkpointer:
             ref = store.commit(
                 self.root,
                 tmp,
-                replace(self.info.run, step=step, world_size=self.world_size, meta=meta),
+                replace(
+                    self.info.run,
+                    step=step,
+                    world_size=self.world_size,
+                    meta={k: v for k, v in meta.items() if k != "metrics"},
+                    metrics=meta.get("metrics", {}),
+                ),
                 known={k: v for d in entries for k, v in d.items()},
                 # Every rank's files must be in rank 0's view, else nothing is committed.
                 writers={r: sorted(d) for r, d in enumerate(entries)},
@@ -484,7 +517,7 @@ class Checkpointer:
     def load(
         self,
         ckpt: Path,
-        state: TrainState,
+        state: Stateful,
         *,
         saved_world_size: int,
         skip: frozenset[str],
@@ -501,7 +534,7 @@ class Checkpointer:
         path = ckpt / rank_state_filename(self.rank)
         try:
             with open_progress(path, progress, self.root) as f:
-                RankState.load(f, skip, str(path))
+                RankState.load(f, skip, str(path), self.rank_extra)
         except pickle.UnpicklingError as e:
             raise weights_only_refusal(str(path), e) from None
         return True

@@ -26,23 +26,35 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
 from supervisor import store
 from supervisor.format.exitcodes import Exit
 from supervisor.format.heartbeat import ENV_LAUNCH_ID, HeartbeatWriter, Phase
-from supervisor.format.manifest import Manifest, ProgressFn
+from supervisor.format.layout import step_dirname
+from supervisor.format.manifest import Manifest, ManifestError, ProgressFn, read_manifest
 from supervisor.ioerrors import Evidence, backoff_s, describe
 from supervisor.tiers.remote import RemoteUnavailable
 from train_ref import agree, tiering
-from train_ref.config import TrainConfig
 from train_ref.progress_io import PROGRESS_CHUNK
 
 log = logging.getLogger("train_ref")
 
 # The remote is unreachable and nothing local is valid: a transient failure, relaunch later.
 RETRY_LATER = Exit(1)
+
+
+class Batch(Protocol):
+    """What the resume checks of a run's config itself: the global batch the data position counts
+    (``config.TrainConfig``, ``resumable.Identity``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def global_batch(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -100,7 +112,7 @@ def combine(verdicts: list[ShareVerdict]) -> ShareVerdict:
 
 
 def choose_checkpoint(
-    args: argparse.Namespace, expect: store.Expectation, cfg: TrainConfig, hb: HeartbeatWriter
+    args: argparse.Namespace, expect: store.Expectation, cfg: Batch, hb: HeartbeatWriter
 ) -> Choice:
     """Every rank: the checkpoint to load (verified as ``--verify`` says), or why none may be.
 
@@ -113,7 +125,7 @@ def choose_checkpoint(
 
 
 def _choose_verified(
-    args: argparse.Namespace, expect: store.Expectation, cfg: TrainConfig, hb: HeartbeatWriter
+    args: argparse.Namespace, expect: store.Expectation, cfg: Batch, hb: HeartbeatWriter
 ) -> Choice:
     rank0 = dist.get_rank() == 0
     retry = _Retry(args.ckpt_root, args.io_retry) if rank0 else None
@@ -238,7 +250,7 @@ class _Retry:
 def _choose(
     args: argparse.Namespace,
     expect: store.Expectation,
-    cfg: TrainConfig,
+    cfg: Batch,
     launch: str,
     on_retry: Callable[[str], None] | None = None,
     progress: ProgressFn | None = None,
@@ -256,18 +268,25 @@ def _choose(
         if args.remote:
             res = tiering.resume(root, args, expect, deep=signed_deep, on_retry=on_retry)
             downloaded = res.chosen.step if res.source == "remote" and res.chosen else None
-        v = store.pick(
-            root,
-            deep=signed_deep and not args.remote,  # with --remote, checked by the tier resume
-            expect=expect,
-            progress=progress,
-            io_retry_s=args.io_retry,
-            on_retry=on_retry,
-            allow_fresh_start=args.allow_fresh_start,
-            key=args.sign_key,
-        ).chosen
+        load_step = getattr(args, "load_step", None)
+        v = (
+            pick_step(root, load_step, expect, args.sign_key)
+            if load_step is not None
+            else store.pick(
+                root,
+                deep=signed_deep and not args.remote,  # with --remote, checked by the tier resume
+                expect=expect,
+                progress=progress,
+                io_retry_s=args.io_retry,
+                on_retry=on_retry,
+                allow_fresh_start=args.allow_fresh_start,
+                key=args.sign_key,
+            ).chosen
+        )
     except store.MismatchError as e:
-        return Choice(launch, error=str(e), code=Exit.MISMATCH)
+        return Choice(
+            launch, error=str(e) + mismatch_fields(root, getattr(args, "identity", None)), code=Exit.MISMATCH
+        )
     except store.NoUsableCheckpoint as e:
         return Choice(launch, error=str(e), code=Exit.NO_USABLE_CHECKPOINT)
     except store.StorageUnavailable as e:
@@ -286,7 +305,7 @@ def _choose(
     return Choice(launch, v.ref.path, v.manifest.world_size, manifest=v.manifest, verified=verified)
 
 
-def batch_problem(name: str, saved: int | None, cfg: TrainConfig) -> str:
+def batch_problem(name: str, saved: int | None, cfg: Batch) -> str:
     """The sampler's position counts global batches, so it cannot map onto another global batch
     size (not even with --allow-config-change): one line naming both values, or ''."""
     if saved is None or int(saved) == cfg.global_batch:
@@ -296,3 +315,60 @@ def batch_problem(name: str, saved: int | None, cfg: TrainConfig) -> str:
         f"{cfg.global_batch}; the data position cannot carry over: use a config with global batch "
         f"{saved}, or start a new --ckpt-root"
     )
+
+
+# ---------------------------------------------------------------- --load-step and identity
+
+
+def pick_step(root: Path, step: int, expect: store.Expectation, key: bytes | None) -> store.Verdict:
+    """Rank 0, ``--load-step N``: that committed checkpoint (quick checks, compatibility), or a
+    one-line StoreError. The committed checkpoints after it belong to the abandoned future: they
+    are quarantined (moved aside, never deleted), so neither this run's next saves nor a later
+    pick land on them."""
+    refs = store.list_checkpoints(root)
+    ref = next((r for r in refs if r.step == step), None)
+    if ref is None:
+        have = ", ".join(str(r.step) for r in reversed(refs)) or "none"
+        raise store.StoreError(
+            f"--load-step {step}: no committed {step_dirname(step)} in {root} (committed steps: {have}); "
+            "give one of them, or leave --load-step out to resume from the newest"
+        )
+    v = store.validate(ref, key=key)
+    if not v.ok:
+        raise store.StoreError(
+            f"--load-step {step}: {v.reason}; give another step (ckpt list --ckpt-root {root})"
+        )
+    store.check_compatible(v, expect)
+    for newer in (r for r in refs if r.step > step):
+        store.quarantine(
+            root, newer, f"rolled back: a launch with --load-step {step} resumed from {ref.name}"
+        )
+        log.warning("--load-step %d: %s moved to quarantine/ (a future this run abandoned)", step, newer.name)
+    return v
+
+
+def identity_diff(saved: Mapping[str, Any], now: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """The identity fields that differ: name -> (saved, now); a field one side lacks is None there."""
+    return {
+        k: (saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)
+    }
+
+
+def describe_diff(diff: Mapping[str, tuple[Any, Any]]) -> str:
+    return ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in diff.items())
+
+
+def mismatch_fields(root: Path, identity: Mapping[str, Any] | None) -> str:
+    """' (fields that differ: seed 7 -> 8)' from the newest readable checkpoint's recorded identity
+    (the pick refused the newest valid one), or '' when it records none (an older checkpoint) or
+    none can be read: the hashes alone still say that it differs."""
+    if identity is None:
+        return ""
+    for ref in store.list_checkpoints(root):
+        try:
+            saved = read_manifest(ref.path).meta.get("identity")
+        except (OSError, ManifestError):
+            continue
+        diff = identity_diff(saved, identity) if isinstance(saved, dict) else {}
+        return f" (fields that differ: {describe_diff(diff)})" if diff else ""
+    return ""

@@ -39,6 +39,7 @@ from train_ref.sampler import ResumableBatchSampler
 SHARED_ITEMS = ("optimizer", "scheduler", "sampler")
 RANK_ITEMS = ("python_rng", "numpy_rng", "torch_rng")
 ABLATABLE = SHARED_ITEMS + RANK_ITEMS
+USER_ITEMS = "user"  # the per-rank file's entry for a trainer's own per-rank items
 
 log = logging.getLogger(__name__)
 
@@ -203,17 +204,31 @@ class RankState:
                 torch.cuda.set_rng_state(cuda, dev.index)
 
     @staticmethod
-    def save(path: Path) -> None:
+    def save(path: Path, extra: Stateful | None = None) -> None:
         """Serialized in memory, then written by Python: a full disk is an OSError naming the
-        file (torch.save's own writer reports a RuntimeError without the errno)."""
+        file (torch.save's own writer reports a RuntimeError without the errno). ``extra``: the
+        trainer's own per-rank items (tensors, numbers, strings: loaded with weights_only)."""
+        sd = RankState.capture()
+        if extra is not None:
+            sd[USER_ITEMS] = extra.state_dict()
         buf = io.BytesIO()
-        torch.save(RankState.capture(), buf)
+        torch.save(sd, buf)
         with naming(path), open(path, "wb") as f:
             f.write(buf.getbuffer())
 
     @staticmethod
-    def load(source: Path | IO[bytes], skip: frozenset[str] = frozenset(), name: str = "") -> None:
-        RankState.restore(torch.load(source, weights_only=True), skip, name or str(source))
+    def load(
+        source: Path | IO[bytes],
+        skip: frozenset[str] = frozenset(),
+        name: str = "",
+        extra: Stateful | None = None,
+    ) -> None:
+        sd = torch.load(source, weights_only=True)
+        RankState.restore(sd, skip, name or str(source))
+        if extra is not None:
+            if USER_ITEMS not in sd:
+                raise KeyError(f"{name or source}: no per-rank items of the trainer ('{USER_ITEMS}') in it")
+            extra.load_state_dict(sd[USER_ITEMS])
 
 
 def seed_rank_rng(seed: int, rank: int, step: int) -> None:

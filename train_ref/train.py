@@ -30,44 +30,44 @@ import os
 import random
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from supervisor import store
-from supervisor.format.atomic import atomic_write_json, restrict_umask
+from supervisor.format.atomic import restrict_umask
 from supervisor.format.exitcodes import Exit
-from supervisor.format.heartbeat import HeartbeatWriter, Phase, stack_dump_path
-from supervisor.format.layout import FINAL, RunDir
-from supervisor.format.manifest import CheckpointInfo
-from supervisor.format.metrics import MetricsRecord
-from supervisor.ioerrors import backoff_s, retry_transient
+from supervisor.format.heartbeat import HeartbeatWriter, Phase
+from supervisor.format.layout import RunDir, step_dirname
 from supervisor.redact import redact_log_handlers
-from supervisor.safepickle import UnsafePickle
 from supervisor.signing import SigningKeyError, add_signing_key_arg, load_key
-from supervisor.tiers.uploader import Uploader
 from train_ref import tiering
 from train_ref.appender import LineAppender
-from train_ref.checkpointer import Checkpointer, CommitInfo, SaveOutcome, StorageGaveUp
-from train_ref.config import CONFIGS, TrainConfig, config_hash, get_config
+from train_ref.config import CONFIGS, TrainConfig, get_config
 from train_ref.data import Corpus, WindowDataset, collate
 from train_ref.devices import ENV_VISIBLE, DeviceError, device_index
-from train_ref.drill_faults import DrillFaults, When
 from train_ref.hold import HoldGate
 from train_ref.model import GPT
-from train_ref.parallel import MODES, build, full_tensor, params_digest, sync_grads
-from train_ref.resume import RETRY_LATER, Choice, choose_checkpoint
-from train_ref.safe_load import refusal_line
+from train_ref.parallel import MODES, build, full_tensor, sync_grads
+from train_ref.resumable import (
+    PREEMPTION,
+    Identity,
+    Resumable,
+    ResumeOptions,
+    Saves,
+    deliberate_exit,
+    install_signals,
+)
+from train_ref.resume import Choice
 from train_ref.sampler import ResumableBatchSampler
-from train_ref.save_policy import DEFAULT_MAX_FAILED_SAVES, SavePolicy
+from train_ref.save_policy import DEFAULT_MAX_FAILED_SAVES
 from train_ref.schedule import WarmupCosine
-from train_ref.signals import PreemptionFlag, register_stack_dump
-from train_ref.state import ABLATABLE, RANK_ITEMS, TrainState, seed_rank_rng
+from train_ref.state import ABLATABLE, RANK_ITEMS, TrainState
 
 log = logging.getLogger("train_ref")
 
@@ -76,8 +76,6 @@ log = logging.getLogger("train_ref")
 LOSS_JUMP_SIGMAS = 4.0
 LOSS_JUMP_SLACK = 0.05
 SANITY_STEPS = 3
-# Installed before the model is built, so a preemption notice during startup is not lost.
-PREEMPTION = PreemptionFlag()
 VERIFY = ("quick", "deep")
 
 
@@ -85,7 +83,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="train_ref.train", description=__doc__.split("\n")[0])
     p.add_argument("--ckpt-root", required=True, type=Path)
     p.add_argument("--steps", required=True, type=int, help="stop after this many steps in total")
-    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument(
+        "--save-every", type=int, default=50, help="save every N steps (0: only by --save-every-s)"
+    )
+    p.add_argument(
+        "--save-every-s",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="also save when this long has passed since the last save (rank 0's clock decides for all)",
+    )
+    p.add_argument(
+        "--load-step",
+        type=int,
+        default=None,
+        metavar="N",
+        help="resume from committed step N instead of the newest (newer ones are moved to quarantine/)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--parallel", choices=MODES, default="fsdp")
     g = p.add_mutually_exclusive_group()
@@ -94,6 +108,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--keep", type=int, default=store.DEFAULT_KEEP)
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
+    p.add_argument(
+        "--init-from",
+        default=None,
+        metavar="DIR[:STEP]",
+        help="a NEW run starts from another run's weights (its newest valid checkpoint, or STEP); "
+        "recorded in every manifest; ignored once this run has checkpoints of its own",
+    )
+    p.add_argument("--init-optimizer", action="store_true", help="with --init-from: its optimizer state too")
+    for flag, what in (("--lr", "peak learning rate"), ("--weight-decay", "AdamW weight decay")):
+        p.add_argument(flag, type=float, default=None, help=f"{what} (default: the config's)")
+    p.add_argument("--decay-steps", type=int, default=None, help="cosine horizon (default: the config's)")
     p.add_argument("--corpus", default=None, help="UTF-8 text file (default: the built-in corpus)")
     p.add_argument("--allow-config-change", action="store_true")
     p.add_argument("--allow-data-change", action="store_true")
@@ -197,24 +222,122 @@ def init_distributed() -> Dist:
     return Dist(rank, local, dist.get_world_size(), torch.device("cuda", index), problem)
 
 
+def identity(args: argparse.Namespace, cfg: TrainConfig, corpus: Corpus) -> Identity:
+    """Everything that changes this trainer's trajectory: the whole config (model shape,
+    optimizer, schedule length, augmentation), the precision mode and the seed (data order,
+    initial weights, every RNG); the data by its fingerprint."""
+    fields = {"amp": args.amp, **_flat(asdict(cfg))}
+    return Identity(
+        fields,
+        data=corpus.fingerprint,
+        seed=args.seed,
+        name=cfg.name,
+        global_batch=cfg.global_batch,
+        mode=args.parallel,
+        changeable=CHANGEABLE,
+    )
+
+
+def _flat(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, Mapping) else {f"{prefix}{k}": v})
+    return out
+
+
+# What --allow-config-change applies on resume (Reference.apply_config_change; everything the
+# loop reads from the config each step is applied by building with the new config). Anything
+# else (model shape, global batch, loss window, precision, seed) is refused, naming the field.
+CHANGEABLE = frozenset(
+    {"name", "lr", "min_lr", "warmup_steps", "decay_steps", "weight_decay", "grad_clip"}
+    | {"crop_max", "mask_prob", "trunc_min", "noise_prob", "model.dropout"}
+)
+
+
+def saves(args: argparse.Namespace) -> Saves:
+    return Saves(
+        every_steps=args.save_every,
+        every_s=args.save_every_s,
+        async_save=args.async_save,
+        keep=args.keep,
+        max_failed_saves=args.max_failed_saves,
+        max_unsaved_s=args.max_unsaved_s,
+    )
+
+
+def options(args: argparse.Namespace) -> ResumeOptions:
+    return ResumeOptions(
+        verify=args.verify,
+        io_retry_s=args.io_retry,
+        allow_fresh_start=args.allow_fresh_start,
+        allow_config_change=args.allow_config_change,
+        allow_data_change=args.allow_data_change,
+        load_step=args.load_step,
+        init_from=args.init_from,
+        init_optimizer=args.init_optimizer,
+        sign_key=args.sign_key,
+        remote=args if args.remote else None,
+    )
+
+
+class Reference(Resumable):
+    """The reference trainer's Resumable: its sampler position in every manifest, the config
+    changes it can apply, and the test-only ablation of a state item at load."""
+
+    def __init__(self, trainer: Trainer, args: argparse.Namespace):
+        self.trainer = trainer
+        super().__init__(
+            args.ckpt_root,
+            trainer.state,
+            steps=args.steps,
+            identity=identity(args, trainer.cfg, trainer.corpus),
+            saves=saves(args),
+            options=options(args),
+        )
+
+    def save_meta(self) -> dict[str, Any]:
+        return {**super().save_meta(), "sampler": self.trainer.sampler.state_dict()}
+
+    def load(self, choice: Choice) -> bool:
+        """Test-only ``--ablate ITEM``: skip restoring that item, to prove it matters."""
+        ablate = frozenset(self.trainer.args.ablate)
+        if not ablate:
+            return super().load(choice)
+        assert choice.ckpt is not None
+        st = self.trainer.state
+        st.ablate = ablate
+        try:
+            restored = self.ckpt.load(
+                choice.ckpt,
+                st,
+                saved_world_size=choice.world_size,
+                skip=ablate & frozenset(RANK_ITEMS),
+                progress=self.hb.tracker(Phase.LOAD, choice.manifest.step if choice.manifest else 0),
+            )
+        finally:
+            st.ablate = frozenset()
+        if self.rank == 0:
+            log.warning("TEST-ONLY: resume skipped restoring %s", ", ".join(sorted(ablate)))
+        return restored
+
+    def apply_config_change(self, diff: Mapping[str, tuple[Any, Any]]) -> None:
+        """The load restored the saved LR, weight decay and schedule (optimizer param groups, the
+        scheduler's base LRs and its schedule object): put this run's config in their place."""
+        t = self.trainer
+        cfg, step = t.cfg, t.state.step
+        t.schedule.__dict__.update(asdict(WarmupCosine.of(cfg)))  # the object LambdaLR calls
+        t.scheduler.base_lrs = [cfg.lr] * len(t.optimizer.param_groups)
+        for g in t.optimizer.param_groups:
+            g.update(initial_lr=cfg.lr, lr=cfg.lr * t.schedule(step), weight_decay=cfg.weight_decay)
+        t.scheduler._last_lr = [g["lr"] for g in t.optimizer.param_groups]
+
+
 class Trainer:
-    """One launch of the training job on this rank."""
+    """One launch of the training job on this rank: the model, its data and the loop; the
+    checkpoint lifecycle is ``self.r`` (a Resumable)."""
 
-    def __init__(
-        self,
-        args: argparse.Namespace,
-        d: Dist,
-        cfg: TrainConfig,
-        corpus: Corpus,
-        hb: HeartbeatWriter,
-        info: CommitInfo,
-        launch: str,
-        uploader: Uploader | None = None,
-    ):
-        self.args, self.d, self.cfg, self.corpus, self.hb, self.launch = args, d, cfg, corpus, hb, launch
-        self.root: Path = args.ckpt_root
-        self.uploader = uploader  # rank 0 with --remote only
-
+    def __init__(self, args: argparse.Namespace, d: Dist, cfg: TrainConfig, corpus: Corpus):
+        self.args, self.d, self.cfg, self.corpus = args, d, cfg, corpus
         tok = corpus.tokenizer
         # Identical initial parameters on every rank; fsdp never builds the whole model (parallel.py).
         self.model = build(lambda: GPT(cfg.model), args.parallel, d.device, args.seed)
@@ -242,65 +365,20 @@ class Trainer:
             cfg.loss_window,
             replicated=args.parallel == "ddp",
         )
-        self.ckpt = Checkpointer(
-            self.root,
-            async_save=args.async_save,
-            keep=args.keep,
-            info=info,
-            hb=hb,
-            policy=save_policy(args),
-            on_commit=uploader.submit if uploader else None,
-        )
+        self.r = Reference(self, args)
+        self.ckpt = self.r.ckpt
         self.samples_file: LineAppender | None = None
-        self.drill = DrillFaults.from_env(d.rank, launch)  # inert unless `supervisor drill` set it
-        self.hold = HoldGate.from_env(d.rank, launch)  # test-only; None unless TRAIN_REF_HOLD_FILE is set
+        self.hold: HoldGate | None = None  # test-only: main sets it from TRAIN_REF_HOLD_FILE
 
-    # ------------------------------------------------------------ exits
+    # ------------------------------------------------------------ resume sanity
 
-    def exit(self, code: Exit, phase: Phase, msg: str = "") -> NoReturn:
-        rc = deliberate_exit(self.hb, self.d.rank, self.state.step, phase, code, msg)
-        dist.destroy_process_group()
-        sys.exit(rc)
-
-    # ------------------------------------------------------------ resume
-
-    def resume(self, choice: Choice) -> None:
-        """Load the chosen checkpoint everywhere: shards (resharded), then per-rank RNG streams."""
-        seed_rank_rng(self.args.seed, self.d.rank, 0)
-        if choice.ckpt is None:
-            log.info("no checkpoint in %s: starting at step 0", self.root)
-            return
-        ckpt = choice.ckpt
-        ablate = frozenset(self.args.ablate)
-        self.state.ablate = ablate
-        restored = self.ckpt.load(
-            ckpt,
-            self.state,
-            saved_world_size=choice.world_size,
-            skip=ablate & frozenset(RANK_ITEMS),
-            progress=self.hb.tracker(Phase.LOAD, choice.manifest.step if choice.manifest else 0),
-        )
-        self.state.ablate = frozenset()
-        if not restored:
-            seed_rank_rng(self.args.seed, self.d.rank, self.state.step)
-            if self.d.rank == 0:
-                log.warning(
-                    "world size %d -> %d: per-rank RNG derived from (seed, rank, step %d)",
-                    choice.world_size,
-                    self.d.world_size,
-                    self.state.step,
-                )
-        if ablate and self.d.rank == 0:
-            log.warning("TEST-ONLY: resume skipped restoring %s", ", ".join(sorted(ablate)))
-        self.check_schedule(ckpt.name)
-
-    def check_schedule(self, name: str) -> None:
+    def check_schedule(self) -> None:
         step = self.state.step
         lr = self.optimizer.param_groups[0]["lr"]
         want = self.cfg.lr * self.schedule(step)
-        if self.d.rank != 0:
+        if self.d.rank != 0 or step == 0:
             return
-        log.info("resumed from %s, next step %d", name, step + 1)
+        log.info("resumed from %s, next step %d", step_dirname(step), step + 1)
         if self.scheduler.last_epoch != step or not math.isclose(lr, want, rel_tol=1e-9):
             log.warning(
                 "resume sanity: LR %.6g (scheduler at step %d) but the schedule says %.6g at step %d",
@@ -368,8 +446,7 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         lr = self.optimizer.param_groups[0]["lr"]
-        self.ckpt.before_optimizer_step()
-        self.scaler.step(self.optimizer)
+        self.scaler.step(self.optimizer)  # the Resumable's pre-step hook waits for staging first
         self.scaler.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -378,145 +455,37 @@ class Trainer:
         return float(mean_loss) / self.d.world_size, float(full_tensor(norm)), lr
 
     def run(self) -> None:
-        """Train to --steps; the logs are closed on every way out (the exit skips teardown)."""
+        """Train to --steps; the sample log is closed on every way out (the exit skips teardown)."""
         with contextlib.ExitStack() as files:
-            run = RunDir.of(self.root)
-            metrics = LineAppender(run.metrics) if self.d.rank == 0 else None
-            if metrics:
-                files.callback(metrics.close)
             if self.args.log_samples:
-                samples = run.samples(self.d.rank)
+                samples = RunDir.of(self.args.ckpt_root).samples(self.d.rank)
                 samples.parent.mkdir(exist_ok=True)
                 self.samples_file = LineAppender(samples)
                 files.callback(self.samples_file.close)
-            self.loop(metrics)
+            self.loop()
 
-    def loop(self, metrics: LineAppender | None) -> None:
+    def loop(self) -> None:
         args, st = self.args, self.state
         start = st.step
-        rank0 = self.d.rank == 0
         batches = iter(self.loader())
         first_losses: list[float] = []
-        last_dt = 0.0
-        self.hb.beat(st.step, Phase.TRAIN, force=True)
         while st.step < args.steps:
             t0 = time.perf_counter()
             x, y, ids = next(batches)
             loss, norm, lr = self.train_step(x, y)
             self.sampler.advance()
-            st.step += 1
             st.losses.append(loss)
-            last_dt = time.perf_counter() - t0
-            if metrics:
-                metrics.append(
-                    MetricsRecord(
-                        st.step, loss, lr, norm, round(last_dt, 6), self.hb.restart_count, self.launch
-                    ).to_line()
-                )
+            step = st.step + 1
             if self.samples_file:
-                self.samples_file.append(json.dumps({"launch": self.launch, "step": st.step, "ids": ids}))
+                self.samples_file.append(json.dumps({"launch": self.r.launch, "step": step, "ids": ids}))
             if start > 0 and len(first_losses) < SANITY_STEPS:
                 first_losses.append(loss)
                 if len(first_losses) == min(SANITY_STEPS, args.steps - start):
                     self.check_losses(first_losses)
-            self.hb.beat(st.step, Phase.TRAIN, last_step_s=last_dt)
-            self.drill.maybe_hang(st.step, When.STEP)
-            if self.ckpt.step_boundary(PREEMPTION.set):
-                PREEMPTION.ignore_further()
-                if st.step < args.steps:
-                    self.preempted()
-                if rank0:
-                    log.warning("preemption signal at the last step %d: finishing normally", st.step)
-            if st.step % args.save_every == 0 and st.step < args.steps:
-                self.save(blocking=False)
-                self.drill.maybe_hang(st.step, When.SAVE)
+            step_s = round(time.perf_counter() - t0, 6)
+            self.r.step_end(step, {"loss": loss, "lr": lr, "grad_norm": norm, "step_time": step_s})
             if self.hold is not None:
-                hold_if_asked(self.hold, st.step, lambda: self.hb.beat(st.step, Phase.TRAIN))
-        if st.step > start:
-            self.final_save()
-        self.ckpt.close()
-
-    def final_save(self) -> None:
-        """The end of training (commits any in-flight save first): retried with backoff while the
-        save policy allows (it raises StorageGaveUp, exit 74, when it does not)."""
-        rng = random.Random()  # not the global one: that belongs to the training loop
-        while not (outcome := self.save_now()).committed:
-            if self.d.rank == 0:  # the others wait for rank 0 in the next save's first exchange
-                time.sleep(backoff_s(outcome.failures, rng))
-
-    def save(self, blocking: bool) -> SaveOutcome | None:
-        self.hb.beat(self.state.step, Phase.SAVE)
-        meta = {
-            "config": self.cfg.name,
-            "launch": self.launch,
-            "sampler": self.sampler.state_dict(),
-            "loss": self.state.losses[-1] if self.state.losses else None,
-        }
-        outcome = self.ckpt.save(self.state, meta, blocking=blocking)
-        self.hb.beat(self.state.step, Phase.TRAIN)
-        return outcome
-
-    def save_now(self) -> SaveOutcome:
-        """A synchronous save, whose outcome always comes back."""
-        outcome = self.save(blocking=True)
-        assert outcome is not None, "a blocking save returns its outcome"
-        return outcome
-
-    def preempted(self) -> NoReturn:
-        """Asked to stop: finish any in-flight save, save this step synchronously, exit REQUEUE."""
-        if self.d.rank == 0:
-            log.warning(
-                "preemption signal: checkpointing step %d, then exit %d", self.state.step, Exit.REQUEUE
-            )
-        outcome = self.save_now()
-        self.ckpt.close()
-        self.close_uploader(min(self.args.remote_flush_timeout, tiering.PREEMPT_FLUSH_TIMEOUT_S))
-        if not outcome.committed:  # requeued, it would resume from an older checkpoint anyway
-            self.exit(
-                Exit.STORAGE,
-                Phase.SAVE,
-                f"storage: the preemption checkpoint of step {self.state.step} failed ({outcome.error}); "
-                f"nothing committed: the relaunch resumes from {outcome.latest or 'step 0'}; exit 74, retryable",
-            )
-        self.exit(Exit.REQUEUE, Phase.SAVE)
-
-    def close_uploader(self, timeout_s: float) -> None:
-        if self.uploader is not None:
-            step = self.state.step
-            tiering.close_uploader(self.uploader, timeout_s, lambda: self.hb.beat(step, Phase.SAVE))
-            self.uploader = None
-
-    def finish(self) -> None:
-        """The final digest (phase DIGEST, progress in bytes hashed) and ``final.json``, which is
-        retried on a storage error for --io-retry seconds: the checkpoint is committed by now, so
-        a report that cannot be written is a warning, not a failed run."""
-        n_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        digest = params_digest(self.model, self.hb.tracker(Phase.DIGEST, self.state.step, n_bytes))
-        if self.d.rank != 0:
-            return
-        final = {
-            "step": self.state.step,
-            "world_size": self.d.world_size,
-            "params_sha256": digest,
-            "parallel": self.args.parallel,
-            "config": self.cfg.name,
-            "loss": self.state.losses[-1] if self.state.losses else None,
-        }
-        try:
-            retry_transient(
-                lambda: atomic_write_json(RunDir.of(self.root).final, final),
-                deadline_s=self.args.io_retry,
-                what=f"writing {FINAL}",
-                fix=lambda _e: "the checkpoint is committed; the digest is in this log",
-                on_retry=lambda msg: log.warning("%s", msg),
-            )
-        except store.StorageUnavailable as e:
-            log.warning("%s", e)
-        log.info("done at step %d, params_sha256 %s", self.state.step, digest)
-
-
-def save_policy(args: argparse.Namespace) -> SavePolicy:
-    return SavePolicy(max_failed_saves=args.max_failed_saves, max_unsaved_s=args.max_unsaved_s)
+                hold_if_asked(self.hold, st.step, self.r.beat)
 
 
 def hold_if_asked(gate: HoldGate, step: int, beat: Callable[[], object]) -> bool:
@@ -530,21 +499,12 @@ def hold_if_asked(gate: HoldGate, step: int, beat: Callable[[], object]) -> bool
     return bool(want.item())
 
 
-def deliberate_exit(
-    hb: HeartbeatWriter, rank: int, step: int, phase: Phase, code: Exit, msg: str = ""
-) -> int:
-    """Record a deliberate exit code in the heartbeat (torchrun itself reports only 1)."""
-    if msg and rank == 0:
-        print(f"train_ref: {msg}", file=sys.stderr, flush=True)
-    hb.beat(step, phase, exit_code=int(code))
-    return int(code)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.deterministic:  # before CUDA starts: cuBLAS reads its workspace setting once
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
+    signal_problem = install_signals()  # before the model is built: a notice is never lost
     d = init_distributed()
     logging.basicConfig(
         level=logging.INFO if d.rank == 0 else logging.WARNING,
@@ -553,65 +513,23 @@ def main(argv: list[str] | None = None) -> int:
     redact_log_handlers()  # a --remote URL or a backend's error may carry credentials
     restrict_umask()  # nothing this run creates is world-writable (docs/security.md)
     args.ckpt_root.mkdir(parents=True, exist_ok=True)
-    hb = HeartbeatWriter(args.ckpt_root, rank=d.rank, local_rank=d.local_rank, world_size=d.world_size)
-    hb.beat(0, Phase.STARTUP)
-    stacks = register_stack_dump(stack_dump_path(args.ckpt_root, d.rank))  # open until exit
-    signal_problem = PREEMPTION.install()
     corpus = Corpus.load(args.corpus)
-    cfg = get_config(args.config, corpus.tokenizer.vocab_size)
+    cfg = with_overrides(get_config(args.config, corpus.tokenizer.vocab_size), args)
     args.sign_key, key_problem = signing_key(args)
-    run = CheckpointInfo(
-        step=0,  # each commit sets its step and meta
-        world_size=d.world_size,
-        model_config_hash=config_hash(cfg),
-        data_fingerprint=corpus.fingerprint,
-        parallelism={"mode": args.parallel, "world_size": d.world_size, "global_batch": cfg.global_batch},
-        torch_version=torch.__version__,
-    )
-    info = CommitInfo(run, sign_key=args.sign_key)
     problem = d.problem or config_problem(args, cfg, d.world_size) or key_problem or signal_problem
-    choice = Choice("", error=f"bad config: {problem}", code=Exit.BAD_CONFIG) if problem else None
-    choice = choice or choose_checkpoint(
-        args,
-        store.Expectation(
-            model_config_hash=run.model_config_hash,
-            data_fingerprint=run.data_fingerprint,
-            allow_config_change=args.allow_config_change,
-            allow_data_change=args.allow_data_change,
-        ),
-        cfg,
-        hb,
-    )
-    if choice.error:
-        why = "cannot resume" if choice.code in (RETRY_LATER, Exit.STORAGE) else "refused"
-        code = deliberate_exit(hb, d.rank, 0, Phase.STARTUP, choice.code, f"{why}: {choice.error}")
-        dist.destroy_process_group()
-        return code
-    uploader = tiering.start_uploader(args.ckpt_root, args) if args.remote and d.rank == 0 else None
-    trainer = Trainer(args, d, cfg, corpus, hb, info, choice.launch, uploader)
-    try:
-        trainer.resume(choice)
-    except UnsafePickle as e:  # nothing of it ran; every rank read the same file and refused it
-        msg = refusal_line(e, args.ckpt_root, choice.ckpt)
-        code = deliberate_exit(hb, d.rank, 0, Phase.LOAD, Exit.UNTRUSTED, msg)
-        dist.destroy_process_group()
-        return code
-    except DeviceError as e:  # every rank's file has the same format: all refuse alike
-        print(f"train_ref: cannot resume: {e}", file=sys.stderr, flush=True)
-        code = deliberate_exit(hb, d.rank, 0, Phase.LOAD, Exit.BAD_CONFIG)
-        dist.destroy_process_group()
-        return code
-    try:
-        trainer.run()
-    except StorageGaveUp as e:  # raised on every rank at the same save
-        trainer.close_uploader(0.0)
-        trainer.exit(Exit.STORAGE, Phase.SAVE, str(e))
-    trainer.finish()
-    trainer.close_uploader(args.remote_flush_timeout)
-    code = deliberate_exit(hb, d.rank, trainer.state.step, Phase.DONE, Exit.OK)
+    if problem:  # before anything is built on it (a batch that does not split, no device...)
+        hb = HeartbeatWriter(args.ckpt_root, rank=d.rank, local_rank=d.local_rank, world_size=d.world_size)
+        return deliberate_exit(
+            hb, d.rank, 0, Phase.STARTUP, Exit.BAD_CONFIG, f"refused: bad config: {problem}"
+        )
+    trainer = Trainer(args, d, cfg, corpus)
+    trainer.r.resume()
+    trainer.hold = HoldGate.from_env(d.rank, trainer.r.launch)  # None unless TRAIN_REF_HOLD_FILE is set
+    trainer.check_schedule()
+    trainer.run()
+    trainer.r.finish()
     dist.destroy_process_group()
-    stacks.close()
-    return code
+    return int(Exit.OK)
 
 
 def signing_key(args: argparse.Namespace) -> tuple[bytes | None, str]:
@@ -624,15 +542,22 @@ def signing_key(args: argparse.Namespace) -> tuple[bytes | None, str]:
         return None, str(e)
 
 
+def with_overrides(cfg: TrainConfig, args: argparse.Namespace) -> TrainConfig:
+    """The named config with --lr, --weight-decay, --decay-steps where given (part of the identity:
+    a resume with other values is refused unless --allow-config-change, which applies them)."""
+    given = {"lr": args.lr, "weight_decay": args.weight_decay, "decay_steps": args.decay_steps}
+    return replace(cfg, **{k: v for k, v in given.items() if v is not None})
+
+
 def config_problem(args: argparse.Namespace, cfg: TrainConfig, world: int) -> str:
     """One line saying what is wrong with the command line, or ''."""
     if cfg.global_batch % world:
         return f"global batch {cfg.global_batch} of config '{cfg.name}' does not split over {world} ranks"
-    if args.save_every < 1 or args.steps < 0:
-        return "--save-every must be >= 1 and --steps >= 0"
-    if args.keep < store.MIN_KEEP:
-        return f"--keep {args.keep}: keep at least {store.MIN_KEEP} so a corrupt newest has a fallback"
-    if problem := save_policy(args).problem():
+    if args.steps < 0:
+        return "--steps must be >= 0"
+    if args.load_step is not None and args.load_step < 0:
+        return f"--load-step {args.load_step}: give a committed step (ckpt list shows them)"
+    if problem := saves(args).problem():
         return problem
     if args.remote:
         try:

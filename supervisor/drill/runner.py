@@ -55,18 +55,26 @@ class DrillConfig:
     save_delay_s: float = 1.0
     fault_timeout_s: float = 180.0
     python: str = sys.executable
+    # A user's script (train_ref.Resumable inside) instead of the reference trainer: it gets the
+    # four options every trainer has, not the reference trainer's --config and --parallel.
+    trainer: Path | None = option(
+        "drill your own script (started by torchrun with --ckpt-root --steps --save-every --seed) "
+        "instead of the reference trainer; e.g. examples/plain_loop.py",
+        None,
+        metavar="SCRIPT",
+    )
 
     def trainer_cmd(self, root: Path, extra: Sequence[str] = ()) -> list[str]:
+        own = ("--config", "tiny", "--parallel", self.parallel)
         return [
             self.python, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={self.ranks}",
-            "-m", "train_ref.train",
+            *((str(self.trainer),) if self.trainer else ("-m", "train_ref.train")),
             "--ckpt-root", str(root),
             "--steps", str(self.steps),
             "--save-every", str(self.save_every),
             "--seed", str(self.seed),
-            "--config", "tiny",
-            "--parallel", self.parallel,
+            *(() if self.trainer else own),
             *extra,
         ]  # fmt: skip
 

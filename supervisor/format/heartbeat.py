@@ -52,6 +52,7 @@ class Phase(str, Enum):
     SAVE = "save"  # writing a checkpoint (the part the training loop waits for)
     COMMIT = "commit"  # fsync, manifest, rename, latest
     DIGEST = "digest"  # the final parameter digest
+    CUSTOM = "custom"  # the trainer's own phase (eval, data refresh): name and timeout in the beat
     DONE = "done"
 
 
@@ -90,11 +91,19 @@ class Heartbeat:
     # Consecutive failed saves and the last error, for the watchdog's events and `status`.
     save_failures: int = 0
     last_error: str = ""
+    # Phase CUSTOM only: the trainer's name for it and the silence it allows (0: the train timeout).
+    phase_name: str = ""
+    phase_timeout_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["phase"] = self.phase.value
         return d
+
+    @property
+    def label(self) -> str:
+        """The phase as operators read it: a custom phase by its own name."""
+        return self.phase_name if self.phase is Phase.CUSTOM and self.phase_name else self.phase.value
 
 
 @dataclass(frozen=True)
@@ -177,6 +186,8 @@ def heartbeat_from_dict(d: Mapping[str, Any]) -> Heartbeat:
             boot_id=str(d.get("boot_id", "")),
             save_failures=_int(d.get("save_failures", 0)),
             last_error=str(d.get("last_error", "")),
+            phase_name=str(d.get("phase_name", "")),
+            phase_timeout_s=_float(d.get("phase_timeout_s", 0.0)),
         )
     except KeyError as e:
         raise ValueError(f"field {e} missing") from None
@@ -280,11 +291,13 @@ class HeartbeatWriter:
         # Shown in every beat; the trainer sets them when a save fails or succeeds.
         self.save_failures = 0
         self.last_error = ""
+        # The trainer's own phase, written with every beat in phase CUSTOM (``custom_phase``).
+        self.custom: tuple[str, float] = ("", 0.0)
         self.write_errors = 0  # failed writes in the current streak (0: the last write landed)
         self._host = hostname()
         self._pid = os.getpid()
         self._last_write = float("-inf")
-        self._last_phase: Phase | None = None
+        self._last_phase: tuple[Phase, tuple[str, float]] | None = None
 
     def beat(
         self,
@@ -301,10 +314,11 @@ class HeartbeatWriter:
         """Write a heartbeat if due; return whether one was written. A deliberate exit passes
         ``exit_code`` (always written) so the watchdog can classify it past torchrun's exit 1."""
         now, mono = time.time(), time.monotonic()
+        custom = self.custom if phase is Phase.CUSTOM else ("", 0.0)
         due = (
             force
             or exit_code is not None
-            or phase != self._last_phase
+            or (phase, custom) != self._last_phase
             or mono - self._last_write >= self.interval_s
         )
         if not due:
@@ -329,8 +343,10 @@ class HeartbeatWriter:
             boot_id=boot_id(),
             save_failures=self.save_failures,
             last_error=self.last_error,
+            phase_name=custom[0],
+            phase_timeout_s=custom[1],
         )
-        self._last_phase = phase
+        self._last_phase = (phase, custom)
         try:
             write_heartbeat_in(self.folder, hb)
         except OSError as e:

@@ -4,10 +4,14 @@ shows as a new ``launch`` whose first step follows its checkpoint). Defined once
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from dataclasses import dataclass
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+
+# Keys of the record itself; every other key of a line is one of the trainer's own metrics.
+_OWN = ("step", "loss", "lr", "grad_norm", "step_time", "restart_count", "launch")
 
 
 @dataclass(frozen=True)
@@ -19,15 +23,33 @@ class MetricsRecord:
     step_time: float = 0.0  # seconds, data to optimizer step
     restart_count: int = 0  # the watchdog's restarts so far (the heartbeat's)
     launch: str = ""  # the launch id: records of one launch are consecutive
+    extra: Mapping[str, float] = field(default_factory=dict)  # the trainer's other metrics
+
+    @classmethod
+    def of(cls, step: int, metrics: Mapping[str, float], restart_count: int, launch: str) -> MetricsRecord:
+        """The record of a step from what a trainer passed (``Resumable.step_end``); a missing loss
+        or lr is NaN (the drill judges both: pass them)."""
+        m = dict(metrics)
+        own = {k: float(m.pop(k)) for k in ("loss", "lr", "grad_norm", "step_time") if k in m}
+        return cls(
+            step,
+            own.pop("loss", math.nan),
+            own.pop("lr", math.nan),
+            **own,
+            restart_count=restart_count,
+            launch=launch,
+            extra={k: float(v) for k, v in m.items()},
+        )
 
     def to_line(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
+        d = {k: getattr(self, k) for k in _OWN}
+        return json.dumps({**d, **{k: v for k, v in self.extra.items() if k not in d}})
 
 
 def parse_line(line: str | bytes) -> MetricsRecord | None:
     """The record of one line; None for a line that is not one (a line still being written, or
-    cut short by a full disk: the appender never crashes a rank for it). Unknown keys are ignored,
-    so records may gain fields."""
+    cut short by a full disk: the appender never crashes a rank for it). Keys other than the
+    record's own are the trainer's metrics (``extra``)."""
     try:
         d = json.loads(line)
         return MetricsRecord(
@@ -38,6 +60,7 @@ def parse_line(line: str | bytes) -> MetricsRecord | None:
             step_time=float(d.get("step_time") or 0.0),
             restart_count=int(d.get("restart_count") or 0),
             launch=str(d.get("launch", "")),
+            extra={k: float(v) for k, v in d.items() if k not in _OWN and isinstance(v, int | float)},
         )
     except (ValueError, KeyError, TypeError, AttributeError):
         return None

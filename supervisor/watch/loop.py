@@ -667,7 +667,7 @@ class Watchdog:
                     f"rank {h.rank} (pid {h.pid}) is blocked in {where}",
                     rank=h.rank,
                     pid=h.pid,
-                    phase=h.phase.value,
+                    phase=h.label,
                     io_path=h.io_path,
                     blocked=where,
                 )

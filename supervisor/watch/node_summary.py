@@ -68,9 +68,9 @@ def build_summary(
             attention.append(s.rank)
             continue
         records.append(s.record)
-        phases[hb.phase.value] = phases.get(hb.phase.value, 0) + 1
+        phases[hb.label] = phases.get(hb.label, 0) + 1
         steps.append(hb.step)
-        stale, _ = rank_stale(hb, clock.age(hb), timeouts.for_phase(hb.phase), current)
+        stale, _ = rank_stale(hb, clock.age(hb), timeouts.for_beat(hb), current)
         if stale or hb.exit_code is not None or hb.save_failures:
             attention.append(hb.rank)
         else:

@@ -143,8 +143,17 @@ class PhaseTimeouts:
     )
 
     def for_phase(self, phase: Phase) -> float | None:
-        """Seconds a rank may stay silent in ``phase``; None: never hung (it is done)."""
+        """Seconds a rank may stay silent in ``phase``; None: never hung (it is done). A custom
+        phase that declares no timeout of its own is held to the train timeout."""
+        if phase is Phase.CUSTOM:
+            return self.train
         return None if phase == Phase.DONE else getattr(self, phase.value)
+
+    def for_beat(self, hb: Heartbeat) -> float | None:
+        """``for_phase``, but a custom phase (eval, data refresh) by the timeout its beat declares."""
+        if hb.phase is Phase.CUSTOM and hb.phase_timeout_s > 0:
+            return hb.phase_timeout_s
+        return self.for_phase(hb.phase)
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -237,13 +246,18 @@ class Hang:
     progress_total: int = 0
     io_path: str = ""  # the file the heartbeat says it was reading or writing
     blocked: str = ""  # what /proc says it is blocked in (launcher.blocked_io), filled in by watch
+    phase_name: str = ""  # a custom phase's own name (eval...)
+
+    @property
+    def label(self) -> str:
+        return self.phase_name or self.phase.value
 
     @property
     def reason(self) -> str:
         who = "no rank" if self.rank is None else f"rank {self.rank}"
         where = describe_progress(self.progress, self.progress_total, self.io_path)
         return (
-            f"{who} made no progress for {self.silent_s:.1f}s in phase {self.phase.value} at step "
+            f"{who} made no progress for {self.silent_s:.1f}s in phase {self.label} at step "
             f"{self.step} (timeout {self.timeout_s:g}s{'; ' + where if where else ''})"
             + (f"; blocked in {self.blocked}" if self.blocked else "")
         )
@@ -273,7 +287,7 @@ def detect_hangs(
         return []
     hangs = []
     for hb in beats:
-        limit = timeouts.for_phase(hb.phase)
+        limit = timeouts.for_beat(hb)
         silent = clock.age(hb)
         if limit is not None and silent > limit:
             hangs.append(
@@ -287,6 +301,7 @@ def detect_hangs(
                     hb.progress,
                     hb.progress_total,
                     hb.io_path,
+                    phase_name=hb.phase_name if hb.phase is Phase.CUSTOM else "",
                 )
             )
     return hangs

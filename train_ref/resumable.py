@@ -1,0 +1,670 @@
+"""``Resumable``: one object that owns a training job's checkpoint lifecycle.
+
+A plain loop becomes resumable, bit-exactly, with a handful of lines::
+
+    r = Resumable(root, {"model": model, "optimizer": opt}, steps=1000, identity=Identity({"lr": lr}, seed=0))
+    for step in range(r.resume() + 1, 1001):
+        loss = train_step(...)                 # forward, backward, optimizer.step()
+        if r.step_end(step, {"loss": loss}):   # on every rank, every step
+            break
+    r.finish()
+
+It composes the building blocks (``resume`` picks and verifies, ``checkpointer`` saves through the
+store, ``agree`` and the step boundary keep the ranks in step, ``signals`` records notices, the
+``state`` module saves per-rank RNG streams) and takes the two call-site rules off the user:
+
+- the wait for an async save's staging is an optimizer pre-step hook (``register_step_pre_hook``):
+  an optimizer step while the state is being copied would tear the checkpoint;
+- ``step_end`` is the one per-step collective every rank must reach (commit of the in-flight save,
+  the preemption notice, a time-based save decided by rank 0's clock alone).
+
+Every deliberate stop (a refusal, a failed storage, a preemption) writes the exit code into the
+heartbeat, says one line on rank 0 and raises ``SystemExit`` with the code of
+``supervisor.format.exitcodes.Exit`` that the watchdog classifies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import random
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn, cast
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from supervisor import store
+from supervisor.format.atomic import atomic_write_json
+from supervisor.format.exitcodes import Exit
+from supervisor.format.heartbeat import HeartbeatWriter, Phase, stack_dump_path
+from supervisor.format.layout import FINAL, RunDir
+from supervisor.format.manifest import CheckpointInfo
+from supervisor.format.metrics import MetricsRecord
+from supervisor.ioerrors import backoff_s, retry_transient
+from supervisor.safepickle import UnsafePickle
+from supervisor.tiers.uploader import Uploader
+from train_ref import agree, tiering
+from train_ref.appender import LineAppender
+from train_ref.checkpointer import Checkpointer, CommitInfo, Saveable, SaveOutcome, StorageGaveUp
+from train_ref.devices import DeviceError
+from train_ref.drill_faults import DrillFaults, When
+from train_ref.parallel import params_digest
+from train_ref.progress_io import ProgressFileSystem
+from train_ref.resume import RETRY_LATER, Choice, choose_checkpoint, describe_diff, identity_diff
+from train_ref.safe_load import load_dcp, refusal_line
+from train_ref.save_policy import DEFAULT_MAX_FAILED_SAVES, SavePolicy
+from train_ref.signals import PreemptionFlag, register_stack_dump
+from train_ref.state import seed_rank_rng
+
+log = logging.getLogger("train_ref")
+
+# One per process, installed as early as the trainer can (``install_signals``), so a preemption
+# notice during startup is not lost.
+PREEMPTION = PreemptionFlag()
+_installed: list[str] = []  # install()'s problem, once installed
+
+
+def install_signals() -> str:
+    """Record SIGTERM/SIGUSR1 (and $REQUEUE_SIGNAL's) as a preemption notice; once per process.
+    Returns why $REQUEUE_SIGNAL is unusable, or ''."""
+    if not _installed:
+        _installed.append(PREEMPTION.install())
+    return _installed[0]
+
+
+@dataclass(frozen=True)
+class Saves:
+    """When and how to checkpoint."""
+
+    every_steps: int = 50  # 0: not by step count
+    every_s: float = 0.0  # 0: not by time; rank 0's clock decides, every rank follows
+    async_save: bool = True
+    keep: int = store.DEFAULT_KEEP
+    max_failed_saves: int = DEFAULT_MAX_FAILED_SAVES
+    max_unsaved_s: float = 0.0
+
+    def policy(self) -> SavePolicy:
+        return SavePolicy(max_failed_saves=self.max_failed_saves, max_unsaved_s=self.max_unsaved_s)
+
+    def problem(self) -> str:
+        """What is wrong with these values (one line naming the flag), or ''."""
+        if self.every_steps < 0 or self.every_s < 0 or not (self.every_steps or self.every_s):
+            return "--save-every must be >= 1 (or 0 with --save-every-s > 0)"
+        if self.keep < store.MIN_KEEP:
+            return f"--keep {self.keep}: keep at least {store.MIN_KEEP} so a corrupt newest has a fallback"
+        return self.policy().problem()
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What makes two launches the same run: every field that changes the trajectory (model shape,
+    optimizer, schedule length, precision, seed...), the data, and the global batch the data
+    position counts. ``fields`` are hashed into the manifest's ``model_config_hash`` and recorded
+    in its ``meta.identity``, so a refusal names the fields that differ. ``changeable``: fields
+    ``allow_config_change`` may change, applied by ``Resumable.apply_config_change``; any other
+    field that differs is refused even then."""
+
+    fields: Mapping[str, Any] = field(default_factory=dict)
+    data: str = ""  # the data fingerprint
+    seed: int | None = None  # per-rank RNGs are seeded from (seed, rank, step) when not restored
+    name: str = ""
+    global_batch: int = 0
+    mode: str = ""  # the parallel mode, recorded (a resume may change it: DCP reshards)
+    changeable: frozenset[str] = frozenset()
+
+    @property
+    def all_fields(self) -> dict[str, Any]:
+        return {**self.fields, **({} if self.seed is None else {"seed": self.seed})}
+
+    @property
+    def config_hash(self) -> str:
+        blob = json.dumps(self.all_fields, sort_keys=True, separators=(",", ":")).encode()
+        return "sha256:" + hashlib.sha256(blob).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class ResumeOptions:
+    """How to choose the checkpoint to resume from."""
+
+    verify: str = "deep"  # deep: every file's checksum, spread over the ranks; quick: sizes
+    io_retry_s: float = store.IO_RETRY_S
+    allow_fresh_start: bool = False
+    allow_config_change: bool = False
+    allow_data_change: bool = False
+    load_step: int | None = None  # this step instead of the newest (newer ones are moved aside)
+    # A new run's starting point: another run's weights, DIR or DIR:STEP (default its newest valid
+    # checkpoint), and with init_optimizer its optimizer state too; recorded in every manifest.
+    init_from: str | None = None
+    init_optimizer: bool = False
+    sign_key: bytes | None = field(default=None, repr=False)
+    remote: argparse.Namespace | None = None  # tiering.add_args' options, with --remote set
+
+
+class Objects(Stateful):
+    """A plain loop's state as DCP saves it: ``model`` and ``optimizer`` through
+    ``get_state_dict``/``set_state_dict`` (keyed by parameter names, so DCP reshards them), every
+    other entry by its own ``state_dict``/``load_state_dict`` (scheduler, scaler, sampler), and the
+    step."""
+
+    def __init__(self, objects: Mapping[str, Any]):
+        if "model" not in objects or "optimizer" not in objects:
+            raise ValueError("Resumable: the objects to save need a 'model' and an 'optimizer'")
+        self.model: torch.nn.Module = objects["model"]
+        self.optimizer: torch.optim.Optimizer = objects["optimizer"]
+        self.others = {k: v for k, v in objects.items() if k not in ("model", "optimizer")}
+        self.step = 0
+
+    def saving(self, rank: int, world_size: int) -> Stateful:
+        return self
+
+    def state_dict(self) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {
+            "model": model_sd,
+            "optim": optim_sd,
+            **{k: v.state_dict() for k, v in self.others.items()},
+            "step": self.step,
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        for k, v in self.others.items():
+            v.load_state_dict(sd[k])
+        self.step = int(sd["step"])
+
+
+class _Weights(Stateful):
+    """The model (and with ``optimizer`` its optimizer) of a Saveable, as a DCP load of another
+    run's checkpoint reads them: everything else of that run stays behind."""
+
+    def __init__(self, state: Saveable, optimizer: bool):
+        self.model: torch.nn.Module = getattr(state, "model")  # noqa: B009 - both Saveables have one
+        self.optimizer: torch.optim.Optimizer | None = getattr(state, "optimizer") if optimizer else None  # noqa: B009
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.optimizer is None:
+            return {"model": get_model_state_dict(self.model)}
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if self.optimizer is None:
+            set_model_state_dict(self.model, sd["model"])
+        else:
+            set_state_dict(
+                self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
+            )
+
+
+def _first_cause(e: BaseException) -> str:
+    """One line of what went wrong (DCP wraps each rank's exception into a CheckpointException)."""
+    if isinstance(e, CheckpointException) and e.failures:
+        e = min(e.failures.items())[1][0]
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def init_source(spec: str) -> Path | str:
+    """Rank 0, ``--init-from DIR[:STEP]``: the checkpoint to start from (checked deep, read only:
+    nothing in the other run is moved), or why not (one line)."""
+    where, _, step = spec.rpartition(":") if spec.rpartition(":")[2].isdigit() else (spec, "", "")
+    root = Path(where)
+    try:
+        refs = store.list_checkpoints(root)
+    except OSError as e:
+        return f"{root}: cannot list it ({e.strerror})"
+    if step:
+        refs = [r for r in refs if r.step == int(step)]
+    for ref in refs:
+        v = store.validate(ref, deep=True)
+        if v.ok:
+            return ref.path
+        if step:
+            return f"{v.reason}"
+    have = "no committed checkpoint" if not step else f"no committed step {step}"
+    return f"{root}: {have} that passes its checks (ckpt list --ckpt-root {root})"
+
+
+def deliberate_exit(
+    hb: HeartbeatWriter, rank: int, step: int, phase: Phase, code: Exit, msg: str = ""
+) -> int:
+    """Record a deliberate exit code in the heartbeat (torchrun itself reports only 1); rank 0
+    says ``msg`` on stderr."""
+    if msg and rank == 0:
+        print(f"train_ref: {msg}", file=sys.stderr, flush=True)
+    hb.beat(step, phase, exit_code=int(code))
+    return int(code)
+
+
+class Resumable:
+    """The checkpoint lifecycle of one launch on this rank (every rank builds one, after
+    ``init_process_group``): ``resume()``, then ``step_end()`` once per step, then ``finish()``."""
+
+    def __init__(
+        self,
+        root: str | Path,
+        state: Saveable | Mapping[str, Any],
+        *,
+        steps: int,
+        identity: Identity | None = None,
+        saves: Saves | None = None,
+        options: ResumeOptions | None = None,
+        rank_items: Stateful | None = None,
+    ):
+        """``state``: a mapping name -> object (``model`` and ``optimizer`` required; anything
+        else with ``state_dict``/``load_state_dict``), or a ready Saveable (``TrainState``).
+        ``steps``: where the run ends, in total. ``rank_items``: the trainer's own per-rank state
+        (tensors, numbers, strings), saved beside the RNG streams in the per-rank file."""
+        self.root = Path(root)
+        self.state: Saveable = Objects(state) if isinstance(state, Mapping) else state
+        self.steps = steps
+        self.identity = identity or Identity()
+        self.saves = saves or Saves()
+        self.options = options or ResumeOptions()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.hb = HeartbeatWriter(
+            self.root,
+            rank=self.rank,
+            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            world_size=self.world_size,
+        )
+        self.hb.beat(0, Phase.STARTUP)
+        self._stacks = register_stack_dump(stack_dump_path(self.root, self.rank))  # open until exit
+        self.problem = install_signals() or self.saves.problem() or self._remote_problem()
+        self.uploader: Uploader | None = None  # rank 0 with a remote, from resume() on
+        remote = self.options.remote is not None and self.options.remote.remote and self.rank == 0
+        run = CheckpointInfo(
+            step=0,  # each commit sets its step, meta and metrics
+            world_size=self.world_size,
+            model_config_hash=self.identity.config_hash,
+            data_fingerprint=self.identity.data,
+            parallelism={
+                "mode": self.identity.mode,
+                "world_size": self.world_size,
+                "global_batch": self.identity.global_batch,
+            },
+            torch_version=torch.__version__,
+        )
+        self.ckpt = Checkpointer(
+            self.root,
+            async_save=self.saves.async_save,
+            keep=self.saves.keep,
+            info=CommitInfo(run, sign_key=self.options.sign_key),
+            hb=self.hb,
+            policy=self.saves.policy(),
+            on_commit=self._submit if remote else None,
+            rank_extra=rank_items,
+        )
+        self.launch = ""
+        self.init_source = ""
+        self.start = 0  # the step this launch resumed at
+        self.metrics: dict[str, float] = {}  # the last step's, saved into the manifest
+        self.metrics_file: LineAppender | None = None
+        self.drill = DrillFaults(None, self.rank, "")
+        self._last_save = time.monotonic()
+        self._t_end = time.perf_counter()
+        # The staging wait, before every optimizer step, so no caller can forget it.
+        self.state_optimizer().register_step_pre_hook(lambda *_: self.ckpt.before_optimizer_step())
+
+    # ------------------------------------------------------------ resume
+
+    def resume(self) -> int:
+        """Every rank: choose the checkpoint (rank 0's pick, a deep verify spread over the ranks),
+        check it is this run's (identity, data, global batch), load it (shards resharded, then
+        this rank's RNG streams); returns the steps already done (0 on a fresh start): continue
+        with the next one. Stops the process with the right exit code when it may not go on."""
+        if self.problem:
+            self.stop(Exit.BAD_CONFIG, Phase.STARTUP, f"refused: bad config: {self.problem}")
+        choice = choose_checkpoint(self._args(), self._expectation(), self.identity, self.hb)
+        if choice.error:
+            why = "cannot resume" if choice.code in (RETRY_LATER, Exit.STORAGE) else "refused"
+            self.stop(choice.code, Phase.STARTUP, f"{why}: {choice.error}")
+        self.launch = choice.launch
+        self.drill = DrillFaults.from_env(self.rank, self.launch)  # inert unless `supervisor drill` set it
+        if self.options.remote is not None and self.options.remote.remote and self.rank == 0:
+            self.uploader = tiering.start_uploader(self.root, self.options.remote)
+        diff = self._identity_change(choice)
+        if self.identity.seed is not None:
+            seed_rank_rng(self.identity.seed, self.rank, 0)
+        self.init_source = ""  # --init-from's checkpoint, recorded in every manifest of this run
+        if choice.ckpt is not None:
+            self._load_checked(choice)
+            self.init_source = str(choice.manifest.meta.get("init_from", "")) if choice.manifest else ""
+        elif self.options.init_from:
+            self._init_from(self.options.init_from)
+        else:
+            log.info("no checkpoint in %s: starting at step 0", self.root)
+        if diff:
+            self.apply_config_change(diff)
+        self.start = self.state.step
+        if self.rank == 0:
+            self.metrics_file = LineAppender(RunDir.of(self.root).metrics)
+        self.hb.beat(self.start, Phase.TRAIN, force=True)
+        self._last_save, self._t_end = time.monotonic(), time.perf_counter()
+        return self.start
+
+    def state_optimizer(self) -> torch.optim.Optimizer:
+        opt = getattr(self.state, "optimizer", None)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError("Resumable: the saved state has no 'optimizer' to hook the staging wait into")
+        return opt
+
+    def _load_checked(self, choice: Choice) -> None:
+        """Load, turning a refused pickle (77) or a foreign per-rank file (78) into its exit."""
+        try:
+            restored = self.load(choice)
+        except UnsafePickle as e:  # nothing of it ran; every rank read the same file and refused it
+            self.stop(Exit.UNTRUSTED, Phase.LOAD, refusal_line(e, self.root, choice.ckpt))
+        except DeviceError as e:  # every rank's file has the same format: all refuse alike
+            self.stop(Exit.BAD_CONFIG, Phase.LOAD, f"cannot resume: {e}")
+        if not restored and self.identity.seed is not None:
+            seed_rank_rng(self.identity.seed, self.rank, self.state.step)
+            if self.rank == 0:
+                log.warning(
+                    "world size %d -> %d: per-rank RNG derived from (seed, rank, step %d)",
+                    choice.world_size,
+                    self.world_size,
+                    self.state.step,
+                )
+
+    def _init_from(self, spec: str) -> None:
+        """A new run starts from another run's weights (and optimizer): its own identity, step 0."""
+        mine = init_source(spec) if self.rank == 0 else None
+        # cast: mypy solves broadcast's T for a union as their join (object)
+        src = cast("Path | str", agree.broadcast(mine, None, lambda: self.hb.beat(0, Phase.VERIFY)))
+        if isinstance(src, str):
+            self.stop(Exit.BAD_CONFIG, Phase.STARTUP, f"refused: --init-from {spec}: {src}")
+        what = "weights and optimizer" if self.options.init_optimizer else "weights"
+        try:
+            load_dcp(
+                src,
+                {"app": _Weights(self.state, self.options.init_optimizer)},
+                self.ckpt.dcp_group,
+                fs=ProgressFileSystem(src.parent, self.hb.tracker(Phase.LOAD, 0)),
+            )
+        except UnsafePickle as e:
+            self.stop(Exit.UNTRUSTED, Phase.LOAD, refusal_line(e, src.parent, src))
+        except (Exception, CheckpointException) as e:  # another model's: one line, not a traceback
+            first = _first_cause(e)
+            self.stop(
+                Exit.BAD_CONFIG,
+                Phase.LOAD,
+                f"refused: --init-from {spec}: the {what} of {src} do not fit this model ({first[:300]})",
+            )
+        self.init_source = str(src)
+        if self.rank == 0:
+            log.info("new run: %s from %s (--init-from), starting at step 0", what, src)
+
+    def load(self, choice: Choice) -> bool:
+        """Load the chosen checkpoint; returns whether the per-rank state was restored (not on
+        another world size)."""
+        assert choice.ckpt is not None
+        return self.ckpt.load(
+            choice.ckpt,
+            self.state,
+            saved_world_size=choice.world_size,
+            skip=frozenset(),
+            progress=self.hb.tracker(Phase.LOAD, choice.manifest.step if choice.manifest else 0),
+        )
+
+    def _identity_change(self, choice: Choice) -> dict[str, tuple[Any, Any]]:
+        """The fields that differ from the checkpoint's (only when allowed, else the pick refused);
+        a field that cannot be applied is refused here, one line, before anything is loaded."""
+        m = choice.manifest
+        if m is None or m.model_config_hash == self.identity.config_hash:
+            return {}
+        saved = m.meta.get("identity")
+        if not isinstance(saved, dict):
+            self.stop(
+                Exit.MISMATCH,
+                Phase.STARTUP,
+                f"refused: {choice.ckpt and choice.ckpt.name}: model config hash {m.model_config_hash} differs from "
+                f"this run's {self.identity.config_hash} and it records no identity to tell which fields changed; "
+                "restore the config or start a new run dir",
+            )
+        diff = identity_diff(saved, self.identity.all_fields)
+        fixed = {k: v for k, v in diff.items() if k not in self.identity.changeable}
+        if fixed:
+            self.stop(
+                Exit.MISMATCH,
+                Phase.STARTUP,
+                f"refused: {choice.ckpt and choice.ckpt.name}: {describe_diff(fixed)}: "
+                "--allow-config-change cannot apply that; restore it or start a new run dir",
+            )
+        if self.rank == 0:
+            log.warning("--allow-config-change: applying %s on resume", describe_diff(diff))
+        return diff
+
+    def apply_config_change(self, diff: Mapping[str, tuple[Any, Any]]) -> None:
+        """After the load: put the run's new values of the ``changeable`` fields in ``diff`` into
+        the loaded objects (the load restored the saved ones). A trainer with changeable fields
+        overrides this; the base class has none."""
+
+    def _expectation(self) -> store.Expectation:
+        return store.Expectation(
+            model_config_hash=self.identity.config_hash,
+            data_fingerprint=self.identity.data,
+            allow_config_change=self.options.allow_config_change,
+            allow_data_change=self.options.allow_data_change,
+        )
+
+    def _args(self) -> argparse.Namespace:
+        """The options as resume.py and tiering.py read them."""
+        o = self.options
+        mine = {
+            "ckpt_root": self.root,
+            "verify": o.verify,
+            "io_retry": o.io_retry_s,
+            "allow_fresh_start": o.allow_fresh_start,
+            "sign_key": o.sign_key,
+            "load_step": o.load_step,
+            "identity": self.identity.all_fields,
+            "keep": self.saves.keep,
+        }
+        return argparse.Namespace(
+            **{**(vars(o.remote) if o.remote is not None else {"remote": None}), **mine}
+        )
+
+    def _remote_problem(self) -> str:
+        if self.options.remote is None or not self.options.remote.remote:
+            return ""
+        try:
+            tiering.policy(self._args())
+        except store.StoreError as e:
+            return str(e)
+        return ""
+
+    def _submit(self, ref: store.CheckpointRef) -> None:
+        if self.uploader is not None:
+            self.uploader.submit(ref)
+
+    # ------------------------------------------------------------ every step
+
+    def step_end(self, step: int, metrics: Mapping[str, float] | None = None) -> bool:
+        """Call on every rank after each optimizer step, with the number of steps done. Logs
+        ``metrics`` (rank 0, ``metrics.jsonl``; a ``step_time`` of the caller's replaces the
+        measured one), beats the heartbeat, commits a finished async save, acts on a preemption
+        notice agreed by all ranks (a synchronous save, then exit 75), starts a save when one is
+        due (every N steps, or every T seconds by rank 0's clock). Returns whether the run is done."""
+        dt = float((metrics or {}).get("step_time", time.perf_counter() - self._t_end))
+        self.state.step = step
+        self.metrics = {**dict(metrics or {}), "step_time": round(dt, 6)}
+        if self.metrics_file is not None:
+            rec = MetricsRecord.of(step, self.metrics, self.hb.restart_count, self.launch)
+            self.metrics_file.append(rec.to_line())
+        self.hb.beat(step, Phase.TRAIN, last_step_s=dt)
+        self.drill.maybe_hang(step, When.STEP)
+        by_time = self.saves.every_s > 0 and time.monotonic() - self._last_save >= self.saves.every_s
+        try:
+            preempt, save_now = self.ckpt.boundary(PREEMPTION.set, by_time)
+            done = step >= self.steps
+            if preempt:
+                PREEMPTION.ignore_further()
+                if not done:
+                    self.preempted()
+                if self.rank == 0:
+                    log.warning("preemption signal at the last step %d: finishing normally", step)
+            every = self.saves.every_steps
+            if not done and (save_now or (every and step % every == 0)):
+                self.save(blocking=False)
+                self.drill.maybe_hang(step, When.SAVE)
+        except StorageGaveUp as e:  # raised on every rank at the same save
+            self.close_uploader(0.0)
+            self.stop(Exit.STORAGE, Phase.SAVE, str(e))
+        self._t_end = time.perf_counter()
+        return done
+
+    def beat(self) -> None:
+        """A heartbeat now (throttled): for a long stretch of the trainer's own between steps."""
+        self.hb.beat(self.state.step, Phase.TRAIN)
+
+    @contextmanager
+    def phase(self, name: str, timeout: float = 0.0) -> Iterator[Callable[[], object]]:
+        """A long phase of the trainer's own (eval, a data refresh) that the watchdog holds to
+        ``timeout`` seconds without progress instead of the train timeout (0: the train
+        timeout). Yields a ``progress()`` to call as it advances (each call a throttled beat).
+        Every rank that runs the phase must use it; status shows the phase by its name."""
+        if not name or timeout < 0:
+            raise ValueError(f"phase {name!r}, timeout {timeout}: give a name and a timeout >= 0")
+        step = self.state.step
+        self.hb.custom = (name, float(timeout))
+        self.hb.beat(step, Phase.CUSTOM, force=True)
+        try:
+            yield lambda: self.hb.beat(step, Phase.CUSTOM)
+        finally:
+            self.hb.custom = ("", 0.0)
+            self.hb.beat(step, Phase.TRAIN, force=True)
+
+    # ------------------------------------------------------------ saves
+
+    def save_meta(self) -> dict[str, Any]:
+        """What each manifest records besides the files (``metrics`` goes to its own field)."""
+        return {
+            "config": self.identity.name,
+            "launch": self.launch,
+            "loss": self.metrics.get("loss"),
+            "identity": self.identity.all_fields,
+            **({"init_from": self.init_source} if self.init_source else {}),
+            "metrics": {k: float(v) for k, v in self.metrics.items()},
+        }
+
+    def save(self, blocking: bool) -> SaveOutcome | None:
+        self.hb.beat(self.state.step, Phase.SAVE)
+        self._last_save = time.monotonic()
+        outcome = self.ckpt.save(self.state, self.save_meta(), blocking=blocking)
+        self.hb.beat(self.state.step, Phase.TRAIN)
+        return outcome
+
+    def save_now(self) -> SaveOutcome:
+        """A synchronous save, whose outcome always comes back."""
+        outcome = self.save(blocking=True)
+        assert outcome is not None, "a blocking save returns its outcome"
+        return outcome
+
+    def preempted(self) -> NoReturn:
+        """Asked to stop: finish any in-flight save, save this step synchronously, exit 75."""
+        step = self.state.step
+        if self.rank == 0:
+            log.warning("preemption signal: checkpointing step %d, then exit %d", step, Exit.REQUEUE)
+        outcome = self.save_now()
+        self.ckpt.close()
+        flush = self.options.remote.remote_flush_timeout if self.options.remote is not None else 0.0
+        self.close_uploader(min(flush, tiering.PREEMPT_FLUSH_TIMEOUT_S))
+        if not outcome.committed:  # requeued, it would resume from an older checkpoint anyway
+            self.stop(
+                Exit.STORAGE,
+                Phase.SAVE,
+                f"storage: the preemption checkpoint of step {step} failed ({outcome.error}); "
+                f"nothing committed: the relaunch resumes from {outcome.latest or 'step 0'}; exit 74, retryable",
+            )
+        self.stop(Exit.REQUEUE, Phase.SAVE)
+
+    # ------------------------------------------------------------ the end
+
+    def finish(self) -> str:
+        """The end of training on every rank: the final save (retried with backoff while the save
+        policy allows), the final parameter digest and ``final.json``, the remote flushed, the
+        heartbeat says done. Returns the digest (sha256 of the full parameters, any sharding)."""
+        try:
+            if self.state.step > self.start:
+                self._final_save()
+            self.ckpt.close()
+        except StorageGaveUp as e:
+            self.close_uploader(0.0)
+            self.stop(Exit.STORAGE, Phase.SAVE, str(e))
+        if self.metrics_file is not None:
+            self.metrics_file.close()
+            self.metrics_file = None
+        digest = self._final_record()
+        flush = self.options.remote.remote_flush_timeout if self.options.remote is not None else 0.0
+        self.close_uploader(flush)
+        deliberate_exit(self.hb, self.rank, self.state.step, Phase.DONE, Exit.OK)
+        self._stacks.close()
+        return digest
+
+    def _final_save(self) -> None:
+        rng = random.Random()  # not the global one: that belongs to the training loop
+        while not (outcome := self.save_now()).committed:
+            if self.rank == 0:  # the others wait for rank 0 in the next save's first exchange
+                time.sleep(backoff_s(outcome.failures, rng))
+
+    def _final_record(self) -> str:
+        """The digest (phase DIGEST, progress in bytes hashed) and ``final.json``, retried on a
+        storage error for io_retry_s: the checkpoint is committed by now, so a report that cannot
+        be written is a warning, not a failed run."""
+        model: torch.nn.Module = getattr(self.state, "model")  # noqa: B009 - both Saveables have one
+        n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        digest = params_digest(model, self.hb.tracker(Phase.DIGEST, self.state.step, n_bytes))
+        if self.rank != 0:
+            return digest
+        final = {
+            "step": self.state.step,
+            "world_size": self.world_size,
+            "params_sha256": digest,
+            "parallel": self.identity.mode,
+            "config": self.identity.name,
+            "loss": self.metrics.get("loss"),
+        }
+        try:
+            retry_transient(
+                lambda: atomic_write_json(RunDir.of(self.root).final, final),
+                deadline_s=self.options.io_retry_s,
+                what=f"writing {FINAL}",
+                fix=lambda _e: "the checkpoint is committed; the digest is in this log",
+                on_retry=lambda msg: log.warning("%s", msg),
+            )
+        except store.StorageUnavailable as e:
+            log.warning("%s", e)
+        log.info("done at step %d, params_sha256 %s", self.state.step, digest)
+        return digest
+
+    def close_uploader(self, timeout_s: float) -> None:
+        if self.uploader is not None:
+            step = self.state.step
+            tiering.close_uploader(self.uploader, timeout_s, lambda: self.hb.beat(step, Phase.SAVE))
+            self.uploader = None
+
+    def stop(self, code: Exit, phase: Phase, msg: str = "") -> NoReturn:
+        """A deliberate exit: the code into the heartbeat, ``msg`` on stderr (rank 0), SystemExit."""
+        if self.metrics_file is not None:  # lines a full disk held back get their last chance
+            self.metrics_file.close()
+            self.metrics_file = None
+        raise SystemExit(deliberate_exit(self.hb, self.rank, self.state.step, phase, code, msg))
