@@ -9,7 +9,7 @@ with the reason. So does storage that does not answer: a checkpoint that cannot 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +46,8 @@ class NodeRow:
     restarts: int
     launch_id: str
     problem: str = ""
+    # The last relaunch's recovery, seconds per phase and "total" (supervisor/watch/recovery.py).
+    recovery: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,7 @@ def _nodes(root: Path) -> tuple[list[NodeRow], list[LaunchRow], dict[str, float]
                 st.launch_count,
                 len(st.restart_times),
                 st.launch_id,
+                recovery=st.recovery,
             )
         )
         timeouts = timeouts or st.timeouts

@@ -137,15 +137,19 @@ def test_done_rank_never_hangs():
 
 
 def test_stale_launch_heartbeats_ignored_until_startup_timeout():
-    """An old launch's heartbeat says nothing about this one; with no heartbeat of this launch,
-    the launch is hung once past the startup timeout (a rendezvous that never returns)."""
+    """An old launch's heartbeat says nothing about this one; with no heartbeat of this launch and
+    --require-heartbeat, the launch is hung once past the startup timeout (a rendezvous that never
+    returns); without it, a command that writes no heartbeat is never hung by silence."""
     snaps = [
         snap(0, Phase.TRAIN, T0 - 1000, launch="launch-a"),
         HeartbeatSnapshot(1, "x", None, "not valid JSON"),
     ]
     t = PhaseTimeouts(train=1, startup=20)
-    assert detect_hangs(snaps, launch_id=LID, launch_age_s=19, clock=Clock(T0 + 19), timeouts=t) == []
-    hangs = detect_hangs(snaps, launch_id=LID, launch_age_s=21, clock=Clock(T0 + 21), timeouts=t)
+    kw = {"launch_id": LID, "timeouts": t}
+    assert detect_hangs(snaps, launch_age_s=1e6, clock=Clock(T0 + 1e6), **kw) == []
+    kw["require_heartbeat"] = True
+    assert detect_hangs(snaps, launch_age_s=19, clock=Clock(T0 + 19), **kw) == []
+    hangs = detect_hangs(snaps, launch_age_s=21, clock=Clock(T0 + 21), **kw)
     assert len(hangs) == 1 and hangs[0].rank is None and hangs[0].phase == Phase.STARTUP
     assert "no rank" in hangs[0].reason
 

@@ -38,6 +38,7 @@ from typing import NoReturn
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from supervisor import store
 from supervisor.format.atomic import atomic_write_json, restrict_umask
@@ -50,7 +51,7 @@ from supervisor.redact import redact_log_handlers
 from supervisor.safepickle import UnsafePickle
 from supervisor.signing import SigningKeyError, add_signing_key_arg, load_key
 from supervisor.tiers.uploader import Uploader
-from train_ref import tiering
+from train_ref import launch_marks, tiering
 from train_ref.appender import LineAppender
 from train_ref.checkpointer import Checkpointer, CommitInfo, SaveOutcome, StorageGaveUp
 from train_ref.config import CONFIGS, TrainConfig, config_hash, get_config
@@ -547,6 +548,7 @@ def deliberate_exit(
     return int(code)
 
 
+@record  # the exception that ends a rank goes to $TORCHELASTIC_ERROR_FILE: the watchdog's root cause
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.deterministic:  # before CUDA starts: cuBLAS reads its workspace setting once
@@ -561,6 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     restrict_umask()  # nothing this run creates is world-writable (docs/security.md)
     args.ckpt_root.mkdir(parents=True, exist_ok=True)
     hb = HeartbeatWriter(args.ckpt_root, rank=d.rank, local_rank=d.local_rank, world_size=d.world_size)
+    launch_marks.started(hb)
     hb.beat(0, Phase.STARTUP)
     stacks = register_stack_dump(RunDir.of(args.ckpt_root).stack_dump(d.rank))  # open until exit
     signal_problem = PREEMPTION.install()
@@ -608,6 +611,7 @@ def main(argv: list[str] | None = None) -> int:
         code = deliberate_exit(hb, d.rank, 0, Phase.LOAD, Exit.BAD_CONFIG)
         dist.destroy_process_group()
         return code
+    launch_marks.loaded(hb)
     try:
         trainer.run()
     except StorageGaveUp as e:  # raised on every rank at the same save
@@ -662,7 +666,7 @@ def exit_now(code: int) -> NoReturn:
 
 if __name__ == "__main__":
     try:
-        rc = main()
+        rc = main() or 0  # @record returns None for a SystemExit(0)
     except SystemExit as e:  # a deliberate exit (preemption: 75) raised from inside the loop
         if not isinstance(e.code, int):
             raise

@@ -55,6 +55,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=None,
         help="train timeout = max observed step time x FACTOR (at least --learn-floor) once steps are seen",
     )
+    g.add_argument("--require-heartbeat", action="store_true", help=config.help_of("require_heartbeat"))
     g.add_argument("--learn-floor", type=float, default=restart_policy.DEFAULT_LEARN_FLOOR_S)
     g.add_argument(
         "--poll-interval", type=float, default=config.DEFAULT_POLL_S, help="heartbeat check period"
@@ -222,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
         preempt_fallback_s=args.preempt_fallback,
         notice_signal=args.notice_signal,
         sign_key=_signing_key(args),
+        require_heartbeat=args.require_heartbeat,
     )
     from supervisor.watch.loop import watch  # the loop and its process machinery: only when watching
 

@@ -30,6 +30,8 @@ class EventName(str, Enum):
     REMOTE_UNAVAILABLE = "remote_unavailable"
     SAVE_FAILED = "save_failed"
     SAVE_RECOVERED = "save_recovered"
+    ROOT_CAUSE = "root_cause"  # the exception that ended a launch (torchelastic's error files)
+    RECOVERY = "recovery"  # a relaunch's phases, from the failure's verdict to the first step
     # Picking across tiers (the watchdog's log; the trainer's events.remote.jsonl when it picks)
     DOWNLOAD_WAIT = "download_wait"
     DOWNLOADED = "downloaded"

@@ -16,7 +16,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from enum import Enum
 from functools import cache
 from pathlib import Path
@@ -45,6 +45,17 @@ class Phase(str, Enum):
     COMMIT = "commit"  # fsync, manifest, rename, latest
     DIGEST = "digest"  # the final parameter digest
     DONE = "done"
+
+
+class Mark(str, Enum):
+    """Moments of a launch's start, as wall times in its heartbeats (``marks``), so the watchdog
+    can break a recovery down: which part of "kill -9 -> first step again" takes the time."""
+
+    WORKER_STARTED = "worker_started"  # the rank's process was created
+    TORCH_IMPORTED = "torch_imported"  # its imports are done
+    RENDEZVOUS_DONE = "rendezvous_done"  # the process group is up
+    STATE_LOADED = "state_loaded"  # the checkpoint is loaded (or there was none)
+    FIRST_STEP = "first_step"  # its first step of this launch is done (HeartbeatWriter marks it)
 
 
 @cache
@@ -82,6 +93,8 @@ class Heartbeat:
     # Consecutive failed saves and the last error, for the watchdog's events and `status`.
     save_failures: int = 0
     last_error: str = ""
+    # Mark value -> wall time, for the watchdog's recovery breakdown.
+    marks: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -138,11 +151,18 @@ def parse_heartbeat(text: str | bytes) -> Heartbeat:
             boot_id=str(d.get("boot_id", "")),
             save_failures=_int(d.get("save_failures", 0)),
             last_error=str(d.get("last_error", "")),
+            marks=_marks(d.get("marks", {})),
         )
     except KeyError as e:
         raise ValueError(f"field {e} missing") from None
     except (TypeError, ValueError, OverflowError) as e:  # OverflowError: float(10**400)
         raise ValueError(f"bad field ({e})") from None
+
+
+def _marks(v: object) -> dict[str, float]:
+    if not isinstance(v, dict):
+        raise ValueError(f"marks {v!r} is not an object")
+    return {str(k): _float(t) for k, t in v.items()}
 
 
 def _int(v: object) -> int:
@@ -226,6 +246,8 @@ class HeartbeatWriter:
         # Shown in every beat; the trainer sets them when a save fails or succeeds.
         self.save_failures = 0
         self.last_error = ""
+        # Shown in every beat: when this launch reached each Mark (the trainer's own; FIRST_STEP here).
+        self.marks: dict[str, float] = {}
         self.write_errors = 0  # failed writes in the current streak (0: the last write landed)
         self._host = hostname()
         self._pid = os.getpid()
@@ -247,8 +269,12 @@ class HeartbeatWriter:
         """Write a heartbeat if due; return whether one was written. A deliberate exit passes
         ``exit_code`` (always written) so the watchdog can classify it past torchrun's exit 1."""
         now, mono = time.time(), time.monotonic()
+        first_step = phase == Phase.TRAIN and last_step_s > 0 and Mark.FIRST_STEP.value not in self.marks
+        if first_step:  # written at once: the watchdog times the recovery by it
+            self.marks[Mark.FIRST_STEP.value] = now
         due = (
             force
+            or first_step
             or exit_code is not None
             or phase != self._last_phase
             or mono - self._last_write >= self.interval_s
@@ -275,6 +301,7 @@ class HeartbeatWriter:
             boot_id=boot_id(),
             save_failures=self.save_failures,
             last_error=self.last_error,
+            marks=dict(self.marks),
         )
         self._last_phase = phase
         try:
@@ -291,6 +318,11 @@ class HeartbeatWriter:
             self.write_errors = 0
         self._last_write = mono
         return True
+
+    def mark(self, mark: Mark, at: float | None = None) -> None:
+        """Record when this launch reached ``mark`` (now by default; the first time only); the
+        next beat carries it."""
+        self.marks.setdefault(mark.value, time.time() if at is None else at)
 
     def tracker(self, phase: Phase, step: int, total: int = 0) -> Progress:
         """Progress of one long phase: call it with the bytes (or units) just done; it beats when

@@ -16,6 +16,9 @@
       supervisor/events.remote.jsonl the remote-tier uploader's event log (trainer rank 0)
       supervisor/remote.json         the uploader's status
       supervisor/slurm.json          the SLURM job's requeue budget and history
+      supervisor/launches/<launch id>/error.json  torchelastic's root-cause error file of one launch
+                                     (TORCHELASTIC_ERROR_FILE), and elastic/: torchrun's log dir
+                                     (PET_LOG_DIR), holding each worker's own error.json
       metrics.jsonl                  the trainer's per-step metrics (rank 0, across launches)
       samples/rank_00003.jsonl       with --log-samples: the sample ids each rank trained on
       final.json                     the trainer's final digest
@@ -62,6 +65,12 @@ STATE_GLOB = "state*.json"
 REMOTE_STATUS = "remote.json"
 REMOTE_EVENTS = "events.remote.jsonl"
 REQUEUE_STATE = "slurm.json"
+# Under SUPERVISOR/LAUNCHES/<launch id>: torchelastic's error file for the launched command
+# (@record writes the root-cause exception there) and torchrun's log dir, where each worker's
+# @record writes its own ELASTIC_ERROR under <run id>/attempt_<n>/<local rank>/.
+LAUNCHES = "launches"
+ELASTIC_ERROR = "error.json"
+ELASTIC_LOGS = "elastic"
 # Per-rank files: heartbeats/rank_00003.json, and names of the same form elsewhere.
 RANK_PREFIX = "rank_"
 
@@ -268,6 +277,16 @@ class RunDir:
     @property
     def remote_events(self) -> Path:
         return self.supervisor / REMOTE_EVENTS
+
+    def launch_dir(self, launch_id: str) -> Path:
+        """One launch's own files (the id as tmp names spell hosts: nothing but [A-Za-z0-9_-])."""
+        return self.supervisor / LAUNCHES / safe_host(launch_id)
+
+    def error_file(self, launch_id: str) -> Path:
+        return self.launch_dir(launch_id) / ELASTIC_ERROR
+
+    def elastic_logs(self, launch_id: str) -> Path:
+        return self.launch_dir(launch_id) / ELASTIC_LOGS
 
     @property
     def requeue_state(self) -> Path:

@@ -14,6 +14,10 @@ from supervisor.watch.restart_policy import PhaseTimeouts, RestartPolicy
 # torchrun + gloo: a restarted group that reuses the agent's TCPStore hangs or fails to connect
 # (see docs/watchdog.md); set in the child's environment unless the operator set it.
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+# Set per launch (layout: supervisor/launches/<id>/): where a rank's @record writes the exception
+# that ended it, and torchrun's log dir (unless the operator set one), which holds each worker's.
+ELASTIC_ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+ELASTIC_LOG_DIR_ENV = "PET_LOG_DIR"
 DEFAULT_POLL_S = 0.5
 DEFAULT_KILL_GRACE_S = 10.0
 DEFAULT_DUMP_WAIT_S = 2.0
@@ -60,3 +64,15 @@ class WatchConfig:
     notice_signal: int = signal.SIGUSR1
     # --signing-key's key (docs/security.md): picks skip checkpoints not signed with it. Never printed.
     sign_key: bytes | None = field(default=None, repr=False)
+    require_heartbeat: bool = field(
+        default=False,
+        metadata={
+            "help": "a launch that writes no heartbeat within --startup-timeout is hung (a rendezvous "
+            "that never returns); without it, a command that writes none is judged on its exit code alone"
+        },
+    )
+
+
+def help_of(name: str) -> str:
+    """The help of a WatchConfig field, for its command-line option."""
+    return str(WatchConfig.__dataclass_fields__[name].metadata["help"])

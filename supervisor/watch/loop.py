@@ -34,8 +34,9 @@ from supervisor.format.heartbeat import (
 )
 from supervisor.format.layout import RunDir
 from supervisor.ioerrors import StorageUnavailable, describe, retry_transient
-from supervisor.watch import culprit, process, restart_policy
-from supervisor.watch.config import SHARE_STORE_ENV, WatchConfig
+from supervisor.watch import culprit, process, recovery, restart_policy, rootcause
+from supervisor.watch.config import ELASTIC_ERROR_FILE_ENV, ELASTIC_LOG_DIR_ENV, SHARE_STORE_ENV, WatchConfig
+from supervisor.watch.recovery import Moment
 from supervisor.watch.restart_policy import Hang, LaunchRecord, Outcome
 
 T = TypeVar("T")
@@ -62,6 +63,7 @@ class _Ended:
     stop_signal: int | None = None
     preempted: bool = False
     culprit: str = ""  # who hung it, from the stack dumps (culprit.py)
+    detected: float = 0.0  # when the monitor saw it end (a dead rank, a hang, the command's exit)
 
 
 class _Stop(Exception):
@@ -88,6 +90,8 @@ class Watchdog:
         self.abandoned: set[tuple[int, int]] = set()
         self.state_error = ""  # why the state file is not being written ('' while it is)
         self.state_loaded = False  # until the previous state is read, writing would clobber its budget
+        # The relaunch under way: the moments of its recovery so far (None: no failure to recover from).
+        self.recovering: dict[Moment, float] | None = None
         self.state = RunState(
             node=cfg.node,
             host=self.host,
@@ -218,7 +222,11 @@ class Watchdog:
         )
         self._save(status=events.RESTARTING, reason="starting")
         while True:
+            if self.recovering is not None:
+                self.recovering[Moment.BACKED_OFF] = time.time()
             resumed_from = self._pick()
+            if self.recovering is not None:
+                self.recovering[Moment.CHECKPOINT_PICKED] = time.time()
             if self.stop_signal is not None:
                 return self._finish(128 + self.stop_signal, events.STOPPED, "stopped before launch")
             if self.preempt_pending and self.cfg.policy.requeue_exit:
@@ -378,12 +386,9 @@ class Watchdog:
     def _launch_once(self, resumed_from: int | None) -> tuple[LaunchRecord, _Ended]:
         number = self.state.launch_count + 1
         launch_id = f"{self.host}-n{self.cfg.node}-{os.getpid()}-{number}-{uuid.uuid4().hex[:6]}"
-        env = dict(os.environ)
-        env[ENV_LAUNCH_ID] = launch_id
-        env[ENV_RESTART_COUNT] = str(number - 1)
-        if self.cfg.share_store_fix:
-            env.setdefault(SHARE_STORE_ENV, "1")
-        child = self._start(env)
+        child = self._start(self._launch_env(launch_id, number))
+        if self.recovering is not None:
+            self.recovering[Moment.PROCESS_STARTED] = child.started
         try:  # whatever goes wrong in here, nothing of the launch outlives it
             self._save(
                 status=events.RUNNING,
@@ -410,8 +415,14 @@ class Watchdog:
                 self.log.emit(
                     EventName.KILL, f"launch {number}: killed what was left: {note}", unreaped=child.unreaped
                 )
+        killed = time.time()
         beats = restart_policy.launch_heartbeats(read_heartbeats(self.cfg.root), launch_id)
+        self._track_recovery(beats, number, final=True)
+        self.recovering = {Moment.DETECTED: ended.detected or killed, Moment.TREE_KILLED: killed}
         cls = self._classify(ended, beats)
+        cause = self._root_cause(launch_id, number, beats) if cls.outcome in restart_policy.FAILURES else None
+        if cause is not None:
+            cls = replace(cls, reason=f"{cls.reason}; root cause {cause.describe()}")
         if child.unreaped:
             cls = replace(
                 cls, reason=f"{cls.reason}; left behind, SIGKILL could not end: {'; '.join(child.unreaped)}"
@@ -442,6 +453,57 @@ class Watchdog:
         )
         self._save(launches=self.state.with_launch(rec).launches)
         return rec, ended
+
+    def _launch_env(self, launch_id: str, number: int) -> dict[str, str]:
+        """The command's environment: the launch's id and count, torchelastic's error file and
+        torchrun's log dir in the launch's own directory (the root cause is read from them), and
+        the TCPStore fix."""
+        run = RunDir.of(self.cfg.root)
+        run.launch_dir(launch_id).mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        env[ENV_LAUNCH_ID] = launch_id
+        env[ENV_RESTART_COUNT] = str(number - 1)
+        env[ELASTIC_ERROR_FILE_ENV] = str(run.error_file(launch_id))
+        env.setdefault(ELASTIC_LOG_DIR_ENV, str(run.elastic_logs(launch_id)))
+        if self.cfg.share_store_fix:
+            env.setdefault(SHARE_STORE_ENV, "1")
+        return env
+
+    def _root_cause(self, launch_id: str, number: int, beats: list[Heartbeat]) -> rootcause.RootCause | None:
+        """The exception that ended the launch, from torchelastic's error files (ranks that use
+        @record write them), as a root_cause event; None when no rank wrote one."""
+        run = RunDir.of(self.cfg.root)
+        local = {b.local_rank: b.rank for b in beats if b.host == self.host}
+        cause, problems = rootcause.find_root_cause(
+            run.error_file(launch_id), run.elastic_logs(launch_id), local
+        )
+        unusable = f" (unusable: {'; '.join(problems)})" if problems else ""
+        if cause is not None:
+            msg = f"launch {number}: root cause {cause.describe()}{unusable}"
+            self.log.emit(EventName.ROOT_CAUSE, msg, launch=number, problems=problems, **cause.fields())
+        elif problems:
+            msg = f"launch {number}: no root cause: error files unusable: {'; '.join(problems)}"
+            self.log.emit(EventName.ROOT_CAUSE, msg, launch=number, problems=problems)
+        return cause
+
+    def _track_recovery(self, beats: list[Heartbeat], number: int, *, final: bool = False) -> None:
+        """Once this launch's ranks here have all made their first step, the recovery that led to
+        it is recorded (a recovery event, and state.json for status); ``final``: the launch ended,
+        so what it reached is recorded, first step or not."""
+        if self.recovering is None:
+            return
+        at = {**self.recovering, **recovery.rank_moments(beats, self.host)}
+        if not (final or recovery.complete(at)):
+            return
+        self.recovering = None
+        phases = recovery.breakdown(at)
+        self.log.emit(
+            EventName.RECOVERY,
+            f"launch {number} recovery: {recovery.describe(phases)}",
+            launch=number,
+            phases=phases,
+        )
+        self._save(recovery=phases)
 
     def _start(self, env: dict[str, str]) -> process.Child:
         """Start COMMAND; one that cannot be executed stops the watchdog (exit 12) with a line
@@ -495,7 +557,7 @@ class Watchdog:
         while True:
             rc = child.poll()
             if rc is not None:
-                ended.returncode = rc
+                ended.returncode, ended.detected = rc, time.time()
                 if rc != 0:  # they did not exit cleanly after all; the first to vanish first
                     ended.dead = sorted(gone, key=lambda d: (gone_since.get(d.rank, 0.0), d.rank))
                 return ended
@@ -515,6 +577,7 @@ class Watchdog:
                 snaps = reader.read()
                 beats = restart_policy.launch_heartbeats(snaps, launch_id)
                 save_seen = self._report_saves(beats, save_seen)
+                self._track_recovery(beats, self.state.launch_count)
                 tree = set(child.tree())  # after the read: a rank that beat and then died is gone
                 gone = restart_policy.dead_ranks(beats, self.host, tree)
                 survivors = any(b.host == self.host and b.pid in tree for b in beats)
@@ -529,7 +592,7 @@ class Watchdog:
                 if gone:  # judged within the grace, not a poll interval later
                     next_check = min(next_check, time.monotonic() + SIGNAL_POLL_S)
                 if dead and child.poll() is None:
-                    ended.dead = dead
+                    ended.dead, ended.detected = dead, time.time()
                     self.log.emit(
                         EventName.RANK_DIED,
                         "; ".join(d.reason for d in dead) + ": killing the rest of the launch",
@@ -541,6 +604,7 @@ class Watchdog:
                 # While a vanished rank is being judged (dead, or a clean exit), its silence is no hang.
                 hangs = [] if gone else self._check_hangs(child, launch_id, snaps, beats)
                 if hangs:
+                    ended.detected = time.time()
                     ended.hangs = hangs = self._where_blocked(child, hangs)
                     ended.culprit = self._handle_hang(child, hangs, launch_id)
                     ended.returncode = child.returncode()
@@ -606,6 +670,7 @@ class Watchdog:
             launch_age_s=time.monotonic() - child.started_mono,
             clock=restart_policy.Clock(time.time(), time.monotonic(), boot_id()),
             timeouts=timeouts,
+            require_heartbeat=self.cfg.require_heartbeat,
         )
 
     def _where_blocked(self, child: process.Child, hangs: list[Hang]) -> list[Hang]:

@@ -217,14 +217,17 @@ def detect_hangs(
     launch_age_s: float,
     clock: Clock,
     timeouts: PhaseTimeouts,
+    require_heartbeat: bool = False,
 ) -> list[Hang]:
     """Ranks of this launch without progress for longer than their phase allows (beats follow
     progress, so a long phase that progresses is never a hang). Before any rank of this launch
-    has beaten, the launch itself is hung once older than the startup timeout (a rendezvous or
-    ``init_process_group`` that never returns); ``launch_age_s`` is on the monotonic clock."""
+    has beaten, the launch is judged on its exit code alone (a command that writes no heartbeat
+    cannot earn a hang verdict), unless ``require_heartbeat``: then it is hung once older than
+    the startup timeout (a rendezvous or ``init_process_group`` that never returns);
+    ``launch_age_s`` is on the monotonic clock."""
     beats = launch_heartbeats(snapshots, launch_id)
     if not beats:
-        if launch_age_s > timeouts.startup:
+        if require_heartbeat and launch_age_s > timeouts.startup:
             return [Hang(None, None, Phase.STARTUP, 0, launch_age_s, timeouts.startup)]
         return []
     hangs = []
