@@ -51,7 +51,7 @@ from supervisor.redact import redact_log_handlers
 from supervisor.safepickle import UnsafePickle
 from supervisor.signing import SigningKeyError, add_signing_key_arg, load_key
 from supervisor.tiers.uploader import Uploader
-from train_ref import launch_marks, tiering
+from train_ref import launch_marks, standby, tiering
 from train_ref.appender import LineAppender
 from train_ref.checkpointer import Checkpointer, CommitInfo, SaveOutcome, StorageGaveUp
 from train_ref.config import CONFIGS, TrainConfig, config_hash, get_config
@@ -170,6 +170,7 @@ def init_group(backend: str, alone: bool) -> None:
 def init_distributed() -> Dist:
     """The process group, and this rank's device: ``devices.device_index`` (LOCAL_RANK when every
     local rank has its own visible GPU, device 0 when the process sees exactly one)."""
+    standby.wait_if_standby()  # a launch started ahead of a failure (watch --standby) waits here
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     alone = "WORLD_SIZE" not in os.environ
     if alone:

@@ -131,6 +131,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     r.add_argument("--backoff-jitter", type=float, default=restart_policy.DEFAULT_BACKOFF_JITTER_S)
     r.add_argument("--reset-budget", action="store_true", help="forget restarts recorded in state.json")
     r.add_argument("--requeue-exit", action="store_true", help="after a preemption checkpoint, exit 13")
+    r.add_argument("--standby", action="store_true", help=config.help_of("standby"))
     p.add_argument(
         "--node-rank",
         type=int,
@@ -224,6 +225,7 @@ def run(args: argparse.Namespace) -> int:
         notice_signal=args.notice_signal,
         sign_key=_signing_key(args),
         require_heartbeat=args.require_heartbeat,
+        standby=args.standby,
     )
     from supervisor.watch.loop import watch  # the loop and its process machinery: only when watching
 

@@ -28,6 +28,10 @@ from supervisor.format.layout import HEARTBEATS, RunDir, parse_heartbeat_filenam
 # Set by the watchdog for each launch, read by the trainer's HeartbeatWriter.
 ENV_LAUNCH_ID = "SUPERVISOR_LAUNCH_ID"
 ENV_RESTART_COUNT = "SUPERVISOR_RESTART_COUNT"
+# Set for a pre-started (standby) launch (watch --standby): its ranks wait, imports done, until
+# this file exists, or exit 0 once the watchdog with this pid is gone.
+ENV_STANDBY_RELEASE = "SUPERVISOR_STANDBY_RELEASE"
+ENV_WATCHDOG_PID = "SUPERVISOR_WATCHDOG_PID"
 
 
 log = logging.getLogger(__name__)

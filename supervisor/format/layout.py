@@ -18,7 +18,8 @@
       supervisor/slurm.json          the SLURM job's requeue budget and history
       supervisor/launches/<launch id>/error.json  torchelastic's root-cause error file of one launch
                                      (TORCHELASTIC_ERROR_FILE), and elastic/: torchrun's log dir
-                                     (PET_LOG_DIR), holding each worker's own error.json
+                                     (PET_LOG_DIR), holding each worker's own error.json;
+                                     release: starts a standby launch's ranks (watch --standby)
       metrics.jsonl                  the trainer's per-step metrics (rank 0, across launches)
       samples/rank_00003.jsonl       with --log-samples: the sample ids each rank trained on
       final.json                     the trainer's final digest
@@ -71,6 +72,10 @@ REQUEUE_STATE = "slurm.json"
 LAUNCHES = "launches"
 ELASTIC_ERROR = "error.json"
 ELASTIC_LOGS = "elastic"
+# Written by the watchdog to start a standby launch's ranks (watch --standby).
+RELEASE = "release"
+# ... and what each of its ranks writes there once waiting, imports done (ready_rank_00001).
+STANDBY_READY_PREFIX = "ready_"
 # Per-rank files: heartbeats/rank_00003.json, and names of the same form elsewhere.
 RANK_PREFIX = "rank_"
 
@@ -213,6 +218,11 @@ def _node_suffix(node: int) -> str:
     return "" if node == 0 else f".node{node}"
 
 
+def standby_ready_filename(rank: int) -> str:
+    """What a standby launch's rank writes in its launch dir once it waits, imports done."""
+    return f"{STANDBY_READY_PREFIX}{_rank_name(rank)}"
+
+
 def state_filename(node: int = 0) -> str:
     return f"state{_node_suffix(node)}.json"
 
@@ -287,6 +297,9 @@ class RunDir:
 
     def elastic_logs(self, launch_id: str) -> Path:
         return self.launch_dir(launch_id) / ELASTIC_LOGS
+
+    def release_file(self, launch_id: str) -> Path:
+        return self.launch_dir(launch_id) / RELEASE
 
     @property
     def requeue_state(self) -> Path:

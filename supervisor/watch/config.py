@@ -72,6 +72,15 @@ class WatchConfig:
         },
     )
 
+    standby: bool = field(
+        default=False,
+        metadata={
+            "help": "keep the next launch started ahead of a failure, its ranks waiting with their imports "
+            "done (train_ref's standby gate), and release it on a relaunch; single-node or --standalone "
+            "torchrun only (a standby must not join the running job's rendezvous)"
+        },
+    )
+
 
 def help_of(name: str) -> str:
     """The help of a WatchConfig field, for its command-line option."""

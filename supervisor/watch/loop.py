@@ -18,15 +18,18 @@ from typing import TypeVar
 
 from supervisor import store
 from supervisor.format import events
-from supervisor.format.atomic import hostname
+from supervisor.format.atomic import atomic_write_text, hostname
 from supervisor.format.eventnames import EventName
 from supervisor.format.events import EventLog, RunState
 from supervisor.format.exitcodes import Exit
 from supervisor.format.heartbeat import (
     ENV_LAUNCH_ID,
     ENV_RESTART_COUNT,
+    ENV_STANDBY_RELEASE,
+    ENV_WATCHDOG_PID,
     Heartbeat,
     HeartbeatSnapshot,
+    Mark,
     Phase,
     boot_id,
     read_heartbeat,
@@ -92,6 +95,8 @@ class Watchdog:
         self.state_loaded = False  # until the previous state is read, writing would clobber its budget
         # The relaunch under way: the moments of its recovery so far (None: no failure to recover from).
         self.recovering: dict[Moment, float] | None = None
+        # With --standby: the next launch, started ahead (its number, id and process), or None.
+        self.standby: tuple[int, str, process.Child] | None = None
         self.state = RunState(
             node=cfg.node,
             host=self.host,
@@ -196,6 +201,7 @@ class Watchdog:
         try:
             return self._run()
         except _Stop as e:
+            self._drop_standby()
             return self._finish(e.code, events.FAILED, str(e))
         except StorageUnavailable as e:
             return self._finish(Exit.STORAGE_UNAVAILABLE, events.FAILED, str(e))
@@ -205,6 +211,8 @@ class Watchdog:
                 "check the file system (mount, server, permissions, quota), then requeue"
             )
             return self._finish(Exit.STORAGE_UNAVAILABLE, events.FAILED, why)
+        finally:
+            self._drop_standby()
 
     def _run(self) -> int:
         subreaper = process.become_subreaper()
@@ -385,8 +393,7 @@ class Watchdog:
 
     def _launch_once(self, resumed_from: int | None) -> tuple[LaunchRecord, _Ended]:
         number = self.state.launch_count + 1
-        launch_id = f"{self.host}-n{self.cfg.node}-{os.getpid()}-{number}-{uuid.uuid4().hex[:6]}"
-        child = self._start(self._launch_env(launch_id, number))
+        launch_id, child = self._take_standby(number) or self._start_launch(number)
         if self.recovering is not None:
             self.recovering[Moment.PROCESS_STARTED] = child.started
         try:  # whatever goes wrong in here, nothing of the launch outlives it
@@ -469,6 +476,63 @@ class Watchdog:
             env.setdefault(SHARE_STORE_ENV, "1")
         return env
 
+    def _start_launch(self, number: int, standby: bool = False) -> tuple[str, process.Child]:
+        """Start COMMAND as launch ``number``; a standby's ranks wait for _take_standby."""
+        launch_id = f"{self.host}-n{self.cfg.node}-{os.getpid()}-{number}-{uuid.uuid4().hex[:6]}"
+        env = self._launch_env(launch_id, number)
+        if standby:
+            env[ENV_STANDBY_RELEASE] = str(RunDir.of(self.cfg.root).release_file(launch_id))
+            env[ENV_WATCHDOG_PID] = str(os.getpid())
+        return launch_id, self._start(env, own_subtree=standby)
+
+    # ------------------------------------------------------------ standby (--standby)
+
+    def _keep_standby(self, child: process.Child, beats: list[Heartbeat]) -> None:
+        """With --standby, once the running launch's ranks here have all made a step (not
+        earlier: a standby importing torch would slow a recovery on the same cores), start the
+        next launch ahead of a failure; its ranks wait with their imports done."""
+        if not self.cfg.standby or self.standby is not None or self.recovering is not None:
+            return
+        local = [b for b in beats if b.host == self.host]
+        if not local or not all(Mark.FIRST_STEP.value in b.marks for b in local):
+            return
+        number = self.state.launch_count + 1
+        launch_id, spare = self._start_launch(number, standby=True)
+        self.standby = (number, launch_id, spare)
+        child.excluded = {spare.pid}
+        self.log.emit(
+            EventName.STANDBY,
+            f"standby for launch {number} (id {launch_id}) started, pid {spare.pid}: released on a relaunch",
+            launch=number,
+            launch_id=launch_id,
+            pid=spare.pid,
+        )
+
+    def _take_standby(self, number: int) -> tuple[str, process.Child] | None:
+        """Release the standby as launch ``number``: None (start cold) without one, or when it
+        died meanwhile (the reason is in the event log)."""
+        if self.standby is None:
+            return None
+        made_for, launch_id, spare = self.standby
+        self.standby = None
+        if made_for != number or spare.poll() is not None:
+            why = (
+                f"exited {spare.returncode()}" if spare.poll() is not None else f"made for launch {made_for}"
+            )
+            self.log.emit(EventName.KILL, f"standby {launch_id} not used ({why}): {spare.kill(0.0)}")
+            return None
+        atomic_write_text(RunDir.of(self.cfg.root).release_file(launch_id), f"{time.time()}\n")
+        spare.own_subtree = False
+        spare.started, spare.started_mono = time.time(), time.monotonic()
+        return launch_id, spare
+
+    def _drop_standby(self) -> None:
+        """The watchdog is done: the standby goes, never released."""
+        if self.standby is not None:
+            _, launch_id, spare = self.standby
+            self.standby = None
+            self.log.emit(EventName.KILL, f"standby {launch_id} not needed: {spare.kill(0.0)}")
+
     def _root_cause(self, launch_id: str, number: int, beats: list[Heartbeat]) -> rootcause.RootCause | None:
         """The exception that ended the launch, from torchelastic's error files (ranks that use
         @record write them), as a root_cause event; None when no rank wrote one."""
@@ -505,12 +569,16 @@ class Watchdog:
         )
         self._save(recovery=phases)
 
-    def _start(self, env: dict[str, str]) -> process.Child:
+    def _start(self, env: dict[str, str], own_subtree: bool = False) -> process.Child:
         """Start COMMAND; one that cannot be executed stops the watchdog (exit 12) with a line
         naming it, a transient error reaches run() (exit 14)."""
         try:
             return process.Child(
-                list(self.cfg.command), env, reap_timeout_s=self.cfg.reap_timeout_s, abandoned=self.abandoned
+                list(self.cfg.command),
+                env,
+                reap_timeout_s=self.cfg.reap_timeout_s,
+                abandoned=self.abandoned,
+                own_subtree=own_subtree,
             )
         except OSError as e:
             if e.errno not in CANNOT_EXEC:
@@ -578,6 +646,7 @@ class Watchdog:
                 beats = restart_policy.launch_heartbeats(snaps, launch_id)
                 save_seen = self._report_saves(beats, save_seen)
                 self._track_recovery(beats, self.state.launch_count)
+                self._keep_standby(child, beats)
                 tree = set(child.tree())  # after the read: a rank that beat and then died is gone
                 gone = restart_policy.dead_ranks(beats, self.host, tree)
                 survivors = any(b.host == self.host and b.pid in tree for b in beats)
