@@ -201,7 +201,6 @@ class Watchdog:
         try:
             return self._run()
         except _Stop as e:
-            self._drop_standby()
             return self._finish(e.code, events.FAILED, str(e))
         except StorageUnavailable as e:
             return self._finish(Exit.STORAGE_UNAVAILABLE, events.FAILED, str(e))
@@ -462,18 +461,26 @@ class Watchdog:
         return rec, ended
 
     def _launch_env(self, launch_id: str, number: int) -> dict[str, str]:
-        """The command's environment: the launch's id and count, torchelastic's error file and
-        torchrun's log dir in the launch's own directory (the root cause is read from them), and
-        the TCPStore fix."""
-        run = RunDir.of(self.cfg.root)
-        run.launch_dir(launch_id).mkdir(parents=True, exist_ok=True)
+        """The command's environment: the launch's id and count, the TCPStore fix, and, when the
+        launch's own directory can be made (best effort, like the event log: a run directory the
+        watchdog cannot write must not stop the training), torchelastic's error file and
+        torchrun's log dir in it (the root cause is read from them)."""
         env = dict(os.environ)
         env[ENV_LAUNCH_ID] = launch_id
         env[ENV_RESTART_COUNT] = str(number - 1)
-        env[ELASTIC_ERROR_FILE_ENV] = str(run.error_file(launch_id))
-        env.setdefault(ELASTIC_LOG_DIR_ENV, str(run.elastic_logs(launch_id)))
         if self.cfg.share_store_fix:
             env.setdefault(SHARE_STORE_ENV, "1")
+        run = RunDir.of(self.cfg.root)
+        try:
+            run.launch_dir(launch_id).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            events.say(
+                f"[supervisor] {run.launch_dir(launch_id)} not created ({describe(e)}): "
+                f"launch {number} runs without torchelastic's error files (no root cause)"
+            )
+            return env
+        env[ELASTIC_ERROR_FILE_ENV] = str(run.error_file(launch_id))
+        env.setdefault(ELASTIC_LOG_DIR_ENV, str(run.elastic_logs(launch_id)))
         return env
 
     def _start_launch(self, number: int, standby: bool = False) -> tuple[str, process.Child]:
@@ -515,13 +522,16 @@ class Watchdog:
             return None
         made_for, launch_id, spare = self.standby
         self.standby = None
-        if made_for != number or spare.poll() is not None:
-            why = (
-                f"exited {spare.returncode()}" if spare.poll() is not None else f"made for launch {made_for}"
-            )
+        why = f"exited {spare.returncode()}" if spare.poll() is not None else ""
+        why = why or (f"made for launch {made_for}" if made_for != number else "")
+        if not why:
+            try:
+                atomic_write_text(RunDir.of(self.cfg.root).release_file(launch_id), f"{time.time()}\n")
+            except OSError as e:
+                why = f"its release file could not be written: {describe(e)}"
+        if why:
             self.log.emit(EventName.KILL, f"standby {launch_id} not used ({why}): {spare.kill(0.0)}")
             return None
-        atomic_write_text(RunDir.of(self.cfg.root).release_file(launch_id), f"{time.time()}\n")
         spare.own_subtree = False
         spare.started, spare.started_mono = time.time(), time.monotonic()
         return launch_id, spare
