@@ -685,7 +685,7 @@ class Watchdog:
                 if hangs:
                     ended.detected = time.time()
                     ended.hangs = hangs = self._where_blocked(child, hangs)
-                    ended.culprit = self._handle_hang(child, hangs, launch_id)
+                    ended.culprit = self._handle_hang(child, hangs, launch_id, ended.detected)
                     ended.returncode = child.returncode()
                     return ended
             time.sleep(SIGNAL_POLL_S)
@@ -773,7 +773,7 @@ class Watchdog:
             out.append(h)
         return out
 
-    def _handle_hang(self, child: process.Child, hangs: list[Hang], launch_id: str) -> str:
+    def _handle_hang(self, child: process.Child, hangs: list[Hang], launch_id: str, detected: float) -> str:
         """Dump every local rank's stacks, name the culprit from where each rank waits (culprit.py),
         log it with the dumps, then kill the launch. Returns who hung it, for the launch's reason."""
         beats = restart_policy.launch_heartbeats(read_heartbeats(self.cfg.root), launch_id)  # every rank
@@ -792,6 +792,7 @@ class Watchdog:
             ranks=[h.rank for h in hangs],
             stopped_ranks=sorted(r for r, pid in targets.items() if pid in stopped),
             stopped_pids=sorted(stopped),
+            detected=round(detected, 3),  # the verdict's time; the event's is after the dumps
             **diag.fields(),
         )
         for rank, pid in sorted(targets.items()):
