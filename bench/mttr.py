@@ -345,19 +345,17 @@ def report(rows: dict[str, list[float]], parts: dict[str, list[dict[str, float]]
                 f"{labels[k]}: worst {max(rows[k]):.2f}s vs target timeout + {HANG_MARGIN_S:g} s = "
                 f"{timeout + HANG_MARGIN_S:g}s: {'meets' if ok else 'MISSES'}"
             )
-    print(
-        "\nbreakdown, medians: ranks' marks in seconds after the kill (floor: after exec); watchdog: its phases"
-    )
+    if not parts["floor"]:
+        return
+    print("\nbreakdown, medians: ranks' marks in s after the kill (floor: after exec); watchdog: its phases")
     for name, p in parts.items():
-        if p:
-            print(f"  {name:<18}" + ", ".join(f"{k} {v:.2f}" for k, v in median_parts(p).items()))
+        print(f"  {name:<18}" + ", ".join(f"{k} {v:.2f}" for k, v in median_parts(p).items()))
     print(f"\nMTTR watchdog - floor: {med['watchdog'] - med['floor']:+.2f}s (medians)")
     for name in ("watchdog", "watchdog_nograce", "standby"):
         if name in med:
             ratio = med[name] / med["torchrun"]
-            print(
-                f"{name} / torchrun --max-restarts=1: {ratio:.2f}x (target <= 0.5x: {'meets' if ratio <= 0.5 else 'MISSES'})"
-            )
+            verdict = "meets" if ratio <= 0.5 else "MISSES"
+            print(f"{name} / torchrun --max-restarts=1: {ratio:.2f}x (target <= 0.5x: {verdict})")
 
 
 if __name__ == "__main__":
