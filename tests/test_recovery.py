@@ -49,6 +49,9 @@ def test_breakdown_in_order_with_moments_passed_ahead_counted_as_zero():
     assert complete(at)
     assert describe(phases).startswith("3.00s to the first step: tree killed 0.50s, checkpoint picked 0.25s")
     assert breakdown({Moment.FIRST_STEP: 1.0}) == {}
+    # the failed rank's last heartbeat known: the recovery starts there, detection is its first phase
+    seen = breakdown({**at, Moment.FAILED: 9.0})
+    assert list(seen)[:2] == ["detected", "tree_killed"] and seen["detected"] == 1.0 and seen["total"] == 4.0
 
 
 def test_describe_keeps_the_order_of_a_sorted_file_and_says_when_unfinished():

@@ -93,6 +93,7 @@ def test_relaunch_records_its_recovery_breakdown(tmp_path):
     (rec,) = of(events(root), "recovery")
     phases = rec["phases"]
     assert list(phases) == [
+        "detected",  # since the dead rank's last heartbeat
         "tree_killed",
         "backed_off",
         "checkpoint_picked",
@@ -105,4 +106,4 @@ def test_relaunch_records_its_recovery_breakdown(tmp_path):
     assert rec["launch"] == 2
     st = read_state(state_path(root))
     assert st.recovery == phases
-    assert f"last recovery: {phases['total']:.2f}s to the first step: tree killed" in status(root)
+    assert f"last recovery: {phases['total']:.2f}s to the first step: detected" in status(root)

@@ -425,6 +425,7 @@ class Watchdog:
         beats = restart_policy.launch_heartbeats(read_heartbeats(self.cfg.root), launch_id)
         self._track_recovery(beats, number, final=True)
         self.recovering = {Moment.DETECTED: ended.detected or killed, Moment.TREE_KILLED: killed}
+        self.recovering.update(failed_at(ended, beats))
         cls = self._classify(ended, beats)
         cause = self._root_cause(launch_id, number, beats) if cls.outcome in restart_policy.FAILURES else None
         if cause is not None:
@@ -840,6 +841,16 @@ class _LaunchBeats:
             or any(b.phase in (Phase.STARTUP, Phase.LOAD) for b in beats)
         )
         return snaps
+
+
+def failed_at(ended: _Ended, beats: list[Heartbeat]) -> dict[Moment, float]:
+    """When the ranks that failed the launch (dead or hung; else those that ended without an exit
+    code or with a non-zero one) last beat: where its recovery starts (an upper bound of the
+    detection's latency: beats are throttled); nothing when none beat."""
+    bad = {d.rank for d in ended.dead} | {h.rank for h in ended.hangs if h.rank is not None}
+    bad = bad or {b.rank for b in beats if b.exit_code != 0}
+    last = [b.wall_time for b in beats if b.rank in bad]
+    return {Moment.FAILED: max(last)} if last else {}
 
 
 def died_at(beats: list[Heartbeat]) -> int | None:

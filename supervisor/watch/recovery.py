@@ -17,6 +17,7 @@ from supervisor.format.heartbeat import Heartbeat, Mark
 class Moment(str, Enum):
     """The phases of a recovery, in order; each ends at its moment."""
 
+    FAILED = "failed"  # the failed rank's last heartbeat (dead or hung): when it was last seen well
     DETECTED = "detected"  # the watchdog's verdict on the failed launch
     TREE_KILLED = "tree_killed"  # nothing of it is left
     BACKED_OFF = "backed_off"  # the restart policy's wait (none after a lone failure)
@@ -48,18 +49,20 @@ def rank_moments(beats: Iterable[Heartbeat], host: str) -> dict[Moment, float]:
 
 
 def breakdown(at: Mapping[Moment, float]) -> dict[str, float]:
-    """Seconds per phase, in order, from DETECTED: each from the latest moment before it (a
-    moment already passed before that, e.g. a process started ahead of the failure, takes 0 s),
-    and the total to the last moment reached. Moments not reached are left out."""
+    """Seconds per phase, in order, from FAILED (else from DETECTED: no rank was seen fail):
+    each from the latest moment before it (a moment already passed before that, e.g. a process
+    started ahead of the failure, takes 0 s), and the total to the last moment reached. Moments
+    not reached are left out."""
     if Moment.DETECTED not in at:
         return {}
+    start = at.get(Moment.FAILED, at[Moment.DETECTED])
     out: dict[str, float] = {}
-    prev = at[Moment.DETECTED]
+    prev = start
     for m in Moment:
-        if m in at and m != Moment.DETECTED:
+        if m in at and m != Moment.FAILED and (m != Moment.DETECTED or Moment.FAILED in at):
             out[m.value] = round(max(0.0, at[m] - prev), 3)
             prev = max(prev, at[m])
-    out[TOTAL] = round(prev - at[Moment.DETECTED], 3)
+    out[TOTAL] = round(prev - start, 3)
     return out
 
 
