@@ -15,6 +15,7 @@ from waiting import wait_for
 
 from supervisor.format.heartbeat import ENV_STANDBY_RELEASE, ENV_WATCHDOG_PID
 from supervisor.format.layout import standby_ready_filename
+from supervisor.watch import process
 from train_ref import standby
 
 
@@ -53,3 +54,23 @@ def test_exits_0_once_its_watchdog_is_gone(tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as e:
         standby.wait_if_standby()
     assert e.value.code == 0
+
+
+def test_a_standby_is_a_tree_of_its_own(tmp_path):
+    """The running launch's tree leaves the standby's out, and killing it spares the standby;
+    the standby's tree is only itself and what is below it (supervisor/watch/process.py)."""
+    forks = "import subprocess, sys, threading; subprocess.Popen([sys.executable, '-c', "
+    forks += "'import threading; threading.Event().wait()']); threading.Event().wait()"
+    argv = [sys.executable, "-c", forks]
+    launch = process.Child(argv, os.environ, reap_timeout_s=10)
+    spare = process.Child(argv, os.environ, reap_timeout_s=10, own_subtree=True)
+    launch.excluded = {spare.pid}
+    try:
+        wait_for(lambda: len(spare.tree()) == 2 and len(launch.tree()) >= 2, "both with their child")
+        assert spare.pid not in launch.tree() and set(launch.tree()).isdisjoint(spare.tree())
+        launch.kill(0.0)
+        assert spare.poll() is None and len(spare.tree()) == 2
+    finally:
+        launch.kill(0.0)
+        spare.kill(0.0)
+    assert spare.tree() == []
