@@ -329,6 +329,17 @@ def test_a_vanished_rank_is_dead_only_after_a_quiet_grace_while_others_run():
     assert confirm_dead([], seen, 99.0, survivors=True, **kw) == ([], {})
 
 
+def test_a_vanished_rank_that_recorded_its_exception_is_dead_at_once():
+    """An error file (torchelastic's @record) says it was no clean exit: no grace, no waiting for
+    the launched command's exit code; the first to vanish still comes first."""
+    d0, d1 = DeadRank(0, 100, 7), DeadRank(1, 101, 7)
+    kw = {"grace_s": 1.0, "all_gone_wait_s": 30.0}
+    seen = {1: 10.0}
+    assert confirm_dead([d0, d1], seen, 10.1, survivors=False, failed={0}, **kw)[0] == [d1, d0]
+    assert confirm_dead([d1], {}, 10.0, survivors=True, failed={1}, **kw)[0] == [d1]
+    assert confirm_dead([d1], {}, 10.0, survivors=True, failed={0}, **kw)[0] == []  # not a gone rank
+
+
 def test_save_news_reports_rises_and_recoveries_once():
     def hb(rank: int, failures: int, err: str = "", step: int = 20) -> Heartbeat:
         return Heartbeat(

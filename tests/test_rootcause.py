@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from supervisor.watch.rootcause import MAX_ERROR_FILE_BYTES, RootCause, find_root_cause, parse_error_file
+from supervisor.watch.rootcause import (
+    MAX_ERROR_FILE_BYTES,
+    RootCause,
+    errored_local_ranks,
+    find_root_cause,
+    parse_error_file,
+)
 
 
 def raise_here(msg: str) -> None:
@@ -74,7 +80,8 @@ def test_workers_files_first_earliest_wins_with_its_global_rank(tmp_path, monkey
         msg = {"message": f"ValueError: rank {local}", "extraInfo": {"timestamp": stamp}}
         path.write_text(json.dumps({"message": msg}))
     cause, problems = find_root_cause(tmp_path / "error.json", logs, {0: 4, 1: 5})
-    assert problems == []
+    assert problems == [] and errored_local_ranks(logs) == {0, 1}
+    assert errored_local_ranks(tmp_path / "missing") == set()
     assert cause is not None and (cause.rank, cause.local_rank, cause.message) == (5, 1, "rank 1")
     assert cause.describe().startswith("rank 5: ValueError: rank 1")
     unknown, _ = find_root_cause(tmp_path / "error.json", logs, {})

@@ -668,6 +668,7 @@ class Watchdog:
                     survivors=survivors,
                     grace_s=self.cfg.dead_rank_grace_s,
                     all_gone_wait_s=ALL_RANKS_GONE_WAIT_S,
+                    failed=self._errored(launch_id, beats) if gone else (),
                 )
                 if gone:  # judged within the grace, not a poll interval later
                     next_check = min(next_check, time.monotonic() + SIGNAL_POLL_S)
@@ -690,6 +691,11 @@ class Watchdog:
                     ended.returncode = child.returncode()
                     return ended
             time.sleep(SIGNAL_POLL_S)
+
+    def _errored(self, launch_id: str, beats: list[Heartbeat]) -> set[int]:
+        """This host's ranks that wrote torchelastic's error file: they ended by an exception."""
+        local = rootcause.errored_local_ranks(RunDir.of(self.cfg.root).elastic_logs(launch_id))
+        return {b.rank for b in beats if b.host == self.host and b.local_rank in local}
 
     def _report_saves(self, beats: list[Heartbeat], seen: dict[int, int]) -> dict[int, int]:
         """save_failed / save_recovered events for what this node's ranks report."""

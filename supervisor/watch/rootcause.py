@@ -102,6 +102,13 @@ def _read(path: Path) -> RootCause:
     return replace(rc, source=str(path))
 
 
+def errored_local_ranks(worker_logs: Path) -> set[int]:
+    """Local ranks of the workers that wrote an error file (recorded the exception that ended
+    them): names only, nothing read."""
+    paths = worker_logs.glob(f"*/attempt_*/*/{ELASTIC_ERROR}") if worker_logs.is_dir() else []
+    return {int(p.parent.name) for p in paths if p.parent.name.isdigit()}
+
+
 def find_root_cause(
     error_file: Path, worker_logs: Path, global_rank: Mapping[int, int]
 ) -> tuple[RootCause | None, list[str]]:
