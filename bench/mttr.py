@@ -44,8 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from supervisor.format.atomic import hostname
 from supervisor.format.events import events_path
-from supervisor.format.heartbeat import Heartbeat, Phase, read_heartbeats
+from supervisor.format.heartbeat import Heartbeat, Phase
 from supervisor.format.layout import STANDBY_READY_PREFIX, RunDir
+from supervisor.format.nodesummary import read_run_heartbeats
 from supervisor.watch import recovery
 from supervisor.watch.recovery import Moment
 
@@ -59,7 +60,7 @@ TRAIN = ["-m", "train_ref.train", "--steps", "400", "--save-every", "10", "--see
 
 
 def beats(root: Path) -> list[Heartbeat]:
-    return [s.heartbeat for s in read_heartbeats(root) if s.heartbeat is not None]
+    return [s.heartbeat for s in read_run_heartbeats(root) if s.heartbeat is not None]
 
 
 def wait_for(cond: Callable[[], object], timeout: float = 300.0) -> object:

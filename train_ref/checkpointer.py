@@ -59,7 +59,7 @@ from torch.futures import Future as TorchFuture
 from supervisor import store
 from supervisor.format.heartbeat import HeartbeatWriter, Phase, Progress
 from supervisor.format.layout import DCP_METADATA, rank_state_filename, step_dirname
-from supervisor.format.manifest import CheckpointInfo, FileEntry, checksum_file
+from supervisor.format.manifest import META_SAVE_S, CheckpointInfo, FileEntry, checksum_file
 from train_ref import agree
 from train_ref.progress_io import PROGRESS_CHUNK, ProgressFileSystem, open_progress
 from train_ref.safe_load import load_dcp, weights_only_refusal
@@ -221,7 +221,7 @@ class Checkpointer:
                 if isinstance(resp, AsyncSaveResponse)
                 else (None, resp)
             )
-            self.in_flight = _InFlight(state.step, tmp, meta, staging, upload, error)
+            self.in_flight = _InFlight(state.step, tmp, meta, staging, upload, error, started=t0)
             self.last_blocking_s = time.monotonic() - t0
             return None
         try:
@@ -232,7 +232,7 @@ class Checkpointer:
             )
         except (OSError, CheckpointException) as e:
             error = error or self._storage_error(e)
-        outcome = self._commit(state.step, tmp, meta, error)
+        outcome = self._commit(state.step, tmp, meta, error, t0)
         self.last_blocking_s = time.monotonic() - t0
         return outcome
 
@@ -266,7 +266,7 @@ class Checkpointer:
             f.upload.result()
         except (OSError, CheckpointException) as e:
             error = error or self._storage_error(e)
-        return self._commit(f.step, f.tmp, f.meta, error)
+        return self._commit(f.step, f.tmp, f.meta, error, f.started)
 
     def close(self) -> None:
         self.finish()
@@ -317,9 +317,12 @@ class Checkpointer:
             except (OSError, store.StoreError) as e:
                 log.warning("prune before retrying a save failed: %s", e)
 
-    def _commit(self, step: int, tmp: Path, meta: dict[str, Any], error: SaveError | None) -> SaveOutcome:
+    def _commit(
+        self, step: int, tmp: Path, meta: dict[str, Any], error: SaveError | None, started: float
+    ) -> SaveOutcome:
         """Every rank's writes are done: rank 0 commits with the checksums each rank computed,
-        unless a rank failed; every rank learns the outcome."""
+        unless a rank failed; every rank learns the outcome. The manifest records how long the save
+        took since ``started`` (META_SAVE_S: what a preemption notice must leave time for)."""
         progress = self.hb.tracker(Phase.COMMIT, step)
         mine: dict[str, FileEntry] | SaveError | None = error
         if mine is None:
@@ -331,6 +334,7 @@ class Checkpointer:
         gathered = agree.gather(mine, self.ctl_group, lambda: progress(0))
         outcome = None
         if self.rank == 0:
+            meta = {**meta, META_SAVE_S: round(time.monotonic() - started, 3)}
             outcome = self._decide(step, tmp, meta, gathered, progress)
         outcome = agree.broadcast(outcome, self.ctl_group, lambda: progress(0))
         if outcome.tmp_left:
