@@ -15,11 +15,13 @@ login-node command that never retries does not pay for it.
 from __future__ import annotations
 
 import errno
-import random
 import time
 from collections.abc import Callable
 from enum import Enum
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    import random
 
 T = TypeVar("T")
 
@@ -95,7 +97,10 @@ def retry_transient(
     from tenacity import RetryCallState, Retrying, retry_if_exception
 
     t0 = clock()
-    rng = rng or random.Random()
+    if rng is None:
+        import random  # here, with tenacity: a command that never retries pays for neither
+
+        rng = random.Random()
 
     def elapsed() -> float:
         return clock() - t0

@@ -1,7 +1,8 @@
 """Run directory -> a frozen report of where the run stands, for a person or a script.
 
 Only reads (no lock, no torch): the watchdogs' state files, heartbeats, checkpoints (quick check:
-manifest and file sizes), quarantine, disk use. A garbage file never stops it; it shows as unknown
+manifest and file sizes), quarantine, disk use. Its one write: the quick checks that passed, to
+list an unchanged checkpoint next time without checking it again (supervisor/quickcache.py). A garbage file never stops it; it shows as unknown
 with the reason. So does storage that does not answer: a checkpoint that cannot be read is
 "unknown" (not invalid), a directory that cannot be listed is named in ``storage_problem``.
 """
@@ -20,7 +21,8 @@ from supervisor.format.atomic import hostname, pid_alive
 from supervisor.format.heartbeat import HeartbeatSnapshot, Phase, boot_id, read_heartbeats
 from supervisor.format.layout import RunDir, parse_state_filename
 from supervisor.format.nodesummary import NodeSummary, newest_per_rank, read_summary, summary_paths
-from supervisor.ioerrors import describe
+from supervisor.ioerrors import Evidence, describe
+from supervisor.quickcache import QuickChecks
 from supervisor.watch.restart_policy import Clock, PhaseTimeouts, describe_progress, rank_stale
 
 if TYPE_CHECKING:
@@ -186,16 +188,16 @@ def _from_summary(s: NodeSummary, me: str, clock: Clock) -> NodeRow:
     )
 
 
-def _state_files(root: Path) -> list[tuple[int, Path]]:
-    """(node, path) of every watchdog's state file, by node (os.listdir: 2,048 Path objects
-    globbed and sorted cost `status` tens of ms)."""
-    folder = RunDir.of(root).supervisor
+def _state_files(root: Path) -> list[tuple[int, str]]:
+    """(node, path) of every watchdog's state file, by node (os.listdir and plain strings: 2,048
+    Path objects globbed and sorted cost `status` tens of ms)."""
+    folder = os.fspath(RunDir.of(root).supervisor)
     try:
         names = os.listdir(folder)
     except OSError:
         return []
     found = ((parse_state_filename(n), n) for n in names)
-    return sorted((node, folder / n) for node, n in found if node is not None)
+    return sorted((node, os.path.join(folder, n)) for node, n in found if node is not None)
 
 
 def _nodes(
@@ -433,28 +435,39 @@ def _with_summaries(nodes: list[NodeRow], view: _RankView, clock: Clock) -> list
     return out
 
 
-def _checkpoints(root: Path, now: float) -> list[CheckpointRow]:
-    """Raises OSError when the root cannot be listed."""
+def _checkpoints(root: Path, now: float, disk: dict[str, int]) -> list[CheckpointRow]:
+    """Raises OSError when the root cannot be listed. Quick checks that passed before on the same
+    files are remembered (supervisor/quickcache.py); ``disk`` gets the bytes under each checkpoint
+    walked whole, by path, so the disk use need not walk them again."""
     latest = store.read_latest(root)
+    cache = QuickChecks(root)
     rows = []
     for ref in store.list_checkpoints(root):
-        v = store.validate(ref)
-        if v.gone:
+        c = cache.check(ref)
+        if c.disk_bytes is not None:
+            disk[os.fspath(ref.path)] = c.disk_bytes
+        if c.gone:
             continue
-        m = v.manifest
-        age, size = (now - m.wall_time, m.total_bytes) if m is not None else (None, None)
-        reason = v.reason.split(": ", 1)[-1] if not v.ok else ""
+        age = now - c.wall_time if c.wall_time is not None else None
+        ok = c.evidence is Evidence.OK
+        reason = c.reason.split(": ", 1)[-1] if not ok else ""
         rows.append(
-            CheckpointRow(ref.name, ref.step, age, size, v.ok, reason, ref.name == latest, v.evidence.value)
+            CheckpointRow(
+                ref.name, ref.step, age, c.total_bytes, ok, reason, ref.name == latest, c.evidence.value
+            )
         )
+    cache.save()
     return rows
 
 
-def _stored(root: Path, now: float) -> tuple[list[CheckpointRow], list[QuarantineRow], str]:
-    """Checkpoints and quarantine; what could not be listed is said in one line, never raised."""
+def _stored(
+    root: Path, now: float, disk: dict[str, int]
+) -> tuple[list[CheckpointRow], list[QuarantineRow], str, int]:
+    """Checkpoints, quarantine and the disk use (``disk``: bytes of the files already read, by
+    path); what could not be listed is said in one line, never raised."""
     problems = []
     try:
-        ckpts = _checkpoints(root, now)
+        ckpts = _checkpoints(root, now, disk)
     except OSError as e:
         ckpts = []
         problems.append(f"checkpoints of {root} cannot be listed: {describe(e)}")
@@ -463,7 +476,7 @@ def _stored(root: Path, now: float) -> tuple[list[CheckpointRow], list[Quarantin
     except OSError as e:
         quarantined = []
         problems.append(f"{RunDir.of(root).quarantine} cannot be listed: {describe(e)}")
-    return ckpts, quarantined, "; ".join(problems)
+    return ckpts, quarantined, "; ".join(problems), store.disk_usage(root, disk)
 
 
 def _overall(nodes: list[NodeRow], view: _RankView) -> tuple[str, str]:
@@ -534,7 +547,8 @@ def build_report(root: str | Path, now: float | None = None, all_ranks: bool = F
     nodes = _with_summaries(nodes, view, clock)
     state, why = _overall(nodes, view)
     live_steps, step_times = view.live_steps, view.step_times
-    checkpoints, quarantined, storage_problem = _stored(root, now)
+    read = {s.path: s.size for s in view.summaries.values()}
+    checkpoints, quarantined, storage_problem, disk_bytes = _stored(root, now, read)
     return StatusReport(
         root=str(root),
         time=now,
@@ -548,7 +562,7 @@ def build_report(root: str | Path, now: float | None = None, all_ranks: bool = F
         checkpoints=tuple(checkpoints),
         in_progress=tuple(sorted(t.path.name for t in store.list_tmp(root, now))),
         quarantined=tuple(quarantined),
-        disk_bytes=store.disk_usage(root),
+        disk_bytes=disk_bytes,
         remote=_remote_status(root),
         storage_problem=storage_problem,
         slurm=_slurm_line(root),

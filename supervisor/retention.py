@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -261,7 +259,7 @@ def prune(
             for v in bad_old:
                 quarantine_locked(root, v.ref, v.reason)
             for name in q_doomed:
-                dest = qdir / f"{QUARANTINE_DELETING_PREFIX}{name}.{uuid.uuid4().hex[:8]}"
+                dest = qdir / f"{QUARANTINE_DELETING_PREFIX}{name}.{os.urandom(4).hex()}"
                 os.rename(qdir / name, dest)
                 trash.append(dest)
             if q_doomed:
@@ -274,6 +272,8 @@ def prune(
                 fsync_dir(root)
     if not dry_run:
         trash += [p for p in _quarantine_leftovers(qdir) if p not in trash]  # a crashed prune's
+        import shutil  # here: `status` imports this module and never removes
+
         for path in trash:
             shutil.rmtree(path, ignore_errors=True)
         if trash:
@@ -367,15 +367,18 @@ def _quarantine_leftovers(qdir: Path) -> list[Path]:
         return []
 
 
-def disk_usage(path: str | Path) -> int:
+def disk_usage(path: str | Path, known: Mapping[str, int] | None = None) -> int:
     """Bytes of every file under ``path`` (links not followed) that can be read: best effort, for a
-    report or a retention limit. scandir: `status` walks 10^4 files."""
-    total, todo = 0, [os.fspath(path)]
+    report or a retention limit. scandir: `status` walks 10^4 files. ``known``: bytes under some
+    folders (by their path as found under ``path``) already counted, not walked again."""
+    total, todo, known = 0, [os.fspath(path)], known or {}
     while todo:
         with suppress(OSError), os.scandir(todo.pop()) as entries:
             for e in entries:  # reading the directory can fail here too, not only in scandir()
                 with suppress(OSError):
-                    if e.is_dir(follow_symlinks=False):
+                    if e.path in known:
+                        total += known[e.path]
+                    elif e.is_dir(follow_symlinks=False):
                         todo.append(e.path)
                     else:
                         total += e.stat(follow_symlinks=False).st_size

@@ -22,7 +22,6 @@ quarantines for it and never gives up the run's progress without being told to.
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,6 +174,8 @@ def begin(root: str | Path, step: int) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / tmp_dirname(step, os.getpid(), hostname())
     if tmp.exists():
+        import shutil  # here: `status` imports this module and never removes
+
         shutil.rmtree(tmp)
     tmp.mkdir()
     fsync_dir(root)

@@ -4,6 +4,7 @@ summaries (fresh, stale, garbage, a big run counted from headers)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -32,7 +33,14 @@ from supervisor.format.layout import (
     node_local_base,
     parse_node_summary_filename,
 )
-from supervisor.format.nodesummary import parse_header, read_run_heartbeats, read_summary, write_summary
+from supervisor.format.nodesummary import (
+    SummaryHeader,
+    _parse_header_slowly,
+    parse_header,
+    read_run_heartbeats,
+    read_summary,
+    write_summary,
+)
 from supervisor.report import build_report
 from supervisor.watch.node_summary import NodeFacts, Publisher, build_summary, choose_folder
 from supervisor.watch.restart_policy import Clock, PhaseTimeouts
@@ -135,6 +143,29 @@ def test_header_refuses_garbage_with_a_reason():
         parse_header(b'{"node": "x", "phases": {}, "attention": []}')
     with pytest.raises(ValueError, match="'phases' missing"):
         parse_header(b'{"node": 0}')
+
+
+def _outcome(parse, d):
+    try:
+        return parse(d)
+    except ValueError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("bad", [None, True, "x", 1.5, 3, [], {}, "missing"])
+def test_header_fast_path_agrees_with_the_field_by_field_check(bad):
+    """parse_header's one-pass check accepts exactly what the field-by-field one does, with the
+    same values (a field wrong in any way falls to the slow path and its reason)."""
+    header, _, _ = build_summary([], NodeFacts(3, "h0", 55, 5.0, launch_id=LID), Clock(1000.0), TIMEOUTS)
+    good = header.to_dict()
+    assert list(good) == [f.name for f in dataclasses.fields(SummaryHeader)]
+    assert parse_header(json.dumps(good)) == header
+    for key in good:
+        d = {k: v for k, v in good.items() if k != key} if bad == "missing" else {**good, key: bad}
+        assert _outcome(parse_header, json.dumps(d)) == _outcome(_parse_header_slowly, d), key
+    for key, bad_list in (("phases", {"train": True}), ("attention", [1, "x"])):
+        d = {**good, key: bad_list}
+        assert _outcome(parse_header, json.dumps(d)) == _outcome(_parse_header_slowly, d), key
 
 
 def run_dir(tmp_path: Path, status: str = "running") -> Path:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +42,7 @@ def fsync_tree(path: str | os.PathLike[str]) -> None:
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     """Write ``data`` to ``path`` so a reader sees the old content or the new, never a mix."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.urandom(6).hex()}.tmp")  # not uuid: its import costs `status`
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -77,6 +75,8 @@ def restrict_umask() -> int:
 
 
 def hostname() -> str:
+    import socket  # here: `status` answers in milliseconds and needs it rarely
+
     return socket.gethostname().split(".")[0] or "localhost"
 
 

@@ -20,7 +20,6 @@ from typing import Any, TextIO
 from supervisor.format.atomic import atomic_write_json
 from supervisor.format.eventnames import EventName
 from supervisor.format.layout import RunDir
-from supervisor.redact import redact, redact_obj
 from supervisor.watch.restart_policy import LaunchRecord, Outcome
 
 STATE_VERSION = 1
@@ -195,6 +194,8 @@ def read_state(path: str | Path) -> RunState | None:
 
 
 def write_state(root: str | Path, state: RunState) -> None:
+    from supervisor.redact import redact_obj  # here: `status` reads state and writes none (logging)
+
     path = state_path(root, state.node)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, redact_obj(replace(state, updated=time.time()).to_dict()))
@@ -226,6 +227,8 @@ class EventLog:
         self.error: OSError | None = None  # the current failure streak's first error
 
     def emit(self, event: EventName, msg: str, **fields: Any) -> dict[str, Any]:
+        from supervisor.redact import redact, redact_obj  # here: see write_state
+
         now = time.time()
         rec = {
             "t": round(now, 3),

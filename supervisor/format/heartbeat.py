@@ -13,7 +13,6 @@ that is what the watchdog calls a hang.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import time
 from collections.abc import Mapping
@@ -21,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from supervisor.format.atomic import atomic_write_json, hostname
 from supervisor.format.layout import (
@@ -33,6 +32,10 @@ from supervisor.format.layout import (
     stack_dump_filename,
 )
 
+if TYPE_CHECKING:
+    import logging
+
+
 # Set by the watchdog for each launch, read by the trainer's HeartbeatWriter.
 ENV_LAUNCH_ID = "SUPERVISOR_LAUNCH_ID"
 ENV_RESTART_COUNT = "SUPERVISOR_RESTART_COUNT"
@@ -40,9 +43,6 @@ ENV_RESTART_COUNT = "SUPERVISOR_RESTART_COUNT"
 # this file exists, or exit 0 once the watchdog with this pid is gone.
 ENV_STANDBY_RELEASE = "SUPERVISOR_STANDBY_RELEASE"
 ENV_WATCHDOG_PID = "SUPERVISOR_WATCHDOG_PID"
-
-
-log = logging.getLogger(__name__)
 
 
 class Phase(str, Enum):
@@ -220,6 +220,14 @@ def _float(v: object) -> float:
     return float(v)
 
 
+def _log() -> logging.Logger:
+    """This module's logger; logging is imported on the first warning: `status` reads heartbeats
+    and pays 5 ms for an import it never uses."""
+    import logging
+
+    return logging.getLogger(__name__)
+
+
 def read_small(path: str | Path) -> bytes:
     """Whole file via os.read: half the cost of open().read(), which matters for `status` over
     thousands of ranks."""
@@ -358,11 +366,11 @@ class HeartbeatWriter:
             write_heartbeat_in(self.folder, hb)
         except OSError as e:
             if self.write_errors == 0:
-                log.warning("rank %d: heartbeat not written (%s); retrying at the next beat", self.rank, e)
+                _log().warning("rank %d: heartbeat not written (%s); retrying at the next beat", self.rank, e)
             self.write_errors += 1
             return False
         if self.write_errors:
-            log.warning(
+            _log().warning(
                 "rank %d: heartbeat written again after %d failed writes", self.rank, self.write_errors
             )
             self.write_errors = 0

@@ -71,6 +71,8 @@ REMOTE_STATUS = "remote.json"
 REMOTE_EVENTS = "events.remote.jsonl"
 REQUEUE_STATE = "slurm.json"
 RETENTION = "retention.json"
+# `status`'s remembered quick checks of committed checkpoints (supervisor/quickcache.py).
+STATUS_CACHE = "status_cache.json"
 # Under SUPERVISOR/LAUNCHES/<launch id>: torchelastic's error file for the launched command
 # (@record writes the root-cause exception there) and torchrun's log dir, where each worker's
 # @record writes its own ELASTIC_ERROR under <run id>/attempt_<n>/<local rank>/.
@@ -373,6 +375,10 @@ class RunDir:
     @property
     def retention(self) -> Path:
         return self.supervisor / RETENTION
+
+    @property
+    def status_cache(self) -> Path:
+        return self.supervisor / STATUS_CACHE
 
     @property
     def metrics(self) -> Path:

@@ -19,8 +19,6 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
 from supervisor.format.layout import MANIFEST, SIGNATURE
 
 FORMAT_VERSION = 2
@@ -251,6 +249,8 @@ def _is_safe_relpath(name: str) -> bool:
 def _hasher(algo: str) -> Any:
     """A fresh hash object: xxh3-128 (the manifest's checksum) or any hashlib algorithm."""
     if algo == CHECKSUM_ALGO:
+        import xxhash  # here: listing and quick checks (`status`) never hash
+
         return xxhash.xxh3_128()
     import hashlib  # here: a run without signing never needs it
 

@@ -678,7 +678,10 @@ class Watchdog:
         while True:
             rc = child.poll()
             if rc is not None:
-                ended.returncode, ended.detected = rc, time.time()
+                ended.detected = time.time()
+                # The ranks' last word (a save that worked again just before the end) is logged too.
+                self._report_saves(restart_policy.launch_heartbeats(reader.read(), launch_id), save_seen)
+                ended.returncode = rc
                 if rc != 0:  # they did not exit cleanly after all; the first to vanish first
                     ended.dead = sorted(gone, key=lambda d: (gone_since.get(d.rank, 0.0), d.rank))
                 return ended

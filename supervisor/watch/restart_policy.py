@@ -7,7 +7,6 @@ heartbeat snapshots, and decide stop / relaunch (budget, no progress, backoff). 
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from enum import Enum
@@ -65,11 +64,19 @@ class Classification:
     reason: str
 
 
+def _signal_name(signum: int) -> str:
+    """'SIGKILL'; ValueError for a number that names no signal. signal is imported here: `status`
+    imports this module and names no signal."""
+    import signal
+
+    return signal.Signals(signum).name
+
+
 def describe_returncode(returncode: int) -> str:
     """'exit 1' or 'killed by SIGKILL' (Popen reports death by signal as a negative code)."""
     if returncode < 0:
         try:
-            return f"killed by {signal.Signals(-returncode).name}"
+            return f"killed by {_signal_name(-returncode)}"
         except ValueError:
             return f"killed by signal {-returncode}"
     return f"exit {returncode}"
@@ -534,7 +541,7 @@ def decide(
             return Decision(
                 False, Exit.REQUEUE_REQUESTED, 0, "stopped by signal; child checkpointed: requeue"
             )
-        name = signal.Signals(stop_signal).name
+        name = _signal_name(stop_signal)
         return Decision(False, 128 + stop_signal, 0, f"watchdog received {name}: stopped")
     if code == Outcome.DONE:
         return Decision(False, Exit.OK, 0, "training finished")
