@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +63,8 @@ class NodeRow:
     ranks: int = 0
     verdict: str = ""  # the last launch's, as the node's watchdog judged it
     culprit: str = ""
+    # The last relaunch's recovery, seconds per phase and "total" (supervisor/watch/recovery.py).
+    recovery: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -239,6 +241,7 @@ def _nodes(
                 st.launch_count,
                 len(st.restart_times),
                 st.launch_id,
+                recovery=st.recovery,
             )
         )
         timeouts = timeouts or st.timeouts

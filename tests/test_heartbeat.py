@@ -15,6 +15,7 @@ from supervisor.format.heartbeat import (
     ENV_RESTART_COUNT,
     Heartbeat,
     HeartbeatWriter,
+    Mark,
     Phase,
     read_heartbeat,
     read_heartbeats,
@@ -70,6 +71,8 @@ def _full() -> dict:
         (json.dumps({**_full(), "wall_time": 10**400}).encode(), "bad field"),
         (json.dumps({**_full(), "phase": ["train"]}).encode(), "bad field"),
         (json.dumps({**_full(), "rank": 4}).encode(), "says rank 4"),
+        (json.dumps({**_full(), "marks": [1.0]}).encode(), "bad field"),
+        (json.dumps({**_full(), "marks": {"first_step": "soon"}}).encode(), "bad field"),
     ],
 )
 def test_bad_files_read_as_unknown_with_a_reason(tmp_path: Path, content: bytes, problem: str) -> None:
@@ -180,3 +183,21 @@ def test_a_new_io_path_is_written_at_once_whatever_the_throttle(tmp_path: Path) 
     track(10)
     track.set_path("step_00000010/__1_0.distcp")  # the same file: throttled like progress
     assert read_heartbeat(RunDir.of(tmp_path).heartbeat(0), 0).heartbeat.progress == 10
+
+
+def test_marks_ride_every_beat_and_the_first_step_is_written_at_once(tmp_path: Path) -> None:
+    """Marks set by the trainer go out with the next beat; the first train beat with a step time
+    marks FIRST_STEP and is written whatever the throttle (the watchdog times a recovery by it),
+    once: later steps keep its time."""
+    w = HeartbeatWriter(tmp_path, rank=0, local_rank=0, world_size=1, interval_s=3600)
+    w.mark(Mark.TORCH_IMPORTED, 100.0)
+    w.mark(Mark.TORCH_IMPORTED, 200.0)  # the first time counts
+    assert w.beat(0, Phase.TRAIN, force=True)  # the loop's first beat, before any step
+    assert w.beat(1, Phase.TRAIN, last_step_s=0.1)  # throttled, but the first step
+    first = read_heartbeat(RunDir.of(tmp_path).heartbeat(0), 0).heartbeat
+    assert first is not None and first.marks[Mark.TORCH_IMPORTED.value] == 100.0
+    assert first.marks[Mark.FIRST_STEP.value] == pytest.approx(first.wall_time)
+    assert not w.beat(2, Phase.TRAIN, last_step_s=0.1)  # throttled again
+    assert w.beat(3, Phase.SAVE)
+    later = read_heartbeat(RunDir.of(tmp_path).heartbeat(0), 0).heartbeat
+    assert later is not None and later.marks == first.marks

@@ -137,15 +137,19 @@ def test_done_rank_never_hangs():
 
 
 def test_stale_launch_heartbeats_ignored_until_startup_timeout():
-    """An old launch's heartbeat says nothing about this one; with no heartbeat of this launch,
-    the launch is hung once past the startup timeout (a rendezvous that never returns)."""
+    """An old launch's heartbeat says nothing about this one; with no heartbeat of this launch and
+    --require-heartbeat, the launch is hung once past the startup timeout (a rendezvous that never
+    returns); without it, a command that writes no heartbeat is never hung by silence."""
     snaps = [
         snap(0, Phase.TRAIN, T0 - 1000, launch="launch-a"),
         HeartbeatSnapshot(1, "x", None, "not valid JSON"),
     ]
     t = PhaseTimeouts(train=1, startup=20)
-    assert detect_hangs(snaps, launch_id=LID, launch_age_s=19, clock=Clock(T0 + 19), timeouts=t) == []
-    hangs = detect_hangs(snaps, launch_id=LID, launch_age_s=21, clock=Clock(T0 + 21), timeouts=t)
+    kw = {"launch_id": LID, "timeouts": t}
+    assert detect_hangs(snaps, launch_age_s=1e6, clock=Clock(T0 + 1e6), **kw) == []
+    kw["require_heartbeat"] = True
+    assert detect_hangs(snaps, launch_age_s=19, clock=Clock(T0 + 19), **kw) == []
+    hangs = detect_hangs(snaps, launch_age_s=21, clock=Clock(T0 + 21), **kw)
     assert len(hangs) == 1 and hangs[0].rank is None and hangs[0].phase == Phase.STARTUP
     assert "no rank" in hangs[0].reason
 
@@ -323,6 +327,17 @@ def test_a_vanished_rank_is_dead_only_after_a_quiet_grace_while_others_run():
     assert confirm_dead([d0, d1], seen, 20.0, survivors=False, **kw)[0] == []
     assert confirm_dead([d0, d1], seen, 41.0, survivors=False, **kw)[0] == [d1, d0]
     assert confirm_dead([], seen, 99.0, survivors=True, **kw) == ([], {})
+
+
+def test_a_vanished_rank_that_recorded_its_exception_is_dead_at_once():
+    """An error file (torchelastic's @record) says it was no clean exit: no grace, no waiting for
+    the launched command's exit code; the first to vanish still comes first."""
+    d0, d1 = DeadRank(0, 100, 7), DeadRank(1, 101, 7)
+    kw = {"grace_s": 1.0, "all_gone_wait_s": 30.0}
+    seen = {1: 10.0}
+    assert confirm_dead([d0, d1], seen, 10.1, survivors=False, failed={0}, **kw)[0] == [d1, d0]
+    assert confirm_dead([d1], {}, 10.0, survivors=True, failed={1}, **kw)[0] == [d1]
+    assert confirm_dead([d1], {}, 10.0, survivors=True, failed={0}, **kw)[0] == []  # not a gone rank
 
 
 def test_save_news_reports_rises_and_recoveries_once():

@@ -21,6 +21,7 @@ from watch_helpers import events, finish, leftovers, start_watchdog
 from supervisor import store
 from supervisor.drill.corruption import Corruption, corrupt
 from supervisor.format.exitcodes import Exit
+from supervisor.format.layout import RunDir
 from train_ref import hold
 
 pytestmark = pytest.mark.slow
@@ -79,6 +80,30 @@ def test_kill9_worker_resumes_digest_equal(tmp_path, reference):
     assert [e["outcome"] for e in ends] == ["crash", "done"], out[-3000:]
     assert digest(root) == reference
     assert not leftovers(root)
+
+
+def test_kill9_relaunch_taken_from_the_standby_digest_equal(tmp_path, reference):
+    """--standby: once launch 1 trains, launch 2 is started ahead and its ranks wait, imports
+    done; after a kill -9 the relaunch is that process (no new torchrun), its recovery shows the
+    process start and the imports as already done (0 s), and the run ends bit-identical."""
+    root, gate = tmp_path / "run", held_at(tmp_path)
+    p = start_watch(root, standalone(root), "--standby", gate=gate)
+    victim = wait_held(gate, 2, HOLD_AT, proc=p)[1]["pid"]
+    spare = wait_for(lambda: watchdog_events(root, "standby"), "a standby launch", proc=p)[0]
+    ready = RunDir.of(root).launch_dir(spare["launch_id"])
+    wait_for(lambda: len(list(ready.glob("ready_*"))) == 2, "the standby's 2 ranks ready", proc=p)
+    os.kill(victim, signal.SIGKILL)
+    hold.release(gate)
+    rc, out = finish(p)
+    assert rc == Exit.OK, out[-3000:]
+    evs = events(root)
+    second = [e for e in evs if e["event"] == "launch"][1]
+    assert (second["launch_id"], second["pid"]) == (spare["launch_id"], spare["pid"])
+    (rec,) = [e for e in evs if e["event"] == "recovery"]
+    assert rec["phases"]["worker_started"] == 0 and rec["phases"]["torch_imported"] == 0, rec
+    assert "first_step" in rec["phases"]
+    assert digest(root) == reference
+    assert not leftovers(root)  # nor the standby made for a launch 3 that was never needed
 
 
 def test_sigstop_worker_detected_dumped_resumed(tmp_path, reference):

@@ -60,7 +60,7 @@ from supervisor.format.metrics import MetricsRecord
 from supervisor.ioerrors import backoff_s, retry_transient
 from supervisor.safepickle import UnsafePickle
 from supervisor.tiers.uploader import Uploader
-from train_ref import agree, tiering
+from train_ref import agree, launch_marks, tiering
 from train_ref.appender import LineAppender
 from train_ref.checkpointer import Checkpointer, CommitInfo, Saveable, SaveOutcome, StorageGaveUp
 from train_ref.devices import DeviceError
@@ -286,6 +286,7 @@ class Resumable:
             local_rank=int(os.environ.get("LOCAL_RANK", "0")),
             world_size=self.world_size,
         )
+        launch_marks.started(self.hb)  # process start, torch imported, process group up: recovery breakdown
         self.hb.beat(0, Phase.STARTUP)
         self._stacks = register_stack_dump(stack_dump_path(self.root, self.rank))  # open until exit
         self.problem = install_signals() or self.saves.problem() or self._remote_problem()
@@ -355,6 +356,7 @@ class Resumable:
         if diff:
             self.apply_config_change(diff)
         self.start = self.state.step
+        launch_marks.loaded(self.hb)
         if self.rank == 0:
             self.metrics_file = LineAppender(RunDir.of(self.root).metrics)
         self.hb.beat(self.start, Phase.TRAIN, force=True)

@@ -38,6 +38,7 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from supervisor import store
 from supervisor.format.atomic import restrict_umask
@@ -46,7 +47,7 @@ from supervisor.format.heartbeat import HeartbeatWriter, Phase
 from supervisor.format.layout import RunDir, step_dirname
 from supervisor.redact import redact_log_handlers
 from supervisor.signing import SigningKeyError, add_signing_key_arg, load_key
-from train_ref import tiering
+from train_ref import standby, tiering
 from train_ref.appender import LineAppender
 from train_ref.config import CONFIGS, TrainConfig, get_config
 from train_ref.data import Corpus, WindowDataset, collate
@@ -195,6 +196,7 @@ def init_group(backend: str, alone: bool) -> None:
 def init_distributed() -> Dist:
     """The process group, and this rank's device: ``devices.device_index`` (LOCAL_RANK when every
     local rank has its own visible GPU, device 0 when the process sees exactly one)."""
+    standby.wait_if_standby()  # a launch started ahead of a failure (watch --standby) waits here
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     alone = "WORLD_SIZE" not in os.environ
     if alone:
@@ -499,6 +501,7 @@ def hold_if_asked(gate: HoldGate, step: int, beat: Callable[[], object]) -> bool
     return bool(want.item())
 
 
+@record  # the exception that ends a rank goes to $TORCHELASTIC_ERROR_FILE: the watchdog's root cause
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.deterministic:  # before CUDA starts: cuBLAS reads its workspace setting once
@@ -580,7 +583,7 @@ def exit_now(code: int) -> NoReturn:
 
 if __name__ == "__main__":
     try:
-        rc = main()
+        rc = main() or 0  # @record returns None for a SystemExit(0)
     except SystemExit as e:  # a deliberate exit (preemption: 75) raised from inside the loop
         if not isinstance(e.code, int):
             raise

@@ -13,6 +13,7 @@ from typing import Any
 
 from supervisor.display import human_age, human_bytes, human_duration, table
 from supervisor.report import FULL_RANKS, StatusReport, build_report
+from supervisor.watch import recovery
 
 # Rank tables longer than this show only the ranks that need a look, plus a summary.
 MAX_RANK_ROWS = 16
@@ -152,6 +153,17 @@ def _launch_lines(r: StatusReport) -> list[str]:
         "",
         "recent launches:",
         table(("#", "started", "ran", "from", "died at", "outcome", "reason"), rows),
+        *_recovery_lines(r),
+    ]
+
+
+def _recovery_lines(r: StatusReport) -> list[str]:
+    """The last relaunch's recovery per watchdog: where its time went."""
+    many = len(r.nodes) > 1
+    return [
+        f"last recovery{f' (node {n.node})' if many else ''}: {recovery.describe(n.recovery)}"
+        for n in r.nodes
+        if n.recovery
     ]
 
 

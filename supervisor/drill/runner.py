@@ -87,6 +87,7 @@ class DrillConfig:
             "--verify", "deep",
             "--hang-timeout", str(self.hang_timeout_s),
             "--backoff-initial", "0.2",
+            "--require-heartbeat",
             *watch_args,
             "--",
             *self.trainer_cmd(root, train_args),

@@ -31,6 +31,9 @@ class EventName(str, Enum):
     REMOTE_UNAVAILABLE = "remote_unavailable"
     SAVE_FAILED = "save_failed"
     SAVE_RECOVERED = "save_recovered"
+    ROOT_CAUSE = "root_cause"  # the exception that ended a launch (torchelastic's error files)
+    STANDBY = "standby"  # the next launch started ahead of a failure (--standby)
+    RECOVERY = "recovery"  # a relaunch's phases, from the failure's verdict to the first step
     HEARTBEAT_DIR = "heartbeat_dir"  # where this node's ranks write their heartbeats, and why there
     # Picking across tiers (the watchdog's log; the trainer's events.remote.jsonl when it picks)
     DOWNLOAD_WAIT = "download_wait"

@@ -61,6 +61,8 @@ class RunState:
     restart_times: tuple[float, ...] = ()
     launches: tuple[LaunchRecord, ...] = ()
     timeouts: dict[str, float] = field(default_factory=dict)
+    # The last relaunch's recovery: seconds per phase, in order, and "total" (watch/recovery.py).
+    recovery: dict[str, float] = field(default_factory=dict)
     started: float = 0.0
     updated: float = 0.0
     version: int = STATE_VERSION
@@ -164,13 +166,18 @@ def parse_state(d: Any) -> RunState:
     if any(isinstance(t, bool) or not isinstance(t, (int, float)) for t in times):
         raise ValueError(f"'restart_times' is {times!r}, not a list of numbers")
     fields["restart_times"] = tuple(float(t) for t in times)
-    timeouts = d.get("timeouts", {})
-    if not isinstance(timeouts, dict) or any(
-        isinstance(v, bool) or not isinstance(v, (int, float)) for v in timeouts.values()
-    ):
-        raise ValueError(f"'timeouts' is {timeouts!r}, not an object of numbers")
-    fields["timeouts"] = {str(k): float(v) for k, v in timeouts.items()}
+    fields["timeouts"] = _numbers(d, "timeouts")
+    fields["recovery"] = _numbers(d, "recovery")
     return RunState(**fields)
+
+
+def _numbers(d: dict[str, Any], key: str) -> dict[str, float]:
+    v = d.get(key, {})
+    if not isinstance(v, dict) or any(
+        isinstance(x, bool) or not isinstance(x, (int, float)) for x in v.values()
+    ):
+        raise ValueError(f"'{key}' is {v!r}, not an object of numbers")
+    return {str(k): float(x) for k, x in v.items()}
 
 
 def read_state(path: str | Path) -> RunState | None:

@@ -39,6 +39,10 @@ if TYPE_CHECKING:
 # Set by the watchdog for each launch, read by the trainer's HeartbeatWriter.
 ENV_LAUNCH_ID = "SUPERVISOR_LAUNCH_ID"
 ENV_RESTART_COUNT = "SUPERVISOR_RESTART_COUNT"
+# Set for a pre-started (standby) launch (watch --standby): its ranks wait, imports done, until
+# this file exists, or exit 0 once the watchdog with this pid is gone.
+ENV_STANDBY_RELEASE = "SUPERVISOR_STANDBY_RELEASE"
+ENV_WATCHDOG_PID = "SUPERVISOR_WATCHDOG_PID"
 
 
 class Phase(str, Enum):
@@ -54,6 +58,17 @@ class Phase(str, Enum):
     DIGEST = "digest"  # the final parameter digest
     CUSTOM = "custom"  # the trainer's own phase (eval, data refresh): name and timeout in the beat
     DONE = "done"
+
+
+class Mark(str, Enum):
+    """Moments of a launch's start, as wall times in its heartbeats (``marks``), so the watchdog
+    can break a recovery down: which part of "kill -9 -> first step again" takes the time."""
+
+    WORKER_STARTED = "worker_started"  # the rank's process was created
+    TORCH_IMPORTED = "torch_imported"  # its imports are done
+    RENDEZVOUS_DONE = "rendezvous_done"  # the process group is up
+    STATE_LOADED = "state_loaded"  # the checkpoint is loaded (or there was none)
+    FIRST_STEP = "first_step"  # its first step of this launch is done (HeartbeatWriter marks it)
 
 
 @cache
@@ -94,6 +109,8 @@ class Heartbeat:
     # Phase CUSTOM only: the trainer's name for it and the silence it allows (0: the train timeout).
     phase_name: str = ""
     phase_timeout_s: float = 0.0
+    # Mark value -> wall time, for the watchdog's recovery breakdown.
+    marks: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -188,11 +205,18 @@ def heartbeat_from_dict(d: Mapping[str, Any]) -> Heartbeat:
             last_error=str(d.get("last_error", "")),
             phase_name=str(d.get("phase_name", "")),
             phase_timeout_s=_float(d.get("phase_timeout_s", 0.0)),
+            marks=_marks(d.get("marks", {})),
         )
     except KeyError as e:
         raise ValueError(f"field {e} missing") from None
     except (TypeError, ValueError, OverflowError) as e:  # OverflowError: float(10**400)
         raise ValueError(f"bad field ({e})") from None
+
+
+def _marks(v: object) -> dict[str, float]:
+    if not isinstance(v, dict):
+        raise ValueError(f"marks {v!r} is not an object")
+    return {str(k): _float(t) for k, t in v.items()}
 
 
 def _int(v: object) -> int:
@@ -293,6 +317,8 @@ class HeartbeatWriter:
         self.last_error = ""
         # The trainer's own phase, written with every beat in phase CUSTOM (``custom_phase``).
         self.custom: tuple[str, float] = ("", 0.0)
+        # Shown in every beat: when this launch reached each Mark (the trainer's own; FIRST_STEP here).
+        self.marks: dict[str, float] = {}
         self.write_errors = 0  # failed writes in the current streak (0: the last write landed)
         self._host = hostname()
         self._pid = os.getpid()
@@ -315,8 +341,12 @@ class HeartbeatWriter:
         ``exit_code`` (always written) so the watchdog can classify it past torchrun's exit 1."""
         now, mono = time.time(), time.monotonic()
         custom = self.custom if phase is Phase.CUSTOM else ("", 0.0)
+        first_step = phase == Phase.TRAIN and last_step_s > 0 and Mark.FIRST_STEP.value not in self.marks
+        if first_step:  # written at once: the watchdog times the recovery by it
+            self.marks[Mark.FIRST_STEP.value] = now
         due = (
             force
+            or first_step
             or exit_code is not None
             or (phase, custom) != self._last_phase
             or mono - self._last_write >= self.interval_s
@@ -345,6 +375,7 @@ class HeartbeatWriter:
             last_error=self.last_error,
             phase_name=custom[0],
             phase_timeout_s=custom[1],
+            marks=dict(self.marks),
         )
         self._last_phase = (phase, custom)
         try:
@@ -361,6 +392,11 @@ class HeartbeatWriter:
             self.write_errors = 0
         self._last_write = mono
         return True
+
+    def mark(self, mark: Mark, at: float | None = None) -> None:
+        """Record when this launch reached ``mark`` (now by default; the first time only); the
+        next beat carries it."""
+        self.marks.setdefault(mark.value, time.time() if at is None else at)
 
     def tracker(self, phase: Phase, step: int, total: int = 0) -> Progress:
         """Progress of one long phase: call it with the bytes (or units) just done; it beats when

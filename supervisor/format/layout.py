@@ -19,6 +19,10 @@
       supervisor/remote.json         the uploader's status
       supervisor/slurm.json          the SLURM job's requeue budget and history
       supervisor/retention.json      the retention policy the trainer prunes with (for `status`)
+      supervisor/launches/<launch id>/error.json  torchelastic's root-cause error file of one launch
+                                     (TORCHELASTIC_ERROR_FILE), and elastic/: torchrun's log dir
+                                     (PET_LOG_DIR), holding each worker's own error.json;
+                                     release: starts a standby launch's ranks (watch --standby)
       metrics.jsonl                  the trainer's per-step metrics (rank 0, across launches)
       samples/rank_00003.jsonl       with --log-samples: the sample ids each rank trained on
       final.json                     the trainer's final digest
@@ -69,6 +73,16 @@ REQUEUE_STATE = "slurm.json"
 RETENTION = "retention.json"
 # `status`'s remembered quick checks of committed checkpoints (supervisor/quickcache.py).
 STATUS_CACHE = "status_cache.json"
+# Under SUPERVISOR/LAUNCHES/<launch id>: torchelastic's error file for the launched command
+# (@record writes the root-cause exception there) and torchrun's log dir, where each worker's
+# @record writes its own ELASTIC_ERROR under <run id>/attempt_<n>/<local rank>/.
+LAUNCHES = "launches"
+ELASTIC_ERROR = "error.json"
+ELASTIC_LOGS = "elastic"
+# Written by the watchdog to start a standby launch's ranks (watch --standby).
+RELEASE = "release"
+# ... and what each of its ranks writes there once waiting, imports done (ready_rank_00001).
+STANDBY_READY_PREFIX = "ready_"
 # Per-rank files: heartbeats/rank_00003.json, and names of the same form elsewhere.
 RANK_PREFIX = "rank_"
 # A watchdog's summary of its node: heartbeats/node_00003.json.
@@ -259,6 +273,11 @@ def _node_suffix(node: int) -> str:
     return "" if node == 0 else f".node{node}"
 
 
+def standby_ready_filename(rank: int) -> str:
+    """What a standby launch's rank writes in its launch dir once it waits, imports done."""
+    return f"{STANDBY_READY_PREFIX}{_rank_name(rank)}"
+
+
 def state_filename(node: int = 0) -> str:
     return f"state{_node_suffix(node)}.json"
 
@@ -335,6 +354,19 @@ class RunDir:
     @property
     def remote_events(self) -> Path:
         return self.supervisor / REMOTE_EVENTS
+
+    def launch_dir(self, launch_id: str) -> Path:
+        """One launch's own files (the id as tmp names spell hosts: nothing but [A-Za-z0-9_-])."""
+        return self.supervisor / LAUNCHES / safe_host(launch_id)
+
+    def error_file(self, launch_id: str) -> Path:
+        return self.launch_dir(launch_id) / ELASTIC_ERROR
+
+    def elastic_logs(self, launch_id: str) -> Path:
+        return self.launch_dir(launch_id) / ELASTIC_LOGS
+
+    def release_file(self, launch_id: str) -> Path:
+        return self.launch_dir(launch_id) / RELEASE
 
     @property
     def requeue_state(self) -> Path:

@@ -16,6 +16,10 @@ from supervisor.watch.restart_policy import PhaseTimeouts, RestartPolicy
 # torchrun + gloo: a restarted group that reuses the agent's TCPStore hangs or fails to connect
 # (see docs/watchdog.md); set in the child's environment unless the operator set it.
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+# Set per launch (layout: supervisor/launches/<id>/): where a rank's @record writes the exception
+# that ended it, and torchrun's log dir (unless the operator set one), which holds each worker's.
+ELASTIC_ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+ELASTIC_LOG_DIR_ENV = "PET_LOG_DIR"
 DEFAULT_POLL_S = 0.5
 DEFAULT_KILL_GRACE_S = 10.0
 DEFAULT_DUMP_WAIT_S = 2.0
@@ -170,3 +174,16 @@ class WatchConfig:
     )
     # --signing-key's key (docs/security.md): picks skip checkpoints not signed with it. Never printed.
     sign_key: bytes | None = field(default=None, repr=False)
+    require_heartbeat: bool = option(
+        "a launch that writes no heartbeat within --startup-timeout is hung (a rendezvous that never "
+        "returns); without it, a command that writes none is judged on its exit code alone",
+        False,
+        group=HANG,
+    )
+    standby: bool = option(
+        "keep the next launch started ahead of a failure, its ranks waiting with their imports done "
+        "(train_ref's standby gate), and release it on a relaunch; single-node or --standalone torchrun "
+        "only (a standby must not join the running job's rendezvous)",
+        False,
+        group=RESTARTS,
+    )

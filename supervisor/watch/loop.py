@@ -18,15 +18,18 @@ from typing import TypeVar
 
 from supervisor import store
 from supervisor.format import events
-from supervisor.format.atomic import hostname
+from supervisor.format.atomic import atomic_write_text, hostname
 from supervisor.format.eventnames import EventName
 from supervisor.format.events import EventLog, RunState
 from supervisor.format.exitcodes import Exit
 from supervisor.format.heartbeat import (
     ENV_LAUNCH_ID,
     ENV_RESTART_COUNT,
+    ENV_STANDBY_RELEASE,
+    ENV_WATCHDOG_PID,
     Heartbeat,
     HeartbeatSnapshot,
+    Mark,
     Phase,
     boot_id,
     read_heartbeat,
@@ -40,8 +43,9 @@ from supervisor.format.layout import (
     stack_dump_filename,
 )
 from supervisor.ioerrors import StorageUnavailable, describe, retry_transient
-from supervisor.watch import culprit, node_summary, process, restart_policy
-from supervisor.watch.config import SHARE_STORE_ENV, WatchConfig
+from supervisor.watch import culprit, node_summary, process, recovery, restart_policy, rootcause
+from supervisor.watch.config import ELASTIC_ERROR_FILE_ENV, ELASTIC_LOG_DIR_ENV, SHARE_STORE_ENV, WatchConfig
+from supervisor.watch.recovery import Moment
 from supervisor.watch.restart_policy import Hang, LaunchRecord, Outcome
 
 T = TypeVar("T")
@@ -68,6 +72,7 @@ class _Ended:
     stop_signal: int | None = None
     preempted: bool = False
     culprit: str = ""  # who hung it, from the stack dumps (culprit.py)
+    detected: float = 0.0  # when the monitor saw it end (a dead rank, a hang, the command's exit)
 
 
 class _Stop(Exception):
@@ -94,6 +99,10 @@ class Watchdog:
         self.abandoned: set[tuple[int, int]] = set()
         self.state_error = ""  # why the state file is not being written ('' while it is)
         self.state_loaded = False  # until the previous state is read, writing would clobber its budget
+        # The relaunch under way: the moments of its recovery so far (None: no failure to recover from).
+        self.recovering: dict[Moment, float] | None = None
+        # With --standby: the next launch, started ahead (its number, id and process), or None.
+        self.standby: tuple[int, str, process.Child] | None = None
         # Where this node's ranks write their heartbeats (node-local, see _node_local), and the
         # thread that publishes them as the node's summary.
         self.hb_dir = RunDir.of(cfg.root).heartbeats
@@ -220,6 +229,7 @@ class Watchdog:
             )
             return self._finish(Exit.STORAGE_UNAVAILABLE, events.FAILED, why)
         finally:
+            self._drop_standby()
             if self.publisher is not None:
                 self.publisher.stop()
 
@@ -253,7 +263,11 @@ class Watchdog:
         self._node_local()
         self._save(status=events.RESTARTING, reason="starting")
         while True:
+            if self.recovering is not None:
+                self.recovering[Moment.BACKED_OFF] = time.time()
             resumed_from = self._pick()
+            if self.recovering is not None:
+                self.recovering[Moment.CHECKPOINT_PICKED] = time.time()
             if self.stop_signal is not None:
                 return self._finish(128 + self.stop_signal, events.STOPPED, "stopped before launch")
             if self.preempt_pending and self.cfg.policy.requeue_exit:
@@ -412,14 +426,9 @@ class Watchdog:
 
     def _launch_once(self, resumed_from: int | None) -> tuple[LaunchRecord, _Ended]:
         number = self.state.launch_count + 1
-        launch_id = f"{self.host}-n{self.cfg.node}-{os.getpid()}-{number}-{uuid.uuid4().hex[:6]}"
-        env = dict(os.environ)
-        env[ENV_LAUNCH_ID] = launch_id
-        env[ENV_RESTART_COUNT] = str(number - 1)
-        env[HEARTBEAT_DIR_ENV] = str(self.hb_dir)
-        if self.cfg.share_store_fix:
-            env.setdefault(SHARE_STORE_ENV, "1")
-        child = self._start(env)
+        launch_id, child = self._take_standby(number) or self._start_launch(number)
+        if self.recovering is not None:
+            self.recovering[Moment.PROCESS_STARTED] = child.started
         try:  # whatever goes wrong in here, nothing of the launch outlives it
             self._save(
                 status=events.RUNNING,
@@ -447,8 +456,15 @@ class Watchdog:
                 self.log.emit(
                     EventName.KILL, f"launch {number}: killed what was left: {note}", unreaped=child.unreaped
                 )
+        killed = time.time()
         beats = restart_policy.launch_heartbeats(read_heartbeat_folder(self.hb_dir), launch_id)
+        self._track_recovery(beats, number, final=True)
+        self.recovering = {Moment.DETECTED: ended.detected or killed, Moment.TREE_KILLED: killed}
+        self.recovering.update(failed_at(ended, beats))
         cls = self._classify(ended, beats)
+        cause = self._root_cause(launch_id, number, beats) if cls.outcome in restart_policy.FAILURES else None
+        if cause is not None:
+            cls = replace(cls, reason=f"{cls.reason}; root cause {cause.describe()}")
         if child.unreaped:
             cls = replace(
                 cls, reason=f"{cls.reason}; left behind, SIGKILL could not end: {'; '.join(child.unreaped)}"
@@ -481,17 +497,141 @@ class Watchdog:
         self._save(launches=self.state.with_launch(rec).launches)
         return rec, ended
 
+    def _launch_env(self, launch_id: str, number: int) -> dict[str, str]:
+        """The command's environment: the launch's id and count, the TCPStore fix, and, when the
+        launch's own directory can be made (best effort, like the event log: a run directory the
+        watchdog cannot write must not stop the training), torchelastic's error file and
+        torchrun's log dir in it (the root cause is read from them)."""
+        env = dict(os.environ)
+        env[ENV_LAUNCH_ID] = launch_id
+        env[ENV_RESTART_COUNT] = str(number - 1)
+        env[HEARTBEAT_DIR_ENV] = str(self.hb_dir)
+        if self.cfg.share_store_fix:
+            env.setdefault(SHARE_STORE_ENV, "1")
+        run = RunDir.of(self.cfg.root)
+        try:
+            run.launch_dir(launch_id).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            events.say(
+                f"[supervisor] {run.launch_dir(launch_id)} not created ({describe(e)}): "
+                f"launch {number} runs without torchelastic's error files (no root cause)"
+            )
+            return env
+        env[ELASTIC_ERROR_FILE_ENV] = str(run.error_file(launch_id))
+        env.setdefault(ELASTIC_LOG_DIR_ENV, str(run.elastic_logs(launch_id)))
+        return env
+
+    def _start_launch(self, number: int, standby: bool = False) -> tuple[str, process.Child]:
+        """Start COMMAND as launch ``number``; a standby's ranks wait for _take_standby."""
+        launch_id = f"{self.host}-n{self.cfg.node}-{os.getpid()}-{number}-{uuid.uuid4().hex[:6]}"
+        env = self._launch_env(launch_id, number)
+        if standby:
+            env[ENV_STANDBY_RELEASE] = str(RunDir.of(self.cfg.root).release_file(launch_id))
+            env[ENV_WATCHDOG_PID] = str(os.getpid())
+        return launch_id, self._start(env, own_subtree=standby)
+
+    # ------------------------------------------------------------ standby (--standby)
+
+    def _keep_standby(self, child: process.Child, beats: list[Heartbeat]) -> None:
+        """With --standby, once the running launch's ranks here have all made a step (not
+        earlier: a standby importing torch would slow a recovery on the same cores), start the
+        next launch ahead of a failure; its ranks wait with their imports done."""
+        if not self.cfg.standby or self.standby is not None or self.recovering is not None:
+            return
+        local = [b for b in beats if b.host == self.host]
+        if not local or not all(Mark.FIRST_STEP.value in b.marks for b in local):
+            return
+        number = self.state.launch_count + 1
+        launch_id, spare = self._start_launch(number, standby=True)
+        self.standby = (number, launch_id, spare)
+        child.excluded = {spare.pid}
+        self.log.emit(
+            EventName.STANDBY,
+            f"standby for launch {number} (id {launch_id}) started, pid {spare.pid}: released on a relaunch",
+            launch=number,
+            launch_id=launch_id,
+            pid=spare.pid,
+        )
+
+    def _take_standby(self, number: int) -> tuple[str, process.Child] | None:
+        """Release the standby as launch ``number``: None (start cold) without one, or when it
+        died meanwhile (the reason is in the event log)."""
+        if self.standby is None:
+            return None
+        made_for, launch_id, spare = self.standby
+        self.standby = None
+        why = f"exited {spare.returncode()}" if spare.poll() is not None else ""
+        why = why or (f"made for launch {made_for}" if made_for != number else "")
+        if not why:
+            try:
+                atomic_write_text(RunDir.of(self.cfg.root).release_file(launch_id), f"{time.time()}\n")
+            except OSError as e:
+                why = f"its release file could not be written: {describe(e)}"
+        if why:
+            self.log.emit(EventName.KILL, f"standby {launch_id} not used ({why}): {spare.kill(0.0)}")
+            return None
+        spare.own_subtree = False
+        spare.started, spare.started_mono = time.time(), time.monotonic()
+        return launch_id, spare
+
+    def _drop_standby(self) -> None:
+        """The watchdog is done: the standby goes, never released."""
+        if self.standby is not None:
+            _, launch_id, spare = self.standby
+            self.standby = None
+            self.log.emit(EventName.KILL, f"standby {launch_id} not needed: {spare.kill(0.0)}")
+
+    def _root_cause(self, launch_id: str, number: int, beats: list[Heartbeat]) -> rootcause.RootCause | None:
+        """The exception that ended the launch, from torchelastic's error files (ranks that use
+        @record write them), as a root_cause event; None when no rank wrote one."""
+        run = RunDir.of(self.cfg.root)
+        local = {b.local_rank: b.rank for b in beats if b.host == self.host}
+        cause, problems = rootcause.find_root_cause(
+            run.error_file(launch_id), run.elastic_logs(launch_id), local
+        )
+        unusable = f" (unusable: {'; '.join(problems)})" if problems else ""
+        if cause is not None:
+            msg = f"launch {number}: root cause {cause.describe()}{unusable}"
+            self.log.emit(EventName.ROOT_CAUSE, msg, launch=number, problems=problems, **cause.fields())
+        elif problems:
+            msg = f"launch {number}: no root cause: error files unusable: {'; '.join(problems)}"
+            self.log.emit(EventName.ROOT_CAUSE, msg, launch=number, problems=problems)
+        return cause
+
+    def _track_recovery(self, beats: list[Heartbeat], number: int, *, final: bool = False) -> None:
+        """Once this launch's ranks here have all made their first step, the recovery that led to
+        it is recorded (a recovery event, and state.json for status); ``final``: the launch ended,
+        so what it reached is recorded, first step or not."""
+        if self.recovering is None:
+            return
+        at = {**self.recovering, **recovery.rank_moments(beats, self.host)}
+        if not (final or recovery.complete(at)):
+            return
+        self.recovering = None
+        phases = recovery.breakdown(at)
+        self.log.emit(
+            EventName.RECOVERY,
+            f"launch {number} recovery: {recovery.describe(phases)}",
+            launch=number,
+            phases=phases,
+        )
+        self._save(recovery=phases)
+
     def _publish(self, **facts: str | int | None) -> None:
         """News for the node summary (written at its next interval)."""
         if self.publisher is not None:
             self.publisher.update(**facts)
 
-    def _start(self, env: dict[str, str]) -> process.Child:
+    def _start(self, env: dict[str, str], own_subtree: bool = False) -> process.Child:
         """Start COMMAND; one that cannot be executed stops the watchdog (exit 12) with a line
         naming it, a transient error reaches run() (exit 14)."""
         try:
             return process.Child(
-                list(self.cfg.command), env, reap_timeout_s=self.cfg.reap_timeout_s, abandoned=self.abandoned
+                list(self.cfg.command),
+                env,
+                reap_timeout_s=self.cfg.reap_timeout_s,
+                abandoned=self.abandoned,
+                own_subtree=own_subtree,
             )
         except OSError as e:
             if e.errno not in CANNOT_EXEC:
@@ -538,6 +678,7 @@ class Watchdog:
         while True:
             rc = child.poll()
             if rc is not None:
+                ended.detected = time.time()
                 # The ranks' last word (a save that worked again just before the end) is logged too.
                 self._report_saves(restart_policy.launch_heartbeats(reader.read(), launch_id), save_seen)
                 ended.returncode = rc
@@ -560,6 +701,8 @@ class Watchdog:
                 snaps = reader.read()
                 beats = restart_policy.launch_heartbeats(snaps, launch_id)
                 save_seen = self._report_saves(beats, save_seen)
+                self._track_recovery(beats, self.state.launch_count)
+                self._keep_standby(child, beats)
                 tree = set(child.tree())  # after the read: a rank that beat and then died is gone
                 gone = restart_policy.dead_ranks(beats, self.host, tree)
                 survivors = any(b.host == self.host and b.pid in tree for b in beats)
@@ -570,11 +713,12 @@ class Watchdog:
                     survivors=survivors,
                     grace_s=self.cfg.dead_rank_grace_s,
                     all_gone_wait_s=ALL_RANKS_GONE_WAIT_S,
+                    failed=self._errored(launch_id, beats) if gone else (),
                 )
                 if gone:  # judged within the grace, not a poll interval later
                     next_check = min(next_check, time.monotonic() + SIGNAL_POLL_S)
                 if dead and child.poll() is None:
-                    ended.dead = dead
+                    ended.dead, ended.detected = dead, time.time()
                     self.log.emit(
                         EventName.RANK_DIED,
                         "; ".join(d.reason for d in dead) + ": killing the rest of the launch",
@@ -586,11 +730,17 @@ class Watchdog:
                 # While a vanished rank is being judged (dead, or a clean exit), its silence is no hang.
                 hangs = [] if gone else self._check_hangs(child, launch_id, snaps, beats)
                 if hangs:
+                    ended.detected = time.time()
                     ended.hangs = hangs = self._where_blocked(child, hangs)
-                    ended.culprit = self._handle_hang(child, hangs, launch_id)
+                    ended.culprit = self._handle_hang(child, hangs, launch_id, ended.detected)
                     ended.returncode = child.returncode()
                     return ended
             time.sleep(SIGNAL_POLL_S)
+
+    def _errored(self, launch_id: str, beats: list[Heartbeat]) -> set[int]:
+        """This host's ranks that wrote torchelastic's error file: they ended by an exception."""
+        local = rootcause.errored_local_ranks(RunDir.of(self.cfg.root).elastic_logs(launch_id))
+        return {b.rank for b in beats if b.host == self.host and b.local_rank in local}
 
     def _report_saves(self, beats: list[Heartbeat], seen: dict[int, int]) -> dict[int, int]:
         """save_failed / save_recovered events for what this node's ranks report."""
@@ -651,6 +801,7 @@ class Watchdog:
             launch_age_s=time.monotonic() - child.started_mono,
             clock=restart_policy.Clock(time.time(), time.monotonic(), boot_id()),
             timeouts=timeouts,
+            require_heartbeat=self.cfg.require_heartbeat,
         )
 
     def _where_blocked(self, child: process.Child, hangs: list[Hang]) -> list[Hang]:
@@ -674,7 +825,7 @@ class Watchdog:
             out.append(h)
         return out
 
-    def _handle_hang(self, child: process.Child, hangs: list[Hang], launch_id: str) -> str:
+    def _handle_hang(self, child: process.Child, hangs: list[Hang], launch_id: str, detected: float) -> str:
         """Dump every local rank's stacks, name the culprit from where each rank waits (culprit.py),
         log it with the dumps, then kill the launch. Returns who hung it, for the launch's reason."""
         beats = restart_policy.launch_heartbeats(read_heartbeat_folder(self.hb_dir), launch_id)  # every rank
@@ -692,6 +843,7 @@ class Watchdog:
             ranks=[h.rank for h in hangs],
             stopped_ranks=sorted(r for r, pid in targets.items() if pid in stopped),
             stopped_pids=sorted(stopped),
+            detected=round(detected, 3),  # the verdict's time; the event's is after the dumps
             **diag.fields(),
         )
         for rank, pid in sorted(targets.items()):
@@ -739,6 +891,16 @@ class _LaunchBeats:
             or any(b.phase in (Phase.STARTUP, Phase.LOAD) for b in beats)
         )
         return snaps
+
+
+def failed_at(ended: _Ended, beats: list[Heartbeat]) -> dict[Moment, float]:
+    """When the ranks that failed the launch (dead or hung; else those that ended without an exit
+    code or with a non-zero one) last beat: where its recovery starts (an upper bound of the
+    detection's latency: beats are throttled); nothing when none beat."""
+    bad = {d.rank for d in ended.dead} | {h.rank for h in ended.hangs if h.rank is not None}
+    bad = bad or {b.rank for b in beats if b.exit_code != 0}
+    last = [b.wall_time for b in beats if b.rank in bad]
+    return {Moment.FAILED: max(last)} if last else {}
 
 
 def died_at(beats: list[Heartbeat]) -> int | None:

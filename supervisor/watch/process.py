@@ -125,10 +125,15 @@ class Child:
         *,
         reap_timeout_s: float,
         abandoned: set[tuple[int, int]] | None = None,
+        own_subtree: bool = False,
     ) -> None:
         self.reap_timeout_s = reap_timeout_s
         self.abandoned = set() if abandoned is None else abandoned
         self.unreaped: list[str] = []  # what kill() had to leave behind in this launch, described
+        # A standby launch (watch --standby) is only the launched process and what is below it;
+        # the running launch is every descendant but the trees rooted at ``excluded`` (a standby's).
+        self.own_subtree = own_subtree
+        self.excluded: set[int] = set()
         self.popen = subprocess.Popen(argv, env=dict(env), start_new_session=True)
         self.pid = self.popen.pid
         self.started = time.time()
@@ -145,10 +150,17 @@ class Child:
         return -signal.SIGKILL if rc is None else rc
 
     def tree(self) -> list[int]:
-        """The child and every descendant, adopted orphans included, but not the abandoned."""
+        """The child and every descendant, adopted orphans included, but not the abandoned (nor
+        a standby's tree; for a standby, only its own subtree)."""
         table = process_table()
         self.abandoned &= {(p.pid, p.start) for p in table.values()}
-        return [p for p in descendants(os.getpid(), table) if (p, table[p].start) not in self.abandoned]
+        if self.own_subtree:
+            alive = self.pid in table and table[self.pid].state != "Z"
+            pids = [*([self.pid] if alive else []), *descendants(self.pid, table)]
+        else:
+            others = {q for r in self.excluded for q in (r, *descendants(r, table))}
+            pids = [p for p in descendants(os.getpid(), table) if p not in others]
+        return [p for p in pids if (p, table[p].start) not in self.abandoned]
 
     def signal_tree(self, sig: int) -> list[int]:
         return send(self.tree(), sig)

@@ -275,14 +275,17 @@ def detect_hangs(
     launch_age_s: float,
     clock: Clock,
     timeouts: PhaseTimeouts,
+    require_heartbeat: bool = False,
 ) -> list[Hang]:
     """Ranks of this launch without progress for longer than their phase allows (beats follow
     progress, so a long phase that progresses is never a hang). Before any rank of this launch
-    has beaten, the launch itself is hung once older than the startup timeout (a rendezvous or
-    ``init_process_group`` that never returns); ``launch_age_s`` is on the monotonic clock."""
+    has beaten, the launch is judged on its exit code alone (a command that writes no heartbeat
+    cannot earn a hang verdict), unless ``require_heartbeat``: then it is hung once older than
+    the startup timeout (a rendezvous or ``init_process_group`` that never returns);
+    ``launch_age_s`` is on the monotonic clock."""
     beats = launch_heartbeats(snapshots, launch_id)
     if not beats:
-        if launch_age_s > timeouts.startup:
+        if require_heartbeat and launch_age_s > timeouts.startup:
             return [Hang(None, None, Phase.STARTUP, 0, launch_age_s, timeouts.startup)]
         return []
     hangs = []
@@ -338,19 +341,24 @@ def confirm_dead(
     survivors: bool,
     grace_s: float,
     all_gone_wait_s: float,
+    failed: Collection[int] = (),
 ) -> tuple[list[DeadRank], dict[int, float]]:
     """Which of the ranks seen ``gone`` are dead, and when each was first seen gone (keep it for
     the next call; ``now`` monotonic). A rank that exited 0 without its final heartbeat is not a
     death: its launched command will exit 0. So a vanished rank counts as dead only once no rank
     has vanished for ``grace_s`` while others still run (they wait for it in a collective:
     killing them at once is what keeps a restart fast); when no local rank is left, nobody needs
-    rescuing, and the launched command's exit code is waited for up to ``all_gone_wait_s``. The
-    dead are listed first-vanished first: the others may have died of it."""
+    rescuing, and the launched command's exit code is waited for up to ``all_gone_wait_s``. A
+    vanished rank in ``failed`` (it recorded the exception that ended it: torchelastic's error
+    file) was no clean exit: the launch is dead at once. The dead are listed first-vanished
+    first: the others may have died of it."""
     seen = {d.rank: first_seen.get(d.rank, now) for d in gone}
     if not gone:
         return [], seen
     quiet = now - max(seen.values())
     first = sorted(gone, key=lambda d: (seen[d.rank], d.rank))  # the first to vanish: the likely cause
+    if any(d.rank in failed for d in gone):
+        return first, seen
     return (first if quiet >= (grace_s if survivors else all_gone_wait_s) else []), seen
 
 
