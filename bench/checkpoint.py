@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -59,29 +60,25 @@ def launch(args: argparse.Namespace) -> int:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def worker(args: argparse.Namespace) -> None:
+def make_trainer(root: Path, config: str, extra: list[str] | None = None) -> Any:
+    """A reference ``train.Trainer`` on this torchrun rank (FSDP, ``config``), at step 0, with
+    its rank RNG seeded: what the benches drive step by step."""
     import torch
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     from supervisor.format.heartbeat import HeartbeatWriter
-    from supervisor.format.manifest import CheckpointInfo, list_files
-    from supervisor.store import list_checkpoints
+    from supervisor.format.manifest import CheckpointInfo
     from train_ref import train
     from train_ref.checkpointer import CommitInfo
     from train_ref.config import config_hash, get_config
     from train_ref.data import Corpus
 
-    root = Path(args.dir) / "ckpt"
     targs = train.parse_args(
-        ["--ckpt-root", str(root), "--steps", "0", "--config", "bench", "--parallel", "fsdp"]
+        ["--ckpt-root", str(root), "--steps", "0", "--config", config, "--parallel", "fsdp", *(extra or [])]
     )
     d = train.init_distributed()
-    rank0 = d.rank == 0
     root.mkdir(parents=True, exist_ok=True)
     corpus = Corpus.load(None)
-    cfg = get_config("bench", corpus.tokenizer.vocab_size)
+    cfg = get_config(config, corpus.tokenizer.vocab_size)
     run = CheckpointInfo(
         step=0,
         world_size=d.world_size,
@@ -90,10 +87,25 @@ def worker(args: argparse.Namespace) -> None:
         parallelism={"mode": "fsdp", "world_size": d.world_size},
         torch_version=torch.__version__,
     )
-    info = CommitInfo(run)
     hb = HeartbeatWriter(root, rank=d.rank, local_rank=d.local_rank, world_size=d.world_size)
-    t = train.Trainer(targs, d, cfg, corpus, hb, info, "bench")
+    t = train.Trainer(targs, d, cfg, corpus, hb, CommitInfo(run), "bench")
     train.seed_rank_rng(0, d.rank, 0)
+    return t
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from supervisor.format.manifest import list_files
+    from supervisor.store import list_checkpoints
+
+    root = Path(args.dir) / "ckpt"
+    t = make_trainer(root, "bench")
+    d = t.d
+    rank0 = d.rank == 0
     batches = iter(t.loader())
     st = t.state
 

@@ -12,15 +12,18 @@ watchdog sees its process go) or silent in its own heartbeat.
 
 from __future__ import annotations
 
+import pickle
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 T = TypeVar("T")
 KEEPALIVE_S = 0.5
+_LEN = 8  # bytes of the length in front of a packed object
 
 
 @contextmanager
@@ -41,12 +44,36 @@ def beating(beat: Callable[[], object], interval_s: float = KEEPALIVE_S) -> Iter
         t.join()
 
 
-def gather(obj: T, group: dist.ProcessGroup | None, beat: Callable[[], object]) -> list[T]:
-    """Every rank's ``obj``, by rank, on every rank."""
-    out: list[Any] = [None] * dist.get_world_size(group)
+def gather_to_root(obj: T, group: dist.ProcessGroup | None, beat: Callable[[], object]) -> list[T] | None:
+    """Every rank's ``obj``, by rank, on rank 0 (None on the others).
+
+    Linear in the world size N: each rank sends one buffer and rank 0 receives N, where an
+    all-gather hands every rank all N objects (N^2 over the job: each commit sent 4,096 ranks'
+    file lists to each of 4,096 ranks). Not ``dist.gather_object``: it all-gathers every rank's
+    size first (N sizes to each rank); here one MAX all-reduce of a single size is enough, as each
+    buffer carries its own length (``_pack``)."""
+    payload = _pack(obj)
+    size = torch.tensor([payload.numel()], dtype=torch.int64)
+    root = dist.get_rank(group) == 0
     with beating(beat):
-        dist.all_gather_object(out, obj, group=group)
-    return out
+        dist.all_reduce(size, op=dist.ReduceOp.MAX, group=group)
+        padded = torch.zeros(int(size.item()), dtype=torch.uint8)
+        padded[: payload.numel()] = payload
+        bufs = [torch.empty_like(padded) for _ in range(dist.get_world_size(group))] if root else None
+        dist.gather(padded, bufs, group=group, group_dst=0)
+    return [_unpack(b) for b in bufs] if bufs is not None else None
+
+
+def _pack(obj: object) -> torch.Tensor:
+    """``obj`` pickled, behind its length (8 bytes, little-endian), as a byte tensor."""
+    data = pickle.dumps(obj)
+    return torch.frombuffer(bytearray(len(data).to_bytes(_LEN, "little") + data), dtype=torch.uint8)
+
+
+def _unpack(buf: torch.Tensor) -> Any:
+    raw = buf.numpy().tobytes()
+    n = int.from_bytes(raw[:_LEN], "little")
+    return pickle.loads(raw[_LEN : _LEN + n])  # peers' own objects (as all_gather_object)
 
 
 def broadcast(obj: T | None, group: dist.ProcessGroup | None, beat: Callable[[], object]) -> T:

@@ -24,7 +24,9 @@ raises StorageGaveUp (exit 74).
 Async: training continues while staging runs, but ``before_optimizer_step`` waits for staging to
 complete, because an optimizer step during staging would tear the checkpoint. Whether the upload is
 done is agreed by all ranks at each step boundary (``step_boundary``), never decided from a local
-``future.done()``, so every rank commits at the same step.
+``future.done()``, so every rank commits at the same step. That agreement, and the preemption
+notice's, rides on a reduction the step does anyway (``reduce_with_control``: two numbers appended
+to the loss all-reduce), so a step where nothing is pending costs no extra collective.
 
 DCP and the step-boundary agreement each run on their own gloo group: the upload thread's
 collectives on the default group deadlocked against training collectives (torch-cpu.md).
@@ -185,6 +187,7 @@ class Checkpointer:
         if async_save:
             self.stager = OrderedStager(GPU_STAGING if torch.cuda.is_available() else CPU_STAGING)
         self.in_flight: _InFlight | None = None
+        self._agreed: list[bool] | None = None  # flags agreed by reduce_with_control this step
         self.last_blocking_s = 0.0  # time the training loop was blocked by the last save call
         self.last_staging_wait_s = 0.0  # ... and then waiting for its staging before a step
         # Rank 0's account of failed saves: how many in a row, since when nothing is durable
@@ -244,15 +247,39 @@ class Checkpointer:
             self.in_flight.staging = None
             self.last_staging_wait_s = time.monotonic() - t0
 
+    def reduce_with_control(self, t: torch.Tensor, preempt_requested: bool) -> torch.Tensor:
+        """``t`` summed over all ranks (default group), carrying this rank's control flags along
+        for the next ``step_boundary``: the step's agreement then costs no collective of its own.
+        ``t``: a floating tensor the step reduces anyway (the reference loop: its loss). Every rank
+        calls it at the same point of every step (it is a collective)."""
+        flags = self._flags(preempt_requested).to(t.device, t.dtype)
+        packed = torch.cat([t.reshape(-1), flags])
+        dist.all_reduce(packed)
+        # SUM of 0/1 flags: > 0 when any rank set it, exact in any float dtype.
+        self._agreed = [v > 0 for v in packed[t.numel() :].tolist()]
+        return packed[: t.numel()].reshape(t.shape)
+
     def step_boundary(self, preempt_requested: bool) -> bool:
-        """One small collective per step: do all ranks agree the upload is done (then commit), and
-        has any rank been asked to stop? Returns the latter, identical on every rank."""
-        busy = self.in_flight is not None and not self.in_flight.upload.done()
-        flags = torch.tensor([int(preempt_requested), int(busy)], dtype=torch.int64)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.ctl_group)
-        if self.in_flight is not None and not flags[1]:
+        """Do all ranks agree the upload is done (then commit), and has any rank been asked to
+        stop? Returns the latter, identical on every rank. Agreed from the flags this step's
+        ``reduce_with_control`` carried (their values as of that call; a notice that came later is
+        agreed at the next step); a loop that did not call it pays one small all-reduce here.
+        Either way every rank takes the same path: whether the flags came along is a property
+        of the loop's code, the same on every rank."""
+        agreed, self._agreed = self._agreed, None
+        if agreed is None:
+            flags = self._flags(preempt_requested)
+            dist.all_reduce(flags, group=self.ctl_group)
+            agreed = [v > 0 for v in flags.tolist()]
+        preempt, busy = agreed
+        if self.in_flight is not None and not busy:
             self.finish()
-        return bool(flags[0])
+        return preempt
+
+    def _flags(self, preempt_requested: bool) -> torch.Tensor:
+        """This rank's [asked to stop, upload still running], to be SUM-reduced."""
+        busy = self.in_flight is not None and not self.in_flight.upload.done()
+        return torch.tensor([int(preempt_requested), int(busy)], dtype=torch.int64)
 
     def finish(self) -> SaveOutcome | None:
         """Wait for the in-flight save, if any, and commit it (or agree that it failed)."""
@@ -328,10 +355,8 @@ class Checkpointer:
             except OSError as e:
                 mine = save_error(e, self.rank, self.root)
         progress.set_path("")  # waiting for the peers, not in a read
-        gathered = agree.gather(mine, self.ctl_group, lambda: progress(0))
-        outcome = None
-        if self.rank == 0:
-            outcome = self._decide(step, tmp, meta, gathered, progress)
+        gathered = agree.gather_to_root(mine, self.ctl_group, lambda: progress(0))
+        outcome = None if gathered is None else self._decide(step, tmp, meta, gathered, progress)
         outcome = agree.broadcast(outcome, self.ctl_group, lambda: progress(0))
         if outcome.tmp_left:
             self._remove_own_files(tmp)
