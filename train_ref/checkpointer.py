@@ -41,8 +41,8 @@ import pickle
 import shutil
 import sys
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
@@ -131,6 +131,15 @@ class SaveOutcome:
     tmp_left: bool = False  # rank 0 could not remove the tmp dir (a file it cannot see)
 
 
+def merge_reports(
+    reports: Sequence[Mapping[str, FileEntry]],
+) -> tuple[dict[str, FileEntry], dict[int, list[str]]]:
+    """Rank 0: every rank's report (file -> size and checksum, by rank) as ``store.commit``'s
+    ``known`` and ``writers``; linear in the number of files."""
+    known = {name: entry for report in reports for name, entry in report.items()}
+    return known, {rank: sorted(report) for rank, report in enumerate(reports)}
+
+
 class StorageGaveUp(Exception):
     """The save policy stopped the launch (exit 74); ``str(e)`` is one line for the job log."""
 
@@ -141,24 +150,39 @@ class _InFlight:
     tmp: Path
     meta: dict[str, Any]
     staging: Future[None] | None
-    upload: Future[None]
+    # DCP's upload, then this rank's checksums of what it wrote (off the loop's clock).
+    written: Future[dict[str, FileEntry]]
     error: SaveError | None = None  # met by this rank before the upload (its state file)
     started: float = field(default_factory=time.monotonic)
 
 
-class _DelayedWriter(FileSystemWriter):
-    def __init__(self, path: Path, delay_s: float):
+class _ShardWriter(FileSystemWriter):
+    """DCP's file system writer, minus the zip CRC32 of every tensor record.
+
+    DCP writes each tensor with ``torch.save``, whose zip writer computes a CRC32 of every byte:
+    a third of a sync save's CPU time here (bench/checkpoint.py), for a check nothing reads
+    (``torch.load`` skips it; unzip would warn) and that the manifest's xxh3-128 of every file
+    already makes. ``torch.serialization.set_crc32_options`` is process-wide: it is off only
+    while this writer writes (at most one save writes at a time), so a ``torch.save`` elsewhere in
+    the process during an async save's write also goes without it, and loads all the same."""
+
+    def __init__(self, path: Path, delay_s: float = 0.0):
         super().__init__(path)
         self.delay_s = delay_s
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
-        time.sleep(self.delay_s)
-        return super().write_data(plan, planner)
+        if self.delay_s > 0:
+            time.sleep(self.delay_s)
+        crc = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)
+        try:
+            return super().write_data(plan, planner)
+        finally:
+            torch.serialization.set_crc32_options(crc)
 
 
 def _writer(path: Path, root: Path) -> FileSystemWriter:
-    delay = float(os.environ.get(ENV_SAVE_DELAY, "0") or 0)
-    w = _DelayedWriter(path, delay) if delay > 0 else FileSystemWriter(path)
+    w = _ShardWriter(path, float(os.environ.get(ENV_SAVE_DELAY, "0") or 0))
     w.fs = ProgressFileSystem(root)  # a failed write names its file
     return w
 
@@ -187,9 +211,11 @@ class Checkpointer:
         if async_save:
             self.stager = OrderedStager(GPU_STAGING if torch.cuda.is_available() else CPU_STAGING)
         self.in_flight: _InFlight | None = None
+        self._hashing: ThreadPoolExecutor | None = None  # an async save's checksums
         self._agreed: list[bool] | None = None  # flags agreed by reduce_with_control this step
         self.last_blocking_s = 0.0  # time the training loop was blocked by the last save call
         self.last_staging_wait_s = 0.0  # ... and then waiting for its staging before a step
+        self.last_finish_s = 0.0  # ... and then its commit (after a wait, if its writes were not done)
         # Rank 0's account of failed saves: how many in a row, since when nothing is durable
         # (the launch started from a durable checkpoint, or from nothing), tmp dirs to remove.
         self.failures = 0
@@ -224,7 +250,8 @@ class Checkpointer:
                 if isinstance(resp, AsyncSaveResponse)
                 else (None, resp)
             )
-            self.in_flight = _InFlight(state.step, tmp, meta, staging, upload, error)
+            written = self._hasher().submit(self._hash_when_written, tmp, upload)
+            self.in_flight = _InFlight(state.step, tmp, meta, staging, written, error)
             self.last_blocking_s = time.monotonic() - t0
             return None
         try:
@@ -278,27 +305,44 @@ class Checkpointer:
 
     def _flags(self, preempt_requested: bool) -> torch.Tensor:
         """This rank's [asked to stop, upload still running], to be SUM-reduced."""
-        busy = self.in_flight is not None and not self.in_flight.upload.done()
+        busy = self.in_flight is not None and not self.in_flight.written.done()
         return torch.tensor([int(preempt_requested), int(busy)], dtype=torch.int64)
 
     def finish(self) -> SaveOutcome | None:
         """Wait for the in-flight save, if any, and commit it (or agree that it failed)."""
         if self.in_flight is None:
             return None
+        t0 = time.monotonic()
         f, self.in_flight = self.in_flight, None
         if f.staging is not None:
             f.staging.result()
-        error = f.error
+        error, entries = f.error, None
         try:
-            f.upload.result()
+            entries = f.written.result()
         except (OSError, CheckpointException) as e:
             error = error or self._storage_error(e)
-        return self._commit(f.step, f.tmp, f.meta, error)
+        outcome = self._commit(f.step, f.tmp, f.meta, error, entries)
+        self.last_finish_s = time.monotonic() - t0
+        return outcome
 
     def close(self) -> None:
         self.finish()
         if self.stager is not None:
             self.stager.close()
+        if self._hashing is not None:
+            self._hashing.shutdown()
+
+    def _hasher(self) -> ThreadPoolExecutor:
+        if self._hashing is None:
+            self._hashing = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-hash")
+        return self._hashing
+
+    def _hash_when_written(self, tmp: Path, upload: Future[None]) -> dict[str, FileEntry]:
+        """Background: wait for DCP's upload, then checksum this rank's files while training goes
+        on, so the commit at a later step boundary only exchanges them (the files are still in
+        the page cache). Raises what the upload raised, or the OSError of a read."""
+        upload.result()
+        return self._local_entries(tmp, None)
 
     def _storage_error(self, e: BaseException) -> SaveError:
         """This rank's storage failure, or ``e`` raised again when it is not one (a bug crashes).
@@ -344,11 +388,19 @@ class Checkpointer:
             except (OSError, store.StoreError) as e:
                 log.warning("prune before retrying a save failed: %s", e)
 
-    def _commit(self, step: int, tmp: Path, meta: dict[str, Any], error: SaveError | None) -> SaveOutcome:
-        """Every rank's writes are done: rank 0 commits with the checksums each rank computed,
-        unless a rank failed; every rank learns the outcome."""
+    def _commit(
+        self,
+        step: int,
+        tmp: Path,
+        meta: dict[str, Any],
+        error: SaveError | None,
+        entries: dict[str, FileEntry] | None = None,
+    ) -> SaveOutcome:
+        """Every rank's writes are done: rank 0 commits with the checksums each rank computed
+        (``entries``, or now), unless a rank failed; every rank learns the outcome."""
         progress = self.hb.tracker(Phase.COMMIT, step)
-        mine: dict[str, FileEntry] | SaveError | None = error
+        progress.total = len(COMMIT_STEPS) if self.rank == 0 else 0  # + bytes hashed now
+        mine: dict[str, FileEntry] | SaveError | None = error or entries
         if mine is None:
             try:
                 mine = self._local_entries(tmp, progress)
@@ -403,14 +455,15 @@ class Checkpointer:
             progress.set_path(rel)
             progress(1)
 
+        known, writers = merge_reports(entries)
         try:
             ref = store.commit(
                 self.root,
                 tmp,
                 replace(self.info.run, step=step, world_size=self.world_size, meta=meta),
-                known={k: v for d in entries for k, v in d.items()},
+                known=known,
                 # Every rank's files must be in rank 0's view, else nothing is committed.
-                writers={r: sorted(d) for r, d in enumerate(entries)},
+                writers=writers,
                 on_phase=phase,
                 sign_key=self.info.sign_key,
             )
@@ -487,16 +540,18 @@ class Checkpointer:
                 f"committed checkpoints are intact (newest: {outcome.latest or 'none'}); exit 74, retryable"
             )
 
-    def _local_entries(self, tmp: Path, progress: Progress) -> dict[str, FileEntry]:
+    def _local_entries(self, tmp: Path, progress: Progress | None) -> dict[str, FileEntry]:
         """Checksums of the files this rank wrote, so rank 0 does not re-read every shard. DCP's
-        ``.metadata`` is written by its coordinator, rank 0."""
+        ``.metadata`` is written by its coordinator, rank 0. ``progress`` (the commit's tracker)
+        counts the bytes hashed; None off the loop's thread."""
         mine = [n for n in sorted(os.listdir(tmp)) if self._is_own(n)]
         sizes = {n: (tmp / n).stat().st_size for n in mine}
-        # Bytes hashed, and for rank 0 one unit per step of the store's commit (on_phase).
-        progress.total = sum(sizes.values()) + (len(COMMIT_STEPS) if self.rank == 0 else 0)
+        if progress is not None:
+            progress.total += sum(sizes.values())
         out = {}
         for name in mine:
-            progress.set_path(os.path.relpath(tmp / name, self.root))
+            if progress is not None:
+                progress.set_path(os.path.relpath(tmp / name, self.root))
             out[name] = FileEntry(sizes[name], checksum_file(tmp / name, progress, PROGRESS_CHUNK))
         return out
 
