@@ -7,9 +7,10 @@ dir. Per world size N:
 - the gather: bytes received per rank and over the job, and the time to decode the reports, for
   the old all-gather (every rank received and unpickled all N reports: O(N^2) over the job) and
   for ``agree.gather_to_root`` (rank 0 receives N length-prefixed buffers padded to the largest,
-  the others receive nothing: O(N)); its decode is timed with the real ``_pack``/``_unpack``;
-- the manifest: rank 0's ``merge_reports`` + ``supervisor.store.commit`` (fsync of every file,
-  the writers check, the manifest, rename, ``latest``), timed on the real files;
+  the others receive nothing: O(N)); its decode is timed with the real ``_pack``/``unpack_all``;
+- the manifest: rank 0's ``checkpointer.commit_reports`` (``supervisor.store.commit`` with every
+  rank's report: the directory fsyncs (each rank fsynced its own files), the writers check, the
+  manifest, rename, ``latest``), timed on the real files;
 and the same per rank, which stays flat when the growth is linear.
 
     .venv/bin/python bench/commit_scale.py [--ranks 16 256 4096] [--rounds 3] [--dir /tmp]
@@ -32,8 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from supervisor import store  # noqa: E402  after the path
-from supervisor.format.layout import DCP_METADATA, rank_state_filename  # noqa: E402
+from supervisor.format.layout import DCP_METADATA, rank_state_filename  # noqa: E402  after the path
 from supervisor.format.manifest import CheckpointInfo, FileEntry  # noqa: E402
 
 SHARD_BYTES = 4096  # on disk; the size recorded is what matters to the manifest, not the bytes
@@ -81,16 +81,16 @@ def one_size(world: int, work: Path, rounds: int) -> dict[str, float]:
     import torch
 
     from train_ref import agree
-    from train_ref.checkpointer import merge_reports
+    from train_ref.checkpointer import commit_reports
 
     reps = reports(world)
     pickled = [pickle.dumps(r) for r in reps]
     packed = [agree._pack(r) for r in reps]
     widest = max(p.numel() for p in packed)
-    padded = [torch.nn.functional.pad(p, (0, widest - p.numel())) for p in packed]
+    received = torch.cat([torch.nn.functional.pad(p, (0, widest - p.numel())) for p in packed])
     old_decode = timed(lambda: [pickle.loads(b) for b in pickled], rounds)
-    new_decode = timed(lambda: [agree._unpack(b) for b in padded], rounds)
-    assert [agree._unpack(b) for b in padded] == reps
+    new_decode = timed(lambda: agree.unpack_all(received, world), rounds)
+    assert agree.unpack_all(received, world) == reps
 
     info = CheckpointInfo(step=0, world_size=world)
     commits = []
@@ -100,8 +100,7 @@ def one_size(world: int, work: Path, rounds: int) -> dict[str, float]:
         root.mkdir()
         write_files(tmp, reps)
         t0 = time.perf_counter()
-        known, writers = merge_reports(reps)
-        store.commit(root, tmp, dataclasses.replace(info, step=i + 1), known=known, writers=writers)
+        commit_reports(root, tmp, dataclasses.replace(info, step=i + 1), reps)
         commits.append(time.perf_counter() - t0)
         shutil.rmtree(root)
     total = sum(len(b) for b in pickled)

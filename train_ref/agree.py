@@ -54,14 +54,17 @@ def gather_to_root(obj: T, group: dist.ProcessGroup | None, beat: Callable[[], o
     buffer carries its own length (``_pack``)."""
     payload = _pack(obj)
     size = torch.tensor([payload.numel()], dtype=torch.int64)
-    root = dist.get_rank(group) == 0
+    world = dist.get_world_size(group)
     with beating(beat):
         dist.all_reduce(size, op=dist.ReduceOp.MAX, group=group)
-        padded = torch.zeros(int(size.item()), dtype=torch.uint8)
+        width = int(size.item())
+        padded = torch.zeros(width, dtype=torch.uint8)
         padded[: payload.numel()] = payload
-        bufs = [torch.empty_like(padded) for _ in range(dist.get_world_size(group))] if root else None
-        dist.gather(padded, bufs, group=group, group_dst=0)
-    return [_unpack(b) for b in bufs] if bufs is not None else None
+        received = torch.empty(world * width, dtype=torch.uint8) if dist.get_rank(group) == 0 else None
+        dist.gather(
+            padded, None if received is None else list(received.split(width)), group=group, group_dst=0
+        )
+    return None if received is None else unpack_all(received, world)
 
 
 def _pack(obj: object) -> torch.Tensor:
@@ -70,10 +73,15 @@ def _pack(obj: object) -> torch.Tensor:
     return torch.frombuffer(bytearray(len(data).to_bytes(_LEN, "little") + data), dtype=torch.uint8)
 
 
-def _unpack(buf: torch.Tensor) -> Any:
-    raw = buf.numpy().tobytes()
-    n = int.from_bytes(raw[:_LEN], "little")
-    return pickle.loads(raw[_LEN : _LEN + n])  # peers' own objects (as all_gather_object)
+def unpack_all(received: torch.Tensor, count: int) -> list[Any]:
+    """The ``count`` objects ``_pack`` made, received side by side, each padded to the same width."""
+    raw = received.numpy().data
+    width = len(raw) // count
+    out = []
+    for start in range(0, count * width, width):
+        n = int.from_bytes(raw[start : start + _LEN], "little")
+        out.append(pickle.loads(raw[start + _LEN : start + _LEN + n]))  # our ranks' (as all_gather_object)
+    return out
 
 
 def broadcast(obj: T | None, group: dist.ProcessGroup | None, beat: Callable[[], object]) -> T:

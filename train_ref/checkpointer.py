@@ -131,13 +131,28 @@ class SaveOutcome:
     tmp_left: bool = False  # rank 0 could not remove the tmp dir (a file it cannot see)
 
 
-def merge_reports(
+def commit_reports(
+    root: Path,
+    tmp: Path,
+    info: CheckpointInfo,
     reports: Sequence[Mapping[str, FileEntry]],
-) -> tuple[dict[str, FileEntry], dict[int, list[str]]]:
-    """Rank 0: every rank's report (file -> size and checksum, by rank) as ``store.commit``'s
-    ``known`` and ``writers``; linear in the number of files."""
-    known = {name: entry for report in reports for name, entry in report.items()}
-    return known, {rank: sorted(report) for rank, report in enumerate(reports)}
+    on_phase: Callable[[str], None] | None = None,
+    sign_key: bytes | None = None,
+) -> store.CheckpointRef:
+    """Rank 0: commit ``tmp`` with every rank's report (file -> size and checksum, by rank) as
+    ``store.commit``'s ``known`` and ``writers``: every rank's files must be in rank 0's view, else
+    nothing is committed. Each rank synced its own files (DCP, ``RankState.save``), so the commit
+    syncs directory entries only. Linear in the number of files."""
+    return store.commit(
+        root,
+        tmp,
+        info,
+        known={name: entry for report in reports for name, entry in report.items()},
+        writers={rank: sorted(report) for rank, report in enumerate(reports)},
+        files_synced=True,
+        on_phase=on_phase,
+        sign_key=sign_key,
+    )
 
 
 class StorageGaveUp(Exception):
@@ -152,7 +167,6 @@ class _InFlight:
     staging: Future[None] | None
     # DCP's upload, then this rank's checksums of what it wrote (off the loop's clock).
     written: Future[dict[str, FileEntry]]
-    error: SaveError | None = None  # met by this rank before the upload (its state file)
     started: float = field(default_factory=time.monotonic)
 
 
@@ -233,12 +247,9 @@ class Checkpointer:
         tmp = self._begin(state.step)
         if isinstance(tmp, SaveOutcome):
             return tmp
-        error = None
-        try:
-            RankState.save(tmp / rank_state_filename(self.rank))
-        except OSError as e:
-            error = save_error(e, self.rank, self.root)
+        rank_file = tmp / rank_state_filename(self.rank)
         if self.async_save and not blocking:
+            rank_state = RankState.serialize()  # the streams as of this step; written off the loop
             resp = dcp.async_save(
                 {"app": state.saving(self.rank, self.world_size)},
                 storage_writer=_writer(tmp, self.root),
@@ -250,10 +261,15 @@ class Checkpointer:
                 if isinstance(resp, AsyncSaveResponse)
                 else (None, resp)
             )
-            written = self._hasher().submit(self._hash_when_written, tmp, upload)
-            self.in_flight = _InFlight(state.step, tmp, meta, staging, written, error)
+            written = self._hasher().submit(self._write_and_hash, tmp, upload, rank_file, rank_state)
+            self.in_flight = _InFlight(state.step, tmp, meta, staging, written)
             self.last_blocking_s = time.monotonic() - t0
             return None
+        error = None
+        try:
+            RankState.save(rank_file)
+        except OSError as e:
+            error = save_error(e, self.rank, self.root)
         try:
             dcp.save(
                 {"app": state.saving(self.rank, self.world_size)},
@@ -316,11 +332,11 @@ class Checkpointer:
         f, self.in_flight = self.in_flight, None
         if f.staging is not None:
             f.staging.result()
-        error, entries = f.error, None
+        error, entries = None, None
         try:
             entries = f.written.result()
         except (OSError, CheckpointException) as e:
-            error = error or self._storage_error(e)
+            error = self._storage_error(e)
         outcome = self._commit(f.step, f.tmp, f.meta, error, entries)
         self.last_finish_s = time.monotonic() - t0
         return outcome
@@ -337,11 +353,18 @@ class Checkpointer:
             self._hashing = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-hash")
         return self._hashing
 
-    def _hash_when_written(self, tmp: Path, upload: Future[None]) -> dict[str, FileEntry]:
-        """Background: wait for DCP's upload, then checksum this rank's files while training goes
-        on, so the commit at a later step boundary only exchanges them (the files are still in
-        the page cache). Raises what the upload raised, or the OSError of a read."""
-        upload.result()
+    def _write_and_hash(
+        self, tmp: Path, upload: Future[None], rank_file: Path, rank_state: bytes
+    ) -> dict[str, FileEntry]:
+        """Background, while training goes on: write (and fsync) this rank's state file, wait for
+        DCP's upload, then checksum this rank's files, so the commit at a later step boundary
+        only exchanges them (the files are still in the page cache). Raises the OSError of the
+        state file, a read, or what the upload raised, never before the upload is over: the
+        commit that follows may remove the tmp dir."""
+        try:
+            RankState.write(rank_file, rank_state)
+        finally:
+            upload.result()
         return self._local_entries(tmp, None)
 
     def _storage_error(self, e: BaseException) -> SaveError:
@@ -455,17 +478,14 @@ class Checkpointer:
             progress.set_path(rel)
             progress(1)
 
-        known, writers = merge_reports(entries)
         try:
-            ref = store.commit(
+            ref = commit_reports(
                 self.root,
                 tmp,
                 replace(self.info.run, step=step, world_size=self.world_size, meta=meta),
-                known=known,
-                # Every rank's files must be in rank 0's view, else nothing is committed.
-                writers=writers,
-                on_phase=phase,
-                sign_key=self.info.sign_key,
+                entries,
+                phase,
+                self.info.sign_key,
             )
         except (OSError, store.IncompleteCommit) as e:
             final = self.root / step_dirname(step)

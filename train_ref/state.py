@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import random
 from collections import deque
 from pathlib import Path
@@ -204,12 +205,24 @@ class RankState:
 
     @staticmethod
     def save(path: Path) -> None:
-        """Serialized in memory, then written by Python: a full disk is an OSError naming the
-        file (torch.save's own writer reports a RuntimeError without the errno)."""
+        RankState.write(path, RankState.serialize())
+
+    @staticmethod
+    def serialize() -> bytes:
+        """The streams as of now, as the file's bytes (an async save writes them later)."""
         buf = io.BytesIO()
         torch.save(RankState.capture(), buf)
+        return buf.getvalue()
+
+    @staticmethod
+    def write(path: Path, data: bytes) -> None:
+        """Written by Python: a full disk is an OSError naming the file (torch.save's own writer
+        reports a RuntimeError without the errno). Synced here, by its writer: the commit does not
+        fsync every rank's files from rank 0."""
         with naming(path), open(path, "wb") as f:
-            f.write(buf.getbuffer())
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
 
     @staticmethod
     def load(source: Path | IO[bytes], skip: frozenset[str] = frozenset(), name: str = "") -> None:
