@@ -225,7 +225,10 @@ class Checkpointer:
         if async_save:
             self.stager = OrderedStager(GPU_STAGING if torch.cuda.is_available() else CPU_STAGING)
         self.in_flight: _InFlight | None = None
-        self._hashing: ThreadPoolExecutor | None = None  # an async save's checksums
+        # Work off the loop's clock, in order: an async save's state file and checksums, and
+        # rank 0's prune after a commit (the last one, which _make_room waits for).
+        self._worker: ThreadPoolExecutor | None = None
+        self._pruning: Future[None] | None = None
         self._agreed: list[bool] | None = None  # flags agreed by reduce_with_control this step
         self.last_blocking_s = 0.0  # time the training loop was blocked by the last save call
         self.last_staging_wait_s = 0.0  # ... and then waiting for its staging before a step
@@ -261,7 +264,7 @@ class Checkpointer:
                 if isinstance(resp, AsyncSaveResponse)
                 else (None, resp)
             )
-            written = self._hasher().submit(self._write_and_hash, tmp, upload, rank_file, rank_state)
+            written = self._background().submit(self._write_and_hash, tmp, upload, rank_file, rank_state)
             self.in_flight = _InFlight(state.step, tmp, meta, staging, written)
             self.last_blocking_s = time.monotonic() - t0
             return None
@@ -345,13 +348,13 @@ class Checkpointer:
         self.finish()
         if self.stager is not None:
             self.stager.close()
-        if self._hashing is not None:
-            self._hashing.shutdown()
+        if self._worker is not None:
+            self._worker.shutdown()  # after the last prune
 
-    def _hasher(self) -> ThreadPoolExecutor:
-        if self._hashing is None:
-            self._hashing = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-hash")
-        return self._hashing
+    def _background(self) -> ThreadPoolExecutor:
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-background")
+        return self._worker
 
     def _write_and_hash(
         self, tmp: Path, upload: Future[None], rank_file: Path, rank_state: bytes
@@ -401,6 +404,8 @@ class Checkpointer:
         save also a prune (dead writers' tmp dirs, quarantine retention; checkpoints beyond
         ``keep`` unless an uploader owns retention). Best effort: a failure here is the next
         save's to report."""
+        if self._pruning is not None:  # one prune at a time
+            self._pruning.result()
         for tmp in list(self.leftovers):
             shutil.rmtree(tmp, ignore_errors=True)
             if not os.path.lexists(tmp):
@@ -501,17 +506,22 @@ class Checkpointer:
         if self.failures:
             log.warning("save recovered: %s committed after %d failed save(s)", ref.name, self.failures)
         self.failures, self.last_durable = 0, time.monotonic()
+        log.info("committed %s", ref.name)
         if self.on_commit is not None:
-            log.info("committed %s", ref.name)
             self.on_commit(ref)
-        else:
-            try:
-                pruned = store.prune(self.root, keep=self.keep).deleted
-            except (OSError, store.StoreError) as e:  # the checkpoint is committed all the same
-                log.warning("committed %s; prune failed: %s", ref.name, e)
-                pruned = ()
-            log.info("committed %s%s", ref.name, f" (pruned {', '.join(pruned)})" if pruned else "")
+        else:  # off the loop: deleting a 0.6 GB checkpoint's files took 0.2 s here
+            self._pruning = self._background().submit(self._prune, ref)
         return SaveOutcome(ref.step, True, latest=ref.name)
+
+    def _prune(self, ref: store.CheckpointRef) -> None:
+        """Rank 0, in the background: retention after committing ``ref``."""
+        try:
+            pruned = store.prune(self.root, keep=self.keep).deleted
+        except (OSError, store.StoreError) as e:  # the checkpoint is committed all the same
+            log.warning("committed %s; prune failed: %s", ref.name, e)
+            return
+        if pruned:
+            log.info("pruned %s (after committing %s)", ", ".join(pruned), ref.name)
 
     def _failed(self, step: int, errors: list[SaveError], tmp: Path | None) -> SaveOutcome:
         """Rank 0: nothing is committed; the tmp dir goes (a full disk gets that space back)."""
