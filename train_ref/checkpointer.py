@@ -7,11 +7,12 @@ Protocol of one save (every rank calls ``save`` at the same step boundary):
    (or that it could not: the save failed);
 3. each rank writes its per-rank state file, then DCP writes the shards (async: staged in the
    background and uploaded by a thread; sync: before returning);
-4. once every rank's writes have finished (phase COMMIT), ranks send rank 0 the checksums of the
-   files they wrote, or the error that stopped them; rank 0 commits (manifest, rename, ``latest``)
+4. once every rank's writes have finished (phase COMMIT), ranks send rank 0 (a gather, linear in
+   the ranks) the checksums of the files they wrote (an async save computed them in the
+   background), or the error that stopped them; rank 0 commits (manifest, rename, ``latest``)
    when nobody failed, then hands the commit to ``on_commit`` (the remote tier's uploader, which
-   also does retention between uploads) or else prunes itself; then it tells every rank the
-   outcome.
+   also does retention between uploads) or else prunes itself, in the background; then it tells
+   every rank the outcome.
 
 A failed save (ENOSPC, EDQUOT, EIO... on any rank, DCP's CheckpointException, a rank's file missing
 from rank 0's view) is decided at those two exchanges, never by one rank alone (a rank that went
