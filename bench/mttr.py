@@ -36,7 +36,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from supervisor.format.events import events_path
-from supervisor.format.heartbeat import Heartbeat, Phase, read_heartbeats
+from supervisor.format.heartbeat import Heartbeat, Phase
+from supervisor.format.nodesummary import read_run_heartbeats
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -47,7 +48,7 @@ TRAIN = ["-m", "train_ref.train", "--steps", "400", "--save-every", "10", "--see
 
 
 def beats(root: Path) -> list[Heartbeat]:
-    return [s.heartbeat for s in read_heartbeats(root) if s.heartbeat is not None]
+    return [s.heartbeat for s in read_run_heartbeats(root) if s.heartbeat is not None]
 
 
 def wait_for(cond: Callable[[], object], timeout: float = 300.0) -> object:

@@ -1,10 +1,16 @@
-"""How fast is ``supervisor status --json`` on a big run? Target: under 200 ms in total.
+"""How fast is ``supervisor status --json`` on a big run? Target: at most 150 ms in total and at
+most 10x ``python -c pass``.
 
 Builds a synthetic run directory (4096 ranks' heartbeats, 200 committed checkpoints of 9 files
 each, a state file with 50 launches), then times, alternating in one run:
 ``python -c pass`` (the floor: interpreter start) and ``python -m supervisor status --json``.
+With ``--nodes N`` the ranks are spread over N nodes as watchdogs leave them: one node summary
+per node (heartbeats/node_NNNNN.json, written by the watchdog's own code) and one state file per
+node (state.json, state.nodeN.json, each with the launches); without, one rank file per rank in
+the run directory (ranks without a watchdog) and one state file.
 
-    .venv/bin/python bench/status.py [--ranks 4096] [--checkpoints 200] [--repeat 7]
+    .venv/bin/python bench/status.py [--ranks 4096] [--nodes 0] [--checkpoints 200] [--repeat 7]
+    .venv/bin/python bench/status.py --ranks 16384 --nodes 2048 --checkpoints 500
 """
 
 from __future__ import annotations
@@ -22,22 +28,47 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from supervisor.format.events import RunState, write_state
-from supervisor.format.heartbeat import Heartbeat, Phase, write_heartbeat
+from supervisor.format.heartbeat import Heartbeat, HeartbeatSnapshot, Phase, write_heartbeat
 from supervisor.format.layout import MANIFEST, step_dirname
 from supervisor.format.manifest import CheckpointInfo, build_manifest
-from supervisor.watch.restart_policy import LaunchRecord, Outcome
+from supervisor.format.nodesummary import write_summary
+from supervisor.watch.node_summary import NodeFacts, build_summary
+from supervisor.watch.restart_policy import Clock, LaunchRecord, Outcome, PhaseTimeouts
 
 REPO = Path(__file__).resolve().parent.parent
 SHARDS_PER_CKPT = 8
-TARGET_S = 0.200
+TARGET_S = 0.150
+TARGET_RATIO = 10.0
+# Long enough that the summaries stay fresh while timed (a live run's are rewritten every 5 s);
+# stale ones would make status read every rank's record, which is the node-lost path.
+SUMMARY_INTERVAL_S = 600.0
 
 
-def build(root: Path, ranks: int, checkpoints: int) -> None:
+def beat(rank: int, ranks: int, per_node: int, now: float) -> Heartbeat:
+    host = f"node{rank // per_node}"
+    return Heartbeat(rank, rank % per_node, host, 1000 + rank, 5000, Phase.TRAIN, now, 3, ranks, 0.4, "L")
+
+
+def build_heartbeats(root: Path, ranks: int, nodes: int) -> None:
+    """Rank files (nodes 0), or one summary per node as its watchdog would publish it."""
     now = time.time()
-    for r in range(ranks):
-        write_heartbeat(
-            root, Heartbeat(r, r % 8, f"node{r // 8}", 1000 + r, 5000, Phase.TRAIN, now, 3, ranks, 0.4, "L")
+    if not nodes:
+        for r in range(ranks):
+            write_heartbeat(root, beat(r, ranks, 8, now))
+        return
+    per_node = -(-ranks // nodes)
+    for n in range(nodes):
+        beats = [beat(r, ranks, per_node, now) for r in range(n * per_node, min(ranks, (n + 1) * per_node))]
+        snaps = [HeartbeatSnapshot(b.rank, "", b, record=b.to_dict()) for b in beats]
+        facts = NodeFacts(
+            n, f"node{n}", 2000 + n, SUMMARY_INTERVAL_S, "running", "launch 51 running", None, 51, 50, "L"
         )
+        write_summary(root, *build_summary(snaps, facts, Clock(now), PhaseTimeouts()))
+
+
+def build(root: Path, ranks: int, checkpoints: int, nodes: int = 0) -> None:
+    now = time.time()
+    build_heartbeats(root, ranks, nodes)
     for i in range(checkpoints):
         step = (i + 1) * 100
         d = root / step_dirname(step)
@@ -51,7 +82,10 @@ def build(root: Path, ranks: int, checkpoints: int) -> None:
         LaunchRecord(n, f"L{n}", now - 1000 + n, now - 999 + n, Outcome.CRASH, "exit 1: crash", n, n, n)
         for n in range(1, 51)
     )
-    write_state(root, RunState(status="running", launch_id="L", launch_count=51, launches=launches))
+    for n in range(max(nodes, 1)):
+        write_state(
+            root, RunState(node=n, status="running", launch_id="L", launch_count=51, launches=launches)
+        )
 
 
 def timed(cmd: list[str]) -> tuple[float, float]:
@@ -68,6 +102,7 @@ def timed(cmd: list[str]) -> tuple[float, float]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ranks", type=int, default=4096)
+    p.add_argument("--nodes", type=int, default=0, help="spread the ranks over N watchdogs' node summaries")
     p.add_argument("--checkpoints", type=int, default=200)
     p.add_argument("--repeat", type=int, default=7)
     a = p.parse_args()
@@ -75,8 +110,12 @@ def main() -> int:
         root = Path(tmp) / "run"
         root.mkdir()
         t0 = time.perf_counter()
-        build(root, a.ranks, a.checkpoints)
-        print(f"built {a.ranks} heartbeats + {a.checkpoints} checkpoints in {time.perf_counter() - t0:.1f}s")
+        build(root, a.ranks, a.checkpoints, a.nodes)
+        how = f"in {a.nodes} node summaries" if a.nodes else "as rank files"
+        print(
+            f"built {a.ranks} heartbeats {how} + {a.checkpoints} checkpoints "
+            f"in {time.perf_counter() - t0:.1f}s"
+        )
         floor_cmd = [sys.executable, "-c", "pass"]
         status_cmd = [sys.executable, "-m", "supervisor", "status", "--ckpt-root", str(root), "--json"]
         timed(status_cmd)  # warm the page cache
@@ -97,9 +136,12 @@ def main() -> int:
     (fw, fc), (sw, sc) = med["floor"], med["status"]
     print(f"status / python -c pass: wall {sw / fw:.1f}x, CPU {sc / fc:.1f}x")
     load = os.getloadavg()[0]
-    for what, v in (("wall", sw), ("CPU", sc)):
-        verdict = "meets" if v < TARGET_S else "MISSES"
-        print(f"target under {TARGET_S * 1e3:.0f} ms, {what} median: {verdict} ({v * 1e3:.0f} ms)")
+    for what, v, floor in (("wall", sw, fw), ("CPU", sc, fc)):
+        verdict = "meets" if v <= TARGET_S and v <= TARGET_RATIO * floor else "MISSES"
+        print(
+            f"target <= {TARGET_S * 1e3:.0f} ms and <= {TARGET_RATIO:g}x python -c pass, {what} median: "
+            f"{verdict} ({v * 1e3:.0f} ms, {v / floor:.1f}x)"
+        )
     print(f"({os.cpu_count()} CPUs, load average {load:.1f} during the run)")
     return 0
 

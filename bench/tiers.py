@@ -25,7 +25,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import socket
@@ -43,7 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from supervisor import store
 from supervisor.format.atomic import fsync_file, fsync_tree
+from supervisor.format.layout import RunDir
 from supervisor.format.manifest import CheckpointInfo
+from supervisor.format.metrics import read_metrics
 from supervisor.tiers.remote import RemoteTier, open_remote
 from supervisor.tiers.uploader import Uploader, UploadPolicy
 
@@ -200,8 +201,7 @@ def trainer_step_times(root: Path, steps: int, save_every: int, remote: list[str
     ]  # fmt: skip
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONPATH": str(REPO)}
     subprocess.run(cmd, cwd=REPO, env=env, check=True, timeout=1800, capture_output=True)
-    lines = (root / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["step_time"] for line in lines][WARMUP_STEPS:]
+    return [r.step_time for r in read_metrics(RunDir.of(root).metrics)][WARMUP_STEPS:]
 
 
 # ---------------------------------------------------------------- main

@@ -25,8 +25,9 @@ REDACTED = "REDACTED"
 # scheme://then anything up to whitespace, a quote or an angle bracket (a URL inside a repr or a
 # JSON string ends at its quote).
 _URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>`]+")
-# user:password@ without a scheme before it: a name, a colon, then no space, quote, slash or @.
-_BARE_USERINFO = re.compile(r"(?<![\w/@])[\w.%+~-]+:[^\s'\"/@<>`]+@(?=[\w\[])")
+# user:password@ without a scheme before it: a name, a colon, then no space, quote, slash or @;
+# then a host, never a bare number (SLURM's --signal=B:USR1@120 is no credential).
+_BARE_USERINFO = re.compile(r"(?<![\w/@])[\w.%+~-]+:[^\s'\"/@<>`]+@(?=[\w\[])(?!\d+(?![\w.:\[-]))")
 # A parameter name that carries a credential, matched anywhere in the name, case-insensitively:
 # X-Amz-Signature, X-Amz-Credential, X-Amz-Security-Token, sig (Azure SAS), access_token, api_key,
 # AWSAccessKeyId, password, client_secret, Authorization...

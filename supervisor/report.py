@@ -8,18 +8,20 @@ with the reason. So does storage that does not answer: a checkpoint that cannot 
 
 from __future__ import annotations
 
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from supervisor import store
 from supervisor.format import events
 from supervisor.format.atomic import hostname, pid_alive
-from supervisor.format.heartbeat import Phase, boot_id, read_heartbeats
-from supervisor.format.layout import STATE_GLOB, RunDir
+from supervisor.format.heartbeat import HeartbeatSnapshot, Phase, boot_id, read_heartbeats
+from supervisor.format.layout import RunDir, parse_state_filename
+from supervisor.format.nodesummary import NodeSummary, newest_per_rank, read_summary, summary_paths
 from supervisor.ioerrors import describe
-from supervisor.watch.restart_policy import Clock, PhaseTimeouts, describe_progress
+from supervisor.watch.restart_policy import Clock, PhaseTimeouts, describe_progress, rank_stale
 
 if TYPE_CHECKING:
     from supervisor.tiers.uploader import RemoteStatus
@@ -27,11 +29,18 @@ if TYPE_CHECKING:
 UNKNOWN = "unknown"
 # Worst first: the run's state is the worst of its nodes' states.
 _SEVERITY = (events.FAILED, events.STOPPED, events.REQUEUED, events.RESTARTING, events.RUNNING, events.DONE)
+# A watchdog in one of these states wrote its last node summary on the way out: old, never stale.
+_ENDED = (events.FAILED, events.STOPPED, events.REQUEUED, events.DONE)
 RECENT_LAUNCHES = 10
+# Up to this many ranks every rank gets a row; above, the ranks that need a look do (stale,
+# unknown, an exit code, failed saves) and the others are counted per node from the summaries'
+# headers, so `status` costs the same at 16 or 16,384 ranks (`--all-ranks` lists every one).
+FULL_RANKS = 512
 
 
 # `status --json`'s layout: raised when a field changes meaning or goes away (new fields do not).
-STATUS_SCHEMA = 1
+# 2: over FULL_RANKS ranks, ``ranks`` lists only those that need a look (``rank_counts`` counts all).
+STATUS_SCHEMA = 2
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,24 @@ class NodeRow:
     restarts: int
     launch_id: str
     problem: str = ""
+    # From the node's summary (heartbeats/node_NNNNN.json), when its watchdog publishes one.
+    summary_age_s: float | None = None
+    summary_stale: bool = False  # not rewritten for stale_after_s: watchdog gone or node lost
+    ranks: int = 0
+    verdict: str = ""  # the last launch's, as the node's watchdog judged it
+    culprit: str = ""
+
+
+@dataclass(frozen=True)
+class RankCounts:
+    """Every rank, counted (the rows may list only those that need a look)."""
+
+    total: int = 0
+    phases: tuple[tuple[str, int], ...] = ()
+    step_min: int | None = None
+    step_max: int | None = None
+    stale: int = 0  # stale or unknown
+    complete: bool = True  # every rank has a row in ``ranks``
 
 
 @dataclass(frozen=True)
@@ -74,6 +101,7 @@ class RankRow:
     progress: str = ""  # in a long I/O phase: '45% at step_00000120/__1_0.distcp'
     save_failures: int = 0  # failed saves in a row the rank reports
     last_error: str = ""
+    exit_code: int | None = None  # set when the rank exited deliberately (its last heartbeat)
 
 
 @dataclass(frozen=True)
@@ -112,10 +140,13 @@ class StatusReport:
     remote: RemoteStatus | None = None  # the uploader's last word (remote.json); no network call
     storage_problem: str = ""  # the checkpoints or the quarantine could not be listed, and why
     slurm: str = ""  # sbatch/job.sh's requeue budgets (supervisor/slurm.json), one line; "" if none
+    retention: str = ""  # the trainer's retention policy (supervisor/retention.json), one line; "" if none
+    rank_counts: RankCounts = RankCounts()
 
     def to_dict(self) -> dict[str, Any]:
         """Shallow per row: ``dataclasses.asdict`` deep-copies and costs 10x on 4096 ranks."""
         d = {"schema": STATUS_SCHEMA, **self.__dict__}
+        d["rank_counts"] = dict(self.rank_counts.__dict__, phases=dict(self.rank_counts.phases))
         for key in ("nodes", "launches", "ranks", "checkpoints", "quarantined"):
             d[key] = [row.__dict__ for row in d[key]]
         d["in_progress"] = list(self.in_progress)
@@ -123,14 +154,67 @@ class StatusReport:
         return d
 
 
-def _nodes(root: Path) -> tuple[list[NodeRow], list[LaunchRow], dict[str, float], set[str]]:
-    """Node rows, recent launches, the phase timeouts in force, and the current launch ids."""
+def _alive(status: str, reason: str, host: str, pid: int, me: str) -> tuple[str, str]:
+    """A watchdog on this host whose pid is gone while its state says running has failed."""
+    if status in (events.RUNNING, events.RESTARTING) and host == me and not pid_alive(pid):
+        return events.FAILED, f"watchdog pid {pid} is gone (its state said: {reason})"
+    return status, reason
+
+
+def _from_summary(s: NodeSummary, me: str, clock: Clock) -> NodeRow:
+    """Node N > 0's row from its summary's header alone."""
+    h = s.header
+    status, reason = _alive(h.status, h.reason, h.host, h.watchdog_pid, me)
+    age = clock.age(h)
+    return NodeRow(
+        h.node,
+        h.host,
+        h.watchdog_pid,
+        status,
+        reason,
+        h.exit_code,
+        h.launch_count,
+        h.restarts,
+        h.launch_id,
+        summary_age_s=age,
+        summary_stale=age > h.stale_after_s and status not in _ENDED,
+        ranks=h.ranks,
+        verdict=h.verdict,
+        culprit=h.culprit,
+    )
+
+
+def _state_files(root: Path) -> list[tuple[int, Path]]:
+    """(node, path) of every watchdog's state file, by node (os.listdir: 2,048 Path objects
+    globbed and sorted cost `status` tens of ms)."""
+    folder = RunDir.of(root).supervisor
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    found = ((parse_state_filename(n), n) for n in names)
+    return sorted((node, folder / n) for node, n in found if node is not None)
+
+
+def _nodes(
+    root: Path, summaries: dict[int, NodeSummary], clock: Clock
+) -> tuple[list[NodeRow], list[LaunchRow], dict[str, float], set[str]]:
+    """Node rows, recent launches, the phase timeouts in force, and the current launch ids. Node
+    0's state file is read whole (launches, timeouts); node N > 0's state is taken from its
+    summary's header when it has one (2,048 state files with their launch histories would cost
+    `status` seconds; every node relaunches together, and each header has its last verdict)."""
     nodes: list[NodeRow] = []
     launches: list[LaunchRow] = []
     timeouts: dict[str, float] = {}
     current: set[str] = set()
     me = hostname()
-    for path in sorted(RunDir.of(root).supervisor.glob(STATE_GLOB)):
+    for node, path in _state_files(root):
+        if node and node in summaries:
+            row = _from_summary(summaries[node], me, clock)
+            nodes.append(row)
+            if row.status == events.RUNNING:
+                current.add(summaries[node].header.launch_id)
+            continue
         try:
             st = events.read_state(path)
         except ValueError as e:
@@ -141,12 +225,7 @@ def _nodes(root: Path) -> tuple[list[NodeRow], list[LaunchRow], dict[str, float]
             continue
         if st is None:
             continue
-        status, reason = st.status, st.reason
-        if status in (events.RUNNING, events.RESTARTING) and st.host == me and not pid_alive(st.watchdog_pid):
-            status, reason = (
-                events.FAILED,
-                f"watchdog pid {st.watchdog_pid} is gone (its state said: {reason})",
-            )
+        status, reason = _alive(st.status, st.reason, st.host, st.watchdog_pid, me)
         nodes.append(
             NodeRow(
                 st.node,
@@ -180,44 +259,175 @@ def _nodes(root: Path) -> tuple[list[NodeRow], list[LaunchRow], dict[str, float]
     return nodes, launches[-RECENT_LAUNCHES:], timeouts, current
 
 
-def _ranks(root: Path, clock: Clock, timeouts: PhaseTimeouts, current: set[str]) -> list[RankRow]:
-    rows = []
-    for snap in read_heartbeats(root):
-        hb = snap.heartbeat
-        if hb is None:
-            rows.append(RankRow(snap.rank, "", None, None, UNKNOWN, None, None, True, snap.problem))
+def _row(
+    snap: HeartbeatSnapshot, clock: Clock, timeouts: PhaseTimeouts, current: set[str], lost: str
+) -> RankRow:
+    """One rank's row; ``lost`` says its node's summary is stale (its news may be old)."""
+    hb = snap.heartbeat
+    if hb is None:
+        return RankRow(snap.rank, "", None, None, UNKNOWN, None, None, True, snap.problem)
+    age = clock.age(hb)
+    stale, note = rank_stale(hb, age, timeouts.for_phase(hb.phase), current)
+    if lost and hb.phase != Phase.DONE:
+        stale, note = True, lost
+    if hb.exit_code is not None:
+        note = (note + "; " if note else "") + f"exit code {hb.exit_code}"
+    if hb.save_failures:
+        note = (note + "; " if note else "") + f"{hb.save_failures} failed saves: {hb.last_error}"
+    progress = (
+        ""
+        if hb.phase in (Phase.TRAIN, Phase.DONE)
+        else describe_progress(hb.progress, hb.progress_total, hb.io_path)
+    )
+    return RankRow(
+        hb.rank,
+        hb.host,
+        hb.pid,
+        hb.step,
+        hb.phase.value,
+        age,
+        hb.last_step_s,
+        stale,
+        note,
+        progress,
+        hb.save_failures,
+        hb.last_error,
+        hb.exit_code,
+    )
+
+
+@dataclass
+class _RankView:
+    """What the heartbeats say: rows, counts, and the live steps and step times of the ranks."""
+
+    rows: list[RankRow]
+    counts: RankCounts
+    live_steps: list[int]
+    step_times: list[float]
+    summaries: dict[int, NodeSummary]
+    summary_problems: dict[int, str]
+
+
+def _summaries(root: Path) -> tuple[dict[int, NodeSummary], dict[int, str]]:
+    """Every node summary's header (records unparsed), and the ones that cannot be used, why."""
+    ok: dict[int, NodeSummary] = {}
+    bad: dict[int, str] = {}
+    for node, path in summary_paths(root):
+        try:
+            ok[node] = read_summary(path)
+        except OSError as e:
+            bad[node] = f"{path}: {describe(e)}"
+        except ValueError as e:
+            bad[node] = f"{path}: {e}"
+    return ok, bad
+
+
+def stale_note(s: NodeSummary, age: float) -> str:
+    h = s.header
+    return (
+        f"node {h.node} summary {age:.0f}s old (stale after {h.stale_after_s:g}s): "
+        "its watchdog is gone or the node is lost"
+    )
+
+
+def _ranks(
+    root: Path,
+    clock: Clock,
+    timeouts: PhaseTimeouts,
+    current: set[str],
+    all_ranks: bool,
+    ended: set[int],
+    read: tuple[dict[int, NodeSummary], dict[int, str]],
+) -> _RankView:
+    """Ranks from the node summaries and any rank files in the run directory (ranks without a
+    watchdog). Up to FULL_RANKS (or ``all_ranks``) every rank gets a row; above, only the ranks
+    the watchdogs flagged and every rank of a stale node do, the rest are counted from headers.
+    A summary is stale when not rewritten for its stale_after_s while its watchdog's state does
+    not say it ended (``ended``: those nodes wrote their last summary on the way out)."""
+    summaries, bad = read
+    snaps = list(read_heartbeats(root))
+    total = len(snaps) + sum(s.header.ranks for s in summaries.values())
+    complete = all_ranks or total <= FULL_RANKS
+    lost: dict[str, str] = {}  # summary path -> why its ranks' news may be old
+    counted: list[NodeSummary] = []  # fresh nodes counted from their header
+    for node, s in summaries.items():
+        age = clock.age(s.header)
+        if age > s.header.stale_after_s and node not in ended:
+            lost[s.path] = stale_note(s, age)
+        keep = None  # every rank of the node, or only those it flagged
+        if age <= s.header.stale_after_s and not complete:
+            counted.append(s)
+            if not s.header.attention:
+                continue
+            keep = set(s.header.attention)
+        try:
+            node_snaps = s.snapshots()
+        except ValueError as e:
+            bad[node] = f"{s.path}: {e}"
             continue
-        age = clock.age(hb)
-        limit = timeouts.for_phase(hb.phase)
-        old_launch = bool(current) and hb.launch_id not in current
-        stale = hb.phase != Phase.DONE and (old_launch or (limit is not None and age > limit))
-        note = "from an earlier launch" if old_launch else (f"silent > {limit:g}s" if stale else "")
-        if hb.exit_code is not None:
-            note = (note + "; " if note else "") + f"exit code {hb.exit_code}"
-        if hb.save_failures:
-            note = (note + "; " if note else "") + f"{hb.save_failures} failed saves: {hb.last_error}"
-        progress = (
-            ""
-            if hb.phase in (Phase.TRAIN, Phase.DONE)
-            else describe_progress(hb.progress, hb.progress_total, hb.io_path)
-        )
-        rows.append(
-            RankRow(
-                hb.rank,
-                hb.host,
-                hb.pid,
-                hb.step,
-                hb.phase.value,
-                age,
-                hb.last_step_s,
-                stale,
-                note,
-                progress,
-                hb.save_failures,
-                hb.last_error,
+        snaps += [x for x in node_snaps if keep is None or x.rank in keep]
+    rows = [_row(x, clock, timeouts, current, lost.get(x.path, "")) for x in newest_per_rank(snaps)]
+    return _RankView(rows, *_tally(rows, counted, complete), summaries, bad)
+
+
+def _tally(
+    rows: list[RankRow], counted: list[NodeSummary], complete: bool
+) -> tuple[RankCounts, list[int], list[float]]:
+    """Counts over the rows and the counted nodes (whose flagged ranks are among the rows)."""
+    listed = {r.rank: r for r in rows}
+    phases: dict[str, int] = {}
+    for r in rows:
+        phases[r.phase] = phases.get(r.phase, 0) + 1
+    steps = [r.step for r in rows if r.step is not None]
+    live = [r for r in rows if not r.stale and r.step is not None]
+    live_steps = [r.step for r in live if r.step is not None]
+    step_times = [r.last_step_s for r in live if r.phase == Phase.TRAIN.value and r.last_step_s]
+    total = len(rows)
+    for s in counted:
+        h = s.header
+        flagged = [listed[a] for a in h.attention if a in listed]
+        total += h.ranks - len(flagged)
+        for phase, n in h.phases.items():
+            phases[phase] = phases.get(phase, 0) + n - sum(1 for r in flagged if r.phase == phase)
+        steps += [x for x in (h.step_min, h.step_max) if x is not None]
+        live_steps += [h.live_step_max] if h.live_step_max is not None else []
+        step_times += [h.last_step_s] if h.last_step_s else []
+    counts = RankCounts(
+        total=total,
+        phases=tuple(sorted((p, n) for p, n in phases.items() if n > 0)),
+        step_min=min(steps, default=None),
+        step_max=max(steps, default=None),
+        stale=sum(1 for r in rows if r.stale),
+        complete=complete,
+    )
+    return counts, live_steps, step_times
+
+
+def _ended(nodes: list[NodeRow]) -> set[int]:
+    """Nodes whose watchdog's state says it is neither running nor about to relaunch."""
+    return {n.node for n in nodes if n.status in _ENDED}
+
+
+def _with_summaries(nodes: list[NodeRow], view: _RankView, clock: Clock) -> list[NodeRow]:
+    """Each watchdog's row read from a state file, with what its node summary says (age, stale,
+    verdict, culprit)."""
+    out = []
+    for n in nodes:
+        s = view.summaries.get(n.node)
+        if s is not None and n.summary_age_s is None:
+            age = clock.age(s.header)
+            n = replace(
+                n,
+                summary_age_s=age,
+                summary_stale=age > s.header.stale_after_s and n.status not in _ENDED,
+                ranks=s.header.ranks,
+                verdict=s.header.verdict,
+                culprit=s.header.culprit,
             )
-        )
-    return rows
+        elif n.node in view.summary_problems:
+            n = replace(n, problem=n.problem or f"node summary unusable: {view.summary_problems[n.node]}")
+        out.append(n)
+    return out
 
 
 def _checkpoints(root: Path, now: float) -> list[CheckpointRow]:
@@ -253,17 +463,50 @@ def _stored(root: Path, now: float) -> tuple[list[CheckpointRow], list[Quarantin
     return ckpts, quarantined, "; ".join(problems)
 
 
-def _overall(nodes: list[NodeRow], ranks: list[RankRow]) -> tuple[str, str]:
+def _overall(nodes: list[NodeRow], view: _RankView) -> tuple[str, str]:
     known = [n for n in nodes if n.status in _SEVERITY]
     if known:
         worst = min(known, key=lambda n: _SEVERITY.index(n.status))
         where = f" (node {worst.node})" if len(nodes) > 1 else ""
+        lost = [n.node for n in nodes if n.summary_stale]
+        if lost:
+            where += f"; STALE node summary of node {', '.join(map(str, lost))}: watchdog gone or node lost?"
         return worst.status, worst.reason + where
     if nodes:
         return UNKNOWN, nodes[0].problem
-    if any(not r.stale for r in ranks):
+    if view.counts.total > view.counts.stale:
         return events.RUNNING, "ranks are beating; no watchdog state (not started by `supervisor watch`?)"
     return UNKNOWN, "no watchdog state and no live heartbeat"
+
+
+@dataclass(frozen=True)
+class LiveSign:
+    """Something that says a run is using its run directory now."""
+
+    what: str  # one line naming the watchdog or rank, its host and pid
+    here: bool  # on this host, its pid alive: proof; else only its own word, not checkable from here
+
+
+def live_signs(root: str | Path) -> list[LiveSign]:
+    """Watchdogs whose state says running or restarting, and ranks whose heartbeat is fresh
+    (within its phase's timeout), not done and not exited; on this host only those whose pid is
+    alive. What mutating commands (`ckpt rollback`) refuse to run beside."""
+    report = build_report(root, all_ranks=True)
+    me = hostname()
+    signs = [
+        LiveSign(f"watchdog pid {n.watchdog_pid} on {n.host} is {n.status}", n.host == me)
+        for n in report.nodes
+        if n.status in (events.RUNNING, events.RESTARTING)
+    ]
+    for r in report.ranks:
+        if r.stale or r.phase in (Phase.DONE.value, UNKNOWN) or r.exit_code is not None:
+            continue
+        if r.host != me or (r.pid is not None and pid_alive(r.pid)):
+            age = "-" if r.age_s is None else f"{r.age_s:.0f}s"
+            signs.append(
+                LiveSign(f"rank {r.rank} (pid {r.pid} on {r.host}) beat {age} ago, {r.phase}", r.host == me)
+            )
+    return signs
 
 
 def _median(xs: list[float]) -> float:
@@ -273,22 +516,22 @@ def _median(xs: list[float]) -> float:
     return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
 
 
-def build_report(root: str | Path, now: float | None = None) -> StatusReport:
+def build_report(root: str | Path, now: float | None = None, all_ranks: bool = False) -> StatusReport:
     root = store.require_root(root)
     # Heartbeats of this host's boot are aged on the monotonic clock, unless a time is given.
     clock = Clock(time.time(), time.monotonic(), boot_id()) if now is None else Clock(now)
     now = clock.wall
-    nodes, launches, tdict, current = _nodes(root)
+    summaries = _summaries(root)
+    nodes, launches, tdict, current = _nodes(root, summaries[0], clock)
     try:
         timeouts = PhaseTimeouts.from_dict(tdict)
     except ValueError:
         timeouts = PhaseTimeouts()
-    ranks = _ranks(root, clock, timeouts, current)
-    state, why = _overall(nodes, ranks)
-    live = [r for r in ranks if not r.stale and r.step is not None]
-    live_steps = [r.step for r in live if r.step is not None]
+    view = _ranks(root, clock, timeouts, current, all_ranks, _ended(nodes), summaries)
+    nodes = _with_summaries(nodes, view, clock)
+    state, why = _overall(nodes, view)
+    live_steps, step_times = view.live_steps, view.step_times
     checkpoints, quarantined, storage_problem = _stored(root, now)
-    step_times = [r.last_step_s for r in live if r.phase == Phase.TRAIN.value and r.last_step_s]
     return StatusReport(
         root=str(root),
         time=now,
@@ -296,7 +539,7 @@ def build_report(root: str | Path, now: float | None = None) -> StatusReport:
         why=why,
         nodes=tuple(nodes),
         launches=tuple(launches),
-        ranks=tuple(ranks),
+        ranks=tuple(view.rows),
         current_step=max(live_steps, default=None),
         steps_per_s=1.0 / _median(step_times) if step_times else None,
         checkpoints=tuple(checkpoints),
@@ -306,7 +549,20 @@ def build_report(root: str | Path, now: float | None = None) -> StatusReport:
         remote=_remote_status(root),
         storage_problem=storage_problem,
         slurm=_slurm_line(root),
+        retention=_retention_line(root),
+        rank_counts=view.counts,
     )
+
+
+def _retention_line(root: Path) -> str:
+    """The retention policy the trainer recorded; a record that cannot be used is said, not fatal."""
+    try:
+        policy = store.read_policy(root)
+    except store.StoreError as e:
+        return str(e)
+    except OSError as e:
+        return f"{RunDir.of(root).retention}: {describe(e)}"
+    return "" if policy is None else f"keeps {policy.describe()}"
 
 
 def _slurm_line(root: Path) -> str:

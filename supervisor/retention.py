@@ -3,19 +3,21 @@ removes them. Re-exported by supervisor/store.py (callers use ``store.prune``).
 
 Space comes back from what nobody can use first: tmp dirs of dead writers (on this host a dead pid
 is proof at once; on another host only an hour of silence is), then the oldest quarantined
-checkpoints beyond the quarantine's own retention, then valid checkpoints beyond ``keep``. Nothing
-that could not be read is ever deleted or quarantined; nothing is hashed under the lock.
+checkpoints beyond the quarantine's own retention, then valid checkpoints the ``RetentionPolicy``
+does not keep (supervisor/retention_policy.py, re-exported here). Nothing that could not be read is
+ever deleted or quarantined; nothing is hashed under the lock.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from supervisor.checkpoints import (
@@ -26,7 +28,7 @@ from supervisor.checkpoints import (
     root_lock,
     validate,
 )
-from supervisor.format.atomic import fsync_dir, hostname, pid_alive
+from supervisor.format.atomic import atomic_write_json, fsync_dir, hostname, pid_alive
 from supervisor.format.layout import (
     QUARANTINE_DELETING_PREFIX,
     RunDir,
@@ -38,9 +40,39 @@ from supervisor.format.layout import (
     safe_host,
 )
 from supervisor.ioerrors import Evidence
+from supervisor.retention_policy import (
+    DEFAULT_KEEP,
+    MIN_KEEP,
+    Candidate,
+    KeepReason,
+    KeptSteps,
+    RetentionPolicy,
+    plan_retention,
+)
 
-DEFAULT_KEEP = 3
-MIN_KEEP = 2
+__all__ = [  # the policy's names are re-exported: callers use store.<name> or retention.<name>
+    "DEFAULT_KEEP",
+    "MIN_KEEP",
+    "QUARANTINE_KEEP",
+    "STALE_TMP_AFTER_S",
+    "Candidate",
+    "KeepReason",
+    "KeptSteps",
+    "PruneResult",
+    "QuarantineEntry",
+    "RetentionPolicy",
+    "TmpRef",
+    "disk_usage",
+    "list_deleting",
+    "list_tmp",
+    "plan_quarantine",
+    "plan_retention",
+    "prune",
+    "read_policy",
+    "record_policy",
+    "tmp_is_stale",
+]
+
 STALE_TMP_AFTER_S = 3600.0
 # Quarantined checkpoints kept by default (newest first); the newest copy of a step newer than
 # every valid checkpoint is kept whatever the limits (it may be the run's only trace of it).
@@ -59,6 +91,9 @@ class PruneResult:
     quarantine_removed: tuple[str, ...] = ()
     # Checkpoints that could not be read (name, reason): kept, neither counted as valid nor moved.
     unknown: tuple[tuple[str, str], ...] = ()
+    # The policy applied, and why it keeps each valid checkpoint it keeps (name -> reasons).
+    policy: RetentionPolicy = field(default_factory=RetentionPolicy)
+    why_kept: Mapping[str, tuple[KeepReason, ...]] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- tmp and deleting dirs
@@ -126,21 +161,6 @@ def tmp_is_stale(t: TmpRef, this_host: str, alive: Callable[[int], bool], stale_
 # ---------------------------------------------------------------- pure plans
 
 
-def plan_retention(steps: list[int], keep: int, milestone_every: int, newest_valid: int | None) -> set[int]:
-    """Steps to keep: the newest ``keep``, every milestone, and always the newest valid one."""
-    if keep < MIN_KEEP:
-        raise StoreError(
-            f"--keep {keep} refused: keep at least {MIN_KEEP} so a corrupt newest has a fallback"
-        )
-    ordered = sorted(steps, reverse=True)
-    kept = set(ordered[:keep])
-    if milestone_every > 0:
-        kept |= {s for s in ordered if s % milestone_every == 0}
-    if newest_valid is not None:
-        kept.add(newest_valid)
-    return kept
-
-
 @dataclass(frozen=True)
 class QuarantineEntry:
     name: str
@@ -181,15 +201,17 @@ def plan_quarantine(
 def prune(
     root: str | Path,
     *,
-    keep: int = DEFAULT_KEEP,
-    milestone_every: int = 0,
+    policy: RetentionPolicy | None = None,
+    keep: int | None = None,
+    milestone_every: int | None = None,
     dry_run: bool = False,
     stale_tmp_after_s: float = STALE_TMP_AFTER_S,
     quarantine_keep: int | None = QUARANTINE_KEEP,
     quarantine_max_bytes: int | None = None,
 ) -> PruneResult:
-    """Delete valid committed checkpoints beyond retention, stale tmp dirs and the oldest
-    quarantined checkpoints beyond the quarantine's retention.
+    """Delete valid committed checkpoints ``policy`` does not keep, stale tmp dirs and the oldest
+    quarantined checkpoints beyond the quarantine's retention. ``keep`` / ``milestone_every``
+    alone (the older form) mean ``RetentionPolicy(keep=..., milestone_every=...)``.
 
     Retention counts valid (quick check) checkpoints only, so K fallbacks really exist. Invalid
     ones older than the newest valid are quarantined with their reason, never deleted; invalid
@@ -198,6 +220,7 @@ def prune(
     sees it half deleted); its files go after the lock is released, dead writers' tmp dirs first.
     A crash mid-removal leaves a renamed dir that a later prune finishes.
     """
+    policy = _policy(policy, keep, milestone_every)
     root = require_root(root)
     for flag, value in (
         ("--quarantine-keep", quarantine_keep),
@@ -213,7 +236,7 @@ def prune(
         verdicts = [validate(r) for r in list_checkpoints(root)]
         valid = [v.ref.step for v in verdicts if v.ok]
         newest_valid = valid[0] if valid else None
-        kept = plan_retention(valid, keep, milestone_every, newest_valid)
+        kept = plan_retention([Candidate.of(v.manifest) for v in verdicts if v.ok and v.manifest], policy)
         doomed = [v.ref for v in verdicts if v.ok and v.ref.step not in kept]
         bad_old = [
             v
@@ -264,7 +287,52 @@ def prune(
         quarantined=tuple((v.ref.name, v.reason) for v in bad_old),
         quarantine_removed=tuple(q_doomed),
         unknown=tuple((v.ref.name, v.reason) for v in verdicts if v.unknown),
+        policy=policy,
+        why_kept={v.ref.name: kept[v.ref.step] for v in verdicts if v.ref.step in kept},
     )
+
+
+def _policy(policy: RetentionPolicy | None, keep: int | None, milestone_every: int | None) -> RetentionPolicy:
+    if policy is None:
+        return RetentionPolicy(
+            keep=DEFAULT_KEEP if keep is None else keep, milestone_every=milestone_every or 0
+        )
+    if keep is not None or milestone_every is not None:
+        raise TypeError("prune: pass policy=, or keep= / milestone_every=, not both")
+    return policy
+
+
+# ---------------------------------------------------------------- the policy in force
+
+
+def record_policy(root: str | Path, policy: RetentionPolicy) -> None:
+    """Write ``supervisor/retention.json``, the policy a trainer prunes this run with: `status`
+    shows it, and `ckpt list` / `ckpt prune` without policy flags follow it. Written only when it
+    changed, so a trainer can call this at every start."""
+    path = RunDir.of(root).retention
+    doc = {"schema": 1, "policy": policy.to_dict()}
+    with suppress(OSError, ValueError):
+        if json.loads(path.read_text()) == doc:
+            return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, doc)
+
+
+def read_policy(root: str | Path) -> RetentionPolicy | None:
+    """The recorded policy, or None when none was recorded. A record that cannot be used raises
+    StoreError naming the file (an unreadable one its OSError)."""
+    path = RunDir.of(root).retention
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        doc = json.loads(text)
+        if not isinstance(doc, dict) or not isinstance(doc.get("policy"), dict):
+            raise ValueError("not a retention record")
+        return RetentionPolicy.from_dict(doc["policy"])
+    except (ValueError, StoreError) as e:
+        raise StoreError(f"{path}: {e}; remove it (the trainer writes it again at its next start)") from None
 
 
 def _quarantine_sizes(root: Path) -> dict[str, int]:

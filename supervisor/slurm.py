@@ -9,6 +9,7 @@ the bottom touch files and run ``scontrol``. Torch-free, like everything in ``su
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shlex
@@ -22,10 +23,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from supervisor.checkpoints import list_checkpoints
 from supervisor.errors import UserError
 from supervisor.format.atomic import atomic_write_json
+from supervisor.format.eventnames import RequeueEvent
 from supervisor.format.exitcodes import Exit
 from supervisor.format.layout import RunDir
+from supervisor.format.manifest import META_SAVE_S, ManifestError, read_manifest
 
 REQUEUE_VERSION = 2  # 2: separate preemption and failure counts (1 is read too)
 KEEP_HISTORY = 50
@@ -268,6 +272,54 @@ def notice_problem(spec: str | None, where: str, requeue_signal: str) -> str:
             f"notice would end this script instead of checkpointing; make them match ({want})"
         )
     return ""
+
+
+@dataclass(frozen=True)
+class SaveTime:
+    """How long one checkpoint of the run took to save (its manifest's META_SAVE_S)."""
+
+    checkpoint: str
+    seconds: float
+
+
+def last_save_time(root: str | Path) -> SaveTime | None:
+    """The newest readable manifest's save duration; None before the first checkpoint, for a
+    trainer that does not record it, or when the storage cannot be read now (advice only: it
+    never stops a job, and the watchdog reports storage problems)."""
+    try:
+        refs = list_checkpoints(root)
+    except OSError:
+        return None
+    for ref in refs:
+        try:
+            value = read_manifest(ref.path).meta.get(META_SAVE_S)
+        except ManifestError:
+            continue  # the watchdog quarantines it; the one before still tells the save time
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+            return SaveTime(ref.name, float(value))
+        return None
+    return None
+
+
+def lead_problem(spec: str | None, where: str, save: SaveTime | None) -> str:
+    """Why the job's notice (``spec``, its --signal as found in ``where``) comes later than one
+    checkpoint of this run takes, or "". The notice reaches the batch shell between @SECONDS and
+    @SECONDS + 30 before the limit (slurmctld checks every 30 s), so @SECONDS is all it can count
+    on; the ranks also need up to a step to reach the boundary, and seconds to exit and requeue."""
+    if spec is None or save is None:
+        return ""
+    try:
+        lead = parse_signal_spec(spec).lead_s
+    except SlurmError:
+        return ""  # notice_problem says so
+    if lead >= save.seconds:
+        return ""
+    return (
+        f"--signal={spec} ({where}) gives {lead} s notice before the time limit, but this run's last "
+        f"checkpoint ({save.checkpoint}) took {save.seconds:.1f} s to save: the limit may end the job "
+        f"before the notice's checkpoint commits, and the steps since the one before are lost; raise "
+        f"@{lead} above {math.ceil(save.seconds)} plus a step and the time to exit and requeue"
+    )
 
 
 def check_torchrun_opts(opts: Sequence[str]) -> None:
@@ -574,8 +626,8 @@ class RequeueState:
     def with_limits(self, limits: Budgets) -> RequeueState:
         return replace(self, max_preempt_requeues=limits.preempt, max_requeues=limits.failure)
 
-    def with_event(self, event: str, **fields: Any) -> RequeueState:
-        entry = {"time": round(time.time(), 3), "event": event, "job_id": self.job_id, **fields}
+    def with_event(self, event: RequeueEvent, **fields: Any) -> RequeueState:
+        entry = {"time": round(time.time(), 3), "event": event.value, "job_id": self.job_id, **fields}
         return replace(self, history=(*self.history, entry)[-KEEP_HISTORY:])
 
 
@@ -622,7 +674,7 @@ def parse_requeue_state(d: Any) -> RequeueState:
 def _is_preempt_requeue(h: Any, job_id: str) -> bool:
     return (
         isinstance(h, dict)
-        and h.get("event") == "requeue"
+        and h.get("event") == RequeueEvent.REQUEUE
         and str(h.get("job_id")) == job_id
         and h.get("exit_code") == Exit.REQUEUE_REQUESTED
     )

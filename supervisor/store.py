@@ -68,8 +68,11 @@ from supervisor.retention import (
     MIN_KEEP,
     QUARANTINE_KEEP,
     STALE_TMP_AFTER_S,
+    Candidate,
+    KeepReason,
     PruneResult,
     QuarantineEntry,
+    RetentionPolicy,
     TmpRef,
     disk_usage,
     list_deleting,
@@ -77,6 +80,8 @@ from supervisor.retention import (
     plan_quarantine,
     plan_retention,
     prune,
+    read_policy,
+    record_policy,
     tmp_is_stale,
 )
 
@@ -88,16 +93,20 @@ __all__ = [
     "QUARANTINE_KEEP",
     "REASON_LOST",
     "STALE_TMP_AFTER_S",
+    "Candidate",
     "CheckpointRef",
     "Evidence",
     "Expectation",
     "IncompleteCommit",
+    "KeepReason",
     "MismatchError",
     "NoUsableCheckpoint",
     "PickResult",
     "PruneResult",
     "QuarantineEntry",
     "QuarantinedRef",
+    "RetentionPolicy",
+    "RollbackResult",
     "StorageUnavailable",
     "StoreError",
     "TmpRef",
@@ -120,7 +129,10 @@ __all__ = [
     "quarantine",
     "quarantine_step",
     "read_latest",
+    "read_policy",
+    "record_policy",
     "require_root",
+    "rollback",
     "root_lock",
     "tmp_is_stale",
     "unreadable_fix",
@@ -433,3 +445,41 @@ def quarantine_step(root: str | Path, step: int, reason: str) -> Path:
         if read_latest(root) == ref.name:
             write_latest(root, None)
     return dest
+
+
+@dataclass(frozen=True)
+class RollbackResult:
+    to: str  # the checkpoint the run resumes from now
+    moved: tuple[tuple[str, str], ...]  # (name, where in quarantine/) newest first; with dry_run, none
+    newer: tuple[str, ...]  # the committed checkpoints newer than ``to``, newest first
+    latest_before: str | None
+    dry_run: bool = False
+
+
+def rollback(root: str | Path, step: int, *, dry_run: bool = False) -> RollbackResult:
+    """Make ``step_N`` the newest checkpoint: move every committed checkpoint newer than it to
+    ``quarantine/`` (reason "rolled back", never deleted; valid or not, a rename reads nothing
+    in it) and point ``latest`` at it, all under the root's lock, so a commit waits or comes
+    after. StoreError when ``step_N`` is not a valid checkpoint (quick check); the OSError of one
+    that cannot be read. A crash midway leaves some moved and ``latest`` old: run it again.
+    The caller makes sure no run is live (a running trainer would commit past it)."""
+    root = require_root(root)
+    name = step_dirname(step)
+    with root_lock(root):
+        v = validate(CheckpointRef(step, root / name))
+        if v.unknown:
+            raise _error(v)
+        if not v.ok:
+            why = "no such committed checkpoint" if v.gone or not v.ref.path.is_dir() else v.reason
+            raise StoreError(
+                f"{root / name}: cannot roll back to it: {why}; pick a valid one from `ckpt list`"
+            )
+        newer = [r for r in list_checkpoints(root) if r.step > step]
+        latest_before = read_latest(root)
+        moved = []
+        if not dry_run:
+            for r in newer:
+                reason = f"{r.name}: rolled back to {name} (`ckpt rollback`)"
+                moved.append((r.name, str(quarantine_locked(root, r, reason))))
+            write_latest(root, name)
+    return RollbackResult(name, tuple(moved), tuple(r.name for r in newer), latest_before, dry_run)

@@ -49,8 +49,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from supervisor import store
 from supervisor.format.exitcodes import Exit
-from supervisor.format.heartbeat import ENV_RESTART_COUNT, HeartbeatWriter, Phase, read_heartbeat
-from supervisor.format.layout import RunDir
+from supervisor.format.heartbeat import (
+    ENV_RESTART_COUNT,
+    HeartbeatWriter,
+    Phase,
+    read_heartbeat,
+    stack_dump_path,
+)
+from supervisor.format.layout import heartbeat_filename
 from supervisor.format.manifest import CheckpointInfo
 from train_ref.hold import HoldGate
 
@@ -153,14 +159,13 @@ class PeerPreempted(Exception):
     """Rank 0 stopped for a preemption while this rank waited for it."""
 
 
-def wait_for_peers(root: Path, rank: int, world: int, step: int, launch_id: str) -> None:
+def wait_for_peers(folder: Path, rank: int, world: int, step: int, launch_id: str) -> None:
     """Lockstep like a collective: wait until every other rank of this launch reached ``step``
     (so a stopped rank stalls the others, and ranks die within one step of each other). Raises
     PeerPreempted when rank 0 exited for a preemption instead: every other rank ends up here."""
-    run = RunDir.of(root)
     for r in range(world):
         while r != rank:
-            hb = read_heartbeat(run.heartbeat(r), r).heartbeat
+            hb = read_heartbeat(folder / heartbeat_filename(r), r).heartbeat
             if hb is not None and hb.launch_id == launch_id:
                 if r == 0 and hb.exit_code == Exit.REQUEUE:
                     raise PeerPreempted
@@ -176,7 +181,7 @@ def stay_in_collective() -> None:
 
 
 def worker(a: argparse.Namespace, rank: int) -> int:
-    dump = RunDir.of(a.root).stack_dump(rank)
+    dump = stack_dump_path(a.root, rank)
     dump.parent.mkdir(parents=True, exist_ok=True)
     faulthandler.register(signal.SIGUSR2, file=open(dump, "a"), all_threads=True)  # noqa: SIM115
     if a.ignore_sigterm:
@@ -200,7 +205,7 @@ def worker(a: argparse.Namespace, rank: int) -> int:
     while step < a.steps:
         try:
             if not a.silent:
-                wait_for_peers(a.root, rank, a.ranks, step, hb.launch_id)
+                wait_for_peers(hb.folder, rank, a.ranks, step, hb.launch_id)
         except PeerPreempted:
             if a.launcher == "torchrun":
                 stay_in_collective()

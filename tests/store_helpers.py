@@ -3,13 +3,12 @@ lays them out) and the corruptions the store must catch. No torch."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
 from supervisor import store
-from supervisor.format.layout import MANIFEST, REASON, RunDir
+from supervisor.format.layout import REASON, RunDir
 from supervisor.format.manifest import CheckpointInfo
 
 SHARD = "__0_0.distcp"
@@ -46,45 +45,6 @@ def make_ckpt(
     """Write and commit one checkpoint through the real protocol (``info``: CheckpointInfo's fields)."""
     tmp = write_tmp(root, step, files)
     return store.commit(root, tmp, CheckpointInfo(step, world_size, **info), sign_key=sign_key)
-
-
-# ---------------------------------------------------------------- corruptions
-
-CORRUPTIONS = (
-    "truncate",
-    "bitflip",
-    "delete_shard",
-    "garbage_manifest",
-    "other_step_manifest",
-    "delete_manifest",
-    "stray_file",
-)
-
-
-def corrupt(ckpt: Path, kind: str) -> None:
-    """Damage a committed checkpoint so that deep validation must fail (quick too, but bitflip)."""
-    shard = ckpt / SHARD
-    if kind == "truncate":
-        size = shard.stat().st_size
-        os.truncate(shard, size // 2)
-    elif kind == "bitflip":
-        data = bytearray(shard.read_bytes())
-        data[len(data) // 2] ^= 0x10
-        shard.write_bytes(bytes(data))
-    elif kind == "delete_shard":
-        shard.unlink()
-    elif kind == "garbage_manifest":
-        (ckpt / MANIFEST).write_bytes(b'{"format_version": 1, "step": \x00\xff garbage')
-    elif kind == "other_step_manifest":
-        d = json.loads((ckpt / MANIFEST).read_text())
-        d["step"] += 1
-        (ckpt / MANIFEST).write_text(json.dumps(d))
-    elif kind == "delete_manifest":
-        (ckpt / MANIFEST).unlink()
-    elif kind == "stray_file":
-        (ckpt / "stray.bin").write_bytes(b"not in the manifest")
-    else:
-        raise ValueError(kind)
 
 
 def quarantine_dirs(root: Path) -> list[Path]:

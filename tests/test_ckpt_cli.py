@@ -10,14 +10,13 @@ import time
 from pathlib import Path
 
 import pytest
-from commands import supervisor_cmd
-from store_helpers import corrupt, make_ckpt, quarantine_dirs, write_tmp
+from commands import REPO, supervisor_cmd
+from store_helpers import make_ckpt, quarantine_dirs, write_tmp
 
 from supervisor import store
 from supervisor.cli.main import main
+from supervisor.drill.corruption import Corruption, corrupt
 from supervisor.format.exitcodes import Exit
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -35,12 +34,12 @@ def root(tmp_path: Path) -> Path:
 
 
 def test_list_table(root: Path, capsys) -> None:
-    corrupt(root / "step_00000020", "truncate")
+    corrupt(root / "step_00000020", Corruption.TRUNCATE)
     write_tmp(root, 40)
     rc, out, err = run(capsys, "list", "--ckpt-root", str(root))
     assert rc == Exit.OK and err == ""
     lines = out.splitlines()
-    assert lines[0].split() == ["step", "age", "size", "files", "status", "reason"]
+    assert lines[0].split() == ["step", "age", "size", "files", "status", "kept", "reason"]
     assert lines[1].split()[:2] == ["latest", "30"] and "ok" in lines[1]
     assert "INVALID" in lines[2] and "__0_0.distcp is 128 bytes, manifest says 256" in lines[2]
     assert "step_00000040.tmp." in out and "may be writing" in out
@@ -49,12 +48,21 @@ def test_list_table(root: Path, capsys) -> None:
 
 def test_list_json_is_stable(root: Path, capsys) -> None:
     store.pick(root)
-    corrupt(root / "step_00000030", "delete_manifest")
+    corrupt(root / "step_00000030", Corruption.DELETE_MANIFEST)
     store.pick(root)
     rc, out, _ = run(capsys, "list", "--ckpt-root", str(root), "--json")
     doc = json.loads(out)
     assert rc == 0
-    assert set(doc) == {"schema", "command", "root", "latest", "checkpoints", "quarantined", "tmp"}
+    assert set(doc) == {
+        "schema",
+        "command",
+        "root",
+        "latest",
+        "retention",
+        "checkpoints",
+        "quarantined",
+        "tmp",
+    }
     assert (doc["schema"], doc["command"], doc["latest"]) == (1, "list", "step_00000020")
     c = doc["checkpoints"][0]
     assert set(c) == {
@@ -69,6 +77,7 @@ def test_list_json_is_stable(root: Path, capsys) -> None:
         "bytes",
         "files",
         "latest",
+        "kept",
     }
     assert (c["name"], c["step"], c["ok"], c["latest"], c["files"]) == ("step_00000020", 20, True, True, 4)
     assert c["evidence"] == "ok"
@@ -78,7 +87,7 @@ def test_list_json_is_stable(root: Path, capsys) -> None:
 
 def test_verify_exit_codes_and_depth(root: Path, capsys) -> None:
     assert run(capsys, "verify", "--ckpt-root", str(root))[0] == Exit.OK
-    corrupt(root / "step_00000020", "bitflip")
+    corrupt(root / "step_00000020", Corruption.BITFLIP)
     assert run(capsys, "verify", "--ckpt-root", str(root))[0] == Exit.OK  # sizes still match
     rc, out, _ = run(capsys, "verify", "--ckpt-root", str(root), "--deep", "--json")
     doc = json.loads(out)
@@ -102,7 +111,7 @@ def test_deep_verify_draws_a_bar_on_a_terminal_only(root: Path, capsys, monkeypa
 
 
 def test_pick_dry_run_then_pick(root: Path, capsys) -> None:
-    corrupt(root / "step_00000030", "garbage_manifest")
+    corrupt(root / "step_00000030", Corruption.GARBAGE_MANIFEST)
     rc, out, _ = run(capsys, "pick", "--ckpt-root", str(root), "--dry-run")
     assert rc == 0 and "would quarantine step_00000030" in out and "would pick step_00000020" in out
     assert not quarantine_dirs(root)
@@ -115,7 +124,7 @@ def test_pick_dry_run_then_pick(root: Path, capsys) -> None:
 
 def test_pick_with_none_valid_exits_1(tmp_path: Path, capsys) -> None:
     make_ckpt(tmp_path, 10)
-    corrupt(tmp_path / "step_00000010", "delete_shard")
+    corrupt(tmp_path / "step_00000010", Corruption.DELETE_SHARD)
     rc, out, _ = run(capsys, "pick", "--ckpt-root", str(tmp_path), "--deep")
     assert rc == Exit.FOUND_PROBLEM and "quarantined step_00000010: __0_0.distcp is missing" in out
     assert "no usable checkpoint, but 1 checkpoint is quarantined" in out and "--allow-fresh-start" in out

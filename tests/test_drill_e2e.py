@@ -4,26 +4,25 @@ switches): it must fail, with the right reasons."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
-from pathlib import Path
 
 import pytest
-from commands import supervisor_cmd
+from commands import REPO, supervisor_cmd
 from waiting import PATIENCE_S, wait_held
 
-from supervisor.drill.judge import judge
+from supervisor.drill.judge import Case, judge
 from supervisor.drill.mounts import is_mounted
 from supervisor.drill.plan import Fault, Kind, plan
-from supervisor.drill.runner import DrillConfig, read_digest, read_metrics, run_golden
+from supervisor.drill.runner import DrillConfig, ScenarioRun, read_digest, read_metrics, run_golden
 from supervisor.drill.switch import BLOCKING_FUNCTION
 from supervisor.format.events import events_path, read_events
 from supervisor.format.exitcodes import Exit
 from train_ref import hold
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[1]
 RESTORE_NOTHING = ("optimizer", "scheduler", "sampler", "python_rng", "numpy_rng", "torch_rng")
 
 
@@ -42,10 +41,11 @@ def test_short_drill_passes_and_writes_report(tmp_path):
 
 def test_real_hang_named_killed_and_resumed_from_the_periodic_checkpoint(tmp_path):
     """A rank blocks in a read no signal cures (the trainer's drill switch): the watchdog names it
-    and its stack, needs SIGKILL, and the run resumes from the last periodic checkpoint."""
+    and its stack, needs SIGKILL, and the run resumes from the last periodic checkpoint. The verdict
+    as --json prints it."""
     work = tmp_path / "drill"
     cmd = supervisor_cmd("drill", "--scenario", "hang", "--ranks", "2")
-    cmd += ["--steps", "40", "--workdir", str(work)]
+    cmd += ["--steps", "40", "--workdir", str(work), "--json"]
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     (fault,) = plan("hang", seed=0, steps=40, save_every=10, ranks=2)
@@ -65,7 +65,20 @@ def test_real_hang_named_killed_and_resumed_from_the_periodic_checkpoint(tmp_pat
     assert f"culprit rank {fault.rank}" in first["msg"] and last["outcome"] == "done"
     (resumed,) = [e for e in evs if e["event"] == "launch" and e["launch"] == 2]
     assert resumed["resumed_from"] == first["newest_checkpoint"] and resumed["resumed_from"] % 10 == 0
-    assert "hang verdict names the culprit and its stack" in p.stdout and "PASS: 1 of 1 scenarios" in p.stdout
+    doc = json.loads(p.stdout)
+    assert (doc["schema"], doc["ok"], doc["verdict"], doc["report"]) == (
+        1,
+        True,
+        "PASS",
+        str(work / "report.md"),
+    )
+    (scenario,) = doc["scenarios"]
+    checks = {c["name"]: c["ok"] for c in scenario["checks"]}
+    assert checks["hang verdict names the culprit and its stack"] and all(checks.values())
+    assert [(f["kind"], f["at_step"], f["rank"]) for f in scenario["injected"]] == [
+        (fault.kind.value, fault.at_step, fault.rank)
+    ]
+    assert [r["ckpt_step"] for r in scenario["resumes"]] == [resumed["resumed_from"]]
 
 
 def test_storage_scenarios_ride_out_eio_a_full_disk_and_slow_storage(tmp_path, need_fuse):
@@ -115,19 +128,16 @@ def test_judge_fails_a_resume_that_restored_nothing(tmp_path):
         )
     assert second.returncode == 0
 
-    v = judge(
+    preempt = Fault(Kind.PREEMPT, 15, 0)
+    run = ScenarioRun(
         "ablated",
-        faults=[Fault(Kind.PREEMPT, 15, 0)],
-        injected=[Fault(Kind.PREEMPT, 15, 0)],
+        root,
+        [preempt],
         save_in_flight=[False],
-        golden=golden,
-        drill=read_metrics(root),
-        steps=cfg.steps,
-        save_every=cfg.save_every,
-        golden_digest=golden_digest,
-        drill_digest=read_digest(root),
-        latest_violations=[],
+        records=read_metrics(root),
+        digest=read_digest(root),
     )
+    v = judge(Case("ablated", [preempt], run, golden, golden_digest, cfg.steps, cfg.save_every))
     failed = {c.name for c in v.checks if not c.ok}
     assert not v.ok
     assert {"loss continuous", "final digest equals golden"} <= failed, v.failures()

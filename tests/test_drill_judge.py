@@ -4,9 +4,11 @@ storage scenarios' phase clock on heartbeat files written as the trainer writes 
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from store_helpers import make_ckpt
@@ -14,10 +16,10 @@ from store_helpers import make_ckpt
 from supervisor import store
 from supervisor.cli.drill import chosen
 from supervisor.drill import report
-from supervisor.drill.judge import StepRecord, StorageFacts, Verdict, find_resumes, judge
+from supervisor.drill.corruption import DRILL
+from supervisor.drill.judge import Case, StepRecord, StorageFacts, Verdict, find_resumes, judge
 from supervisor.drill.plan import (
     CHAOS,
-    CORRUPTIONS,
     DISK_FULL_INTERVALS,
     SCENARIOS,
     Fault,
@@ -26,6 +28,7 @@ from supervisor.drill.plan import (
     steps_redone_bound,
 )
 from supervisor.drill.report import summary, verdict_table
+from supervisor.drill.runner import ScenarioRun
 from supervisor.drill.storage import PhaseClock, at_end, driver_for
 from supervisor.format.heartbeat import Heartbeat, Phase, write_heartbeat
 
@@ -53,20 +56,17 @@ def verdict(
     """judge() on a drill run against GOLDEN; ``seen``: events, fault_times, storage."""
     faults = faults if faults is not None else [Fault(Kind.KILL9, 17, 1)]
     injected = injected if injected is not None else faults
-    return judge(
+    run = ScenarioRun(
         scenario,
-        faults=faults,
-        injected=injected,
-        save_in_flight=in_flight if in_flight is not None else [False] * len(injected),
-        golden=GOLDEN,
-        drill=drill,
-        steps=STEPS,
-        save_every=EVERY,
-        golden_digest="d0",
-        drill_digest=digest,
+        Path(scenario),
+        injected=list(injected),
+        save_in_flight=list(in_flight if in_flight is not None else [False] * len(injected)),
+        records=list(drill),
+        digest=digest,
         latest_violations=list(violations),
         **seen,
     )
+    return judge(Case(scenario, faults, run, GOLDEN, "d0", STEPS, EVERY))
 
 
 def seen_after_fault(drill) -> list[StepRecord]:
@@ -143,7 +143,7 @@ def test_plan_is_reproducible_and_in_range(scenario):
 
 def test_plan_shapes():
     assert [f.corruption for f in plan("corrupt-latest", seed=0, steps=80, save_every=10, ranks=2)] == list(
-        CORRUPTIONS
+        DRILL
     )
     chaos = plan(CHAOS, seed=3, steps=80, save_every=10, ranks=2)
     assert 3 <= len(chaos) <= 4
@@ -492,7 +492,7 @@ def test_storage_scenarios_run_when_asked_for():
     assert chosen(None, True)[-3:] == ["io-error", "disk-full", "slow-storage"]
     assert chosen(["storage"], False) == ["io-error", "disk-full", "slow-storage"]
     assert chosen(["kill9", "disk-full"], True) == ["kill9", "disk-full", "io-error", "slow-storage"]
-    assert driver_for([IO_ERROR]).kind == Kind.IO_ERROR and driver_for([HUNG]) is None
+    assert driver_for([IO_ERROR]).kinds == {Kind.IO_ERROR} and driver_for([HUNG]) is None
 
 
 def test_the_phase_clock_times_each_phase_per_rank_and_the_longest_silence_in_verify_or_load(tmp_path):
@@ -541,3 +541,30 @@ def test_the_report_says_why_there_is_no_plot_without_matplotlib(tmp_path, monke
         tmp_path / "report.md", settings="s", golden_digest="0" * 64, runs=[], verdicts=[], plot_line=line
     )
     assert line in (tmp_path / "report.md").read_text()
+
+
+def test_the_json_report_carries_every_check_fault_and_resume_and_redacts_urls(tmp_path):
+    """drill --json's document: a failed scenario with its failing check, a skipped one with its
+    reason, what was injected, the resumes; a credential in a note is redacted."""
+    drill = faithful_run(resume_from=0)
+    bad = verdict(drill)  # a resume that restarted from step 0: more redone than the bound
+    skipped = Verdict("disk-full", (), skipped="no /dev/fuse on this machine")
+    run = ScenarioRun("kill9", tmp_path, injected=[Fault(Kind.KILL9, 17, 1)], records=drill, digest="d1")
+    run.notes.append("uploaded to s3://AKIAEXAMPLE:secret@bucket/x")
+    files = {"report": "r.md", "plot": None, "log": "d.log"}
+    doc = json.loads(json.dumps(report.json_report({"seed": 0}, "d0", [run], [bad, skipped], files)))
+    assert (doc["schema"], doc["ok"], doc["verdict"]) == (report.DRILL_SCHEMA, False, "FAIL")
+    assert doc["summary"] == "0 of 1 scenarios (skipped: disk-full)" and doc["plot"] is None
+    first, second = doc["scenarios"]
+    assert first["result"] == "FAIL" and first["digest"] == "d1"
+    assert {c["name"] for c in first["checks"] if not c["ok"]} == failed(bad)
+    assert first["injected"] == [{"kind": "kill9", "at_step": 17, "rank": 1, "corruption": None}]
+    assert first["resumes"] == [
+        {"launch": "b", "ckpt_step": 0, "reached": 17, "first_seen": 0.0, "redone": 17}
+    ]
+    assert "secret" not in json.dumps(doc)
+    assert (second["result"], second["skipped"], second["checks"]) == (
+        "SKIPPED",
+        "no /dev/fuse on this machine",
+        [],
+    )

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from trainer_helpers import REPO, trainer_env
+from commands import REPO
+from trainer_helpers import trainer_env
 
 from train_ref.gpu_check import (
     SAVE_EVERY,

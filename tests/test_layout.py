@@ -17,6 +17,7 @@ from supervisor.format.layout import (
     step_dirname,
     tmp_dirname,
 )
+from supervisor.format.metrics import MetricsRecord, parse_line, read_metrics
 
 
 @settings(derandomize=True, max_examples=200)
@@ -129,3 +130,16 @@ def test_heartbeat_file_names(name: str, rank: int | None) -> None:
 )
 def test_looks_like_run_dir(names: list[str], expected: bool) -> None:
     assert looks_like_run_dir(names) is expected
+
+
+def test_a_metrics_record_round_trips_and_a_partial_line_is_no_record(tmp_path):
+    rec = MetricsRecord(
+        step=7, loss=2.5, lr=1e-3, grad_norm=0.25, step_time=0.1, restart_count=1, launch="L2"
+    )
+    assert parse_line(rec.to_line()) == rec
+    assert parse_line(rec.to_line()[:20]) is None  # still being written, or cut by a full disk
+    assert parse_line('{"step": 1, "loss": 1.0, "lr": 0.1, "new_field": 3}') == MetricsRecord(1, 1.0, 0.1)
+    path = tmp_path / "metrics.jsonl"
+    assert read_metrics(path) == []
+    path.write_text(rec.to_line() + "\n" + rec.to_line()[:9])
+    assert read_metrics(path) == [rec]

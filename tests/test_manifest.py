@@ -35,7 +35,9 @@ def _fill(d: Path) -> None:
 
 def test_build_parse_round_trip(tmp_path: Path) -> None:
     _fill(tmp_path)
-    info = CheckpointInfo(7, 4, "cfg", "data", {"mode": "fsdp"}, "2.13.0", meta={"loss": 1.5})
+    info = CheckpointInfo(
+        7, 4, "cfg", "data", {"mode": "fsdp"}, "2.13.0", meta={"note": "x"}, metrics={"loss": 1.5, "acc": 1}
+    )
     m = build_manifest(tmp_path, info)
     assert sorted(m.files) == [".metadata", "a.bin", "sub/b.bin"]
     assert m.files["a.bin"] == FileEntry(1000, xxhash.xxh3_128(b"a" * 1000).hexdigest())
@@ -69,6 +71,12 @@ def test_checksum_file_matches_one_shot_hash_across_chunks(tmp_path_factory, dat
     assert sum(seen) == len(data)
 
 
+def test_manifest_without_metrics_reads_as_empty() -> None:
+    d = _valid()
+    del d["metrics"]  # written before the field existed
+    assert parse_manifest(json.dumps(d)).metrics == {}
+
+
 def _valid() -> dict:
     return json.loads(Manifest(step=3, world_size=2, files={"a": FileEntry(1, "x")}).to_json())
 
@@ -80,6 +88,9 @@ def _valid() -> dict:
         (lambda d: d.update(step="3"), "field 'step' has the wrong type"),
         (lambda d: d.update(step=True), "field 'step' has the wrong type"),
         (lambda d: d.update(files=[]), "field 'files' has the wrong type"),
+        (lambda d: d.update(metrics=[1.0]), "field 'metrics' is not an object of numbers"),
+        (lambda d: d.update(metrics={"loss": "2.3"}), "field 'metrics' is not an object of numbers"),
+        (lambda d: d.update(metrics={"loss": True}), "field 'metrics' is not an object of numbers"),
         (lambda d: d.update(format_version=FORMAT_VERSION + 1), "is unknown"),
         (lambda d: d.update(checksum_algo="md5"), "checksum 'md5' is unknown"),
         (lambda d: d["files"].update(a={"size": -1, "checksum": "x"}), "entry 'a' is malformed"),

@@ -90,7 +90,7 @@ def test_node_loss_resumes_from_the_remote_digest_equal(golden, tmp_path, moto):
     r = run_ok(root, 2, *args, env=env())
     assert f"downloaded from {url}" in r.output
     assert f"resumed from step_{stopped:08d}, next step {stopped + 1}" in r.output
-    assert [m["step"] for m in metrics(root)] == list(range(stopped + 1, STEPS + 1))
+    assert [m.step for m in metrics(root)] == list(range(stopped + 1, STEPS + 1))
     assert digest(root) == digest(golden)
     assert max(remote_steps(url, moto)) == STEPS, "the final checkpoint did not reach the remote"
 

@@ -11,10 +11,10 @@ import signal
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import remote_support as rs
+from commands import REPO
 
 from supervisor import store
 from supervisor.format.layout import MANIFEST, RunDir, step_dirname
@@ -22,8 +22,6 @@ from supervisor.tiers.backends import DirBackend
 from supervisor.tiers.plan import RemoteState
 from supervisor.tiers.remote import LocalSourceError, RemoteUnavailable, open_remote
 from supervisor.tiers.resume import prepare_resume
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_upload_sets_the_commit_marker_and_is_idempotent(tier, local):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import remote_support as rs
+from commands import REPO
 from waiting import PATIENCE_S, wait_for
 
 from supervisor import store
@@ -20,7 +21,6 @@ from supervisor.tiers.listing import list_tiers
 from supervisor.tiers.remote import RemoteTier, open_remote
 from supervisor.tiers.uploader import BUSY_WAIT, Uploader, UploadPolicy, read_remote_status
 
-REPO = Path(__file__).resolve().parents[1]
 FAST = UploadPolicy(attempts=2, backoff_initial_s=0.05, backoff_max_s=0.1, down_retry_s=0.3, remote_keep=3)
 
 

@@ -94,7 +94,7 @@ def test_node_loss_resumes_from_the_remote_with_the_right_key(signed_run, tmp_pa
     root = tmp_path / "node" / "run"  # nothing local
     r = run_ok(root, 2, *args("--remote", str(shared), steps=STEPS + 2), env=env(KEY))
     assert f"resumed from step_{STEPS:08d}" in r.output
-    assert metrics(root)[0]["step"] == STEPS + 1  # nothing redone, nothing skipped
+    assert metrics(root)[0].step == STEPS + 1  # nothing redone, nothing skipped
     local = store.validate(store.CheckpointRef(STEPS, root / f"step_{STEPS:08d}"), deep=True, key=KEY)
     assert local.signature == "ok"  # the downloaded copy, verified and signed again
 

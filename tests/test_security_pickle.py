@@ -19,7 +19,7 @@ from typing import ClassVar
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from commands import supervisor_cmd
+from commands import REPO, supervisor_cmd
 from security_helpers import RunsCommand, evil_pickle, tamper
 from trainer_helpers import (
     digest,
@@ -37,7 +37,6 @@ from supervisor.format.layout import REASON, RunDir
 from train_ref.safe_load import load_dcp, weights_only_refusal
 from train_ref.state import RankState
 
-REPO = Path(__file__).resolve().parents[1]
 METADATA = ".metadata"
 
 

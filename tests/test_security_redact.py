@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from commands import supervisor_cmd
+from commands import REPO, supervisor_cmd
 from store_helpers import make_ckpt
 
 from supervisor.drill.report import write_report
@@ -24,7 +24,6 @@ from supervisor.tiers.backends import DirBackend, RemoteConfigError, open_backen
 from supervisor.tiers.remote import RemoteTier, RemoteUnavailable
 from supervisor.tiers.uploader import Uploader, UploadPolicy
 
-REPO = Path(__file__).resolve().parents[1]
 SECRETS = ("AKIAEXAMPLE", "s3cr3t", "hunter2", "SIGVALUE", "CREDVALUE", "TOKENVALUE", "SASVALUE")
 # A remote URL and an endpoint as a careless user might pass them: every kind of credential.
 URL = "s3://AKIAEXAMPLE:s3cr3t@bucket/run"
@@ -80,6 +79,9 @@ def test_redact_finds_urls_in_text_and_leaves_the_rest() -> None:
         == 'Invalid bucket name "REDACTED@bucket": must'
     )
     assert redact("git@github.com:org/repo at 10:30 @home") == "git@github.com:org/repo at 10:30 @home"
+    # SLURM's --signal=[B:]SIG@SECONDS is a number after the @, not a host; an address is one.
+    assert redact("use --signal=B:USR1@120 (or B:URG@60)") == "use --signal=B:USR1@120 (or B:URG@60)"
+    assert redact("u:pw@10.0.0.1:9000 and u:pw@7host") == "REDACTED@10.0.0.1:9000 and REDACTED@7host"
 
 
 def test_redact_obj_walks_json() -> None:

@@ -14,19 +14,19 @@ import sys
 from pathlib import Path
 
 import pytest
-from commands import supervisor_cmd
+from commands import REPO, supervisor_cmd
 from security_helpers import KEY, OTHER_KEY, tamper
-from store_helpers import SHARD, corrupt, default_files, latest_text, make_ckpt, quarantine_dirs
+from store_helpers import SHARD, default_files, latest_text, make_ckpt, quarantine_dirs
 
 from supervisor import signing, store
 from supervisor.cli.main import main
+from supervisor.drill.corruption import Corruption, corrupt
 from supervisor.format.exitcodes import Exit
 from supervisor.format.layout import MANIFEST, SIGNATURE, RunDir, step_dirname
 from supervisor.signing import SigningKeyError, load_key
 from supervisor.tiers.remote import RemoteUntrusted, open_remote
 from supervisor.tiers.resume import prepare_resume
 
-REPO = Path(__file__).resolve().parents[1]
 ENV = "RT_TEST_SIGNING_KEY"
 
 
@@ -144,7 +144,7 @@ def test_unsigned_and_tampered_checkpoints_are_untrusted(tmp_path: Path) -> None
     assert "HMAC does not verify" in v.reason
 
     make_ckpt(tmp_path, 50, sign_key=KEY)
-    corrupt(tmp_path / "step_00000050", "truncate")  # corruption stays corruption, key or not
+    corrupt(tmp_path / "step_00000050", Corruption.TRUNCATE)  # corruption stays corruption, key or not
     assert store.validate(ref(tmp_path, 50), key=KEY).evidence is store.Evidence.CORRUPT
 
 
@@ -154,7 +154,7 @@ def test_pick_skips_untrusted_checkpoints_and_never_quarantines_them(tmp_path: P
     make_ckpt(tmp_path, 30)  # unsigned (e.g. planted, or from before the key was set)
     make_ckpt(tmp_path, 40, sign_key=OTHER_KEY)
     make_ckpt(tmp_path, 50, sign_key=KEY)
-    corrupt(tmp_path / "step_00000050", "truncate")
+    corrupt(tmp_path / "step_00000050", Corruption.TRUNCATE)
     for deep in (False, True):
         res = store.pick(tmp_path, deep=deep, key=KEY, dry_run=True)
         assert res.chosen is not None and res.chosen.ref.name == "step_00000020"

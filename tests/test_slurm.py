@@ -15,36 +15,35 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from waiting import wait_for
+from slurm_helpers import (
+    JOB_SH,
+    JOB_TIMEOUT_S,
+    REPO,
+    SAVE_EVERY,
+    TRAIN,
+    Cluster,
+    Job,
+    assert_no_step_lost,
+    running_cluster,
+    submit,
+)
 
-from supervisor import slurm
 from supervisor.format import events
 from supervisor.format.exitcodes import Exit
 from train_ref import hold
 
 pytestmark = pytest.mark.slurm
 
-REPO = Path(__file__).resolve().parent.parent
-CLUSTER_SH = REPO / "tests" / "slurm" / "cluster.sh"
-JOB_SH = REPO / "sbatch" / "job.sh"
-EXIT_UNAVAILABLE = 3  # cluster.sh: SLURM cannot be installed here
 NPROC = 2
 STEPS = 60
-SAVE_EVERY = 10
-TRAIN = ("-m", "train_ref.train", "--save-every", str(SAVE_EVERY))
-JOB_TIMEOUT_S = 300.0
-POLL_S = 0.25
-DONE_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"}
 # Time-limit test: slurmctld checks time limits every 30 s and signals at the first check where at
 # most 60 + 30 s are left: with --time=2 that is a check 30-60 s into each run, leaving >= 60 s
 # to checkpoint. The first run is held at TIME_LIMIT_HOLD until its notice came, so the runs after
@@ -55,166 +54,10 @@ TIME_LIMIT_OPTS = ("--time=2", "--signal=B:USR1@60")
 TIME_LIMIT_HOLD = 55
 
 
-@dataclass(frozen=True)
-class Cluster:
-    conf: Path
-
-    @property
-    def dir(self) -> Path:
-        return self.conf.parent
-
-    def env(self, **extra: str) -> dict[str, str]:
-        base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))}
-        return {**base, "SLURM_CONF": str(self.conf), **extra}
-
-    def run(self, *cmd: str) -> str:
-        r = subprocess.run(cmd, env=self.env(), capture_output=True, text=True, timeout=60, check=False)
-        assert r.returncode == 0, f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr.strip()}"
-        return r.stdout
-
-    def job(self, job_id: str) -> dict[str, str]:
-        return dict(re.findall(r"(\w+)=(\S*)", self.run("scontrol", "show", "job", "-o", job_id)))
-
-    def log_tail(self, name: str = "slurmctld.log", lines: int = 30) -> str:
-        path = self.dir / name
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
-
-
 @pytest.fixture(scope="session")
 def cluster(pytestconfig: pytest.Config) -> Iterator[Cluster]:
-    env = {**os.environ, "PYTHON": sys.executable}
-    r = subprocess.run([str(CLUSTER_SH), "start"], capture_output=True, text=True, timeout=600, env=env)
-    if r.returncode == EXIT_UNAVAILABLE:
-        reason = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "cluster.sh: unavailable"
-        terminal = pytestconfig.pluginmanager.get_plugin("terminalreporter")
-        if terminal is not None:  # visible without -rs
-            terminal.write_line(f"SLURM tests skipped: {reason}", yellow=True)
-        pytest.skip(f"no SLURM cluster on this machine: {reason}")
-    assert r.returncode == 0, f"tests/slurm/cluster.sh start failed (exit {r.returncode}):\n{r.stderr}"
-    conf = Path(r.stdout.strip().splitlines()[-1])
-    try:
-        yield Cluster(conf)
-    finally:
-        subprocess.run([str(CLUSTER_SH), "stop", str(conf.parent)], capture_output=True, timeout=120)
-        shutil.rmtree(conf.parent, ignore_errors=True)
-
-
-# ---------------------------------------------------------------- a job and what it left
-
-
-@dataclass(frozen=True)
-class Job:
-    cluster: Cluster
-    job_id: str
-    run_dir: Path
-    out: Path
-
-    def output(self) -> str:
-        return self.out.read_text(errors="replace") if self.out.exists() else ""
-
-    def info(self) -> dict[str, str]:
-        return self.cluster.job(self.job_id)
-
-    def explain(self) -> str:
-        return (
-            f"job {self.job_id}: {self.info()}\n--- job output (tail)\n{self.output()[-6000:]}"
-            f"\n--- slurmctld.log (tail)\n{self.cluster.log_tail()}"
-        )
-
-    def wait_until(self, what: str, pred: Callable[[], object]) -> object:
-        """``pred``'s first truthy value; fails at once if the job ends first."""
-
-        def check() -> object:
-            if got := pred():
-                return got
-            if self.info().get("JobState") in DONE_STATES and not (got := pred()):
-                raise AssertionError(f"job ended while waiting for {what}\n{self.explain()}")
-            return got
-
-        return wait_for(check, what, timeout=JOB_TIMEOUT_S, explain=self.explain, poll=POLL_S)
-
-    def wait_done(self) -> dict[str, str]:
-        def done() -> dict[str, str] | None:
-            info = self.info()
-            return info if info.get("JobState") in DONE_STATES else None
-
-        return wait_for(done, "the job to end", timeout=JOB_TIMEOUT_S, explain=self.explain, poll=POLL_S)
-
-    def wait_held(self, gate: Path, step: int) -> dict[int, dict]:
-        """Every rank of the current run held after ``step``; their acks by rank."""
-        return self.wait_until(f"{NPROC} ranks held after step {step}", lambda: hold.held(gate, NPROC, step))
-
-    def wait_notice_forwarded(self) -> None:
-        """The current run's watchdog forwarded a notice to its ranks (its ``preempt`` event)."""
-        self.wait_until("the watchdog to forward the notice to the ranks", self.notice_forwarded)
-
-    def notice_forwarded(self) -> bool:
-        evs = events.read_events(events.events_path(self.run_dir))
-        starts = [i for i, e in enumerate(evs) if e.get("event") == "watchdog_start"]
-        return bool(starts) and any(e.get("event") == "preempt" for e in evs[starts[-1] :])
-
-    def notify(self, sig: str = "USR1") -> None:
-        """A preemption notice as SLURM would deliver it: the signal to the batch shell."""
-        self.cluster.run("scancel", f"--signal={sig}", "--batch", self.job_id)
-
-    def metrics(self) -> list[dict]:
-        path = self.run_dir / "metrics.jsonl"
-        if not path.exists():
-            return []
-        rows = []
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                continue  # a line being written
-        return rows
-
-    def digest(self) -> str:
-        return json.loads((self.run_dir / "final.json").read_text())["params_sha256"]
-
-    def requeue_state(self) -> dict:
-        return json.loads(slurm.requeue_path(self.run_dir).read_text())
-
-
-def submit(
-    cluster: Cluster,
-    tmp: Path,
-    *train: str,
-    run_dir: Path | None = None,
-    sbatch_opts: tuple[str, ...] = (),
-    hold_at: int | None = None,
-    **env: str,
-) -> tuple[Job, Path]:
-    """Submit the job; with ``hold_at``, its ranks hold after that step until the returned hold
-    file is released or moved on (train_ref/hold.py)."""
-    run_dir = run_dir or tmp / "run"
-    out = tmp / "job.out"
-    gate = tmp / "hold"
-    extra = {}
-    if hold_at is not None:
-        hold.hold_at(gate, hold_at)
-        extra[hold.ENV_HOLD_FILE] = str(gate)
-    env = cluster.env(
-        **env,
-        PYTHON=sys.executable,
-        RUN_DIR=str(run_dir),
-        NPROC_PER_NODE=str(NPROC),
-        MAX_PREEMPT_REQUEUES="5",
-        MAX_REQUEUES="1",
-        NOTICE_REPEAT_S="5",
-        **extra,
-    )
-    cmd = ["sbatch", "--parsable", f"--chdir={tmp}", f"--output={out}", *sbatch_opts, str(JOB_SH), *train]
-    r = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=60, check=False)
-    assert r.returncode == 0, f"sbatch failed: {r.stderr}"
-    return Job(cluster, r.stdout.strip().split(";")[0], run_dir, out), gate
-
-
-def assert_no_step_lost(rows: list[dict], steps: int) -> list[str]:
-    """Every step 1..steps logged exactly once, each launch starting right after the previous one
-    stopped: a preemption checkpoint at the step boundary loses nothing. Returns the launch ids."""
-    assert [r["step"] for r in rows] == list(range(1, steps + 1)), [r["step"] for r in rows]
-    return list(dict.fromkeys(r["launch"] for r in rows))
+    with running_cluster(pytestconfig) as c:
+        yield c
 
 
 def golden_digest(root: Path, steps: int) -> str:
@@ -276,9 +119,7 @@ def test_preemption_twice_requeues_and_loses_no_step(cluster: Cluster, tmp_path:
     assert (job.requeue_state()["preempt_requeues"], job.requeue_state()["failure_requeues"]) == (2, 0)
     rows = job.metrics()
     launches = assert_no_step_lost(rows, STEPS)
-    assert [max(r["step"] for r in rows if r["launch"] == x) for x in launches] == [9, 21, STEPS], (
-        job.explain()
-    )
+    assert [max(r.step for r in rows if r.launch == x) for x in launches] == [9, 21, STEPS], job.explain()
     assert job.digest() == golden
 
 
@@ -311,7 +152,7 @@ def test_requeue_signal_urg_is_trapped_forwarded_and_acted_on(
     assert "] WARNING: job" not in out, job.explain()  # slurm start's --signal check
     rows = job.metrics()
     launches = assert_no_step_lost(rows, STEPS)
-    assert [max(r["step"] for r in rows if r["launch"] == x) for x in launches] == [9, STEPS], job.explain()
+    assert [max(r.step for r in rows if r.launch == x) for x in launches] == [9, STEPS], job.explain()
     assert job.digest() == golden
 
 
@@ -343,7 +184,7 @@ def test_preemption_by_a_higher_tier_job_sigterm_checkpoints_and_requeues_once(
     assert (job.requeue_state()["preempt_requeues"], job.requeue_state()["failure_requeues"]) == (1, 0)
     rows = job.metrics()
     launches = assert_no_step_lost(rows, STEPS)
-    assert [max(r["step"] for r in rows if r["launch"] == x) for x in launches] == [9, STEPS], job.explain()
+    assert [max(r.step for r in rows if r.launch == x) for x in launches] == [9, STEPS], job.explain()
     assert job.digest() == golden
 
 
@@ -389,7 +230,7 @@ def test_array_tasks_keep_their_own_run_dirs_and_a_preempted_task_requeues_only_
     assert preempted.output().count(f"scontrol requeue {preempted.job_id}") == 1
     rows = preempted.metrics()
     launches = assert_no_step_lost(rows, STEPS)
-    assert [max(r["step"] for r in rows if r["launch"] == x) for x in launches] == [9, STEPS]
+    assert [max(r.step for r in rows if r.launch == x) for x in launches] == [9, STEPS]
 
 
 def test_torchrun_restarts_are_refused_before_anything_runs(cluster: Cluster, tmp_path: Path) -> None:

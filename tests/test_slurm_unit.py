@@ -10,10 +10,14 @@ from pathlib import Path
 
 import pytest
 from commands import supervisor_cmd
+from store_helpers import make_ckpt
 
 from supervisor import slurm
+from supervisor.drill.corruption import Corruption, corrupt
+from supervisor.format.eventnames import RequeueEvent
 from supervisor.format.exitcodes import Exit
-from supervisor.slurm import JobEnv, Knobs, SlurmError
+from supervisor.format.manifest import META_SAVE_S
+from supervisor.slurm import JobEnv, Knobs, SaveTime, SlurmError
 
 JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_NUM_NODES": "2"}
 
@@ -299,7 +303,7 @@ def test_requeue_state_that_cannot_be_read_falls_back_to_slurms_restart_count(tm
 def test_history_is_capped(tmp_path: Path) -> None:
     state = slurm.RequeueState(job_id="1")
     for i in range(slurm.KEEP_HISTORY + 5):
-        state = state.with_event("start", n=i)
+        state = state.with_event(RequeueEvent.START, n=i)
     assert len(state.history) == slurm.KEEP_HISTORY
     assert state.history[-1]["n"] == slurm.KEEP_HISTORY + 4
 
@@ -524,6 +528,53 @@ def test_start_warns_when_the_notice_can_never_arrive(tmp_path: Path) -> None:
     assert "error: REQUEUE_SIGNAL='HUP': use USR1 or URG" in r.stdout
 
 
+@pytest.mark.parametrize(
+    ("spec", "save_s", "says"),
+    [
+        ("B:USR1@120", 150.5, "gives 120 s notice before the time limit, but this run's last checkpoint"),
+        ("B:USR1", 61.0, "gives 60 s notice"),  # sbatch's default lead
+        ("B:USR1@120", 120.0, ""),
+        ("B:USR1@120", None, ""),  # no checkpoint yet, or a trainer that does not record it
+        (None, 500.0, ""),  # notice_problem's case
+        ("B:USR1@x", 500.0, ""),  # notice_problem's case
+    ],
+)
+def test_lead_problem(spec: str | None, save_s: float | None, says: str) -> None:
+    save = SaveTime("step_00000500", save_s) if save_s is not None else None
+    got = slurm.lead_problem(spec, "where", save)
+    assert (says in got) if says else got == "", got
+    if says:
+        assert "(step_00000500) took" in got and "raise @" in got
+
+
+def test_last_save_time_is_the_newest_readable_manifests(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    assert slurm.last_save_time(root) is None  # no run dir yet
+    make_ckpt(root, 10, meta={META_SAVE_S: 3.5})
+    make_ckpt(root, 20, meta={META_SAVE_S: 7.25})
+    assert slurm.last_save_time(root) == SaveTime("step_00000020", 7.25)
+    newest = make_ckpt(root, 30, meta={META_SAVE_S: 9.0})
+    corrupt(newest.path, Corruption.GARBAGE_MANIFEST)
+    assert slurm.last_save_time(root) == SaveTime("step_00000020", 7.25)
+    make_ckpt(root, 40, meta={"launch": "x"})  # a trainer that does not record it
+    assert slurm.last_save_time(root) is None
+
+
+def test_start_warns_when_the_notice_comes_later_than_a_checkpoint_takes(tmp_path: Path) -> None:
+    script = "#!/bin/bash\n#SBATCH --signal=B:USR1@120\nsrun true\n"
+    make_ckpt(tmp_path / "run", 10, meta={META_SAVE_S: 30.0})
+    r = run_start(tmp_path, script)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "WARNING: job 4242" not in r.stdout, r.stdout
+    make_ckpt(tmp_path / "run", 20, meta={META_SAVE_S: 150.0})
+    r = run_start(tmp_path, script)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "WARNING: job 4242: --signal=B:USR1@120 (#SBATCH lines of " in r.stdout, r.stdout
+    assert "last checkpoint (step_00000020) took 150.0 s to save" in r.stdout
+    r = run_start(tmp_path, script, SBATCH_SIGNAL="B:USR1@200")
+    assert "WARNING: job 4242" not in r.stdout, r.stdout
+
+
 def test_torchrun_refuses_a_signal_it_cannot_ignore_safely() -> None:
     r = subprocess.run(
         supervisor_cmd("slurm", "torchrun", "--ignore-signal", "TERM", "--", "--help"),
@@ -560,7 +611,12 @@ def test_status_shows_both_budgets(tmp_path: Path) -> None:
 
     assert build_report(tmp_path).slurm == ""  # a run not started by sbatch/job.sh
     state = slurm.RequeueState(job_id="4242", restart_count=3).with_limits(slurm.Budgets(100, 10))
-    state = state.counted(slurm.PREEMPT).counted(slurm.PREEMPT).counted(slurm.FAILURE).with_event("start")
+    state = (
+        state.counted(slurm.PREEMPT)
+        .counted(slurm.PREEMPT)
+        .counted(slurm.FAILURE)
+        .with_event(RequeueEvent.START)
+    )
     slurm.save_requeue_state(tmp_path, state)
     report = build_report(tmp_path)
     assert report.slurm == (

@@ -11,18 +11,18 @@ import time
 from pathlib import Path
 
 import pytest
-from commands import supervisor_cmd
-from store_helpers import corrupt, make_ckpt
+from commands import REPO, supervisor_cmd
+from store_helpers import make_ckpt
 
 from supervisor import store
 from supervisor.cli.status import render
+from supervisor.drill.corruption import Corruption, corrupt
 from supervisor.format.events import RunState, write_state
 from supervisor.format.heartbeat import Heartbeat, Phase, write_heartbeat
 from supervisor.format.layout import RunDir
 from supervisor.report import STATUS_SCHEMA, build_report
 from supervisor.watch.restart_policy import LaunchRecord, Outcome
 
-REPO = Path(__file__).resolve().parent.parent
 LID = "vm-n0-1-2-abc"
 
 
@@ -37,7 +37,7 @@ def run_dir(tmp_path: Path) -> Path:
     root.mkdir()
     for step in (10, 20, 30):
         make_ckpt(root, step)
-    corrupt(root / "step_00000030", "truncate")
+    corrupt(root / "step_00000030", Corruption.TRUNCATE)
     store.quarantine(root, store.CheckpointRef(20, root / "step_00000020"), "step_00000020: test reason")
     store.begin(root, 40)  # a save in progress
     rec = LaunchRecord(

@@ -12,11 +12,9 @@ from pathlib import Path
 import pytest
 from filelock import Timeout
 from store_helpers import (
-    CORRUPTIONS,
     SHARD,
     assert_quarantine_explained,
     committed_names,
-    corrupt,
     latest_text,
     make_ckpt,
     quarantine_dirs,
@@ -24,6 +22,7 @@ from store_helpers import (
 )
 
 from supervisor import store
+from supervisor.drill.corruption import DEEP_ONLY, Corruption, corrupt
 from supervisor.format.atomic import hostname
 from supervisor.format.layout import REASON, RunDir, deleting_dirname, tmp_dirname
 from supervisor.store import Expectation, MismatchError, NoUsableCheckpoint, StoreError
@@ -59,40 +58,28 @@ def test_commit_of_an_existing_step_quarantines_the_old_one(tmp_path: Path) -> N
     assert "replaced" in (q / REASON).read_text()
 
 
-@pytest.mark.parametrize(
-    ("kind", "quick_catches", "needle"),
-    [
-        ("truncate", True, f"{SHARD} is 128 bytes, manifest says 256"),
-        ("bitflip", False, f"{SHARD} checksum"),
-        ("delete_shard", True, f"{SHARD} is missing"),
-        ("garbage_manifest", True, "manifest.json is not valid JSON"),
-        ("other_step_manifest", True, "manifest.json is for step 11, not 10"),
-        ("delete_manifest", True, "manifest.json is missing"),
-        ("stray_file", True, "stray.bin is not listed in manifest.json"),
-    ],
-)
-def test_each_corruption_has_an_actionable_reason(
-    tmp_path: Path, kind: str, quick_catches: bool, needle: str
-) -> None:
+# Every corruption, with whether the quick check catches it and what the reason says.
+REASONS = {
+    Corruption.TRUNCATE: f"{SHARD} is 128 bytes, manifest says 256",
+    Corruption.BITFLIP: f"{SHARD} checksum",
+    Corruption.DELETE_METADATA: ".metadata is missing",
+    Corruption.DELETE_SHARD: f"{SHARD} is missing",
+    Corruption.GARBAGE_MANIFEST: "manifest.json is not valid JSON",
+    Corruption.OTHER_STEP_MANIFEST: "manifest.json is for step 11, not 10",
+    Corruption.DELETE_MANIFEST: "manifest.json is missing",
+    Corruption.STRAY_FILE: "stray.bin is not listed in manifest.json",
+}
+
+
+@pytest.mark.parametrize("kind", list(Corruption))
+def test_each_corruption_has_an_actionable_reason(tmp_path: Path, kind: Corruption) -> None:
     ref = make_ckpt(tmp_path, 10)
     corrupt(ref.path, kind)
     quick, deep = store.validate(ref), store.validate(ref, deep=True)
-    assert quick.ok is not quick_catches
+    assert quick.ok is (kind in DEEP_ONLY)
     assert not deep.ok
-    assert deep.reason.startswith("step_00000010: ") and needle in deep.reason
+    assert deep.reason.startswith("step_00000010: ") and REASONS[kind] in deep.reason
     assert not deep.gone
-
-
-def test_every_corruption_kind_is_covered_above() -> None:
-    assert set(CORRUPTIONS) == {
-        "truncate",
-        "bitflip",
-        "delete_shard",
-        "garbage_manifest",
-        "other_step_manifest",
-        "delete_manifest",
-        "stray_file",
-    }
 
 
 def test_validate_of_a_vanished_checkpoint_is_gone_not_corrupt(tmp_path: Path) -> None:
@@ -105,8 +92,8 @@ def test_validate_of_a_vanished_checkpoint_is_gone_not_corrupt(tmp_path: Path) -
 def test_pick_walks_back_quarantines_with_reasons_and_repoints(tmp_path: Path) -> None:
     for s in (10, 20, 30, 40):
         make_ckpt(tmp_path, s)
-    corrupt(tmp_path / "step_00000040", "truncate")
-    corrupt(tmp_path / "step_00000030", "bitflip")
+    corrupt(tmp_path / "step_00000040", Corruption.TRUNCATE)
+    corrupt(tmp_path / "step_00000030", Corruption.BITFLIP)
     res = store.pick(tmp_path, deep=True)
     assert res.chosen is not None and res.chosen.ref.step == 20
     assert [n for n, _ in res.quarantined] == ["step_00000040", "step_00000030"]
@@ -122,7 +109,7 @@ def test_pick_walks_back_quarantines_with_reasons_and_repoints(tmp_path: Path) -
 def test_quick_pick_trusts_sizes_deep_pick_catches_bitflips(tmp_path: Path) -> None:
     make_ckpt(tmp_path, 10)
     make_ckpt(tmp_path, 20)
-    corrupt(tmp_path / "step_00000020", "bitflip")
+    corrupt(tmp_path / "step_00000020", Corruption.BITFLIP)
     assert store.pick(tmp_path, dry_run=True).chosen.ref.step == 20
     assert store.pick(tmp_path, deep=True).chosen.ref.step == 10
 
@@ -130,7 +117,7 @@ def test_quick_pick_trusts_sizes_deep_pick_catches_bitflips(tmp_path: Path) -> N
 def test_pick_dry_run_changes_nothing(tmp_path: Path) -> None:
     for s in (10, 20):
         make_ckpt(tmp_path, s)
-    corrupt(tmp_path / "step_00000020", "delete_manifest")
+    corrupt(tmp_path / "step_00000020", Corruption.DELETE_MANIFEST)
     before = sorted(os.listdir(tmp_path)), latest_text(tmp_path)
     res = store.pick(tmp_path, dry_run=True)
     assert res.dry_run and res.chosen.ref.step == 10 and res.quarantined
@@ -140,8 +127,8 @@ def test_pick_dry_run_changes_nothing(tmp_path: Path) -> None:
 def test_nothing_valid_with_history_refuses_a_fresh_start_unless_allowed(tmp_path: Path) -> None:
     make_ckpt(tmp_path, 10)
     make_ckpt(tmp_path, 20)
-    corrupt(tmp_path / "step_00000020", "truncate")
-    corrupt(tmp_path / "step_00000010", "garbage_manifest")
+    corrupt(tmp_path / "step_00000020", Corruption.TRUNCATE)
+    corrupt(tmp_path / "step_00000010", Corruption.GARBAGE_MANIFEST)
     with pytest.raises(NoUsableCheckpoint) as e:
         store.pick(tmp_path, dry_run=True)
     assert "2 checkpoints are quarantined (newest step_00000020: " in str(e.value)
@@ -295,7 +282,7 @@ def test_deep_pick_revalidates_a_checkpoint_replaced_meanwhile(tmp_path: Path) -
     def progress(_n: int) -> None:
         if not swapped:  # while the unlocked pass hashes step 20, it gets corrupted
             swapped.append(True)
-            corrupt(tmp_path / "step_00000020", "other_step_manifest")
+            corrupt(tmp_path / "step_00000020", Corruption.OTHER_STEP_MANIFEST)
 
     res = store.pick(tmp_path, deep=True, progress=progress)
     assert res.chosen.ref.step == 10 and [n for n, _ in res.quarantined] == ["step_00000020"]
@@ -337,9 +324,9 @@ def test_prune_counts_valid_ones_never_deletes_newest_valid_and_quarantines_old_
 ) -> None:
     for s in range(10, 70, 10):
         make_ckpt(tmp_path, s)
-    corrupt(tmp_path / "step_00000060", "truncate")  # newest: left for pick
-    corrupt(tmp_path / "step_00000040", "delete_shard")  # between kept ones: quarantined
-    corrupt(tmp_path / "step_00000010", "garbage_manifest")  # old: quarantined, not deleted
+    corrupt(tmp_path / "step_00000060", Corruption.TRUNCATE)  # newest: left for pick
+    corrupt(tmp_path / "step_00000040", Corruption.DELETE_SHARD)  # between kept ones: quarantined
+    corrupt(tmp_path / "step_00000010", Corruption.GARBAGE_MANIFEST)  # old: quarantined, not deleted
     res = store.prune(tmp_path, keep=2)
     assert _steps(committed_names(tmp_path)) == [30, 50, 60]
     assert _steps(res.deleted) == [20]
@@ -401,9 +388,3 @@ def test_young_old_tmp_age_counts_from_the_newest_file(tmp_path: Path) -> None:
     os.utime(d / "shard")  # a writer still appending to a big shard
     (t,) = store.list_tmp(tmp_path)
     assert t.age_s < 60
-
-
-def test_plan_retention_is_pure() -> None:
-    assert store.plan_retention([5, 4, 3, 2, 1], 2, 0, 5) == {5, 4}
-    assert store.plan_retention([5, 4, 3, 2, 1], 2, 2, 5) == {5, 4, 2}
-    assert store.plan_retention([5, 4, 3], 2, 0, 3) == {5, 4, 3}

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import remote_support as rs
+from commands import REPO
 from store_helpers import SHARD, committed_names, latest_text, make_ckpt, quarantine_dirs, write_tmp
 
 from supervisor import store
@@ -33,8 +34,6 @@ from supervisor.report import build_report
 from supervisor.tiers.remote import LocalUnreadable, open_remote
 from supervisor.tiers.resume import prepare_resume
 from supervisor.tiers.uploader import Uploader, UploadPolicy
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture

@@ -21,27 +21,26 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from commands import REPO
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from store_helpers import (
-    CORRUPTIONS,
     assert_quarantine_explained,
     committed_names,
-    corrupt,
     latest_text,
     quarantine_dirs,
     write_tmp,
 )
 
 from supervisor import store
+from supervisor.drill.corruption import Corruption, corrupt
 from supervisor.format.layout import MANIFEST, RunDir, step_dirname
 from supervisor.format.manifest import CheckpointInfo
 
 PHASES = ("fsync", "manifest", "rename", "latest")
 # A crash at these phases happens before the rename: the checkpoint never becomes visible.
 BEFORE_RENAME = frozenset({"fsync", "manifest", "rename"})
-REPO = Path(__file__).resolve().parents[1]
 
 
 class Crash(Exception):
@@ -90,7 +89,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.step = step
 
     @precondition(lambda self: self.valid)
-    @rule(data=st.data(), kind=st.sampled_from(CORRUPTIONS))
+    @rule(data=st.data(), kind=st.sampled_from(tuple(Corruption)))
     def rot(self, data: st.DataObject, kind: str) -> None:
         name = data.draw(st.sampled_from(sorted(self.valid)))
         corrupt(self.root / name, kind)
@@ -98,7 +97,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.invalid.add(name)
 
     @precondition(lambda self: self.valid)
-    @rule(data=st.data(), kind=st.sampled_from(CORRUPTIONS))
+    @rule(data=st.data(), kind=st.sampled_from(tuple(Corruption)))
     def rot_then_restart(self, data: st.DataObject, kind: str) -> None:
         """Rot found by the next resume: fills the quarantine that prune's retention works on."""
         self.rot(data, kind)

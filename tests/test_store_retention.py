@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from store_helpers import committed_names, corrupt, latest_text, make_ckpt, quarantine_dirs
+from store_helpers import committed_names, latest_text, make_ckpt, quarantine_dirs
 
 from supervisor import store
 from supervisor.cli.main import main
+from supervisor.drill.corruption import Corruption, corrupt
 from supervisor.format.exitcodes import Exit
 from supervisor.format.layout import QUARANTINE_DELETING_PREFIX, REASON, RunDir
 from supervisor.store import QuarantineEntry, plan_quarantine
@@ -185,7 +186,7 @@ def test_ckpt_quarantine_moves_one_aside_by_hand(tmp_path: Path, capsys) -> None
 def test_pick_after_everything_was_moved_aside_by_hand_refuses_a_fresh_start(tmp_path: Path) -> None:
     root = tmp_path / "run"
     make_ckpt(root, 10)
-    corrupt(root / "step_00000010", "truncate")
+    corrupt(root / "step_00000010", Corruption.TRUNCATE)
     store.quarantine_step(root, 10, "step_00000010: by hand")
     with pytest.raises(store.NoUsableCheckpoint, match=r"newest step_00000010-.*: by hand"):
         store.pick(root)

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from store_helpers import corrupt, make_ckpt, quarantine_dirs
+from store_helpers import make_ckpt, quarantine_dirs
 
 from supervisor import store
+from supervisor.drill.corruption import Corruption, corrupt
 from supervisor.format.exitcodes import NON_RETRYABLE, Exit
 from supervisor.format.heartbeat import HeartbeatWriter, Phase, read_heartbeats
 from train_ref.config import get_config
@@ -31,7 +32,7 @@ def choose(root: Path, cfg, *flags: str):
 
 def test_an_all_quarantined_run_is_refused_with_66_unless_allowed(tmp_path: Path, cfg) -> None:
     make_ckpt(tmp_path, 10)
-    corrupt(tmp_path / "step_00000010", "truncate")
+    corrupt(tmp_path / "step_00000010", Corruption.TRUNCATE)
     c = choose(tmp_path, cfg)
     assert c.code == Exit.NO_USABLE_CHECKPOINT == 66 and c.ckpt is None
     assert "1 checkpoint is quarantined" in c.error and "--allow-fresh-start" in c.error

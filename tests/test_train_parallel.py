@@ -6,7 +6,8 @@ import subprocess
 import sys
 
 import pytest
-from trainer_helpers import REPO, trainer_env
+from commands import REPO
+from trainer_helpers import trainer_env
 from waiting import PATIENCE_S
 
 pytestmark = pytest.mark.slow

@@ -33,10 +33,11 @@ from trainer_helpers import (
 )
 from waiting import wait_for, wait_held
 
+from supervisor.drill.corruption import Corruption, corrupt
 from supervisor.format.atomic import atomic_write_json
 from supervisor.format.exitcodes import Exit
 from supervisor.format.layout import MANIFEST, RunDir
-from supervisor.format.manifest import read_manifest
+from supervisor.format.manifest import META_SAVE_S, read_manifest
 from supervisor.store import read_latest
 from train_ref import hold
 from train_ref.data import build_corpus
@@ -115,7 +116,11 @@ def test_kill_during_async_save_never_uses_that_checkpoint(goldens, tmp_path):
     assert digest(root) == digest(golden)
     # step 20 was written again by the relaunch; the dead writer's tmp dir is left to the store's
     # stale-tmp retention and is never read.
-    assert read_manifest(root / "step_00000020").meta["launch"] == metrics(root)[-1]["launch"]
+    meta = read_manifest(root / "step_00000020").meta
+    assert meta["launch"] == metrics(root)[-1].launch
+    # The save's duration, for `slurm start`'s --signal lead check: an async save of a tiny model
+    # commits at a step boundary within seconds.
+    assert 0 < meta[META_SAVE_S] < 60, meta
 
 
 def test_sigusr2_dumps_stacks_and_sigusr1_checkpoints_then_exits_requeue(goldens, tmp_path):
@@ -144,7 +149,7 @@ def test_sigusr2_dumps_stacks_and_sigusr1_checkpoints_then_exits_requeue(goldens
     assert committed(root) == [f"step_{stopped:08d}"], "checkpoint is not at the last completed step"
     r2 = run_ok(root, 2, *args)
     assert f"resumed from step_{stopped:08d}, next step {stopped + 1}" in r2.output
-    assert [m["step"] for m in metrics(root)] == list(range(1, STEPS + 1)), "steps lost or repeated"
+    assert [m.step for m in metrics(root)] == list(range(1, STEPS + 1)), "steps lost or repeated"
     assert digest(root) == digest(golden)
 
 
@@ -180,10 +185,7 @@ def test_a_same_size_bit_flip_is_caught_by_the_deep_check_and_resume_walks_back(
     """DCP has no checksums: without --verify deep (the default) this checkpoint loads silently."""
     golden = goldens.get("ddp", 2)
     root = rewind(golden, tmp_path / "run", 20)
-    shard = max((root / "step_00000020").glob("__*.distcp"), key=lambda p: p.stat().st_size)
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    shard.write_bytes(bytes(data))
+    corrupt(root / "step_00000020", Corruption.BITFLIP)
     r = run_ok(root, 2, *train_args("ddp"))
     assert "resumed from step_00000010, next step 11" in r.output
     assert [p.name.split("-")[0] for p in (root / "quarantine").iterdir()] == ["step_00000020"]

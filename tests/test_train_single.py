@@ -7,7 +7,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from trainer_helpers import REPO, SEED, digest, rewind, run_ok, train_args, trainer_env
+from commands import REPO
+from trainer_helpers import SEED, digest, rewind, run_ok, train_args, trainer_env
 
 from supervisor.format.layout import FINAL
 

@@ -35,9 +35,10 @@ from waiting import wait_for, wait_fs_blocked
 
 from supervisor import store
 from supervisor.format.exitcodes import Exit
-from supervisor.format.heartbeat import Phase, read_heartbeats
+from supervisor.format.heartbeat import Phase
 from supervisor.format.layout import MANIFEST
 from supervisor.format.manifest import read_manifest
+from supervisor.format.nodesummary import read_run_heartbeats
 
 pytestmark = pytest.mark.slow
 
@@ -65,8 +66,8 @@ def test_a_save_that_hits_enospc_commits_nothing_and_training_goes_on(goldens, f
         committed(root) == ["step_00000010", "step_00000030"] and store.read_latest(root) == "step_00000030"
     )
     assert leftovers(root) == []
-    assert [m["step"] for m in metrics(root)] == list(range(1, 31))
-    assert {s.heartbeat.save_failures for s in read_heartbeats(root)} == {0}  # reset by step 30
+    assert [m.step for m in metrics(root)] == list(range(1, 31))
+    assert {s.heartbeat.save_failures for s in read_run_heartbeats(root)} == {0}  # reset by step 30
     assert digest(root) == digest(golden)
 
 
@@ -98,7 +99,7 @@ def test_failed_saves_in_a_row_exit_74_and_lose_nothing(goldens, faultfs):
     assert "giving up at step 20: 2 saves failed in a row (--max-failed-saves 2)" in line, line
     assert "newest: step_00000010" in line
     assert {
-        (s.heartbeat.save_failures, "ENOSPC" in s.heartbeat.last_error) for s in read_heartbeats(root)
+        (s.heartbeat.save_failures, "ENOSPC" in s.heartbeat.last_error) for s in read_run_heartbeats(root)
     } == {(2, True)}
     assert committed(root) == ["step_00000010"] and store.read_latest(root) == "step_00000010"
     assert (

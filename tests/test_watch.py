@@ -16,15 +16,15 @@ import time
 from pathlib import Path
 
 import pytest
+from commands import REPO
 from waiting import wait_for, wait_held, watchdog_events
 from watch_helpers import events, finish, leftovers, of, start_watchdog, watch_argv
 
 from supervisor.format.events import read_state, state_path
 from supervisor.format.exitcodes import Exit
-from supervisor.format.heartbeat import read_heartbeats
+from supervisor.format.nodesummary import read_run_heartbeats
 from train_ref import hold
 
-REPO = Path(__file__).resolve().parent.parent
 FAKE = str(REPO / "tests" / "fake_trainer.py")
 # The fake trainer beats every step (0.05 s): a minute of silence is a real hang, never load.
 FAST = ["--hang-timeout", "60", "--poll-interval", "0.1", "--kill-grace", "1", "--dump-wait", "1"]
@@ -113,7 +113,7 @@ def test_long_save_is_no_false_alarm(tmp_path):
     wait_held(hold_file(root), 1, 10, proc=p)
 
     def save_silent_for() -> float:
-        hb = read_heartbeats(root)[0].heartbeat
+        hb = read_run_heartbeats(root)[0].heartbeat
         assert hb is not None and hb.phase.value == "save", hb
         return time.time() - hb.wall_time
 

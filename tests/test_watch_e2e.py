@@ -19,6 +19,7 @@ from waiting import wait_for, wait_held, watchdog_events
 from watch_helpers import events, finish, leftovers, start_watchdog
 
 from supervisor import store
+from supervisor.drill.corruption import Corruption, corrupt
 from supervisor.format.exitcodes import Exit
 from train_ref import hold
 
@@ -115,10 +116,7 @@ def test_corrupt_newest_while_down_then_resume(tmp_path, reference):
     rc, out = finish(p)
     assert rc == 128 + signal.SIGTERM, out[-3000:]
     newest = store.list_checkpoints(root)[0]
-    shard = max((f for f in newest.path.rglob("*.distcp")), key=lambda f: f.stat().st_size)
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0x40
-    shard.write_bytes(bytes(data))
+    corrupt(newest.path, Corruption.BITFLIP)
     rc, out = finish(start_watch(root, standalone(root), "--verify", "deep"))
     assert rc == Exit.OK, out[-3000:]
     quarantined = [e for e in events(root) if e["event"] == "quarantine"]

@@ -17,14 +17,15 @@ import threading
 from pathlib import Path
 
 import pytest
+from commands import REPO
 from test_watch import hold_file, start, watch_cmd
 from waiting import wait_for, wait_held
-from watch_helpers import REPO, events, finish, leftovers, of
+from watch_helpers import events, finish, leftovers, of
 
 from supervisor import store
 from supervisor.format.events import read_state, state_path
 from supervisor.format.exitcodes import Exit
-from supervisor.format.heartbeat import read_heartbeats
+from supervisor.format.nodesummary import read_run_heartbeats
 from train_ref import hold
 
 # The fake trainer beats every step (0.05 s): tests that are not about a hang must never see one,
@@ -34,7 +35,8 @@ NO_HANG = ["--hang-timeout", "60", "--startup-timeout", "120"]
 
 def at_step(root: Path, step: int, rank: int = 0) -> bool:
     return any(
-        s.heartbeat is not None and s.rank == rank and s.heartbeat.step >= step for s in read_heartbeats(root)
+        s.heartbeat is not None and s.rank == rank and s.heartbeat.step >= step
+        for s in read_run_heartbeats(root)
     )
 
 

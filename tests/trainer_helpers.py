@@ -14,14 +14,17 @@ from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
 
+from commands import REPO
 from waiting import PATIENCE_S
 
-from supervisor.format.heartbeat import Heartbeat, Phase, read_heartbeats
+from supervisor.format.heartbeat import Heartbeat, Phase
+from supervisor.format.layout import RunDir
 from supervisor.format.manifest import read_manifest
+from supervisor.format.metrics import MetricsRecord, read_metrics
+from supervisor.format.nodesummary import read_run_heartbeats
 from train_ref import hold
 from train_ref.resume import split_by_size
 
-REPO = Path(__file__).resolve().parent.parent
 # Small enough for CI (2 cores): ~0.05-0.2 s per step, 30 steps cross three saves.
 STEPS = 30
 SAVE_EVERY = 10
@@ -104,18 +107,18 @@ def read_jsonl(path: Path) -> list[dict]:
     return out
 
 
-def metrics(root: Path) -> list[dict]:
-    return read_jsonl(root / "metrics.jsonl")
+def metrics(root: Path) -> list[MetricsRecord]:
+    return read_metrics(RunDir.of(root).metrics)
 
 
 def last_step(root: Path) -> int:
     m = metrics(root)
-    return m[-1]["step"] if m else 0
+    return m[-1].step if m else 0
 
 
 def losses_by_step(root: Path) -> dict[int, float]:
     """The loss of each step as the surviving trajectory saw it (a later launch overrides)."""
-    return {m["step"]: m["loss"] for m in metrics(root)}
+    return {m.step: m.loss for m in metrics(root)}
 
 
 def final(root: Path) -> dict:
@@ -128,7 +131,7 @@ def digest(root: Path) -> str:
 
 def worker_pid(root: Path, rank: int, launched_after: float) -> int:
     """The pid of ``rank`` in the current launch, from its heartbeat (written at startup)."""
-    for s in read_heartbeats(root):
+    for s in read_run_heartbeats(root):
         hb = s.heartbeat
         if hb and hb.rank == rank and hb.wall_time >= launched_after:
             return hb.pid
@@ -136,7 +139,7 @@ def worker_pid(root: Path, rank: int, launched_after: float) -> int:
 
 
 def heartbeat_exit_codes(root: Path) -> dict[int, int | None]:
-    return {s.rank: s.heartbeat.exit_code for s in read_heartbeats(root) if s.heartbeat}
+    return {s.rank: s.heartbeat.exit_code for s in read_run_heartbeats(root) if s.heartbeat}
 
 
 def committed(root: Path) -> list[str]:
@@ -195,7 +198,7 @@ def shared_goldens(make_base: Callable[[], Path]) -> Goldens:
 
 def beats(root: Path) -> dict[int, Heartbeat]:
     """Each rank's heartbeat now (unreadable ones left out)."""
-    return {s.rank: s.heartbeat for s in read_heartbeats(root) if s.heartbeat is not None}
+    return {s.rank: s.heartbeat for s in read_run_heartbeats(root) if s.heartbeat is not None}
 
 
 class BeatLog:

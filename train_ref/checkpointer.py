@@ -62,7 +62,7 @@ from torch.futures import Future as TorchFuture
 from supervisor import store
 from supervisor.format.heartbeat import HeartbeatWriter, Phase, Progress
 from supervisor.format.layout import DCP_METADATA, rank_state_filename, step_dirname
-from supervisor.format.manifest import CheckpointInfo, FileEntry, checksum_file
+from supervisor.format.manifest import META_SAVE_S, CheckpointInfo, FileEntry, checksum_file
 from train_ref import agree
 from train_ref.progress_io import PROGRESS_CHUNK, ProgressFileSystem, open_progress
 from train_ref.safe_load import load_dcp, weights_only_refusal
@@ -266,7 +266,7 @@ class Checkpointer:
                 else (None, resp)
             )
             written = self._background().submit(self._write_and_hash, tmp, upload, rank_file, rank_state)
-            self.in_flight = _InFlight(state.step, tmp, meta, staging, written)
+            self.in_flight = _InFlight(state.step, tmp, meta, staging, written, started=t0)
             self.last_blocking_s = time.monotonic() - t0
             return None
         error = None
@@ -282,7 +282,7 @@ class Checkpointer:
             )
         except (OSError, CheckpointException) as e:
             error = error or self._storage_error(e)
-        outcome = self._commit(state.step, tmp, meta, error)
+        outcome = self._commit(state.step, tmp, meta, error, t0)
         self.last_blocking_s = time.monotonic() - t0
         return outcome
 
@@ -341,7 +341,7 @@ class Checkpointer:
             entries = f.written.result()
         except (OSError, CheckpointException) as e:
             error = self._storage_error(e)
-        outcome = self._commit(f.step, f.tmp, f.meta, error, entries)
+        outcome = self._commit(f.step, f.tmp, f.meta, error, f.started, entries)
         self.last_finish_s = time.monotonic() - t0
         return outcome
 
@@ -423,10 +423,13 @@ class Checkpointer:
         tmp: Path,
         meta: dict[str, Any],
         error: SaveError | None,
+        started: float,
         entries: dict[str, FileEntry] | None = None,
     ) -> SaveOutcome:
         """Every rank's writes are done: rank 0 commits with the checksums each rank computed
-        (``entries``, or now), unless a rank failed; every rank learns the outcome."""
+        (``entries``, or now), unless a rank failed; every rank learns the outcome. The manifest
+        records how long the save took since ``started`` (META_SAVE_S: what a preemption notice
+        must leave time for)."""
         progress = self.hb.tracker(Phase.COMMIT, step)
         progress.total = len(COMMIT_STEPS) if self.rank == 0 else 0  # + bytes hashed now
         mine: dict[str, FileEntry] | SaveError | None = error or entries
@@ -437,7 +440,10 @@ class Checkpointer:
                 mine = save_error(e, self.rank, self.root)
         progress.set_path("")  # waiting for the peers, not in a read
         gathered = agree.gather_to_root(mine, self.ctl_group, lambda: progress(0))
-        outcome = None if gathered is None else self._decide(step, tmp, meta, gathered, progress)
+        outcome = None
+        if gathered is not None:  # rank 0
+            meta = {**meta, META_SAVE_S: round(time.monotonic() - started, 3)}
+            outcome = self._decide(step, tmp, meta, gathered, progress)
         outcome = agree.broadcast(outcome, self.ctl_group, lambda: progress(0))
         if outcome.tmp_left:
             self._remove_own_files(tmp)

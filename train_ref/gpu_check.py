@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.format.exitcodes import Exit
-from supervisor.format.heartbeat import read_heartbeats
 from supervisor.format.layout import FINAL
+from supervisor.format.nodesummary import read_run_heartbeats
 from train_ref import hold
 
 SKIP_LINE = "gpu-check: skipped: no CUDA device (torch.cuda.is_available() is False)"
@@ -207,7 +207,7 @@ class Runner:
             out = finish(proc, ok=False)
         finally:
             kill_group(proc)
-        codes = {s.heartbeat.exit_code for s in read_heartbeats(root) if s.heartbeat}
+        codes = {s.heartbeat.exit_code for s in read_run_heartbeats(root) if s.heartbeat}
         if sig == signal.SIGUSR1 and codes != {Exit.REQUEUE}:
             raise CheckFailed(
                 f"preemption: heartbeat exit codes {sorted(map(str, codes))}, want 75\n{out[-1500:]}"

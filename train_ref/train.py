@@ -42,9 +42,10 @@ import torch.distributed as dist
 from supervisor import store
 from supervisor.format.atomic import atomic_write_json, restrict_umask
 from supervisor.format.exitcodes import Exit
-from supervisor.format.heartbeat import HeartbeatWriter, Phase
+from supervisor.format.heartbeat import HeartbeatWriter, Phase, stack_dump_path
 from supervisor.format.layout import FINAL, RunDir
 from supervisor.format.manifest import CheckpointInfo
+from supervisor.format.metrics import MetricsRecord
 from supervisor.ioerrors import backoff_s, retry_transient
 from supervisor.redact import redact_log_handlers
 from supervisor.safepickle import UnsafePickle
@@ -408,17 +409,9 @@ class Trainer:
             last_dt = time.perf_counter() - t0
             if metrics:
                 metrics.append(
-                    json.dumps(
-                        {
-                            "step": st.step,
-                            "loss": loss,
-                            "lr": lr,
-                            "grad_norm": norm,
-                            "step_time": round(last_dt, 6),
-                            "restart_count": self.hb.restart_count,
-                            "launch": self.launch,
-                        }
-                    )
+                    MetricsRecord(
+                        st.step, loss, lr, norm, round(last_dt, 6), self.hb.restart_count, self.launch
+                    ).to_line()
                 )
             if self.samples_file:
                 self.samples_file.append(json.dumps({"launch": self.launch, "step": st.step, "ids": ids}))
@@ -562,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
     args.ckpt_root.mkdir(parents=True, exist_ok=True)
     hb = HeartbeatWriter(args.ckpt_root, rank=d.rank, local_rank=d.local_rank, world_size=d.world_size)
     hb.beat(0, Phase.STARTUP)
-    stacks = register_stack_dump(RunDir.of(args.ckpt_root).stack_dump(d.rank))  # open until exit
+    stacks = register_stack_dump(stack_dump_path(args.ckpt_root, d.rank))  # open until exit
     signal_problem = PREEMPTION.install()
     corpus = Corpus.load(args.corpus)
     cfg = get_config(args.config, corpus.tokenizer.vocab_size)

@@ -1,5 +1,5 @@
-"""``python -m supervisor ckpt list|verify|pick|prune|quarantine``: the checkpoint store from a
-login node.
+"""``python -m supervisor ckpt list|verify|pick|prune|quarantine|rollback``: the checkpoint store
+from a login node.
 
 Thin wiring: parse flags, call supervisor.store, print a table or stable JSON (docs/cli.md).
 Exit codes (supervisor/format/exitcodes.py): 0 ok; 1 verify found an invalid checkpoint or pick found no
@@ -23,19 +23,22 @@ from typing import Any
 from supervisor import display
 from supervisor.format.atomic import hostname, pid_alive
 from supervisor.format.exitcodes import Exit
-from supervisor.format.layout import MANIFEST, looks_like_run_dir, step_dirname
+from supervisor.format.layout import MANIFEST, RunDir, looks_like_run_dir, step_dirname
 from supervisor.format.manifest import NOT_LISTED, list_files
 from supervisor.ioerrors import describe, is_transient
+from supervisor.retention_policy import add_retention_args, policy_from_args
 from supervisor.store import (
-    DEFAULT_KEEP,
     IO_RETRY_S,
-    MIN_KEEP,
     QUARANTINE_KEEP,
     STALE_TMP_AFTER_S,
+    Candidate,
     CheckpointRef,
     Evidence,
+    KeepReason,
     NoUsableCheckpoint,
     PickResult,
+    RetentionPolicy,
+    RollbackResult,
     StorageUnavailable,
     StoreError,
     TmpRef,
@@ -49,7 +52,9 @@ from supervisor.store import (
     prune,
     quarantine_step,
     read_latest,
+    read_policy,
     require_root,
+    rollback,
     tmp_is_stale,
     unreadable_fix,
     validate,
@@ -128,7 +133,11 @@ def _unreadable(line: str) -> int:
 # ---------------------------------------------------------------- rows
 
 
-def _ckpt_row(v: Verdict, latest: str | None, now: float) -> dict[str, Any]:
+def _ckpt_row(
+    v: Verdict, latest: str | None, now: float, kept: dict[int, tuple[KeepReason, ...]] | None = None
+) -> dict[str, Any]:
+    """``kept`` (list): why retention keeps each valid checkpoint; a valid one not in it would go
+    at the next prune."""
     m = v.manifest
     if m is not None:
         wall, nbytes, nfiles = m.wall_time, m.total_bytes, len(m.files)
@@ -151,6 +160,11 @@ def _ckpt_row(v: Verdict, latest: str | None, now: float) -> dict[str, Any]:
         "files": nfiles,
         "latest": v.ref.name == latest,
         **({"signature": v.signature} if v.signature else {}),  # with --signing-key only
+        **(
+            {"kept": [r.value for r in kept.get(v.ref.step, ())] if v.ok else None}
+            if kept is not None
+            else {}
+        ),
     }
 
 
@@ -189,8 +203,10 @@ def _visible(verdicts: list[Verdict]) -> list[Verdict]:
 
 
 def _ckpt_table(rows: list[dict[str, Any]]) -> str:
+    """With a ``kept`` column when the rows have it (`list`)."""
+    kept = bool(rows) and "kept" in rows[0]
     return display.table(
-        ["", "step", "age", "size", "files", "status", "reason"],
+        ["", "step", "age", "size", "files", "status", *(["kept"] if kept else []), "reason"],
         [
             [
                 "latest" if r["latest"] else "",
@@ -199,11 +215,18 @@ def _ckpt_table(rows: list[dict[str, Any]]) -> str:
                 display.human_bytes(r["bytes"]),
                 r["files"],
                 _STATUS[r["evidence"]],
+                *([_kept_cell(r["kept"])] if kept else []),
                 _why(r),
             ]
             for r in rows
         ],
     )
+
+
+def _kept_cell(reasons: list[str] | None) -> str:
+    if reasons is None:  # not valid: retention does not count it
+        return ""
+    return ",".join(reasons) or "prunable"
 
 
 _STATUS = {
@@ -262,20 +285,24 @@ def cmd_list(args: argparse.Namespace) -> int:
     key = _signing_key(args, root)
     now, me = time.time(), hostname()
     latest = read_latest(root)
-    rows = [
-        _ckpt_row(v, latest, now) for v in _visible([validate(r, key=key) for r in list_checkpoints(root)])
-    ]
+    policy, source = _policy_in_force(args, root)
+    verdicts = _visible([validate(r, key=key) for r in list_checkpoints(root)])
+    kept = plan_retention([Candidate.of(v.manifest) for v in verdicts if v.ok and v.manifest], policy)
+    rows = [_ckpt_row(v, latest, now, kept) for v in verdicts]
     quarantined = [{"name": q.name, "path": str(q.path), "reason": q.reason} for q in list_quarantined(root)]
     tmps = [_tmp_row(t, "tmp", me) for t in list_tmp(root, now)]
     tmps += [_tmp_row(t, "deleting", me) for t in list_deleting(root, now)]
     doc: dict[str, Any] = {
         "root": str(root),
         "latest": latest,
+        "retention": {"policy": policy.to_dict(), "source": source},
         "checkpoints": rows,
         "quarantined": quarantined,
         "tmp": tmps,
     }
     parts = [_ckpt_table(rows) if rows else f"no committed checkpoints in {root}"]
+    if rows:
+        parts.append(f"kept: why retention keeps each one ({policy.describe()}; {source})")
     if latest is not None and latest not in {r["name"] for r in rows}:
         parts.append(f"note: latest names {latest}, which is not a committed checkpoint here")
     if quarantined:
@@ -300,6 +327,19 @@ def cmd_list(args: argparse.Namespace) -> int:
         parts += ["", _tier_table(tiers)]
     _emit(args, doc, "\n".join(parts))
     return Exit.OK
+
+
+def _policy_in_force(args: argparse.Namespace, root: Path) -> tuple[RetentionPolicy, str]:
+    """The policy `prune` applies and `list` explains its kept column by, and where it comes
+    from: the flags, else the one the trainer recorded (a prune by hand without flags must not
+    delete what the trainer keeps, e.g. its best checkpoints), else the default."""
+    given = policy_from_args(args)
+    if given is not None:
+        return given, "from the flags"
+    recorded = read_policy(root)
+    if recorded is not None:
+        return recorded, f"recorded in {RunDir.of(root).retention}"
+    return RetentionPolicy(), "the default; none recorded"
 
 
 def _tier_rows(root: Path, url: str, endpoint: str | None, key: bytes | None) -> dict[str, Any]:
@@ -433,12 +473,12 @@ def _pick_lines(root: Path, res: PickResult, no_usable: str) -> list[str]:
 
 @_one_line_errors
 def cmd_prune(args: argparse.Namespace) -> int:
+    policy_from_args(args)  # a bad flag is refused before any work
     root = open_run_dir(args.ckpt_root)
-    plan_retention([], args.keep, args.milestone_every, None)  # refuse a bad --keep before any work
+    policy, source = _policy_in_force(args, root)
     res = prune(
         root,
-        keep=args.keep,
-        milestone_every=args.milestone_every,
+        policy=policy,
         dry_run=args.dry_run,
         quarantine_keep=args.quarantine_keep,
         quarantine_max_bytes=args.quarantine_max_bytes,
@@ -446,12 +486,15 @@ def cmd_prune(args: argparse.Namespace) -> int:
     doc = {
         "root": str(root),
         "dry_run": res.dry_run,
-        "keep": args.keep,
-        "milestone_every": args.milestone_every,
+        "keep": policy.keep,
+        "milestone_every": policy.milestone_every,
+        "policy": policy.to_dict(),
+        "policy_source": source,
         "quarantine_keep": args.quarantine_keep,
         "quarantine_max_bytes": args.quarantine_max_bytes,
         "deleted": list(res.deleted),
         "kept": list(res.kept),
+        "why_kept": {n: [r.value for r in why] for n, why in res.why_kept.items()},
         "quarantined": [{"name": n, "reason": r} for n, r in res.quarantined],
         "stale_tmp_removed": list(res.stale_tmp_removed),
         "quarantine_removed": list(res.quarantine_removed),
@@ -463,7 +506,11 @@ def cmd_prune(args: argparse.Namespace) -> int:
     lines += [f"{would}delete {n}" for n in res.deleted]
     lines += [f"{would}quarantine {n}: {_why({'name': n, 'reason': r})}" for n, r in res.quarantined]
     lines += [f"left alone {n}: {_why({'name': n, 'reason': r})}" for n, r in res.unknown]
-    lines.append(f"kept {len(res.kept)}: {', '.join(res.kept) or '(none)'}")
+    kept = [
+        n + (f" ({', '.join(r.value for r in res.why_kept[n])})" if n in res.why_kept else "")
+        for n in res.kept
+    ]
+    lines.append(f"kept {len(res.kept)} ({policy.describe()}; {source}): {', '.join(kept) or '(none)'}")
     _emit(args, doc, "\n".join(lines))
     return Exit.OK
 
@@ -483,6 +530,73 @@ def cmd_quarantine(args: argparse.Namespace) -> int:
         f"quarantined {name} to {dest}",
     )
     return Exit.OK
+
+
+@_one_line_errors
+def cmd_rollback(args: argparse.Namespace) -> int:
+    root = open_run_dir(args.ckpt_root)
+    try:
+        name = step_dirname(args.to)
+    except ValueError as e:
+        raise StoreError(f"step {args.to}: {e}") from None
+    _refuse_live(root, name, args.run_stopped)
+    res = rollback(root, args.to, dry_run=True)
+    if not (args.dry_run or args.yes or _confirmed(res)):
+        raise StoreError(
+            f"{root}: rollback to {name} not confirmed: nothing changed (answer y, or pass --yes)"
+        )
+    if not args.dry_run:
+        res = rollback(root, args.to)
+    verb = "would move" if res.dry_run else "moved"
+    lines = [f"{verb} {n} to quarantine (rolled back)" for n in res.newer]
+    lines.append(
+        f"latest: {res.latest_before or '(none)'} -> {res.to}" + (" (dry run)" if res.dry_run else "")
+    )
+    doc = {
+        "root": str(root),
+        "to": res.to,
+        "dry_run": res.dry_run,
+        "newer": list(res.newer),
+        "moved": [{"name": n, "moved_to": dest} for n, dest in res.moved],
+        "latest_before": res.latest_before,
+        "latest_after": res.latest_before if res.dry_run else res.to,
+    }
+    _emit(args, doc, "\n".join(lines))
+    return Exit.OK
+
+
+def _refuse_live(root: Path, name: str, run_stopped: bool) -> None:
+    """A rollback beside a live run would be undone by its next commit or resume: refused, as is
+    one of a run with a remote tier (its next resume would download the newer checkpoints back)."""
+    from supervisor.report import live_signs
+
+    rd = RunDir.of(root)
+    if rd.remote_status.exists():
+        raise StoreError(
+            f"{root}: this run has a remote tier ({rd.remote_status}): its next resume would download the "
+            f"checkpoints newer than {name} back; rolling back both tiers is not supported yet"
+        )
+    signs = live_signs(root)
+    here = [s for s in signs if s.here]
+    if here or (signs and not run_stopped):
+        sign = (here or signs)[0]
+        also = "" if here else "; if that host is gone for good, pass --run-stopped"
+        raise StoreError(f"{root}: the run is live ({sign.what}); stop it first, then roll back{also}")
+
+
+def _confirmed(plan: RollbackResult) -> bool:
+    """Ask on the terminal; a refusal without one (a script must say --yes)."""
+    if not sys.stdin.isatty():
+        raise StoreError(f"rollback to {plan.to}: stdin is not a terminal to ask on; pass --yes to confirm")
+    newer = ", ".join(plan.newer) or "none"
+    print(
+        f"roll back to {plan.to}: move {len(plan.newer)} newer checkpoint(s) to quarantine ({newer}) "
+        f"and point latest at {plan.to}? [y/N] ",
+        end="",
+        file=sys.stderr,
+        flush=True,
+    )
+    return sys.stdin.readline().strip().lower() in ("y", "yes")
 
 
 # ---------------------------------------------------------------- argparse
@@ -533,6 +647,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--remote", help="also list the remote tier at this URL (docs/tiers.md)")
     p.add_argument("--remote-endpoint", help="S3 endpoint URL (default: AWS_ENDPOINT_URL or AWS)")
     add_signing_key_arg(p)
+    add_retention_args(p)  # the kept column explains this policy (default: the recorded one)
     p = add(
         "verify",
         cmd_verify,
@@ -561,13 +676,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="with nothing valid but checkpoints quarantined, report 'start from scratch' instead of refusing",
     )
     p = add("prune", cmd_prune, "delete checkpoints beyond retention, stale tmp dirs, old quarantined ones")
-    p.add_argument("--keep", type=int, default=DEFAULT_KEEP, help=f"newest valid ones kept (>= {MIN_KEEP})")
-    p.add_argument(
-        "--milestone-every",
-        type=_non_negative,
-        default=0,
-        help="also keep every step divisible by M (0: none)",
-    )
+    add_retention_args(p)
     p.add_argument(
         "--quarantine-keep",
         type=_count_or_all,
@@ -586,3 +695,18 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p = add("quarantine", cmd_quarantine, "move one committed checkpoint aside by hand, with a reason")
     p.add_argument("step", type=_non_negative, help="the checkpoint's step")
     p.add_argument("--reason", default="", help="why (written to its reason.txt)")
+    p = add(
+        "rollback",
+        cmd_rollback,
+        "resume from an older checkpoint: quarantine every newer one (never deleted), point latest at it",
+    )
+    p.add_argument(
+        "--to", type=_non_negative, required=True, metavar="STEP", help="the valid checkpoint to go back to"
+    )
+    p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    p.add_argument("--dry-run", action="store_true", help="decide and report, change nothing")
+    p.add_argument(
+        "--run-stopped",
+        action="store_true",
+        help="the run's watchdog or ranks on another host look live but are gone for good (a failed node)",
+    )

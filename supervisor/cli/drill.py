@@ -6,16 +6,19 @@ Exit 0 only when every check of every scenario holds; 1 when any fails; 2 on bad
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+from supervisor import options
 from supervisor.display import human_duration
 from supervisor.drill import plan as planning
 from supervisor.drill import storage
 from supervisor.drill.faultctl import FaultFSError
-from supervisor.drill.judge import Verdict, judge
-from supervisor.drill.report import plot, summary, verdict_table, write_report
+from supervisor.drill.judge import Case, StepRecord, Verdict, judge
+from supervisor.drill.report import json_report, plot, summary, verdict_table, write_report
 from supervisor.drill.runner import DrillConfig, ScenarioRun, run_golden, run_scenario
 from supervisor.errors import UserError
 from supervisor.format.exitcodes import Exit
@@ -47,15 +50,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help=f"also run the storage scenarios ({', '.join(STORAGE_SCENARIOS)}): the run dir on a fault "
         "filesystem; skipped, with the reason, where /dev/fuse is unavailable",
     )
+    options.add_options(p, DrillConfig)  # --seed, --ranks, --steps...: declared on DrillConfig
     p.add_argument(
-        "--seed", type=int, default=0, help="drives fault steps, ranks and chaos; printed for replay"
+        "--json",
+        action="store_true",
+        help='print the verdict as one JSON object ("schema": 1, docs/drill.md) instead of the table',
     )
-    p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--steps", type=int, default=80)
-    p.add_argument("--save-every", type=int, default=10)
-    p.add_argument("--parallel", choices=("fsdp", "ddp"), default="fsdp")
-    p.add_argument("--hang-timeout", type=float, default=4.0, help="the watchdog's train-phase timeout")
-    p.add_argument("--workdir", type=Path, default=Path("drill-runs") / time.strftime("%Y%m%d-%H%M%S"))
     p.set_defaults(func=run)
 
 
@@ -93,85 +93,38 @@ def chosen(asked: list[str] | None, with_storage: bool) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     scenarios = chosen(args.scenario, args.storage)
-    workdir: Path = args.workdir.resolve()
-    if workdir.exists() and any(workdir.iterdir()):
-        raise UserError(f"{workdir} is not empty; pass a new --workdir")
-    cfg = DrillConfig(
-        workdir=workdir,
-        ranks=args.ranks,
-        steps=args.steps,
-        save_every=args.save_every,
-        seed=args.seed,
-        parallel=args.parallel,
-        hang_timeout_s=args.hang_timeout,
-    )
+    cfg = options.build(DrillConfig, args, workdir=args.workdir.resolve())
+    if cfg.workdir.exists() and any(cfg.workdir.iterdir()):
+        raise UserError(f"{cfg.workdir} is not empty; pass a new --workdir")
     try:
         plans = {
-            s: planning.plan(
-                s, seed=args.seed, steps=args.steps, save_every=args.save_every, ranks=args.ranks
-            )
+            s: planning.plan(s, seed=cfg.seed, steps=cfg.steps, save_every=cfg.save_every, ranks=cfg.ranks)
             for s in scenarios
         }
     except ValueError as e:  # an unknown scenario, a plan that does not fit --steps
         raise UserError(str(e)) from None
-    workdir.mkdir(parents=True, exist_ok=True)
-    log = workdir / "drill.log"
+    cfg.workdir.mkdir(parents=True, exist_ok=True)
+    log = cfg.workdir / "drill.log"
     started = time.monotonic()
-    print(
-        f"[drill] seed {args.seed}, {args.ranks} ranks, {args.steps} steps, save every {args.save_every}; "
-        f"scenarios: {', '.join(scenarios)}; logs in {log}",
-        file=sys.stderr,
-        flush=True,
+    _say(
+        f"seed {cfg.seed}, {cfg.ranks} ranks, {cfg.steps} steps, save every {cfg.save_every}; "
+        f"scenarios: {', '.join(scenarios)}; logs in {log}"
     )
     for s, faults in plans.items():
-        print(f"[drill] plan {s}: " + "; ".join(f.describe() for f in faults), file=sys.stderr)
-    no_storage = storage.unavailable() if set(scenarios) & set(STORAGE_SCENARIOS) else None
-    if no_storage:
-        print(f"[drill] skipping the storage scenarios: {no_storage}", file=sys.stderr)
-    print("[drill] golden run (uninterrupted torchrun)...", file=sys.stderr, flush=True)
+        _say(f"plan {s}: " + "; ".join(f.describe() for f in faults))
+    _say("golden run (uninterrupted torchrun)...")
     try:
         golden, golden_digest = run_golden(cfg, log)
-    except RuntimeError as e:
+        runs, verdicts = _scenarios(cfg, plans, golden, golden_digest, log)
+    except (RuntimeError, FaultFSError) as e:  # the golden run failed; the fault filesystem failed
         print(f"error: {e}", file=sys.stderr)
         return Exit.FOUND_PROBLEM
-    runs: list[ScenarioRun] = []
-    verdicts: list[Verdict] = []
-    for s, faults in plans.items():
-        if no_storage and s in STORAGE_SCENARIOS:
-            verdicts.append(Verdict(s, (), skipped=no_storage))
-            continue
-        print(f"[drill] {s}: starting under the watchdog", file=sys.stderr, flush=True)
-        try:
-            r = run_scenario(cfg, s, faults, log, _Progress(args.steps))
-        except FaultFSError as e:
-            print(f"error: {s}: {e}", file=sys.stderr)
-            return Exit.FOUND_PROBLEM
-        v = judge(
-            s,
-            faults=faults,
-            injected=r.injected,
-            save_in_flight=r.save_in_flight,
-            golden=golden,
-            drill=r.records,
-            steps=args.steps,
-            save_every=args.save_every,
-            golden_digest=golden_digest,
-            drill_digest=r.digest,
-            latest_violations=r.latest_violations,
-            events=r.events,
-            fault_times=r.fault_times,
-            storage=r.storage,
-        )
-        print(f"[drill] {s}: {v.result}", file=sys.stderr, flush=True)
-        runs.append(r)
-        verdicts.append(v)
-    report = workdir / "report.md"
-    png = workdir / "loss.png"
+    report, png = cfg.workdir / "report.md", cfg.workdir / "loss.png"
     plot_line = plot(png, golden, runs, verdicts)
     settings = (
-        f"seed {args.seed}, {args.ranks} ranks ({args.parallel}), {args.steps} steps, save every "
-        f"{args.save_every}, hang timeout {args.hang_timeout:g}s; replay with `python -m supervisor drill "
-        f"--seed {args.seed}" + "".join(f" --scenario {s}" for s in scenarios) + "`"
+        f"seed {cfg.seed}, {cfg.ranks} ranks ({cfg.parallel}), {cfg.steps} steps, save every "
+        f"{cfg.save_every}, hang timeout {cfg.hang_timeout_s:g}s; replay with `python -m supervisor drill "
+        f"--seed {cfg.seed}" + "".join(f" --scenario {s}" for s in scenarios) + "`"
     )
     write_report(
         report,
@@ -181,14 +134,67 @@ def run(args: argparse.Namespace) -> int:
         verdicts=verdicts,
         plot_line=plot_line,
     )
-    print(verdict_table(verdicts))
+    took = time.monotonic() - started
     ok = all(v.ok for v in verdicts)
+    if args.json:
+        files = {"report": str(report), "plot": str(png) if png.exists() else None, "log": str(log)}
+        doc = json_report(_settings_json(cfg, scenarios, took), golden_digest, runs, verdicts, files)
+        print(json.dumps(doc, indent=1))
+    else:
+        _print_verdicts(verdicts, report, png, took)
+    return Exit.OK if ok else Exit.FOUND_PROBLEM
+
+
+def _settings_json(cfg: DrillConfig, scenarios: list[str], took: float) -> dict[str, Any]:
+    keys = ("seed", "ranks", "steps", "save_every", "parallel", "hang_timeout_s")
+    return {
+        **{k: getattr(cfg, k) for k in keys},
+        "workdir": str(cfg.workdir),
+        "scenarios": scenarios,
+        "duration_s": round(took, 1),
+    }
+
+
+def _say(msg: str) -> None:
+    print(f"[drill] {msg}", file=sys.stderr, flush=True)
+
+
+def _scenarios(
+    cfg: DrillConfig,
+    plans: dict[str, list[planning.Fault]],
+    golden: list[StepRecord],
+    golden_digest: str,
+    log: Path,
+) -> tuple[list[ScenarioRun], list[Verdict]]:
+    """Each scenario under the watchdog, judged against the golden run; the storage ones are
+    skipped, with the reason, where the fault filesystem cannot run."""
+    no_storage = storage.unavailable() if set(plans) & set(STORAGE_SCENARIOS) else None
+    if no_storage:
+        _say(f"skipping the storage scenarios: {no_storage}")
+    runs: list[ScenarioRun] = []
+    verdicts: list[Verdict] = []
+    for s, faults in plans.items():
+        if no_storage and s in STORAGE_SCENARIOS:
+            verdicts.append(Verdict(s, (), skipped=no_storage))
+            continue
+        _say(f"{s}: starting under the watchdog")
+        try:
+            r = run_scenario(cfg, s, faults, log, _Progress(cfg.steps))
+        except FaultFSError as e:
+            raise FaultFSError(f"{s}: {e}") from None
+        v = judge(Case(s, faults, r, golden, golden_digest, cfg.steps, cfg.save_every))
+        _say(f"{s}: {v.result}")
+        runs.append(r)
+        verdicts.append(v)
+    return runs, verdicts
+
+
+def _print_verdicts(verdicts: list[Verdict], report: Path, png: Path, took: float) -> None:
+    print(verdict_table(verdicts))
     print(
-        f"\n{': '.join(summary(verdicts))} in {human_duration(time.monotonic() - started)}. Report: {report} "
+        f"\n{': '.join(summary(verdicts))} in {human_duration(took)}. Report: {report} "
         + (f"(plot: {png})" if png.exists() else "(no plot: matplotlib is not installed)")
     )
-    if not ok:
-        for v in verdicts:
-            for f in v.failures():
-                print(f"  {v.scenario}: {f}")
-    return Exit.OK if ok else Exit.FOUND_PROBLEM
+    for v in verdicts:
+        for f in v.failures():
+            print(f"  {v.scenario}: {f}")

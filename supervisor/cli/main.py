@@ -7,6 +7,7 @@ import argparse
 import importlib
 import os
 import sys
+from enum import Enum
 
 from supervisor.errors import UserError
 from supervisor.format.atomic import restrict_umask
@@ -31,8 +32,8 @@ class _DefaultsFormatter(argparse.RawDescriptionHelpFormatter):
         default = action.default
         if not action.option_strings or default in (None, False, argparse.SUPPRESS) or "%(default)" in text:
             return text
-        shown = str(default)
-        return text if shown in text else f"{text} (default: %(default)s)"
+        shown = default.name if isinstance(default, Enum) else str(default)  # a signal: SIGUSR1, not 10
+        return text if shown in text else f"{text} (default: {shown})"
 
 
 class _Parser(argparse.ArgumentParser):

@@ -26,6 +26,7 @@ from pathlib import Path
 from supervisor import slurm
 from supervisor.format import events
 from supervisor.format.atomic import hostname
+from supervisor.format.eventnames import RequeueEvent
 from supervisor.format.exitcodes import Exit
 from supervisor.redact import redact
 from supervisor.slurm import JobEnv, Knobs, SlurmError
@@ -113,7 +114,7 @@ def start(args: argparse.Namespace) -> int:
             f"SLURM restarted this job {job.restart_count} time(s), {ours} of them requeued "
             "by this script (the others by SLURM's preemption, a node failure or an operator)"
         )
-    problem = _notice_problem(args.job_script, knobs.requeue_signal)
+    problem = _notice_problem(args.job_script, knobs.requeue_signal, knobs.run_dir)
     if problem:
         say(f"WARNING: job {job.job_id}: {problem}")
     partition = slurm.scontrol_show("partition", os.environ.get("SLURM_JOB_PARTITION", ""))
@@ -128,24 +129,35 @@ def start(args: argparse.Namespace) -> int:
         )
     say(f"each node runs: {shlex.join(slurm.launch_command(knobs, rdzv))}")
     slurm.save_requeue_state(
-        knobs.run_dir, state.with_event("start", restart_count=job.restart_count, nodes=hosts)
+        knobs.run_dir, state.with_event(RequeueEvent.START, restart_count=job.restart_count, nodes=hosts)
     )
     return Exit.OK
 
 
-def _notice_problem(script: Path | None, requeue_signal: str) -> str:
-    """The job's --signal, from SBATCH_SIGNAL (it overrides the script's line) or the script's
-    ``#SBATCH --signal``; why its notice can never arrive, or ""."""
-    env = os.environ.get("SBATCH_SIGNAL", "")
-    if env:
-        return slurm.notice_problem(env, "SBATCH_SIGNAL", requeue_signal)
-    if script is None:
-        return ""
+def _notice_problem(script: Path | None, requeue_signal: str, run_dir: Path) -> str:
+    """Why the job's notice can never arrive, or comes later than one checkpoint of this run
+    takes (``slurm.lead_problem``), or ""."""
     try:
-        spec = slurm.script_signal_spec(script.read_text(errors="replace"))
+        spec, where = _job_signal(script)
     except OSError as e:
         return f"cannot read the job script {script} to check its --signal ({e})"
-    return slurm.notice_problem(spec, f"#SBATCH lines of {script}", requeue_signal)
+    if not where:
+        return ""
+    return slurm.notice_problem(spec, where, requeue_signal) or slurm.lead_problem(
+        spec, where, slurm.last_save_time(run_dir)
+    )
+
+
+def _job_signal(script: Path | None) -> tuple[str | None, str]:
+    """The job's --signal and where it was read: SBATCH_SIGNAL (it overrides the script's line),
+    else the script's last ``#SBATCH --signal`` (None when it has none); (None, "") without a
+    script. OSError when the script cannot be read."""
+    env = os.environ.get("SBATCH_SIGNAL", "")
+    if env:
+        return env, "SBATCH_SIGNAL"
+    if script is None:
+        return None, ""
+    return slurm.script_signal_spec(script.read_text(errors="replace")), f"#SBATCH lines of {script}"
 
 
 def launch(args: argparse.Namespace) -> int:
@@ -184,24 +196,24 @@ def finish(args: argparse.Namespace) -> int:
     reason = f"{d.reason}: {why}" if why else d.reason
     if not d.requeue:
         say(f"job {job.job_id} ends: {reason} (exit {d.exit_code})")
-        _record(knobs, state.with_event("end", exit_code=args.exit_code, reason=reason))
+        _record(knobs, state.with_event(RequeueEvent.END, exit_code=args.exit_code, reason=reason))
         return d.exit_code
     skip = slurm.why_not_requeue(slurm.scontrol_show("job", job.requeue_id), job.restart_count)
     if skip:
         say(f"job {job.job_id}: {reason}; {skip}: not requeueing it again")
-        _record(knobs, state.with_event("requeue_skipped", exit_code=args.exit_code, reason=skip))
+        _record(knobs, state.with_event(RequeueEvent.REQUEUE_SKIPPED, exit_code=args.exit_code, reason=skip))
         return Exit.OK if skip.startswith("SLURM is requeueing") else args.exit_code
     # Count first: SLURM sends SIGTERM right after the requeue, and an uncounted requeue could
     # repeat forever. Where the count cannot be written (the storage is what failed, exit 14),
     # SLURM's own restart count bounds the requeues: load_requeue_state falls back to it.
-    state = state.counted(d.kind).with_event("requeue", exit_code=args.exit_code, reason=reason)
+    state = state.counted(d.kind).with_event(RequeueEvent.REQUEUE, exit_code=args.exit_code, reason=reason)
     _record(knobs, state)
     say(f"job {job.job_id}: {reason}; scontrol requeue {job.requeue_id}")
     try:
         slurm.scontrol_requeue(job.requeue_id)
     except SlurmError as e:
         say(f"error: {e}")
-        _record(knobs, state.with_event("requeue_failed", reason=str(e)))
+        _record(knobs, state.with_event(RequeueEvent.REQUEUE_FAILED, reason=str(e)))
         return args.exit_code
     return d.exit_code
 

@@ -7,13 +7,12 @@ import json
 import os
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from supervisor.display import human_age, human_bytes, human_duration, table
-from supervisor.report import StatusReport, build_report
+from supervisor.report import FULL_RANKS, StatusReport, build_report
 
 # Rank tables longer than this show only the ranks that need a look, plus a summary.
 MAX_RANK_ROWS = 16
@@ -25,7 +24,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "status", help="where the run stands: state, launches, ranks, checkpoints", description=__doc__
     )
     p.add_argument("--ckpt-root", required=True, type=Path, help="the run's checkpoint root")
-    p.add_argument("--json", action="store_true", help="one JSON object (every rank listed)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help=f"one JSON object (every rank listed up to {FULL_RANKS} ranks; above, those that need a look)",
+    )
+    p.add_argument(
+        "--all-ranks", action="store_true", help="list every rank, however many (reads every node's records)"
+    )
     p.add_argument(
         "--watch",
         nargs="?",
@@ -48,10 +54,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> None:
     if args.watch is None:
-        _show(build_report(args.ckpt_root), args.json)
+        _show(build_report(args.ckpt_root, all_ranks=args.all_ranks), args.json)
         return
     while True:
-        report = build_report(args.ckpt_root)
+        report = build_report(args.ckpt_root, all_ranks=args.all_ranks)
         if not args.json:  # redraw in place on a terminal; into a file or pipe, one after another
             sys.stdout.write(CLEAR if sys.stdout.isatty() else f"--- {time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
         _show(report, args.json)
@@ -91,22 +97,40 @@ def render(r: StatusReport) -> str:
         out += ["", _remote_line(r)]
     if r.slurm:
         out += ["", f"slurm {r.slurm}"]
+    if r.retention:
+        out += ["", f"retention: {r.retention}"]
     return "\n".join(out)
 
 
 def _node_lines(r: StatusReport) -> list[str]:
     """One row per watchdog, when there is more than one or one has a problem."""
-    if len(r.nodes) <= 1 and not any(n.problem for n in r.nodes):
+    if len(r.nodes) <= 1 and not any(n.problem or n.summary_stale for n in r.nodes):
         return []
     rows = [
-        (n.node, n.host, n.watchdog_pid, n.status, n.launches, n.restarts, n.problem or n.reason)
+        (
+            n.node,
+            n.host,
+            n.watchdog_pid,
+            n.status,
+            n.launches,
+            n.restarts,
+            _summary_cell(n.summary_age_s, n.summary_stale),
+            n.problem or n.reason,
+        )
         for n in r.nodes
     ]
     return [
         "",
         "watchdogs:",
-        table(("node", "host", "pid", "status", "launches", "restarts", "reason"), rows),
+        table(("node", "host", "pid", "status", "launches", "restarts", "summary", "reason"), rows),
     ]
+
+
+def _summary_cell(age: float | None, stale: bool) -> str:
+    """The node summary's age: 'STALE 3m' when its watchdog stopped rewriting it."""
+    if age is None:
+        return "-"
+    return f"STALE {human_age(age)}" if stale else human_age(age)
 
 
 def _launch_lines(r: StatusReport) -> list[str]:
@@ -167,19 +191,18 @@ def _remote_line(r: StatusReport) -> str:
 
 
 def _rank_lines(r: StatusReport) -> list[str]:
-    if not r.ranks:
-        return ["ranks: no heartbeat files"]
+    c = r.rank_counts
+    if not c.total:
+        return ["ranks: no heartbeats"]
     shown = list(r.ranks)
-    head = f"ranks ({len(r.ranks)}):"
-    if len(shown) > MAX_RANK_ROWS:
+    head = f"ranks ({c.total}):"
+    if c.total > MAX_RANK_ROWS:
         stale = [x for x in shown if x.stale]
-        phases = Counter(x.phase for x in r.ranks)
-        steps = [x.step for x in r.ranks if x.step is not None]
-        span = f"steps {min(steps)}..{max(steps)}; " if steps else ""
+        span = f"steps {c.step_min}..{c.step_max}; " if c.step_min is not None else ""
         head = (
-            f"ranks ({len(r.ranks)}): {span}"
-            + ", ".join(f"{n} {p}" for p, n in sorted(phases.items()))
-            + f"; {len(stale)} stale or unknown"
+            f"ranks ({c.total}): {span}"
+            + ", ".join(f"{n} {p}" for p, n in c.phases)
+            + f"; {c.stale} stale or unknown"
             + (" (listed below)" if stale else "")
         )
         shown = stale[:MAX_RANK_ROWS]

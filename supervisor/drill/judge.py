@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import itertools
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from functools import cached_property
+from typing import Any, Protocol
 
 from supervisor.drill.plan import (
     DISK_FULL_FAILURES,
@@ -33,7 +34,8 @@ SLOW_FACTOR = 3.0
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One line of metrics.jsonl as the drill saw it (``seen`` = when the drill first read it)."""
+    """What the judge reads of a metrics.jsonl record (supervisor.format.metrics), and ``seen``:
+    when the drill first read it."""
 
     step: int
     loss: float
@@ -117,115 +119,171 @@ def typical_step_change(golden: Sequence[StepRecord]) -> tuple[float, float]:
     return (statistics.median(deltas), max(deltas)) if deltas else (0.0, 0.0)
 
 
-def judge(  # noqa: PLR0913  issue 14 point 4 turns the judge into check objects
-    scenario: str,
-    *,
-    faults: Sequence[Fault],
-    injected: Sequence[Fault],
-    save_in_flight: Sequence[bool],
-    golden: Sequence[StepRecord],
-    drill: Sequence[StepRecord],
-    steps: int,
-    save_every: int,
-    golden_digest: str,
-    drill_digest: str | None,
-    latest_violations: Sequence[str],
-    events: Sequence[dict[str, Any]] = (),
-    fault_times: Sequence[float] = (),
-    storage: StorageFacts | None = None,
-    loss_tol: float = 0.0,
-) -> Verdict:
-    """Judge one scenario. ``loss_tol`` is 0 on CPU: the resumed run must match golden exactly.
-    ``events`` (the watchdog's) and ``fault_times`` (one per injected fault) judge the hangs and
-    the storage faults; ``storage`` is what a storage fault's driver saw."""
-    checks: list[Check] = []
-    gold = {r.step: r for r in golden}
-    resumes = find_resumes(drill)
-    # A fault the job rides out in the same launch (a full disk) has no resume to judge.
-    resumable = [(f, s) for f, s in zip(injected, save_in_flight, strict=False) if f.kind not in NO_RESUME]
+class Evidence(Protocol):
+    """What the drill saw of one scenario's run (runner.ScenarioRun is one)."""
 
-    missing = [f.describe() for f in faults if f not in injected]
-    checks.append(
-        Check(
-            "faults injected",
-            not missing,
-            f"{len(injected)} of {len(faults)}"
-            + (f"; not injected: {'; '.join(missing)}" if missing else ""),
-        )
+    @property
+    def injected(self) -> Sequence[Fault]: ...  # in order; one fault_times and save_in_flight each
+    @property
+    def fault_times(self) -> Sequence[float]: ...
+    @property
+    def save_in_flight(self) -> Sequence[bool]: ...
+    @property
+    def records(self) -> Sequence[StepRecord]: ...
+    @property
+    def digest(self) -> str | None: ...
+    @property
+    def latest_violations(self) -> Sequence[str]: ...
+    @property
+    def events(self) -> Sequence[dict[str, Any]]: ...  # the watchdog's: they judge hangs and storage
+    @property
+    def storage(self) -> StorageFacts | None: ...  # what a storage fault's driver saw
+
+
+@dataclass(frozen=True)
+class Case:
+    """One scenario to judge: its plan, what the drill saw, and the golden run to match.
+    ``loss_tol`` is 0 on CPU: the resumed run must match golden exactly."""
+
+    scenario: str
+    faults: Sequence[Fault]
+    run: Evidence
+    golden: Sequence[StepRecord]
+    golden_digest: str
+    steps: int
+    save_every: int
+    loss_tol: float = 0.0
+
+    @cached_property
+    def resumes(self) -> list[Resume]:
+        return find_resumes(self.run.records)
+
+    @cached_property
+    def gold(self) -> dict[int, StepRecord]:
+        return {r.step: r for r in self.golden}
+
+    @cached_property
+    def resumable(self) -> list[tuple[Fault, bool]]:
+        """Injected faults with a resume to judge, and whether a save was in flight at each (a fault
+        the job rides out in the same launch, a full disk, has none)."""
+        pairs = zip(self.run.injected, self.run.save_in_flight, strict=False)
+        return [(f, s) for f, s in pairs if f.kind not in NO_RESUME]
+
+
+def judge(case: Case) -> Verdict:
+    """Every check of ``CHECKS`` on one scenario; it passes only when each holds."""
+    return Verdict(case.scenario, tuple(c for check in CHECKS for c in check(case)), tuple(case.resumes))
+
+
+def faults_injected(case: Case) -> list[Check]:
+    injected = case.run.injected
+    missing = [f.describe() for f in case.faults if f not in injected]
+    detail = f"{len(injected)} of {len(case.faults)}" + (
+        f"; not injected: {'; '.join(missing)}" if missing else ""
     )
-    if resumable or not injected:
-        checks.append(
-            Check(
-                "resumed after each fault",
-                len(resumes) >= len(resumable),
-                f"{len(resumes)} resume(s) for {len(resumable)} fault(s)",
-            )
-        )
+    return [Check("faults injected", not missing, detail)]
 
+
+def resumed_after_each(case: Case) -> list[Check]:
+    if not case.resumable and case.run.injected:
+        return []
+    n, want = len(case.resumes), len(case.resumable)
+    return [Check("resumed after each fault", n >= want, f"{n} resume(s) for {want} fault(s)")]
+
+
+def steps_redone(case: Case) -> list[Check]:
     over = []
-    for res, (fault, in_flight) in zip(resumes, resumable, strict=False):
-        bound = steps_redone_bound(fault.kind, save_every, in_flight)
+    for res, (fault, in_flight) in zip(case.resumes, case.resumable, strict=False):
+        bound = steps_redone_bound(fault.kind, case.save_every, in_flight)
         if res.redone > bound:
             over.append(f"{fault.kind.value} redid {res.redone} steps (bound {bound})")
-    redone = ", ".join(str(r.redone) for r in resumes) or "none"
-    checks.append(Check("steps redone within bound", not over, "; ".join(over) or f"redone: {redone}"))
+    redone = ", ".join(str(r.redone) for r in case.resumes) or "none"
+    return [Check("steps redone within bound", not over, "; ".join(over) or f"redone: {redone}")]
 
-    if any(f.kind in HANGS for f in faults):
-        checks += hang_checks(injected, fault_windows(events, fault_times, resumes), resumes, save_every)
-    if any(f.kind in STORAGE for f in faults):
-        checks += storage_checks(injected, storage or StorageFacts(), events, fault_times, resumes)
 
-    lr_bad = [r.step for r in drill if r.step in gold and r.lr != gold[r.step].lr]
-    checks.append(
-        Check(
-            "LR continuous",
-            not lr_bad,
-            f"LR differs from the schedule at step {lr_bad[0]}: {_lr_at(drill, lr_bad[0])} vs "
-            f"{gold[lr_bad[0]].lr}"
-            if lr_bad
-            else "LR equals golden at every step, resumed steps included",
-        )
+def hangs(case: Case) -> list[Check]:
+    if not any(f.kind in HANGS for f in case.faults):
+        return []
+    windows = fault_windows(case.run.events, case.run.fault_times, case.resumes)
+    return hang_checks(case.run.injected, windows, case.resumes, case.save_every)
+
+
+def storage_faults(case: Case) -> list[Check]:
+    if not any(f.kind in STORAGE for f in case.faults):
+        return []
+    facts = case.run.storage or StorageFacts()
+    return storage_checks(case.run.injected, facts, case.run.events, case.run.fault_times, case.resumes)
+
+
+def lr_continuous(case: Case) -> list[Check]:
+    drill, gold = case.run.records, case.gold
+    bad = [r for r in drill if r.step in gold and r.lr != gold[r.step].lr]
+    detail = (
+        f"LR differs from the schedule at step {bad[0].step}: {bad[0].lr} vs {gold[bad[0].step].lr}"
+        if bad
+        else "LR equals golden at every step, resumed steps included"
     )
+    return [Check("LR continuous", not bad, detail)]
 
-    median_d, max_d = typical_step_change(golden)
+
+def loss_continuous(case: Case) -> list[Check]:
+    """No jump at a resume larger than golden's own step-to-step change, and no deviation from
+    golden beyond ``loss_tol``."""
+    drill, gold = case.run.records, case.gold
+    median_d, max_d = typical_step_change(case.golden)
     by_launch_step = {(r.launch, r.step): r for r in drill}
     jumps = []
-    for res in resumes:
-        after = by_launch_step.get((res.launch, res.ckpt_step + 1))
-        before = gold.get(res.ckpt_step)
+    for res in case.resumes:
+        after, before = by_launch_step.get((res.launch, res.ckpt_step + 1)), gold.get(res.ckpt_step)
         if after and before:
             jumps.append(abs(after.loss - before.loss))
     worst_jump = max(jumps, default=0.0)
-    deviations = [(abs(r.loss - gold[r.step].loss), r.step) for r in drill if r.step in gold]
-    worst_dev, worst_step = max(deviations, default=(0.0, 0))
-    checks.append(
+    worst_dev, worst_step = max(
+        ((abs(r.loss - gold[r.step].loss), r.step) for r in drill if r.step in gold), default=(0.0, 0)
+    )
+    return [
         Check(
             "loss continuous",
-            worst_dev <= loss_tol and worst_jump <= max_d,
+            worst_dev <= case.loss_tol and worst_jump <= max_d,
             f"largest jump at a resume {worst_jump:.4g} (golden step-to-step: median {median_d:.4g}, "
             f"max {max_d:.4g}); largest deviation from golden {worst_dev:.3g}"
-            + (f" at step {worst_step}" if worst_dev > loss_tol else ""),
+            + (f" at step {worst_step}" if worst_dev > case.loss_tol else ""),
         )
-    )
+    ]
 
-    checks.append(
-        Check(
-            "latest never named an incomplete checkpoint",
-            not latest_violations,
-            latest_violations[0] if latest_violations else "watched during the whole run",
-        )
-    )
 
-    last = max((r.step for r in drill), default=0)
-    checks.append(Check("run completed", last == steps, f"last step {last} of {steps}"))
-    checks.append(
-        Check(
-            "final digest equals golden",
-            drill_digest == golden_digest,
-            f"{(drill_digest or 'missing')[:16]} vs golden {golden_digest[:16]}",
-        )
-    )
-    return Verdict(scenario, tuple(checks), tuple(resumes))
+def latest_complete(case: Case) -> list[Check]:
+    bad = case.run.latest_violations
+    detail = bad[0] if bad else "watched during the whole run"
+    return [Check("latest never named an incomplete checkpoint", not bad, detail)]
+
+
+def completed(case: Case) -> list[Check]:
+    last = max((r.step for r in case.run.records), default=0)
+    return [Check("run completed", last == case.steps, f"last step {last} of {case.steps}")]
+
+
+def digest_equal(case: Case) -> list[Check]:
+    got, want = case.run.digest, case.golden_digest
+    return [
+        Check("final digest equals golden", got == want, f"{(got or 'missing')[:16]} vs golden {want[:16]}")
+    ]
+
+
+# The checks of every scenario, in the verdict table's order; each returns no Check when it does
+# not apply (hang checks without a hang, storage checks without a storage fault).
+CHECKS: tuple[Callable[[Case], list[Check]], ...] = (
+    faults_injected,
+    resumed_after_each,
+    steps_redone,
+    hangs,
+    storage_faults,
+    lr_continuous,
+    loss_continuous,
+    latest_complete,
+    completed,
+    digest_equal,
+)
 
 
 def fault_windows(
@@ -347,12 +405,12 @@ def storage_checks(
     return checks
 
 
-def _events(events: Sequence[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+def _events(events: Sequence[dict[str, Any]], name: EventName) -> list[dict[str, Any]]:
     return [e for e in events if e.get("event") == name]
 
 
 def _nothing_quarantined(facts: StorageFacts, events: Sequence[dict[str, Any]]) -> Check:
-    moved = [str(e.get("why")) for e in _events(events, "quarantine")] + list(facts.quarantined)
+    moved = [str(e.get("why")) for e in _events(events, EventName.QUARANTINE)] + list(facts.quarantined)
     return Check(
         "nothing quarantined",
         not moved,
@@ -366,7 +424,7 @@ def _io_error_checks(
     after: Sequence[dict[str, Any]],
     resume: Resume | None,
 ) -> list[Check]:
-    retries = len(_events(after, "io_retry"))
+    retries = len(_events(after, EventName.IO_RETRY))
     hit = Check(
         "EIO met by the resume",
         facts.rule_hits > 0,
@@ -398,10 +456,10 @@ def _disk_full_checks(
     after: Sequence[dict[str, Any]],
     resume: Resume | None,
 ) -> list[Check]:
-    failed, recovered = _events(after, "save_failed"), _events(after, "save_recovered")
+    failed, recovered = _events(after, EventName.SAVE_FAILED), _events(after, EventName.SAVE_RECOVERED)
     most = max((int(e.get("save_failures") or 0) for e in failed), default=0)
     recovered = [e for e in recovered if failed and e.get("t", 0) >= failed[-1].get("t", 0)]
-    launches = _events(events, "launch")
+    launches = _events(events, EventName.LAUNCH)
     before, kept = facts.committed_before, facts.committed_after
     lost = sorted(set(before) - set(kept))
     return [
@@ -439,8 +497,8 @@ def _slow_storage_checks(
     after: Sequence[dict[str, Any]],
     resume: Resume | None,
 ) -> list[Check]:
-    hangs = _events(after, "hang")
-    ends = _events(after, "launch_end")  # the faulted launch's, then the resumed one's
+    hangs = _events(after, EventName.HANG)
+    ends = _events(after, EventName.LAUNCH_END)  # the faulted launch's, then the resumed one's
     outcome = ends[1].get("outcome") if len(ends) > 1 else None
     t = facts.timeout_s
     if facts.verify_s is None or facts.load_s is None:
@@ -461,7 +519,9 @@ def _slow_storage_checks(
             str(hangs[0].get("msg")) if hangs else "no hang event after the throttle: progress kept it alive",
         ),
         Check(
-            "resumed launch finished", outcome == "done", f"the resumed launch ended: {outcome or 'not seen'}"
+            "resumed launch finished",
+            outcome == Outcome.DONE,
+            f"the resumed launch ended: {outcome or 'not seen'}",
         ),
     ]
 
@@ -475,7 +535,3 @@ _STORAGE_CHECKS = {
     Kind.DISK_FULL: _disk_full_checks,
     Kind.SLOW_STORAGE: _slow_storage_checks,
 }
-
-
-def _lr_at(records: Sequence[StepRecord], step: int) -> float:
-    return next(r.lr for r in records if r.step == step)

@@ -7,6 +7,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
 
+from supervisor.drill.corruption import DRILL, Corruption
+
 
 class Kind(str, Enum):
     KILL9 = "kill9"
@@ -39,7 +41,6 @@ DISK_FULL_INTERVALS = DISK_FULL_FAILURES + 1
 CHAOS = "chaos"
 STORAGE_GROUP = "storage"
 SCENARIOS = (*(k.value for k in Kind), CHAOS)
-CORRUPTIONS = ("truncate", "bitflip", "delete-metadata")
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class Fault:
     kind: Kind
     at_step: int  # inject once the run has logged this step; a self-inflicted hang blocks at it
     rank: int  # the worker to hit (kill9, sigstop, hang, hang-during-save, during-save)
-    corruption: str = ""  # corrupt-latest only
+    corruption: Corruption | None = None  # corrupt-latest only
 
     def describe(self) -> str:
         what = {
@@ -56,7 +57,7 @@ class Fault:
             Kind.HANG: f"rank {self.rank} blocks forever in a read (no signal cures it)",
             Kind.HANG_DURING_SAVE: f"rank {self.rank} blocks forever in a read while its async save is in flight",
             Kind.DURING_SAVE: f"kill -9 rank {self.rank} while an async save is in flight",
-            Kind.CORRUPT_LATEST: f"stop the job, {self.corruption} the newest checkpoint, start again",
+            Kind.CORRUPT_LATEST: f"stop the job, {self.corruption and self.corruption.value} the newest checkpoint, start again",
             Kind.PREEMPT: "SIGUSR1 (preemption notice) to the watchdog",
             Kind.IO_ERROR: f"EIO on the next reads of checkpoint files, then kill -9 rank {self.rank}",
             Kind.DISK_FULL: f"ENOSPC on every checkpoint write until {DISK_FULL_FAILURES} saves have failed",
@@ -102,7 +103,7 @@ def plan(scenario: str, *, seed: int, steps: int, save_every: int, ranks: int) -
         drawable = [k.value for k in Kind if k not in STORAGE]
         draws = ([Kind(rng.choice(drawable)) for _ in range(rng.randint(3, 4))] for _ in range(100))
     elif scenario == Kind.CORRUPT_LATEST.value:
-        draws = iter([[Kind.CORRUPT_LATEST] * len(CORRUPTIONS)])
+        draws = iter([[Kind.CORRUPT_LATEST] * len(DRILL)])
     elif scenario in SCENARIOS:
         draws = iter([[Kind(scenario)]])
     else:
@@ -115,13 +116,13 @@ def plan(scenario: str, *, seed: int, steps: int, save_every: int, ranks: int) -
         raise ValueError(
             f"{steps} steps are too few for {len(kinds)} faults {save_every} steps apart; raise --steps"
         )
-    corruptions = iter(CORRUPTIONS if scenario != CHAOS else rng.sample(CORRUPTIONS * 2, len(kinds)))
+    corruptions = iter(DRILL if scenario != CHAOS else rng.sample(DRILL * 2, len(kinds)))
     return [
         Fault(
             kind=kind,
             at_step=at,
             rank=rng.randrange(ranks),
-            corruption=next(corruptions) if kind == Kind.CORRUPT_LATEST else "",
+            corruption=next(corruptions) if kind == Kind.CORRUPT_LATEST else None,
         )
         for kind, at in zip(kinds, at_steps, strict=True)
     ]

@@ -3,17 +3,22 @@ and a PNG of the loss curves (golden vs drill, faults and resumes marked)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from supervisor.display import table
 from supervisor.drill.judge import StepRecord, Verdict, fault_windows
 from supervisor.drill.runner import ScenarioRun
 from supervisor.format.eventnames import EventName
 from supervisor.format.layout import step_dirname
-from supervisor.redact import redact
+from supervisor.redact import redact, redact_obj
 from supervisor.store import list_tmp
+
+# `drill --json`'s "schema": goes up when a field changes meaning (fields may be added without it).
+DRILL_SCHEMA = 1
 
 # Watchdog events worth showing between a fault and the first resumed step.
 TIMELINE_EVENTS = (
@@ -193,3 +198,54 @@ def write_report(
             timeline(run, v),
         ]
     path.write_text(redact("\n".join(parts)))  # events and notes may quote a URL with credentials
+
+
+def json_report(
+    settings: dict[str, Any],
+    golden_digest: str,
+    runs: Sequence[ScenarioRun],
+    verdicts: Sequence[Verdict],
+    files: dict[str, str | None],
+) -> dict[str, Any]:
+    """``drill --json``: the verdict of every scenario and check, what was injected and resumed,
+    for a CI job to read instead of the table (docs/drill.md)."""
+    verdict, counts = summary(verdicts)
+    by_scenario = {r.scenario: r for r in runs}
+    return redact_obj(
+        {  # notes and events may quote a URL with credentials
+            "schema": DRILL_SCHEMA,
+            "ok": verdict == "PASS",
+            "verdict": verdict,
+            "summary": counts,
+            "settings": settings,
+            "golden_digest": golden_digest,
+            **files,
+            "scenarios": [_scenario_json(v, by_scenario.get(v.scenario)) for v in verdicts],
+        }
+    )
+
+
+def _scenario_json(v: Verdict, run: ScenarioRun | None) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "scenario": v.scenario,
+        "result": v.result,
+        "skipped": v.skipped or None,
+        "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail} for c in v.checks],
+        "resumes": [{**dataclasses.asdict(r), "redone": r.redone} for r in v.resumes],
+    }
+    if run is not None:
+        doc |= {
+            "digest": run.digest,
+            "injected": [
+                {
+                    "kind": f.kind.value,
+                    "at_step": f.at_step,
+                    "rank": f.rank,
+                    "corruption": f.corruption and f.corruption.value,
+                }
+                for f in run.injected
+            ],
+            "exit_codes": run.exit_codes,
+            "notes": run.notes,
+        }
+    return doc

@@ -17,11 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.drill import inject, storage, switch
+from supervisor.drill.drivers import DRIVERS, Driver, switch_hang
 from supervisor.drill.faultctl import Controller, FaultFS
 from supervisor.drill.judge import StepRecord, StorageFacts
-from supervisor.drill.plan import IN_SAVE, SELF_INFLICTED, Fault, Kind
+from supervisor.drill.plan import SELF_INFLICTED, Fault, Kind
 from supervisor.format.events import events_path, read_events
 from supervisor.format.layout import MANIFEST, RunDir, parse_committed
+from supervisor.format.metrics import parse_line
+from supervisor.options import POSITIVE, option
 from supervisor.store import list_checkpoints
 
 POLL_S = 0.02
@@ -30,15 +33,25 @@ MOUNTS = "mnt"  # workdir/mnt/<scenario>: where a storage scenario's fault files
 ENV_SAVE_DELAY = "TRAIN_REF_SAVE_DELAY_S"
 
 
+def new_workdir() -> Path:
+    return Path("drill-runs") / time.strftime("%Y%m%d-%H%M%S")
+
+
 @dataclass(frozen=True)
 class DrillConfig:
-    workdir: Path
-    ranks: int = 4
-    steps: int = 60
-    save_every: int = 10
-    seed: int = 0
-    parallel: str = "fsdp"
-    hang_timeout_s: float = 4.0
+    """The drill's run; each option field is its ``drill`` flag (supervisor.options)."""
+
+    seed: int = option("drives fault steps, ranks and chaos; printed for replay", 0)
+    ranks: int = option("worker processes of the trainer (torchrun --nproc-per-node)", 4, check=POSITIVE)
+    steps: int = option("training steps of every run, golden and faulted", 80, check=POSITIVE)
+    save_every: int = option("a checkpoint every this many steps", 10, check=POSITIVE)
+    parallel: str = option("the trainer's parallelism", "fsdp", choices=("fsdp", "ddp"))
+    hang_timeout_s: float = option(
+        "the watchdog's train-phase timeout", 4.0, flag="--hang-timeout", check=POSITIVE
+    )
+    workdir: Path = option(
+        "where the runs, their logs and the report go (must be new or empty)", default_factory=new_workdir
+    )
     save_delay_s: float = 1.0
     fault_timeout_s: float = 180.0
     python: str = sys.executable
@@ -112,11 +125,8 @@ class MetricsTail:
 
 
 def parse_metrics_line(line: bytes, seen: float) -> StepRecord | None:
-    try:
-        d = json.loads(line)
-        return StepRecord(int(d["step"]), float(d["loss"]), float(d["lr"]), str(d.get("launch", "")), seen)
-    except (ValueError, KeyError, TypeError):
-        return None
+    r = parse_line(line)
+    return None if r is None else StepRecord(r.step, r.loss, r.lr, r.launch, seen)
 
 
 def read_metrics(root: Path) -> list[StepRecord]:
@@ -253,7 +263,10 @@ class Scene:
     tail: MetricsTail
     dog: Watchdog
     progress: Callable[[str, ScenarioRun], None]
+    job: Job
+    log: Path
     fs: Controller | None = None  # the fault filesystem's, for a storage fault
+    hangs: switch.Switch | None = None  # the self-inflicted hangs the trainer is told of
 
     @property
     def root(self) -> Path:
@@ -315,6 +328,10 @@ class Scene:
         self.note(f"{fault.describe()}: sent {sig.name} to pid {pid} at step {self.step()}")
         return True
 
+    def restart(self) -> None:
+        """A new watchdog for the same job (after one was stopped)."""
+        self.dog = Watchdog(self.cfg, self.job, self.log)
+
     def struck(self, fault: Fault, t0: float, in_flight: bool) -> None:
         self.run.injected.append(fault)
         self.run.fault_times.append(t0)
@@ -338,7 +355,7 @@ def job_for(
     root: Path,
     faults: list[Fault],
     hangs: switch.Switch | None,
-    driver: storage.StorageDriver | None,
+    driver: Driver | None,
 ) -> Job:
     env = cfg.env()
     if any(f.kind == Kind.DURING_SAVE for f in faults):
@@ -370,13 +387,12 @@ def run_scenario(
         fs = mounted.enter_context(FaultFS.start(root, cfg.workdir / MOUNTS / scenario)) if driver else None
         job = job_for(cfg, fs.mountpoint if fs else root, faults, hangs, driver)
         monitor.start()
-        scene = Scene(cfg, run, tail, Watchdog(cfg, job, log), progress, fs)
+        scene = Scene(cfg, run, tail, Watchdog(cfg, job, log), progress, job, log, fs, hangs)
         try:
             for fault in faults:
-                if driver is not None:
-                    run.storage = driver.drive(scene, fault)
-                else:
-                    _inject(scene, fault, job, log, hangs)
+                facts = (driver or DRIVERS[fault.kind]()).drive(scene, fault)
+                if facts is not None:
+                    run.storage = facts
             scene.wait(lambda: scene.dog.proc.poll() is not None, timeout=cfg.fault_timeout_s * 2)
             run.exit_codes.append(scene.dog.wait(timeout=5))
             tail.poll()
@@ -396,66 +412,3 @@ def hang_switch(cfg: DrillConfig, scenario: str, faults: list[Fault]) -> switch.
     """The self-inflicted hangs of a scenario, for the trainer's drill switch (None: there are none)."""
     hangs = tuple(switch_hang(f) for f in faults if f.kind in SELF_INFLICTED)
     return switch.Switch(cfg.workdir / "switch" / scenario, hangs) if hangs else None
-
-
-def switch_hang(f: Fault) -> switch.Hang:
-    return switch.Hang(f.rank, f.at_step, switch.When.SAVE if f.kind in IN_SAVE else switch.When.STEP)
-
-
-def _inject(scene: Scene, fault: Fault, job: Job, log: Path, hangs: switch.Switch | None) -> None:
-    """Wait for the fault's step, inject it (or, for a self-inflicted hang, wait until the trainer
-    says it blocked), and wait for the run to resume; corrupt-latest stops the job and starts a new
-    watchdog (``scene.dog``)."""
-    run, tail = scene.run, scene.tail
-    if fault.kind in SELF_INFLICTED:
-        assert hangs is not None, "hang_switch() makes a switch for every self-inflicted hang"
-        blocked = _await_self_inflicted(run, fault, hangs, scene.wait)
-        if blocked is None:
-            return
-        launch, t0, in_flight = blocked
-    else:
-        reached = scene.reach(fault)
-        if reached is None:
-            return
-        launch = reached
-        if fault.kind == Kind.DURING_SAVE and not scene.wait(
-            lambda: inject.tmp_save_in_flight(run.root, fault.at_step)
-        ):
-            scene.note(f"not injected: no async save of step >= {fault.at_step} was seen in flight")
-            return
-        in_flight = scene.save_in_flight()
-        t0 = time.time()
-        if fault.kind in (Kind.KILL9, Kind.DURING_SAVE, Kind.SIGSTOP):
-            if not scene.kill(
-                fault, launch, signal.SIGSTOP if fault.kind == Kind.SIGSTOP else signal.SIGKILL
-            ):
-                return
-        elif fault.kind == Kind.PREEMPT:
-            scene.dog.signal(signal.SIGUSR1)
-            scene.note(f"{fault.describe()}: at step {scene.step()}")
-        else:
-            scene.dog.signal(signal.SIGTERM)
-            run.exit_codes.append(scene.dog.wait(timeout=scene.cfg.fault_timeout_s))
-            tail.poll()
-            did = inject.corrupt_newest(run.root, fault.corruption)
-            scene.note(f"{fault.describe()}: job stopped at step {scene.step()}; {did}")
-            scene.dog = Watchdog(scene.cfg, job, log)
-    scene.struck(fault, t0, in_flight)
-    scene.await_resume(fault, launch)
-
-
-def _await_self_inflicted(
-    run: ScenarioRun, fault: Fault, hangs: switch.Switch, wait: Callable[[Callable[[], bool]], bool]
-) -> tuple[str, float, bool] | None:
-    """Wait for the trainer's marker: the launch it hung, when, and whether an async save was in
-    flight then (it stays so: nothing commits while the rank is stuck). None: it never blocked."""
-    marker = hangs.marker(switch_hang(fault))
-    if not wait(marker.exists) or (m := switch.read_marker(marker)) is None:
-        run.notes.append(f"not injected: rank {fault.rank} never blocked at step {fault.at_step} ({marker})")
-        return None
-    in_flight = inject.tmp_save_in_flight(run.root, 0)
-    run.notes.append(
-        f"{fault.describe()}: rank {fault.rank} (pid {m.get('pid')}) blocked at step {m.get('step')} "
-        f"({'an async save in flight' if in_flight else 'no save in flight'})"
-    )
-    return str(m.get("launch", "")), float(m.get("t", time.time())), in_flight

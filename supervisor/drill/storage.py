@@ -14,15 +14,17 @@ import itertools
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
+from supervisor.drill.drivers import Driver
 from supervisor.drill.faultctl import fuse_unavailable
 from supervisor.drill.judge import StorageFacts
 from supervisor.drill.plan import DISK_FULL_FAILURES, STORAGE, Fault, Kind
 from supervisor.format.eventnames import EventName
 from supervisor.format.events import events_path, read_events
-from supervisor.format.heartbeat import Phase, read_heartbeats
+from supervisor.format.heartbeat import Phase
 from supervisor.format.layout import COMMITTED_GLOB, STEP_PREFIX, TMP_GLOB
+from supervisor.format.nodesummary import read_run_heartbeats
 from supervisor.store import list_checkpoints, list_quarantined, list_tmp
 
 if TYPE_CHECKING:
@@ -86,25 +88,11 @@ def kill_under(scene: Scene, fault: Fault, launch: str, rule: str, what: str) ->
     return True
 
 
-class StorageDriver:
-    """One storage fault kind: the job's extra flags, and ``drive`` (strike, wait, record)."""
-
-    kind: ClassVar[Kind]
-
-    def job_args(self, cfg: DrillConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """Extra flags for the watchdog and for the trainer."""
-        return (), ()
-
-    def drive(self, scene: Scene, fault: Fault) -> StorageFacts | None:
-        """Inject the fault into the running scene and wait until it is over; None: not injected."""
-        raise NotImplementedError
-
-
-class IoError(StorageDriver):
+class IoError(Driver):
     """EIO on the next reads of committed checkpoint files, then kill -9 a rank: the resume's pick
     (the watchdog's, then the trainer's) meets the errors and must retry, not quarantine."""
 
-    kind = Kind.IO_ERROR
+    kinds = frozenset({Kind.IO_ERROR})
 
     def drive(self, scene: Scene, fault: Fault) -> StorageFacts | None:
         assert scene.fs is not None
@@ -124,7 +112,7 @@ class IoError(StorageDriver):
         return StorageFacts(rule_hits=hits)
 
 
-class DiskFull(StorageDriver):
+class DiskFull(Driver):
     """ENOSPC on every write into a checkpoint tmp dir until the watchdog has logged
     DISK_FULL_FAILURES failed saves in a row (an event, not a time), then space again. The job must
     ride it out in the same launch.
@@ -134,7 +122,7 @@ class DiskFull(StorageDriver):
     The trainer's give-up policy is set out of reach, so how soon the drill frees the disk cannot
     turn into a relaunch (the policy has tests of its own)."""
 
-    kind = Kind.DISK_FULL
+    kinds = frozenset({Kind.DISK_FULL})
 
     def job_args(self, cfg: DrillConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
         return (), ("--max-failed-saves", str(cfg.steps // cfg.save_every + 1))
@@ -169,13 +157,13 @@ class DiskFull(StorageDriver):
         return StorageFacts(rule_hits=hits, committed_before=before, committed_after=after)
 
 
-class SlowStorage(StorageDriver):
+class SlowStorage(Driver):
     """Checkpoint reads and writes throttled so that the newest checkpoint takes SLOW_READ_S to read
     once, then kill -9 a rank: the resume's verify and load run for several times their timeouts
     (SLOW_TIMEOUT_S, passed to the watchdog) and must not be taken for a hang, since they progress.
     The throttle is lifted at the first resumed step."""
 
-    kind = Kind.SLOW_STORAGE
+    kinds = frozenset({Kind.SLOW_STORAGE})
 
     def job_args(self, cfg: DrillConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
         t = f"{SLOW_TIMEOUT_S:g}"
@@ -224,7 +212,7 @@ class PhaseClock:
         self._last: dict[int, float] = {}  # rank -> its last beat, while in verify or load
 
     def poll(self) -> None:
-        for snap in read_heartbeats(self.root):
+        for snap in read_run_heartbeats(self.root):
             hb = snap.heartbeat
             if hb is None or not hb.launch_id or hb.launch_id == self.old_launch:
                 continue
@@ -251,11 +239,11 @@ def _secs(s: float | None) -> str:
     return "?" if s is None else f"{s:.1f}s"
 
 
-DRIVERS: dict[Kind, type[StorageDriver]] = {d.kind: d for d in (IoError, DiskFull, SlowStorage)}
+DRIVERS: dict[Kind, type[Driver]] = {k: d for d in (IoError, DiskFull, SlowStorage) for k in d.kinds}
 assert set(DRIVERS) == set(STORAGE), "a driver for every storage fault kind"
 
 
-def driver_for(faults: list[Fault]) -> StorageDriver | None:
+def driver_for(faults: list[Fault]) -> Driver | None:
     """The driver of a storage scenario (its one fault), or None for any other scenario."""
     kinds = {f.kind for f in faults if f.kind in DRIVERS}
     if not kinds:

@@ -1,5 +1,6 @@
-"""Every event name the logs (``supervisor/events*.jsonl``) hold, in one place (docs/watchdog.md,
-docs/tiers.md describe them). Import-free, so the pure policy module names events too."""
+"""Every event name the logs (``supervisor/events*.jsonl``) and the SLURM job's history
+(``supervisor/slurm.json``) hold, in one place (docs/watchdog.md, docs/tiers.md, docs/slurm.md
+describe them). Import-free, so the pure policy module names events too."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ class EventName(str, Enum):
     REMOTE_UNAVAILABLE = "remote_unavailable"
     SAVE_FAILED = "save_failed"
     SAVE_RECOVERED = "save_recovered"
+    HEARTBEAT_DIR = "heartbeat_dir"  # where this node's ranks write their heartbeats, and why there
     # Picking across tiers (the watchdog's log; the trainer's events.remote.jsonl when it picks)
     DOWNLOAD_WAIT = "download_wait"
     DOWNLOADED = "downloaded"
@@ -45,6 +47,19 @@ class EventName(str, Enum):
     REMOTE_BACK = "remote_back"
     REMOTE_PRUNED = "remote_pruned"
     LOCAL_PRUNED = "local_pruned"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class RequeueEvent(str, Enum):
+    """The SLURM job's history in ``supervisor/slurm.json`` (``supervisor slurm start|end``)."""
+
+    START = "start"  # a job (or a requeued run of it) started
+    END = "end"  # it ended without a requeue
+    REQUEUE = "requeue"  # it asked SLURM to requeue it (counted against a budget)
+    REQUEUE_SKIPPED = "requeue_skipped"  # a requeue was due, but not done (the reason says why)
+    REQUEUE_FAILED = "requeue_failed"  # scontrol requeue failed
 
     def __str__(self) -> str:
         return self.value

@@ -16,14 +16,22 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from enum import Enum
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 from supervisor.format.atomic import atomic_write_json, hostname
-from supervisor.format.layout import HEARTBEATS, RunDir, parse_heartbeat_filename
+from supervisor.format.layout import (
+    HEARTBEAT_DIR_ENV,
+    HEARTBEATS,
+    RunDir,
+    heartbeat_filename,
+    parse_heartbeat_filename,
+    stack_dump_filename,
+)
 
 # Set by the watchdog for each launch, read by the trainer's HeartbeatWriter.
 ENV_LAUNCH_ID = "SUPERVISOR_LAUNCH_ID"
@@ -97,26 +105,57 @@ class HeartbeatSnapshot:
     path: str
     heartbeat: Heartbeat | None
     problem: str = ""
+    # The file's JSON object as read, every field kept (a node summary carries it as it is, so
+    # fields this reader does not know still travel).
+    record: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
     @property
     def known(self) -> bool:
         return self.heartbeat is not None
 
 
+def heartbeat_folder(root: str | Path, environ: Mapping[str, str] = os.environ) -> Path:
+    """Where a rank writes its heartbeat: the node-local folder its watchdog named in the
+    environment, else (a rank run without a watchdog) the run directory's heartbeats/."""
+    return Path(environ[HEARTBEAT_DIR_ENV]) if environ.get(HEARTBEAT_DIR_ENV) else RunDir.of(root).heartbeats
+
+
+def stack_dump_path(root: str | Path, rank: int) -> Path:
+    """Where a rank's faulthandler writes its stacks on SIGUSR2: next to its heartbeat, so the
+    watchdog of its node reads it (its text goes into the event log) and the shared filesystem
+    gets no file per rank per launch."""
+    return heartbeat_folder(root) / stack_dump_filename(rank)
+
+
 def write_heartbeat(root: str | Path, hb: Heartbeat) -> None:
-    path = RunDir.of(root).heartbeat(hb.rank)
+    """Into the run directory (a rank without a watchdog, tests, benchmarks)."""
+    write_heartbeat_in(RunDir.of(root).heartbeats, hb)
+
+
+def write_heartbeat_in(folder: Path, hb: Heartbeat) -> None:
+    path = folder / heartbeat_filename(hb.rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, hb.to_dict())
 
 
 def parse_heartbeat(text: str | bytes) -> Heartbeat:
     """Raise ValueError (with a short reason) unless ``text`` is a complete heartbeat."""
+    return heartbeat_from_dict(load_object(text))
+
+
+def load_object(text: str | bytes) -> dict[str, Any]:
+    """A JSON object, or ValueError with a short reason."""
     try:
         d = json.loads(text)
     except (ValueError, RecursionError):  # RecursionError: garbage like "[[[[..."
         raise ValueError("not valid JSON") from None
     if not isinstance(d, dict):
         raise ValueError("not a JSON object")
+    return d
+
+
+def heartbeat_from_dict(d: Mapping[str, Any]) -> Heartbeat:
+    """Raise ValueError (with a short reason) unless ``d`` is a complete heartbeat record."""
     try:
         return Heartbeat(
             rank=_int(d["rank"]),
@@ -157,7 +196,7 @@ def _float(v: object) -> float:
     return float(v)
 
 
-def _read_small(path: str | Path) -> bytes:
+def read_small(path: str | Path) -> bytes:
     """Whole file via os.read: half the cost of open().read(), which matters for `status` over
     thousands of ranks."""
     fd = os.open(path, os.O_RDONLY)
@@ -172,7 +211,8 @@ def _read_small(path: str | Path) -> bytes:
 
 def read_heartbeat(path: str | Path, rank: int) -> HeartbeatSnapshot:
     try:
-        hb = parse_heartbeat(_read_small(path))
+        record = load_object(read_small(path))
+        hb = heartbeat_from_dict(record)
     except FileNotFoundError:
         return HeartbeatSnapshot(rank, str(path), None, "missing")
     except OSError as e:
@@ -181,12 +221,17 @@ def read_heartbeat(path: str | Path, rank: int) -> HeartbeatSnapshot:
         return HeartbeatSnapshot(rank, str(path), None, str(e))
     if hb.rank != rank:
         return HeartbeatSnapshot(rank, str(path), None, f"file of rank {rank} says rank {hb.rank}")
-    return HeartbeatSnapshot(rank, str(path), hb)
+    return HeartbeatSnapshot(rank, str(path), hb, record=record)
 
 
 def read_heartbeats(root: str | Path) -> list[HeartbeatSnapshot]:
-    """Snapshots of every ``rank_NNNNN.json`` under the root's heartbeat folder, by rank."""
-    folder = os.path.join(root, HEARTBEATS)
+    """Snapshots of every ``rank_NNNNN.json`` under the root's heartbeat folder, by rank (ranks
+    run without a watchdog; supervisor.format.nodesummary reads a whole run)."""
+    return read_heartbeat_folder(os.path.join(root, HEARTBEATS))
+
+
+def read_heartbeat_folder(folder: str | Path) -> list[HeartbeatSnapshot]:
+    """Snapshots of every ``rank_NNNNN.json`` in ``folder``, by rank."""
     try:
         names = os.listdir(folder)
     except OSError:
@@ -215,6 +260,7 @@ class HeartbeatWriter:
         interval_s: float = 1.0,
     ) -> None:
         self.root = Path(root)
+        self.folder = heartbeat_folder(root)
         self.rank = rank
         self.local_rank = local_rank
         self.world_size = world_size
@@ -278,7 +324,7 @@ class HeartbeatWriter:
         )
         self._last_phase = phase
         try:
-            write_heartbeat(self.root, hb)
+            write_heartbeat_in(self.folder, hb)
         except OSError as e:
             if self.write_errors == 0:
                 log.warning("rank %d: heartbeat not written (%s); retrying at the next beat", self.rank, e)

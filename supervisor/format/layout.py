@@ -9,13 +9,16 @@
       latest                         text pointer to the newest committed checkpoint (a hint only)
       quarantine/step_..-<utc>/      checkpoints found corrupt, with reason.txt; kept for inspection
                                      (``prune``'s quarantine retention removes the oldest)
-      heartbeats/rank_00003.json     per-rank liveness
+      heartbeats/rank_00003.json     per-rank liveness, from a rank run without a watchdog
+      heartbeats/node_00003.json     node 3's summary, published by its watchdog: its ranks'
+                                     heartbeats (written on the node, see node_heartbeat_dir)
       heartbeats/stacks_rank_00003.txt  faulthandler stack dumps of that rank
       supervisor/state.json          the watchdog's state (node N > 0: state.nodeN.json)
       supervisor/events.jsonl        its event log (node N > 0: events.nodeN.jsonl)
       supervisor/events.remote.jsonl the remote-tier uploader's event log (trainer rank 0)
       supervisor/remote.json         the uploader's status
       supervisor/slurm.json          the SLURM job's requeue budget and history
+      supervisor/retention.json      the retention policy the trainer prunes with (for `status`)
       metrics.jsonl                  the trainer's per-step metrics (rank 0, across launches)
       samples/rank_00003.jsonl       with --log-samples: the sample ids each rank trained on
       final.json                     the trainer's final digest
@@ -29,7 +32,9 @@ checkpoint, a dataset) is refused by the login-node commands.
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,12 +63,20 @@ FINAL = "final.json"
 SAMPLES = "samples"
 # Under SUPERVISOR: each watchdog's state and event log (node N > 0 adds ".nodeN"), the remote
 # tier's status and events (written by the uploader in the trainer), SLURM's requeue record.
-STATE_GLOB = "state*.json"
 REMOTE_STATUS = "remote.json"
 REMOTE_EVENTS = "events.remote.jsonl"
 REQUEUE_STATE = "slurm.json"
+RETENTION = "retention.json"
 # Per-rank files: heartbeats/rank_00003.json, and names of the same form elsewhere.
 RANK_PREFIX = "rank_"
+# A watchdog's summary of its node: heartbeats/node_00003.json.
+NODE_PREFIX = "node_"
+# Node-local heartbeats (docs/watchdog.md): the watchdog takes the base folder from --node-dir or
+# NODE_DIR_ENV and hands each launch the exact folder in HEARTBEAT_DIR_ENV; a rank without it
+# (no watchdog) writes into the run directory's heartbeats/.
+NODE_DIR_ENV = "SUPERVISOR_NODE_DIR"
+HEARTBEAT_DIR_ENV = "SUPERVISOR_HEARTBEAT_DIR"
+SHM = "/dev/shm"
 
 # ASCII digits only and a full match: "step_00000050\n" or non-ASCII digits are not checkpoints.
 _COMMITTED_RE = re.compile(rf"{STEP_PREFIX}([0-9]{{{STEP_DIGITS}}})")
@@ -187,6 +200,46 @@ def parse_heartbeat_filename(name: str) -> int | None:
     return int(digits) if ok else None
 
 
+def node_summary_filename(node: int) -> str:
+    return f"{NODE_PREFIX}{node:05d}.json"
+
+
+def parse_node_summary_filename(name: str) -> int | None:
+    """The node of a summary file name, or None for any other name."""
+    digits = name[len(NODE_PREFIX) : -len(".json")]
+    ok = name.startswith(NODE_PREFIX) and name.endswith(".json") and digits.isdigit()
+    return int(digits) if ok else None
+
+
+def node_local_base(environ: Mapping[str, str] = os.environ) -> Path:
+    """Where node-local heartbeats go by default: $SUPERVISOR_NODE_DIR, else /dev/shm (memory:
+    a write costs no disk or network), else $TMPDIR, else /tmp."""
+    if environ.get(NODE_DIR_ENV):
+        return Path(environ[NODE_DIR_ENV])
+    if os.access(SHM, os.W_OK | os.X_OK):
+        return Path(SHM)
+    return Path(environ.get("TMPDIR") or "/tmp")
+
+
+def node_heartbeat_dir(base: str | Path, root: str | Path, node: int, job: str) -> Path:
+    """``BASE/supervisor-UID/JOB-RUNHASH/nodeN``: one folder per user, job (SLURM_JOB_ID, or
+    ``local``), run directory and node, so two runs, jobs or watchdogs on one machine never
+    share one; tools on the node find a run's folders by the hash of its root."""
+    return Path(base) / f"supervisor-{os.getuid()}" / f"{job}-{run_key(root)}" / f"node{node}"
+
+
+def run_key(root: str | Path) -> str:
+    """A run directory's key in node-local paths: a hash of its absolute path."""
+    import hashlib  # here: `status` imports this module and never needs it
+
+    return hashlib.sha256(os.path.abspath(root).encode()).hexdigest()[:16]
+
+
+def job_key(environ: Mapping[str, str] = os.environ) -> str:
+    """The job's part of a node-local path: SLURM's job id, or ``local`` outside SLURM."""
+    return safe_host(environ.get("SLURM_JOB_ID") or "local")
+
+
 def stack_dump_filename(rank: int) -> str:
     return f"stacks_{_rank_name(rank)}.txt"
 
@@ -206,6 +259,15 @@ def _node_suffix(node: int) -> str:
 
 def state_filename(node: int = 0) -> str:
     return f"state{_node_suffix(node)}.json"
+
+
+def parse_state_filename(name: str) -> int | None:
+    """The node of a watchdog's state file name (``state.json`` 0, ``state.node3.json`` 3)."""
+    if name == state_filename(0):
+        return 0
+    digits = name[len("state.node") : -len(".json")]
+    ok = name.startswith("state.node") and name.endswith(".json") and digits.isdigit()
+    return int(digits) if ok else None
 
 
 def events_filename(node: int = 0) -> str:
@@ -252,6 +314,9 @@ class RunDir:
     def heartbeat(self, rank: int) -> Path:
         return self.heartbeats / heartbeat_filename(rank)
 
+    def node_summary(self, node: int) -> Path:
+        return self.heartbeats / node_summary_filename(node)
+
     def stack_dump(self, rank: int) -> Path:
         return self.heartbeats / stack_dump_filename(rank)
 
@@ -272,6 +337,10 @@ class RunDir:
     @property
     def requeue_state(self) -> Path:
         return self.supervisor / REQUEUE_STATE
+
+    @property
+    def retention(self) -> Path:
+        return self.supervisor / RETENTION
 
     @property
     def metrics(self) -> Path:

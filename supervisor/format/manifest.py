@@ -32,6 +32,10 @@ READ_CHUNK = 8 << 20
 VERIFY_THREADS = min(8, os.cpu_count() or 1)
 
 ProgressFn = Callable[[int], None]
+# A ``meta`` key (optional; the reference trainer writes it): seconds from the save call to the
+# commit on rank 0's clock, an async save's wait for its commit step boundary included. `slurm
+# start` compares the newest one with the job's --signal lead time.
+META_SAVE_S = "save_s"
 # Files of a checkpoint its manifest does not list: itself, and the signature written after it.
 NOT_LISTED = frozenset({MANIFEST, SIGNATURE})
 
@@ -58,6 +62,9 @@ class CheckpointInfo:
     parallelism: Mapping[str, Any] = field(default_factory=dict)
     torch_version: str = ""
     meta: Mapping[str, Any] = field(default_factory=dict)
+    # The training metrics of the saved step (e.g. {"loss": 2.31}): what best-metric retention
+    # ranks by (supervisor/retention.py). Empty: not recorded (older manifests read as empty).
+    metrics: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,7 @@ class Manifest:
     parallelism: Mapping[str, Any] = field(default_factory=dict)
     torch_version: str = ""
     meta: Mapping[str, Any] = field(default_factory=dict)
+    metrics: Mapping[str, float] = field(default_factory=dict)
     wall_time: float = 0.0
     # rank -> the files it wrote (format 2); empty: not recorded (format 1, or a commit that did
     # not report them), so rank coverage is not checked.
@@ -155,11 +163,23 @@ def parse_manifest(text: str | bytes) -> Manifest:
         parallelism=d["parallelism"],
         torch_version=d["torch_version"],
         meta=d["meta"],
+        metrics=_parse_metrics(d),
         wall_time=float(d["wall_time"]),
         writers=writers,
         format_version=d["format_version"],
         checksum_algo=d["checksum_algo"],
     )
+
+
+def _parse_metrics(d: Mapping[str, Any]) -> dict[str, float]:
+    """``metrics``: ``{"<name>": number}``; absent in manifests written before it existed."""
+    raw = d.get("metrics", {})
+    ok = isinstance(raw, dict) and all(
+        isinstance(v, int | float) and not isinstance(v, bool) for v in raw.values()
+    )
+    if not ok:
+        raise ManifestError(f"{MANIFEST} field 'metrics' is not an object of numbers")
+    return {k: float(v) for k, v in raw.items()}
 
 
 def _parse_writers(d: Mapping[str, Any]) -> dict[int, tuple[str, ...]]:

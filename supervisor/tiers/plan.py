@@ -15,7 +15,7 @@ from enum import Enum
 from supervisor.format.layout import MANIFEST, SIGNATURE
 from supervisor.format.manifest import NOT_LISTED, Manifest, ManifestError, parse_manifest
 from supervisor.signing import Signature, Untrusted, verify
-from supervisor.store import plan_retention
+from supervisor.store import Candidate, RetentionPolicy, plan_retention
 
 
 class RemoteState(str, Enum):
@@ -121,7 +121,7 @@ def plan_remote_prune(verdicts: Iterable[RemoteVerdict], keep: int, milestone_ev
     vs = list(verdicts)
     complete = {v.step: v.name for v in vs if v.state is RemoteState.COMPLETE}
     newest = max(complete, default=None)
-    kept = plan_retention(list(complete), keep, milestone_every, newest)
+    kept = plan_retention([Candidate(s) for s in complete], RetentionPolicy(keep, milestone_every))
     delete = tuple(complete[s] for s in sorted(complete, reverse=True) if s not in kept)
     clean = tuple(
         v.name

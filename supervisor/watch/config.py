@@ -7,7 +7,9 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from supervisor import slurm
 from supervisor.ioerrors import IO_RETRY_S
+from supervisor.options import NOT_NEGATIVE, POSITIVE, nested, option
 from supervisor.watch import restart_policy
 from supervisor.watch.restart_policy import PhaseTimeouts, RestartPolicy
 
@@ -26,37 +28,145 @@ DEFAULT_REAP_TIMEOUT_S = 30.0
 # A rank gone without an exit code while others still run is dead after this; it covers the
 # spread of ranks that exit 0 together but could not write their last heartbeat (a full disk).
 DEFAULT_DEAD_RANK_GRACE_S = 1.0
+# The node summary (heartbeats/node_NNNNN.json) is rewritten this often: one write per node per
+# interval on the shared filesystem; status sees a rank's news at most this late.
+DEFAULT_SUMMARY_INTERVAL_S = 5.0
 # A preemption notice waits this long for ranks' heartbeats before going to the ranks found in /proc.
 DEFAULT_PREEMPT_FALLBACK_S = 10.0
 
 
+# Help sections of ``watch --help``.
+HANG = "hang detection (seconds without progress, per phase: a long phase that progresses is no hang)"
+STORAGE = "storage"
+RESTARTS = "restart policy"
+REMOTE = "remote tier (docs/tiers.md); pass the same --remote to the trainer"
+
+
+def parse_notice_signal(raw: str) -> signal.Signals:
+    return slurm.notice_signal(raw, "--notice-signal")
+
+
 @dataclass(frozen=True)
 class WatchConfig:
-    root: Path
-    command: tuple[str, ...]
-    node: int = 0
-    deep_verify: bool = False
-    timeouts: PhaseTimeouts = field(default_factory=PhaseTimeouts)
-    learn_factor: float | None = None  # None: no learned train timeout
-    learn_floor_s: float = restart_policy.DEFAULT_LEARN_FLOOR_S
-    policy: RestartPolicy = field(default_factory=RestartPolicy)
-    kill_grace_s: float = DEFAULT_KILL_GRACE_S
+    """Everything the watchdog is told; each option field is its ``watch`` flag (supervisor.options)."""
+
+    root: Path = option("the run's checkpoint root", flag="--ckpt-root")
+    command: tuple[str, ...] = ()  # the positional COMMAND, not an option (cli/watch.py refuses none)
+    deep_verify: bool = option(
+        "check before each relaunch", False, flag="--verify", choices={"quick": False, "deep": True}
+    )
+    timeouts: PhaseTimeouts = nested(PhaseTimeouts, HANG)
+    learn_factor: float | None = option(  # None: no learned train timeout
+        "train timeout = max observed step time x FACTOR (at least --learn-floor) once steps are seen",
+        None,
+        flag="--learn-hang-timeout",
+        metavar="FACTOR",
+        group=HANG,
+    )
+    learn_floor_s: float = option(
+        "the least learned train timeout, in seconds",
+        restart_policy.DEFAULT_LEARN_FLOOR_S,
+        flag="--learn-floor",
+        group=HANG,
+    )
+    poll_s: float = option(
+        "heartbeat check period", DEFAULT_POLL_S, flag="--poll-interval", check=POSITIVE, group=HANG
+    )
+    dump_wait_s: float = option("wait for stack dumps", DEFAULT_DUMP_WAIT_S, flag="--dump-wait", group=HANG)
+    kill_grace_s: float = option("SIGTERM to SIGKILL", DEFAULT_KILL_GRACE_S, flag="--kill-grace", group=HANG)
     # When the watchdog itself is told to stop (SIGTERM: a preemption with PreemptMode=REQUEUE
     # signals every process of the step), its ranks get this long to checkpoint; None: kill_grace_s.
-    stop_grace_s: float | None = None
-    dump_wait_s: float = DEFAULT_DUMP_WAIT_S
-    poll_s: float = DEFAULT_POLL_S
-    reset_budget: bool = False
-    share_store_fix: bool = True
-    remote: str | None = None  # URL of the remote tier (docs/tiers.md); None: local only
-    remote_endpoint: str | None = None
-    remote_wait_s: float = DEFAULT_REMOTE_WAIT_S
-    io_retry_s: float = IO_RETRY_S  # transient storage errors are retried this long, then exit 14
-    allow_fresh_start: bool = False  # start from step 0 although the run has quarantined checkpoints
-    reap_timeout_s: float = DEFAULT_REAP_TIMEOUT_S
-    dead_rank_grace_s: float = DEFAULT_DEAD_RANK_GRACE_S
-    preempt_fallback_s: float = DEFAULT_PREEMPT_FALLBACK_S
+    stop_grace_s: float | None = option(
+        "when the watchdog itself gets SIGTERM/SIGINT: SIGTERM to SIGKILL for its ranks, room for "
+        "their checkpoint (default: --kill-grace)",
+        None,
+        flag="--stop-grace",
+        metavar="SECONDS",
+        check=POSITIVE,
+        group=HANG,
+    )
+    reap_timeout_s: float = option(
+        "after SIGKILL, seconds to wait before naming what could not be reaped (state D) and going on",
+        DEFAULT_REAP_TIMEOUT_S,
+        flag="--reap-timeout",
+        check=NOT_NEGATIVE,
+        group=HANG,
+    )
+    dead_rank_grace_s: float = option(
+        "seconds a rank gone without an exit code may be a clean exit before it counts as dead",
+        DEFAULT_DEAD_RANK_GRACE_S,
+        flag="--dead-rank-grace",
+        check=NOT_NEGATIVE,
+        group=HANG,
+    )
     # The preemption notice's signal: taken from SLURM (through srun) and forwarded to the ranks.
-    notice_signal: int = signal.SIGUSR1
+    notice_signal: int = option(
+        "the preemption notice's signal, taken and forwarded to the ranks: USR1 or URG",
+        signal.SIGUSR1,
+        parse=parse_notice_signal,
+        metavar="SIG",
+        group=HANG,
+    )
+    preempt_fallback_s: float = option(
+        "seconds a preemption notice waits for heartbeats before going to the ranks found in /proc",
+        DEFAULT_PREEMPT_FALLBACK_S,
+        flag="--preempt-fallback",
+        check=NOT_NEGATIVE,
+        group=HANG,
+    )
+    io_retry_s: float = option(  # transient storage errors are retried this long, then exit 14
+        "retry unreadable checkpoints (EIO, ESTALE...) this long before a relaunch, then exit 14",
+        IO_RETRY_S,
+        flag="--io-retry",
+        metavar="SECONDS",
+        check=NOT_NEGATIVE,
+        group=STORAGE,
+    )
+    allow_fresh_start: bool = option(  # start from step 0 although the run has quarantined checkpoints
+        "start from step 0 when no checkpoint is usable although the run has quarantined ones "
+        "(pass the trainer's --allow-fresh-start too)",
+        False,
+        group=STORAGE,
+    )
+    policy: RestartPolicy = nested(RestartPolicy, RESTARTS)
+    reset_budget: bool = option("forget restarts recorded in state.json", False, group=RESTARTS)
+    node: int = option(
+        "this node's index (default $SLURM_NODEID or 0); node N>0 keeps state.nodeN.json",
+        0,
+        flag="--node-rank",
+        env="SLURM_NODEID",
+    )
+    share_store_fix: bool = option(
+        f"do not set {SHARE_STORE_ENV}=1 in the child's environment", True, flag="--no-share-store-fix"
+    )
+    remote: str | None = option(  # URL of the remote tier (docs/tiers.md); None: local only
+        "shared directory or s3://bucket/prefix to resume from after node loss", None, group=REMOTE
+    )
+    remote_endpoint: str | None = option(
+        "S3 endpoint URL (default: AWS_ENDPOINT_URL or AWS)", None, group=REMOTE
+    )
+    remote_wait_s: float = option(
+        "seconds to retry an unreachable remote when nothing local is valid, then stop",
+        DEFAULT_REMOTE_WAIT_S,
+        flag="--remote-wait",
+        group=REMOTE,
+    )
+    # Base of the node-local heartbeat folders (layout.node_heartbeat_dir); None: layout.node_local_base().
+    node_dir: Path | None = option(
+        "node-local base folder of the ranks' heartbeats (default $SUPERVISOR_NODE_DIR, else /dev/shm, "
+        "else $TMPDIR); the watchdog publishes them as one summary per node into DIR/heartbeats/",
+        None,
+        flag="--node-dir",
+        metavar="BASE",
+        group=HANG,
+    )
+    summary_interval_s: float = option(
+        "seconds between two writes of the node summary to the run directory",
+        DEFAULT_SUMMARY_INTERVAL_S,
+        flag="--summary-interval",
+        metavar="SECONDS",
+        check=POSITIVE,
+        group=HANG,
+    )
     # --signing-key's key (docs/security.md): picks skip checkpoints not signed with it. Never printed.
     sign_key: bytes | None = field(default=None, repr=False)

@@ -30,11 +30,17 @@ from supervisor.format.heartbeat import (
     Phase,
     boot_id,
     read_heartbeat,
-    read_heartbeats,
+    read_heartbeat_folder,
 )
-from supervisor.format.layout import RunDir
+from supervisor.format.layout import (
+    HEARTBEAT_DIR_ENV,
+    RunDir,
+    heartbeat_filename,
+    node_local_base,
+    stack_dump_filename,
+)
 from supervisor.ioerrors import StorageUnavailable, describe, retry_transient
-from supervisor.watch import culprit, process, restart_policy
+from supervisor.watch import culprit, node_summary, process, restart_policy
 from supervisor.watch.config import SHARE_STORE_ENV, WatchConfig
 from supervisor.watch.restart_policy import Hang, LaunchRecord, Outcome
 
@@ -88,6 +94,10 @@ class Watchdog:
         self.abandoned: set[tuple[int, int]] = set()
         self.state_error = ""  # why the state file is not being written ('' while it is)
         self.state_loaded = False  # until the previous state is read, writing would clobber its budget
+        # Where this node's ranks write their heartbeats (node-local, see _node_local), and the
+        # thread that publishes them as the node's summary.
+        self.hb_dir = RunDir.of(cfg.root).heartbeats
+        self.publisher: node_summary.Publisher | None = None
         self.state = RunState(
             node=cfg.node,
             host=self.host,
@@ -129,6 +139,14 @@ class Watchdog:
         line goes to stderr, and the next save writes all of it."""
         # replace() checks each field name at run time; mypy cannot type **changes per field
         self.state = replace(self.state, **changes)  # type: ignore[arg-type]
+        st = self.state
+        self._publish(
+            status=st.status,
+            reason=st.reason,
+            exit_code=st.exit_code,
+            launch_count=st.launch_count,
+            restarts=len(st.restart_times),
+        )
         if not self.state_loaded:
             return
         try:
@@ -201,6 +219,22 @@ class Watchdog:
                 "check the file system (mount, server, permissions, quota), then requeue"
             )
             return self._finish(Exit.STORAGE_UNAVAILABLE, events.FAILED, why)
+        finally:
+            if self.publisher is not None:
+                self.publisher.stop()
+
+    def _node_local(self) -> None:
+        """The node-local heartbeat folder this node's ranks get, and the thread publishing the
+        node's summary from it (none when the folder cannot be made: the ranks then write into
+        the run directory, as without a watchdog)."""
+        base = self.cfg.node_dir or node_local_base()
+        self.hb_dir, msg = node_summary.choose_folder(base, self.cfg.root, self.cfg.node)
+        self.log.emit(EventName.HEARTBEAT_DIR, msg, path=str(self.hb_dir))
+        if self.hb_dir == RunDir.of(self.cfg.root).heartbeats:
+            return
+        facts = node_summary.NodeFacts(self.cfg.node, self.host, os.getpid(), self.cfg.summary_interval_s)
+        self.publisher = node_summary.Publisher(self.cfg.root, self.hb_dir, facts, self.cfg.timeouts)
+        self.publisher.start()
 
     def _run(self) -> int:
         subreaper = process.become_subreaper()
@@ -216,6 +250,7 @@ class Watchdog:
             restarts_carried=carried,
             subreaper=subreaper,
         )
+        self._node_local()
         self._save(status=events.RESTARTING, reason="starting")
         while True:
             resumed_from = self._pick()
@@ -381,6 +416,7 @@ class Watchdog:
         env = dict(os.environ)
         env[ENV_LAUNCH_ID] = launch_id
         env[ENV_RESTART_COUNT] = str(number - 1)
+        env[HEARTBEAT_DIR_ENV] = str(self.hb_dir)
         if self.cfg.share_store_fix:
             env.setdefault(SHARE_STORE_ENV, "1")
         child = self._start(env)
@@ -403,6 +439,7 @@ class Watchdog:
                 pid=child.pid,
                 resumed_from=resumed_from,
             )
+            self._publish(launch_id=launch_id)
             ended = self._monitor(child, launch_id)
         finally:
             note = child.finish()
@@ -410,12 +447,13 @@ class Watchdog:
                 self.log.emit(
                     EventName.KILL, f"launch {number}: killed what was left: {note}", unreaped=child.unreaped
                 )
-        beats = restart_policy.launch_heartbeats(read_heartbeats(self.cfg.root), launch_id)
+        beats = restart_policy.launch_heartbeats(read_heartbeat_folder(self.hb_dir), launch_id)
         cls = self._classify(ended, beats)
         if child.unreaped:
             cls = replace(
                 cls, reason=f"{cls.reason}; left behind, SIGKILL could not end: {'; '.join(child.unreaped)}"
             )
+        self._publish(launch_id="", verdict=f"launch {number}: {cls.reason}", culprit=ended.culprit)
         refs = self._io(lambda: store.list_checkpoints(self.cfg.root), "listing checkpoints")
         rec = LaunchRecord(
             number=number,
@@ -442,6 +480,11 @@ class Watchdog:
         )
         self._save(launches=self.state.with_launch(rec).launches)
         return rec, ended
+
+    def _publish(self, **facts: str | int | None) -> None:
+        """News for the node summary (written at its next interval)."""
+        if self.publisher is not None:
+            self.publisher.update(**facts)
 
     def _start(self, env: dict[str, str]) -> process.Child:
         """Start COMMAND; one that cannot be executed stops the watchdog (exit 12) with a line
@@ -487,7 +530,7 @@ class Watchdog:
 
     def _monitor(self, child: process.Child, launch_id: str) -> _Ended:
         ended = _Ended(returncode=0)
-        reader = _LaunchBeats(self.cfg.root, launch_id)
+        reader = _LaunchBeats(self.hb_dir, launch_id)
         next_check = time.monotonic() + self.cfg.poll_s
         gone: list[restart_policy.DeadRank] = []  # ranks seen vanished without an exit code, not yet dead
         gone_since: dict[int, float] = {}
@@ -569,7 +612,7 @@ class Watchdog:
         a command that writes no heartbeat gets it, after --preempt-fallback seconds, on its
         ranks (process.Child.workers: never torchrun's agent, which SIGUSR1 would kill, nor a
         rank's DataLoader workers)."""
-        beats = restart_policy.launch_heartbeats(read_heartbeats(self.cfg.root), launch_id)
+        beats = restart_policy.launch_heartbeats(read_heartbeat_folder(self.hb_dir), launch_id)
         tree = set(child.tree())
         local = [b for b in beats if b.host == self.host and b.pid in tree]
         if any(b.phase == Phase.STARTUP for b in local):
@@ -632,13 +675,12 @@ class Watchdog:
     def _handle_hang(self, child: process.Child, hangs: list[Hang], launch_id: str) -> str:
         """Dump every local rank's stacks, name the culprit from where each rank waits (culprit.py),
         log it with the dumps, then kill the launch. Returns who hung it, for the launch's reason."""
-        beats = restart_policy.launch_heartbeats(read_heartbeats(self.cfg.root), launch_id)  # every rank
+        beats = restart_policy.launch_heartbeats(read_heartbeat_folder(self.hb_dir), launch_id)  # every rank
         tree = set(child.tree())
         stopped = set(process.stopped(tree))
         targets = {b.rank: b.pid for b in beats if b.host == self.host and b.pid in tree}
         procs = {r: process.proc_state(pid) for r, pid in targets.items()}  # before SIGCONT
-        run = RunDir.of(self.cfg.root)
-        paths = {r: run.stack_dump(r) for r in targets}
+        paths = {r: self.hb_dir / stack_dump_filename(r) for r in targets}
         dumps = process.dump_stacks(targets, paths, self.cfg.dump_wait_s)
         diag = culprit.diagnose(culprit.Probe(r, pid, *procs[r], dumps.get(r)) for r, pid in targets.items())
         who = diag.summary()
@@ -666,11 +708,11 @@ class Watchdog:
 class _LaunchBeats:
     """Reads this launch's heartbeats: every file while its ranks are still assembling (the first
     FULL_SCAN_S, or while one is in startup or load), then only theirs, with a full rescan every
-    FULL_SCAN_S. Thousands of ranks on a shared filesystem, polled by every node's watchdog twice
-    a second, would otherwise be millions of reads a second."""
+    FULL_SCAN_S. Thousands of ranks in a shared folder (no node-local one), polled by every node's
+    watchdog twice a second, would otherwise be millions of reads a second."""
 
-    def __init__(self, root: Path, launch_id: str) -> None:
-        self.run = RunDir.of(root)
+    def __init__(self, folder: Path, launch_id: str) -> None:
+        self.folder = folder
         self.launch_id = launch_id
         self.started = time.monotonic()
         self.next_full = self.started + FULL_SCAN_S
@@ -681,9 +723,9 @@ class _LaunchBeats:
         now = time.monotonic()
         full = self.assembling or now >= self.next_full
         if full:
-            snaps = read_heartbeats(self.run.root)
+            snaps = read_heartbeat_folder(self.folder)
         else:
-            snaps = [read_heartbeat(self.run.heartbeat(r), r) for r in self.ranks]
+            snaps = [read_heartbeat(self.folder / heartbeat_filename(r), r) for r in self.ranks]
         if now >= self.next_full:
             self.next_full = now + FULL_SCAN_S
         beats = restart_policy.launch_heartbeats(snaps, self.launch_id)

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from enum import Enum
+from typing import Protocol
 
 from supervisor.format.eventnames import EventName
 from supervisor.format.exitcodes import NON_RETRYABLE, Exit
 from supervisor.format.heartbeat import Heartbeat, HeartbeatSnapshot, Phase
+from supervisor.options import POSITIVE, nested, option
 
 # Phase timeouts: seconds a rank may go without a heartbeat, i.e. without progress (beats are
 # driven by progress: steps, or bytes in the long I/O phases). Train is the tight one; startup
@@ -105,18 +107,33 @@ def classify_exit(returncode: int, rank_exit_codes: Iterable[int | None]) -> Cla
 # ---------------------------------------------------------------- hang detection
 
 
+def _timeout(default: float, what: str, flag: str) -> float:
+    """A phase's timeout field, and its ``watch`` flag."""
+    return option(f"seconds without progress in {what}", default, flag=flag, check=POSITIVE)
+
+
 @dataclass(frozen=True)
 class PhaseTimeouts:
     """Seconds without progress allowed in each phase (field names are Phase values)."""
 
-    train: float = DEFAULT_TRAIN_TIMEOUT_S
-    startup: float = DEFAULT_STARTUP_TIMEOUT_S
-    verify: float = DEFAULT_VERIFY_TIMEOUT_S
-    download: float = DEFAULT_DOWNLOAD_TIMEOUT_S
-    load: float = DEFAULT_LOAD_TIMEOUT_S
-    save: float = DEFAULT_SAVE_TIMEOUT_S
-    commit: float = DEFAULT_COMMIT_TIMEOUT_S
-    digest: float = DEFAULT_DIGEST_TIMEOUT_S
+    train: float = _timeout(DEFAULT_TRAIN_TIMEOUT_S, "the train phase (a step)", "--hang-timeout")
+    startup: float = _timeout(
+        DEFAULT_STARTUP_TIMEOUT_S,
+        "startup (imports, rendezvous, building the model), or before any heartbeat",
+        "--startup-timeout",
+    )
+    verify: float = _timeout(
+        DEFAULT_VERIFY_TIMEOUT_S, "verify (checking a checkpoint's files)", "--verify-timeout"
+    )
+    download: float = _timeout(
+        DEFAULT_DOWNLOAD_TIMEOUT_S, "download (from the remote tier)", "--download-timeout"
+    )
+    load: float = _timeout(DEFAULT_LOAD_TIMEOUT_S, "load (reading a checkpoint)", "--load-timeout")
+    save: float = _timeout(DEFAULT_SAVE_TIMEOUT_S, "save (writing a checkpoint)", "--save-timeout")
+    commit: float = _timeout(DEFAULT_COMMIT_TIMEOUT_S, "commit (fsync, manifest, rename)", "--commit-timeout")
+    digest: float = _timeout(
+        DEFAULT_DIGEST_TIMEOUT_S, "digest (the final parameter digest)", "--digest-timeout"
+    )
 
     def for_phase(self, phase: Phase) -> float | None:
         """Seconds a rank may stay silent in ``phase``; None: never hung (it is done)."""
@@ -152,6 +169,17 @@ def effective_timeouts(base: PhaseTimeouts, learned_train: float | None) -> Phas
     return replace(base, train=learned_train)
 
 
+class Stamped(Protocol):
+    """Something written at a time: a heartbeat, a node summary."""
+
+    @property
+    def wall_time(self) -> float: ...
+    @property
+    def mono_time(self) -> float: ...
+    @property
+    def boot_id(self) -> str: ...
+
+
 @dataclass(frozen=True)
 class Clock:
     """The watchdog's "now". A heartbeat written on this host during this boot is aged on the
@@ -162,10 +190,19 @@ class Clock:
     mono: float = 0.0
     boot_id: str = ""
 
-    def age(self, hb: Heartbeat) -> float:
+    def age(self, hb: Stamped) -> float:
         if self.boot_id and hb.boot_id == self.boot_id and hb.mono_time > 0:
             return self.mono - hb.mono_time
         return self.wall - hb.wall_time
+
+
+def rank_stale(hb: Heartbeat, age: float, limit: float | None, current: Collection[str]) -> tuple[bool, str]:
+    """Whether a rank needs a look for its silence, and the note that says why: from an earlier
+    launch than the current ones, or silent past its phase's timeout (a finished rank never)."""
+    old_launch = bool(current) and hb.launch_id not in current
+    stale = hb.phase != Phase.DONE and (old_launch or (limit is not None and age > limit))
+    note = "from an earlier launch" if old_launch else (f"silent > {limit:g}s" if stale else "")
+    return stale, note
 
 
 def describe_progress(progress: int, total: int, io_path: str) -> str:
@@ -362,24 +399,37 @@ class LaunchRecord:
 
 @dataclass(frozen=True)
 class Budget:
-    max_restarts: int = DEFAULT_MAX_RESTARTS
-    per_window: int = DEFAULT_MAX_RESTARTS_PER_WINDOW
-    window_s: float = DEFAULT_WINDOW_S
+    max_restarts: int = option("failed launches, total", DEFAULT_MAX_RESTARTS)
+    per_window: int = option(
+        "failed launches within --window", DEFAULT_MAX_RESTARTS_PER_WINDOW, flag="--max-restarts-per-window"
+    )
+    window_s: float = option("rate window in seconds", DEFAULT_WINDOW_S, flag="--window")
 
 
 @dataclass(frozen=True)
 class Backoff:
-    initial_s: float = DEFAULT_BACKOFF_INITIAL_S
-    max_s: float = DEFAULT_BACKOFF_MAX_S
-    jitter_s: float = DEFAULT_BACKOFF_JITTER_S
+    initial_s: float = option(
+        "seconds to wait after the 2nd failed launch in a row (none after the 1st), doubled after each further one",
+        DEFAULT_BACKOFF_INITIAL_S,
+        flag="--backoff-initial",
+    )
+    max_s: float = option("the longest wait between relaunches", DEFAULT_BACKOFF_MAX_S, flag="--backoff-max")
+    jitter_s: float = option(
+        "up to this many random seconds added to each wait", DEFAULT_BACKOFF_JITTER_S, flag="--backoff-jitter"
+    )
 
 
 @dataclass(frozen=True)
 class RestartPolicy:
-    budget: Budget = field(default_factory=Budget)
-    backoff: Backoff = field(default_factory=Backoff)
-    no_progress_launches: int = DEFAULT_NO_PROGRESS_LAUNCHES
-    requeue_exit: bool = False
+    budget: Budget = nested(Budget)
+    no_progress_launches: int = option(
+        "stop after K failed launches in a row without a newer checkpoint (0: never)",
+        DEFAULT_NO_PROGRESS_LAUNCHES,
+        flag="--no-progress",
+        metavar="K",
+    )
+    backoff: Backoff = nested(Backoff)
+    requeue_exit: bool = option("after a preemption checkpoint, exit 13", False)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# A one-node SLURM cluster on 127.0.0.1 for tests and CI, from Debian's packages.
+# A SLURM cluster on one machine for tests and CI, from Debian's packages: one node on 127.0.0.1,
+# or N real slurmd nodes, each in its own network and UTS namespace.
 #
-#   tests/slurm/cluster.sh start [DIR]   install if missing, start, wait for the node to be idle;
-#                                        prints the SLURM_CONF path (DIR/slurm.conf) on stdout
-#   tests/slurm/cluster.sh stop DIR      cancel its jobs, stop its daemons by pid file
+#   tests/slurm/cluster.sh start [--nodes N] [DIR]   install if missing, start, wait for every node
+#                                        to be idle; prints the SLURM_CONF path (DIR/slurm.conf)
+#   tests/slurm/cluster.sh stop DIR      cancel its jobs, stop its daemons by pid file, and with
+#                                        --nodes N > 1 delete its links, namespaces and hosts files
 #   tests/slurm/cluster.sh status DIR    which daemons run, and sinfo
 #   tests/slurm/cluster.sh restart-ctld DIR   restart slurmctld alone (state kept); its periodic
 #                                        30 s checks (time limits, their --signal) restart with it
@@ -13,8 +15,18 @@
 # (free ports are picked at start). Facts behind the settings: ../../../shared/notes/slurm-ci.md
 # (one node named localhost, cgroup/v1, cred_expire=5, tight scheduler intervals).
 #
+# --nodes N > 1: nodes n1..nN. Each slurmd runs under `ip netns exec` in its own network namespace
+# (a veth pair into a bridge in the root namespace, addresses in 198.18.0.0/15, the block reserved
+# for tests: the bridge is .1 and slurmctld's address, node i is .(i+1)) and `unshare --uts` with
+# its own host name, so heartbeats tell the nodes apart. Node names resolve inside every node's
+# namespace through /etc/netns/NETNS/hosts (`ip netns exec` binds it over /etc/hosts there; the
+# machine's own /etc/hosts is not touched); slurmctld reaches the nodes by NodeAddr. The munge
+# socket and the run directories are shared through the filesystem, and the process ids too (no
+# PID namespace), so tests signal a node's processes from outside.
+#
 # Exit codes: 0 ok; 1 failed to start (logs are printed); 2 usage; 3 SLURM is not installed and
-# cannot be installed here (not root, no apt-get, or apt-get failed): the tests skip on 3 only.
+# cannot be installed here (not root, no apt-get, or apt-get failed), or, with --nodes N > 1, the
+# machine cannot make network namespaces (no `ip`/`unshare`, or not permitted): the tests skip on 3.
 set -Eeuo pipefail
 
 EXIT_UNAVAILABLE=3
@@ -27,6 +39,11 @@ COMMANDS=(slurmctld slurmd sbatch srun scontrol squeue sinfo scancel munged mung
 PYTHON=${PYTHON:-python3}
 
 log() { printf 'cluster.sh: %s\n' "$*" >&2; }
+
+usage() {
+  echo "usage: $0 start [--nodes N] [DIR] | stop DIR | status DIR | restart-ctld DIR" >&2
+  exit 2
+}
 
 missing_commands() {
   local c
@@ -65,16 +82,34 @@ free_port() {
   "$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
 }
 
+# The slurm.conf lines naming the controller and the nodes: localhost, or n1..nN on the bridge.
+node_lines() {
+  local nodes=$1 net=$2 names i
+  if [ "$nodes" = 1 ]; then
+    printf 'SlurmctldHost=localhost(127.0.0.1)\nNodeName=localhost NodeAddr=127.0.0.1 CPUs=%s State=UNKNOWN\n' "$(nproc)"
+    return
+  fi
+  printf 'SlurmctldHost=localhost(%s.1)\n' "$net"
+  for i in $(seq 1 "$nodes"); do
+    printf 'NodeName=n%s NodeAddr=%s.%s CPUs=%s State=UNKNOWN\n' "$i" "$net" $((i + 1)) "$(nproc)"
+  done
+}
+
+node_names() {
+  local nodes=$1
+  if [ "$nodes" = 1 ]; then printf 'localhost'; else printf 'n[1-%s]' "$nodes"; fi
+}
+
 write_config() {
-  local dir=$1 ctld_port slurmd_port
+  local dir=$1 nodes=$2 net=${3:-} ctld_port slurmd_port names
+  names=$(node_names "$nodes")
   ctld_port=$(free_port)
   slurmd_port=$(free_port)
   while [ "$slurmd_port" = "$ctld_port" ]; do slurmd_port=$(free_port); done
   mkdir -p "$dir/state" "$dir/spool"
   cat >"$dir/slurm.conf" <<EOF
-# Written by tests/slurm/cluster.sh: one node on 127.0.0.1, everything under $dir.
+# Written by tests/slurm/cluster.sh: nodes $names, everything under $dir.
 ClusterName=ci
-SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort=$ctld_port
 SlurmdPort=$slurmd_port
 SlurmUser=root
@@ -83,11 +118,11 @@ AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=cred_expire=5,socket=$dir/munge/munge.socket
 StateSaveLocation=$dir/state
-SlurmdSpoolDir=$dir/spool
+SlurmdSpoolDir=$dir/spool/%n
 SlurmctldPidFile=$dir/slurmctld.pid
-SlurmdPidFile=$dir/slurmd.pid
+SlurmdPidFile=$dir/slurmd.%n.pid
 SlurmctldLogFile=$dir/slurmctld.log
-SlurmdLogFile=$dir/slurmd.log
+SlurmdLogFile=$dir/slurmd.%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 ProctrackType=proctrack/linuxproc
@@ -108,17 +143,18 @@ OverTimeLimit=0
 MinJobAge=600
 InactiveLimit=0
 MailProg=/bin/true
-NodeName=localhost NodeAddr=127.0.0.1 CPUs=$(nproc) State=UNKNOWN
+$(node_lines "$nodes" "$net")
 # Preemption as preemptible clusters run it: a job in ci-urgent (higher tier) preempts ci's jobs,
 # which SLURM requeues itself after sending them SIGTERM and a grace time (docs/slurm.md).
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
-PartitionName=ci Nodes=localhost Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=$GRACE_TIME_S
-PartitionName=ci-urgent Nodes=localhost MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
+PartitionName=ci Nodes=$names Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=$GRACE_TIME_S
+PartitionName=ci-urgent Nodes=$names MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
 EOF
   # slurmd 22.05 always loads a cgroup plugin; cgroup/v1's init touches nothing with the plugins above,
   # while autodetection fails on read-only or hybrid cgroup layouts.
   printf 'CgroupPlugin=cgroup/v1\n' >"$dir/cgroup.conf"
+  printf '%s\n' "$nodes" >"$dir/nodes"
 }
 
 start_munged() {
@@ -136,26 +172,133 @@ start_munged() {
 
 print_logs() {
   local dir=$1 f
-  for f in munged.log slurmctld.log slurmd.log daemons.out; do
-    [ -f "$dir/$f" ] && { log "--- tail of $dir/$f"; tail -n 15 "$dir/$f" >&2; }
+  for f in "$dir/munged.log" "$dir/slurmctld.log" "$dir"/slurmd.*.log "$dir/daemons.out"; do
+    [ -f "$f" ] && { log "--- tail of $f"; tail -n 15 "$f" >&2; }
   done
   return 0
 }
 
+nodes_of() {
+  local dir=$1
+  cat "$dir/nodes" 2>/dev/null || printf '1'
+}
+
 wait_idle() {
-  local dir=$1 deadline state=""
+  local dir=$1 nodes deadline idle=0
+  nodes=$(nodes_of "$dir")
   deadline=$((SECONDS + IDLE_TIMEOUT_S))
   while [ "$SECONDS" -lt "$deadline" ]; do
-    state=$(SLURM_CONF="$dir/slurm.conf" sinfo -h -n localhost -o %T 2>/dev/null || true)
-    [ "$state" = "idle" ] && return 0
+    idle=$(SLURM_CONF="$dir/slurm.conf" sinfo -h -N -p ci -o %T 2>/dev/null | grep -cx idle || true)
+    [ "$idle" = "$nodes" ] && return 0
     sleep 0.2
   done
-  log "node not idle after ${IDLE_TIMEOUT_S}s (state: '${state:-none}')"
+  log "$idle of $nodes node(s) idle after ${IDLE_TIMEOUT_S}s"
+  SLURM_CONF="$dir/slurm.conf" sinfo -N >&2 || true
   return 1
 }
 
+# ---------------------------------------------------------------- namespaces for --nodes N > 1
+
+# What was created, one "KIND NAME" a line (bridge, link, netns), written before each is made so
+# that stop removes whatever a failed start left.
+NET_FILE=net
+
+netns_of() { printf 'slurm-ci-%s-n%s' "$1" "$2"; }
+
+unavailable_net() {
+  log "unavailable: $* (two slurmd nodes need network and UTS namespaces, as root)"
+  exit "$EXIT_UNAVAILABLE"
+}
+
+# A /24 of 198.18.0.0/15 (reserved for tests) that no interface here uses yet; the search starts
+# at a random one, so two clusters starting at the same moment rarely pick the same.
+free_net() {
+  local i k used start=$((RANDOM % 254))
+  used=$(ip -o -4 addr show 2>/dev/null || true)
+  for i in $(seq 0 253); do
+    k=$(((start + i) % 254 + 1))
+    [[ "$used" == *" 198.18.$k."* ]] || { printf '198.18.%s' "$k"; return 0; }
+  done
+  return 1
+}
+
+# Bridge BR (.1, slurmctld's address) in the root namespace; node i in netns NS_i, its veth end
+# ci0 at .(i+1); /etc/netns/NS_i/hosts maps n1..nN inside every node.
+make_network() {
+  local dir=$1 nodes=$2 net=$3 id=$4 br=sci$4 i ns hosts
+  command -v ip >/dev/null 2>&1 || unavailable_net "the ip command (iproute2) is missing"
+  command -v unshare >/dev/null 2>&1 || unavailable_net "the unshare command (util-linux) is missing"
+  [ "$(id -u)" -eq 0 ] || unavailable_net "not root"
+  : >"$dir/$NET_FILE"
+  printf 'netns %s\n' "$(netns_of "$id" 1)" >>"$dir/$NET_FILE"
+  ip netns add "$(netns_of "$id" 1)" 2>"$dir/netns.err" ||
+    unavailable_net "ip netns add failed: $(tail -n 1 "$dir/netns.err")"
+  hosts=$(cat /etc/hosts)
+  for i in $(seq 1 "$nodes"); do hosts+=$'\n'"$net.$((i + 1)) n$i"; done
+  printf 'bridge %s\n' "$br" >>"$dir/$NET_FILE"
+  ip link add "$br" type bridge
+  ip addr add "$net.1/24" dev "$br"
+  ip link set "$br" up
+  for i in $(seq 1 "$nodes"); do
+    ns=$(netns_of "$id" "$i")
+    [ "$i" = 1 ] || { printf 'netns %s\n' "$ns" >>"$dir/$NET_FILE" && ip netns add "$ns"; }
+    mkdir -p "/etc/netns/$ns"
+    printf '%s\n' "$hosts" >"/etc/netns/$ns/hosts"
+    printf 'link %s\n' "$br$i" >>"$dir/$NET_FILE"
+    ip link add "$br$i" type veth peer name ci0 netns "$ns"
+    ip link set "$br$i" master "$br"
+    ip link set "$br$i" up
+    ip -n "$ns" addr add "$net.$((i + 1))/24" dev ci0
+    ip -n "$ns" link set ci0 up
+    ip -n "$ns" link set lo up
+  done
+}
+
+# Links first (a veth's root end can outlive its namespace), then namespaces, then the bridge.
+remove_network() {
+  local dir=$1 kind name
+  [ -f "$dir/$NET_FILE" ] || return 0
+  for kind in link netns bridge; do
+    while read -r k name; do
+      [ "$k" = "$kind" ] || continue
+      case "$kind" in
+        link | bridge) ip link del "$name" 2>/dev/null || true ;;
+        netns)
+          ip netns del "$name" 2>/dev/null || true
+          rm -rf "/etc/netns/${name:?}"
+          ;;
+      esac
+    done <"$dir/$NET_FILE"
+  done
+  rmdir /etc/netns 2>/dev/null || true
+  rm -f "$dir/$NET_FILE"
+  log "removed the nodes' links, namespaces and hosts files"
+}
+
+start_slurmds() {
+  local dir=$1 nodes=$2 id=${3:-} i
+  if [ "$nodes" = 1 ]; then
+    slurmd -N localhost -f "$dir/slurm.conf" </dev/null >>"$dir/daemons.out" 2>&1
+    return
+  fi
+  for i in $(seq 1 "$nodes"); do
+    # shellcheck disable=SC2016  # $1 and $2 are the inner shell's arguments
+    ip netns exec "$(netns_of "$id" "$i")" unshare --uts sh -c 'hostname "$1" && exec slurmd -N "$1" -f "$2"' \
+      sh "n$i" "$dir/slurm.conf" </dev/null >>"$dir/daemons.out" 2>&1
+  done
+}
+
 cmd_start() {
-  local dir=${1:-}
+  local dir="" nodes=1 net="" id=""
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      --nodes) nodes=${2:-}; shift 2 || usage ;;
+      --nodes=*) nodes=${1#--nodes=}; shift ;;
+      -*) usage ;;
+      *) dir=$1; shift ;;
+    esac
+  done
+  [[ "$nodes" =~ ^[1-9]$ ]] || { log "--nodes '$nodes': use 1 to 9"; exit 2; }
   ensure_installed
   if [ -z "$dir" ]; then
     dir=$(mktemp -d /tmp/slurm-ci.XXXXXX)
@@ -165,13 +308,20 @@ cmd_start() {
   fi
   # Any failure from here on stops whatever was started, then reports.
   trap 'rc=$?; log "start failed (exit $rc)"; print_logs "$dir"; cmd_stop "$dir"; exit 1' ERR
-  write_config "$dir"
+  if [ "$nodes" -gt 1 ]; then
+    id=$(od -An -N3 -tx1 /dev/urandom | tr -d ' \n')
+    net=$(free_net) || unavailable_net "no free /24 left in 198.18.0.0/16"
+    trap 'rc=$?; [ "$rc" = "$EXIT_UNAVAILABLE" ] && remove_network "$dir"; exit "$rc"' EXIT
+    make_network "$dir" "$nodes" "$net" "$id"
+    trap - EXIT
+  fi
+  write_config "$dir" "$nodes" "$net"
   start_munged "$dir"
   slurmctld -c -f "$dir/slurm.conf" </dev/null >>"$dir/daemons.out" 2>&1
-  slurmd -N localhost -f "$dir/slurm.conf" </dev/null >>"$dir/daemons.out" 2>&1
+  start_slurmds "$dir" "$nodes" "$id"
   wait_idle "$dir"
   trap - ERR
-  log "up: node localhost idle, $(nproc) CPUs; export SLURM_CONF=$dir/slurm.conf"
+  log "up: $(node_names "$nodes") idle, $(nproc) CPUs each; export SLURM_CONF=$dir/slurm.conf"
   printf '%s\n' "$dir/slurm.conf"
 }
 
@@ -227,14 +377,16 @@ cmd_stop() {
     while [ -n "$(SLURM_CONF="$conf" squeue -h -t R,CG -o %i 2>/dev/null || true)" ] &&
       [ "$SECONDS" -lt "$deadline" ]; do sleep 0.2; done
   fi
-  for name in slurmd slurmctld munged; do
-    pid=$(pid_of "$dir/$name.pid" || true)
-    [ -n "$pid" ] && stop_pid "$name" "$pid"
+  for name in "$dir"/slurmd.*.pid "$dir/slurmctld.pid" "$dir/munged.pid"; do
+    pid=$(pid_of "$name" || true)
+    name=${name##*/}
+    [ -n "$pid" ] && stop_pid "${name%.pid}" "$pid"
   done
   for pid in $(job_pids "$conf"); do
     log "killing leftover job process $pid"
     kill -KILL "$pid" 2>/dev/null || true
   done
+  remove_network "$dir"
   log "stopped (files kept in $dir)"
 }
 
@@ -250,11 +402,11 @@ cmd_restart_ctld() {
 cmd_status() {
   local dir=${1:?usage: cluster.sh status DIR} name pid rc=0
   dir=${dir%/slurm.conf}
-  for name in munged slurmctld slurmd; do
-    if pid=$(pid_of "$dir/$name.pid"); then
-      printf '%s: running (pid %s)\n' "$name" "$pid"
+  for name in "$dir/munged.pid" "$dir/slurmctld.pid" "$dir"/slurmd.*.pid; do
+    if pid=$(pid_of "$name"); then
+      printf '%s: running (pid %s)\n' "$(basename "$name" .pid)" "$pid"
     else
-      printf '%s: not running\n' "$name"
+      printf '%s: not running\n' "$(basename "$name" .pid)"
       rc=1
     fi
   done
@@ -263,12 +415,9 @@ cmd_status() {
 }
 
 case "${1:-}" in
-  start) cmd_start "${2:-}" ;;
+  start) shift && cmd_start "$@" ;;
   stop) cmd_stop "${2:-}" ;;
   status) cmd_status "${2:-}" ;;
   restart-ctld) cmd_restart_ctld "${2:-}" ;;
-  *)
-    echo "usage: $0 start [DIR] | stop DIR | status DIR | restart-ctld DIR" >&2
-    exit 2
-    ;;
+  *) usage ;;
 esac

@@ -1,0 +1,241 @@
+"""A node's heartbeats in one file: what each node's watchdog publishes into the run directory.
+
+Ranks under a watchdog write their heartbeats on their own node (layout.node_heartbeat_dir: in
+memory, /dev/shm, by default); the watchdog reads them there and publishes
+``heartbeats/node_NNNNN.json`` every ``--summary-interval``: one atomic write per node per interval,
+whatever the ranks per node. The file is two JSON lines:
+
+    1. the header: node, host, watchdog pid, when it was written (wall and monotonic clock, boot),
+       the interval and the age past which it is stale, the watchdog's state (status, reason, exit
+       code, launches, restarts: what state.nodeN.json says, so `status` need not parse 2,048
+       state files with their launch histories), the current launch, the last launch's verdict
+       and culprit, counts (ranks, phases, step span, median step time) and the ranks
+       that need a look (stale, unknown, an exit code, failed saves) as the watchdog judged them
+    2. ``{"heartbeats": [...], "problems": [...]}``: every rank's record exactly as the rank wrote
+       it (fields this code does not know travel too), and the rank files that could not be read
+
+`status` on a big run parses the headers only (its cost grows with nodes, not ranks), and the
+records of a node when it lists every rank or one of them needs a look.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from supervisor.format.atomic import atomic_write_bytes
+from supervisor.format.heartbeat import (
+    HeartbeatSnapshot,
+    heartbeat_from_dict,
+    load_object,
+    read_heartbeat_folder,
+    read_heartbeats,
+    read_small,
+)
+from supervisor.format.layout import (
+    HEARTBEATS,
+    RunDir,
+    node_local_base,
+    parse_node_summary_filename,
+    run_key,
+)
+
+# A summary not rewritten for this many intervals is stale: its watchdog is gone or stuck, or the
+# node is lost (or the shared filesystem refuses its writes).
+STALE_INTERVALS = 3
+STALE_MIN_S = 10.0
+
+
+def stale_after(interval_s: float) -> float:
+    return max(STALE_INTERVALS * interval_s, STALE_MIN_S)
+
+
+@dataclass(frozen=True)
+class SummaryHeader:
+    node: int
+    host: str
+    watchdog_pid: int
+    wall_time: float
+    interval_s: float
+    stale_after_s: float
+    mono_time: float = 0.0
+    boot_id: str = ""
+    status: str = ""  # the watchdog's state, as in its state file (events.RunState)
+    reason: str = ""
+    exit_code: int | None = None
+    launch_count: int = 0
+    restarts: int = 0
+    launch_id: str = ""
+    verdict: str = ""  # the last launch's reason (its outcome in words)
+    culprit: str = ""  # who hung the last hung launch, from the stack dumps
+    ranks: int = 0  # rank files on the node, readable or not
+    phases: dict[str, int] = field(default_factory=dict)
+    step_min: int | None = None
+    step_max: int | None = None
+    live_step_max: int | None = None  # over the ranks that need no look
+    last_step_s: float | None = None  # median over those in phase train
+    attention: tuple[int, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["attention"] = list(self.attention)
+        return d
+
+
+@dataclass(frozen=True)
+class RankProblem:
+    """A rank file on the node that could not be used, and why."""
+
+    rank: int
+    path: str
+    problem: str
+
+
+def summary_bytes(header: SummaryHeader, records: list[dict[str, Any]], problems: list[RankProblem]) -> bytes:
+    body = {"heartbeats": records, "problems": [asdict(p) for p in problems]}
+    return (json.dumps(header.to_dict(), separators=(",", ":")) + "\n" + json.dumps(body) + "\n").encode()
+
+
+def write_summary(
+    root: str | Path, header: SummaryHeader, records: list[dict[str, Any]], problems: list[RankProblem]
+) -> None:
+    path = RunDir.of(root).node_summary(header.node)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, summary_bytes(header, records, problems))
+
+
+_NUM = (int, float)
+
+
+def _check(d: dict[str, Any], key: str, types: type | tuple[type, ...], optional: bool = False) -> Any:
+    if key not in d and not optional:
+        raise ValueError(f"field {key!r} missing")
+    v = d.get(key)
+    if (v is None and optional) or (isinstance(v, types) and not isinstance(v, bool)):
+        return v
+    raise ValueError(f"field {key!r} is {v!r:.60}")
+
+
+def parse_header(line: bytes | str) -> SummaryHeader:
+    """Raise ValueError (with a short reason) unless ``line`` is a summary header."""
+    d = load_object(line)
+    phases = _check(d, "phases", dict)
+    attention = _check(d, "attention", list)
+    if not all(isinstance(v, int) for v in (*phases.values(), *attention)):
+        raise ValueError("field 'phases' or 'attention' is not all integers")
+    return SummaryHeader(
+        node=_check(d, "node", int),
+        host=_check(d, "host", str),
+        watchdog_pid=_check(d, "watchdog_pid", int),
+        wall_time=float(_check(d, "wall_time", _NUM)),
+        interval_s=float(_check(d, "interval_s", _NUM)),
+        stale_after_s=float(_check(d, "stale_after_s", _NUM)),
+        mono_time=float(_check(d, "mono_time", _NUM)),
+        boot_id=_check(d, "boot_id", str),
+        status=_check(d, "status", str),
+        reason=_check(d, "reason", str),
+        exit_code=_check(d, "exit_code", int, optional=True),
+        launch_count=_check(d, "launch_count", int),
+        restarts=_check(d, "restarts", int),
+        launch_id=_check(d, "launch_id", str),
+        verdict=_check(d, "verdict", str),
+        culprit=_check(d, "culprit", str),
+        ranks=_check(d, "ranks", int),
+        phases=phases,
+        step_min=_check(d, "step_min", int, optional=True),
+        step_max=_check(d, "step_max", int, optional=True),
+        live_step_max=_check(d, "live_step_max", int, optional=True),
+        last_step_s=_check(d, "last_step_s", _NUM, optional=True),
+        attention=tuple(attention),
+    )
+
+
+@dataclass(frozen=True)
+class NodeSummary:
+    """One summary file as read: its header parsed, its records parsed only when asked for."""
+
+    path: str
+    header: SummaryHeader
+    body: bytes = field(default=b"", repr=False)
+
+    def snapshots(self) -> list[HeartbeatSnapshot]:
+        """Every rank of the node; ValueError when the records line is not one."""
+        return parse_records(self.path, self.body)
+
+
+def read_summary(path: str | Path) -> NodeSummary:
+    """The summary at ``path``. Raises OSError (cannot be read) or ValueError (not a summary: a
+    foreign or damaged file, with the reason)."""
+    head, _, body = read_small(path).partition(b"\n")
+    return NodeSummary(str(path), parse_header(head), body)
+
+
+def parse_records(path: str, body: bytes) -> list[HeartbeatSnapshot]:
+    """The ranks of a summary's second line; a record that is not a heartbeat is an unknown rank."""
+    d = load_object(body)
+    out = []
+    for rec in _check(d, "heartbeats", list):
+        try:
+            hb = heartbeat_from_dict(rec)
+        except ValueError as e:
+            rank = rec.get("rank") if isinstance(rec, dict) else None
+            if isinstance(rank, int):
+                out.append(HeartbeatSnapshot(rank, path, None, f"in the node summary: {e}"))
+            continue
+        out.append(HeartbeatSnapshot(hb.rank, path, hb, record=rec))
+    for p in _check(d, "problems", list):
+        if isinstance(p, dict) and isinstance(p.get("rank"), int):
+            out.append(
+                HeartbeatSnapshot(p["rank"], str(p.get("path", path)), None, str(p.get("problem", "")))
+            )
+    return out
+
+
+def summary_paths(root: str | Path) -> list[tuple[int, str]]:
+    """(node, path) of every summary file of the run, by node."""
+    folder = os.path.join(root, HEARTBEATS)
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    found = ((parse_node_summary_filename(n), n) for n in names)
+    return sorted((node, os.path.join(folder, n)) for node, n in found if node is not None)
+
+
+def local_folders(root: str | Path) -> list[Path]:
+    """This machine's node-local heartbeat folders of the run (any job, any node), under the
+    default base (layout.node_local_base)."""
+    user = node_local_base() / f"supervisor-{os.getuid()}"
+    return sorted(user.glob(f"*-{run_key(root)}/node*"))
+
+
+def read_run_heartbeats(root: str | Path) -> list[HeartbeatSnapshot]:
+    """Every rank of the run as freshly as this machine can see it, by rank: the run directory's
+    rank files, the node summaries, and this machine's node-local folders of the run; per rank
+    the newest readable record wins. For tools on a node (the drill, tests, benchmarks); `status`
+    reads the summaries (report.py)."""
+    snaps = list(read_heartbeats(root))
+    for _node, path in summary_paths(root):
+        try:
+            snaps += read_summary(path).snapshots()
+        except (OSError, ValueError):
+            continue
+    for folder in local_folders(root):
+        snaps += read_heartbeat_folder(folder)
+    return newest_per_rank(snaps)
+
+
+def newest_per_rank(snaps: list[HeartbeatSnapshot]) -> list[HeartbeatSnapshot]:
+    """One snapshot per rank: the readable one written last, else the first unreadable one."""
+    best: dict[int, HeartbeatSnapshot] = {}
+    for s in snaps:
+        cur = best.get(s.rank)
+        if cur is None or (
+            s.heartbeat is not None
+            and (cur.heartbeat is None or s.heartbeat.wall_time > cur.heartbeat.wall_time)
+        ):
+            best[s.rank] = s
+    return [best[r] for r in sorted(best)]
