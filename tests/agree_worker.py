@@ -32,18 +32,9 @@ def main() -> int:
     piggybacked = ckpt.step_boundary(preempt_requested=False)  # this call's argument comes too late
     own = ckpt.step_boundary(preempt_requested=rank == world - 1)  # nothing carried: its own all-reduce
     quiet = ckpt.step_boundary(preempt_requested=False)
-    print(
-        "RESULT "
-        + json.dumps(
-            {
-                "rank": rank,
-                "gathered": gathered,
-                "total": total.tolist(),
-                "flags": [piggybacked, own, quiet],
-            }
-        ),
-        flush=True,
-    )
+    # A file per rank: lines printed by several ranks at once may interleave on torchrun's stdout.
+    result = {"gathered": gathered, "total": total.tolist(), "flags": [piggybacked, own, quiet]}
+    (root / f"result_{rank}.json").write_text(json.dumps(result))
     ckpt.close()
     dist.destroy_process_group()
     return 0
