@@ -1,17 +1,20 @@
 """Checkpoint cost of the reference trainer, measured side by side in one run (bench config, FSDP).
 
 On 2 ranks (torchrun, gloo on CPU), with the ~50M-parameter ``bench`` model and its AdamW state:
-1. time the training loop is blocked per save: async DCP (the call + the wait for staging before
-   the next optimizer step) vs sync DCP (save + commit) vs rank 0 ``torch.save`` of the gathered
-   full state dict (the single-file way);
-2. sync save throughput vs ``dd conv=fsync`` writing the same number of bytes;
-3. DCP load time vs a raw read of the same files (both from the page cache: dropping caches would
-   disturb other work on the machine);
+1. time the training loop is blocked per save: async (the call, the wait for staging before the
+   next optimizer step, and the commit + prune at the step boundary where every rank's writes are
+   done: all of it) vs sync (save + commit) vs rank 0 ``torch.save`` of the gathered full state
+   dict (the single-file way);
+2. sync save throughput (commit included) vs ``dd conv=fsync`` writing the same number of bytes;
+   also a bare ``dcp.save`` (stock writer, no commit);
+3. the trainer's load (``Checkpointer.load``: DCP through the safe reader with counted reads, then
+   the per-rank file) vs a raw read of the same files, each rank reading its share at once, with
+   the page cache hot, and cold (``posix_fadvise(DONTNEED)`` on every file first);
 4. end-to-end overhead of saving every ``--interval`` steps (the trainer's default ``--save-every``):
    ``--window`` steps with one async save in the middle vs the same steps without, interleaved;
    the extra time of that one save, divided by ``--interval`` steps of training. (A CPU step of
    the bench model takes seconds, so timing whole 50-step intervals would take an hour.)
-Targets: async blocking <= 5% of sync; sync >= 80% of dd; overhead <= 3%.
+Targets: async blocked <= 5% of sync; sync >= 80% of dd; load >= 80% of a raw read; overhead <= 3%.
 
     .venv/bin/python bench/checkpoint.py [--repeats 3] [--interval 50] [--window 6] [--dir /tmp]
 """
@@ -27,7 +30,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -59,34 +64,47 @@ def launch(args: argparse.Namespace) -> int:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def make_trainer(root: Path, config: str, extra: list[str] | None = None) -> Any:
+    """A reference ``train.Trainer`` on this torchrun rank (FSDP, ``config``), at step 0, with
+    its rank RNG seeded: what the benches drive step by step."""
+
+    from train_ref import train
+    from train_ref.config import get_config
+    from train_ref.data import Corpus
+    from train_ref.state import seed_rank_rng
+
+    targs = train.parse_args(
+        ["--ckpt-root", str(root), "--steps", "0", "--config", config, "--parallel", "fsdp", *(extra or [])]
+    )
+    d = train.init_distributed()
+    root.mkdir(parents=True, exist_ok=True)
+    corpus = Corpus.load(None)
+    cfg = get_config(config, corpus.tokenizer.vocab_size)
+    t = train.Trainer(targs, d, cfg, corpus)  # its Resumable's staging hook guards every step
+    seed_rank_rng(0, d.rank, 0)
+    return t
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+    from bench.verify import drop_cache, raw_read
+    from supervisor.format.heartbeat import Phase
     from supervisor.format.manifest import list_files
     from supervisor.store import list_checkpoints
-    from train_ref import train
-    from train_ref.config import get_config
-    from train_ref.data import Corpus
-    from train_ref.state import seed_rank_rng
+    from train_ref.resume import split_by_size
 
     root = Path(args.dir) / "ckpt"
-    targs = train.parse_args(
-        ["--ckpt-root", str(root), "--steps", "0", "--config", "bench", "--parallel", "fsdp"]
-    )
-    d = train.init_distributed()
+    t = make_trainer(root, "bench")
+    d = t.d
     rank0 = d.rank == 0
-    root.mkdir(parents=True, exist_ok=True)
-    corpus = Corpus.load(None)
-    cfg = get_config("bench", corpus.tokenizer.vocab_size)
-    t = train.Trainer(targs, d, cfg, corpus)  # its Resumable's staging hook guards every step
-    seed_rank_rng(0, d.rank, 0)
     batches = iter(t.loader())
     st = t.state
 
-    def steps(n: int, save_at: int | None = None) -> float:
+    def steps(n: int, save_at: int | None = None, drain: bool = True) -> float:
         dist.barrier()
         t0 = time.perf_counter()
         for i in range(n):
@@ -97,7 +115,8 @@ def worker(args: argparse.Namespace) -> None:
             t.ckpt.step_boundary(False)
             if save_at is not None and i + 1 == save_at:
                 t.ckpt.save(st, {}, blocking=False)
-        t.ckpt.finish()
+        if drain:
+            t.ckpt.finish()
         dist.barrier()
         return time.perf_counter() - t0
 
@@ -105,70 +124,99 @@ def worker(args: argparse.Namespace) -> None:
         if rank0:
             print(msg, flush=True)
 
-    n_params = sum(p.numel() for p in t.model.parameters())
-    step_s = steps(3) / 3
-    say(f"bench model: {n_params / 1e6:.1f}M parameters, {d.world_size} ranks, {step_s:.3f} s/step")
-
-    sync_s, dcp_s, async_s, ts_s, dd_s, load_s, read_s = [], [], [], [], [], [], []
-    for i in range(args.repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        dcp.save({"app": st}, checkpoint_id=Path(args.dir) / f"bare_{i}", process_group=t.ckpt.dcp_group)
-        dist.barrier()
-        dcp_s.append(time.perf_counter() - t0)
-        if rank0:
-            shutil.rmtree(Path(args.dir) / f"bare_{i}")
-
-        st.step += 1
-        dist.barrier()
-        t.ckpt.save(st, {}, blocking=True)
-        sync_s.append(t.ckpt.last_blocking_s)
-
+    def async_blocked() -> tuple[float, float, float]:
+        """Every part of an async save that blocks the loop: the call, the wait for staging
+        before the next optimizer step, and the commit (+ prune) at the step boundary that
+        finds every rank's writes done (steps run until one does)."""
         st.step += 1
         dist.barrier()
         t.ckpt.save(st, {}, blocking=False)
-        call = t.ckpt.last_blocking_s
-        t.ckpt.last_staging_wait_s = 0.0
-        steps(1)  # trains while the save runs; waits for staging before its optimizer step
-        async_s.append(call + t.ckpt.last_staging_wait_s)
+        staging = 0.0
+        t.ckpt.last_staging_wait_s = t.ckpt.last_finish_s = 0.0
+        while t.ckpt.in_flight is not None:
+            steps(1, drain=False)
+            staging += t.ckpt.last_staging_wait_s
+            t.ckpt.last_staging_wait_s = 0.0
+        return t.ckpt.last_blocking_s, staging, t.ckpt.last_finish_s
 
+    def rank0_torch_save() -> float:
         dist.barrier()
         t0 = time.perf_counter()
         msd, osd = get_state_dict(
             t.model, t.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
         if rank0:
-            path = Path(args.dir) / "full.pt"
-            with open(path, "wb") as f:
+            with open(Path(args.dir) / "full.pt", "wb") as f:
                 torch.save({"model": msd, "optim": osd}, f)
                 f.flush()
                 os.fsync(f.fileno())
         dist.barrier()
-        ts_s.append(time.perf_counter() - t0)
-        del msd, osd
+        return time.perf_counter() - t0
+
+    def dd(nbytes: int) -> float:
+        out = Path(args.dir) / "dd.bin"
+        t0 = time.perf_counter()
+        subprocess.run(["dd", "if=/dev/zero", f"of={out}", "bs=1M", f"count={-(-nbytes // (1 << 20))}",
+                        "conv=fsync"], check=True, capture_output=True)  # fmt: skip
+        out.unlink()
+        return time.perf_counter() - t0
+
+    def read_share(files: list[Path], cold: bool) -> float:
+        """Every rank reads its share of the files (split by size), all at once: the same bytes
+        and parallelism as the load."""
+        sizes = {str(p): p.stat().st_size for p in files}
+        mine = split_by_size(sizes, d.world_size)[d.rank]
+        return timed_all(lambda: raw_read([Path(n) for n in mine]), files, cold)
+
+    def load(ckpt: Path, files: list[Path], cold: bool) -> float:
+        """The trainer's own load: DCP (safe reader, counted reads) and the per-rank file."""
+        tracker = t.r.hb.tracker(Phase.LOAD, st.step)
+        return timed_all(
+            lambda: t.ckpt.load(ckpt, st, saved_world_size=d.world_size, skip=frozenset(), progress=tracker),
+            files,
+            cold,
+        )
+
+    def timed_all(fn: Callable[[], object], files: list[Path], cold: bool) -> float:
+        if cold and rank0:
+            drop_cache(files)
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier()
+        return time.perf_counter() - t0
+
+    n_params = sum(p.numel() for p in t.model.parameters())
+    step_s = steps(3) / 3
+    say(f"bench model: {n_params / 1e6:.1f}M parameters, {d.world_size} ranks, {step_s:.3f} s/step")
+
+    got: dict[str, list[float]] = {k: [] for k in KEYS}
+    for i in range(args.repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dcp.save({"app": st}, checkpoint_id=Path(args.dir) / f"bare_{i}", process_group=t.ckpt.dcp_group)
+        dist.barrier()
+        got["bare_dcp_save_s"].append(time.perf_counter() - t0)
+        if rank0:
+            shutil.rmtree(Path(args.dir) / f"bare_{i}")
+
+        st.step += 1
+        dist.barrier()
+        t.ckpt.save(st, {}, blocking=True)
+        got["sync_blocking_s"].append(t.ckpt.last_blocking_s)
+        parts = async_blocked()
+        got["async_blocking_s"].append(sum(parts))
+        for key, part in zip(("async_call_s", "async_staging_s", "async_commit_s"), parts, strict=True):
+            got[key].append(part)
+        got["rank0_torch_save_s"].append(rank0_torch_save())
 
         newest = list_checkpoints(root)[0].path
         files = [newest / n for n in list_files(newest)]
         nbytes = sum(p.stat().st_size for p in files)
-        if rank0:
-            out = Path(args.dir) / "dd.bin"
-            mib = -(-nbytes // (1 << 20))
-            t0 = time.perf_counter()
-            subprocess.run(["dd", "if=/dev/zero", f"of={out}", "bs=1M", f"count={mib}", "conv=fsync"],
-                           check=True, capture_output=True)  # fmt: skip
-            dd_s.append(time.perf_counter() - t0)
-            out.unlink()
-            t0 = time.perf_counter()
-            for p in files:
-                with open(p, "rb", buffering=0) as f:
-                    while f.read(8 << 20):
-                        pass
-            read_s.append(time.perf_counter() - t0)
-        dist.barrier()
-        t0 = time.perf_counter()
-        dcp.load({"app": st}, checkpoint_id=newest, process_group=t.ckpt.dcp_group)
-        dist.barrier()
-        load_s.append(time.perf_counter() - t0)
+        got["dd_fsync_s"].append(dd(nbytes) if rank0 else 0.0)
+        for cold in (False, True):
+            got[f"raw_read_{'cold' if cold else 'hot'}_s"].append(read_share(files, cold))
+            got[f"load_{'cold' if cold else 'hot'}_s"].append(load(newest, files, cold))
 
     base, saving = [], []
     for _ in range(2):  # interleaved so drift of the machine hits both alike
@@ -177,39 +225,66 @@ def worker(args: argparse.Namespace) -> None:
     t.ckpt.close()
 
     if rank0:
-        med = statistics.median
-        gb = nbytes / 1e9
-        extra = med(saving) - med(base)
-        overhead = extra / (args.interval * med(base) / args.window)
-        rows = {
-            "checkpoint_bytes": nbytes,
-            "sync_dcp_blocking_s": med(sync_s),
-            "bare_dcp_save_s": med(dcp_s),
-            "async_dcp_blocking_s": med(async_s),
-            "rank0_torch_save_s": med(ts_s),
-            "dd_fsync_s": med(dd_s),
-            "dcp_load_s": med(load_s),
-            "raw_read_s": med(read_s),
-            "steps_without_save_s": med(base),
-            "steps_with_one_save_s": med(saving),
-        }
-        print(json.dumps(rows, indent=1))
-        print(
-            f"checkpoint: {gb:.3f} GB in {len(files)} files; interval {args.interval} steps of {step_s:.3f} s"
+        report(
+            args, {k: statistics.median(v) for k, v in got.items()}, nbytes, len(files), step_s, base, saving
         )
-        print(f"async blocking / sync blocking        {med(async_s) / med(sync_s):8.3f}   (target <= 0.05)")
-        print(f"rank-0 torch.save / sync DCP          {med(ts_s) / med(sync_s):8.3f}")
-        print(f"sync DCP throughput / dd conv=fsync   {med(dd_s) / med(sync_s):8.3f}   (target >= 0.80)")
-        print(f"bare dcp.save throughput / dd         {med(dd_s) / med(dcp_s):8.3f}   (without commit)")
-        print(
-            f"  sync {gb / med(sync_s):.2f} GB/s, bare dcp.save {gb / med(dcp_s):.2f} GB/s, dd {gb / med(dd_s):.2f} GB/s"
-        )
-        print(f"DCP load time / raw read time         {med(load_s) / med(read_s):8.3f}")
-        print(
-            f"one save costs {extra:.2f} s of training ({args.window}-step window, {med(base) / args.window:.2f} s/step)"
-        )
-        print(f"training overhead, 1 save per {args.interval} steps {overhead:8.2%}   (target <= 3%)")
     dist.destroy_process_group()
+
+
+KEYS = (
+    "sync_blocking_s",
+    "async_blocking_s",
+    "async_call_s",
+    "async_staging_s",
+    "async_commit_s",
+    "bare_dcp_save_s",
+    "rank0_torch_save_s",
+    "dd_fsync_s",
+    "raw_read_hot_s",
+    "load_hot_s",
+    "raw_read_cold_s",
+    "load_cold_s",
+)
+
+
+def report(
+    args: argparse.Namespace,
+    m: dict[str, float],
+    nbytes: int,
+    nfiles: int,
+    step_s: float,
+    base: list[float],
+    saving: list[float],
+) -> None:
+    """The medians, then the ratios side by side (each against its target)."""
+    med = statistics.median
+    gb = nbytes / 1e9
+    extra = med(saving) - med(base)
+    overhead = extra / (args.interval * med(base) / args.window)
+    print(json.dumps({"checkpoint_bytes": nbytes, **m, "steps_without_save_s": med(base),
+                      "steps_with_one_save_s": med(saving)}, indent=1))  # fmt: skip
+    print(f"checkpoint: {gb:.3f} GB in {nfiles} files; interval {args.interval} steps of {step_s:.3f} s")
+    sync, dd = m["sync_blocking_s"], m["dd_fsync_s"]
+    print(
+        f"async blocked (call+staging+commit) / sync save   {m['async_blocking_s'] / sync:8.3f}   (target <= 0.05)"
+    )
+    print(
+        f"  call {m['async_call_s']:.3f} s + staging wait {m['async_staging_s']:.3f} s + commit {m['async_commit_s']:.3f} s"
+    )
+    print(f"sync save (incl. commit) throughput / dd fsync    {dd / sync:8.3f}   (target >= 0.80)")
+    print(f"bare dcp.save throughput / dd fsync               {dd / m['bare_dcp_save_s']:8.3f}   (no commit)")
+    print(
+        f"  sync {gb / sync:.2f} GB/s, bare dcp.save {gb / m['bare_dcp_save_s']:.2f} GB/s, dd {gb / dd:.2f} GB/s"
+    )
+    for kind in ("cold", "hot"):
+        read, load = m[f"raw_read_{kind}_s"], m[f"load_{kind}_s"]
+        print(f"load throughput / raw read, {kind:<4} page cache        {read / load:8.3f}   (target >= 0.80)"
+              f"   {gb / load:.2f} vs {gb / read:.2f} GB/s")  # fmt: skip
+    print(f"rank-0 torch.save / sync save                     {m['rank0_torch_save_s'] / sync:8.3f}")
+    print(
+        f"one save costs {extra:.2f} s of training ({args.window}-step window, {med(base) / args.window:.2f} s/step)"
+    )
+    print(f"training overhead, 1 save per {args.interval} steps           {overhead:8.2%}   (target <= 3%)")
 
 
 def main() -> int:

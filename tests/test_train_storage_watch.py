@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 from commands import supervisor_cmd
-from test_train_storage import THROTTLE_BYTES_PER_S
 from trainer_helpers import (
     REPO,
     BeatLog,
@@ -70,14 +69,18 @@ def done(p: subprocess.Popen[str]) -> tuple[int, str]:
 
 
 # Timeouts of the phases a throttled resume runs through: several times the longest silence
-# between two beats measured in-process (about 2-4 s at this throttle: one 64 KiB chunk per rank).
+# between two beats measured in-process (about 3-5 s at this throttle: one 64 KiB chunk per rank).
 IO_TIMEOUT_S = 10.0
+# Slower than test_train_storage's throttle: the load reads each item once, in offset order, so
+# verify + load read about twice the checkpoint's bytes (44 s at 45 kB/s, where torch's own reader
+# took 71 s re-reading 64 KiB around every item); at 30 kB/s they take ~65 s, over 5 timeouts.
+WATCH_THROTTLE_BYTES_PER_S = 30_000
 
 
 def test_a_throttled_verify_and_load_far_longer_than_their_timeouts_is_no_hang(goldens, faultfs):
     golden = goldens.get("ddp", 2)
     root = rewind(golden, faultfs.mountpoint / "run", 20)
-    faultfs.throttle("/run/step_00000020/*", THROTTLE_BYTES_PER_S)
+    faultfs.throttle("/run/step_00000020/*", WATCH_THROTTLE_BYTES_PER_S)
     t = str(IO_TIMEOUT_S)
     log = BeatLog(root)
     p = watch(root, "--hang-timeout", "60", "--verify-timeout", t, "--load-timeout", t)
@@ -92,7 +95,7 @@ def test_a_throttled_verify_and_load_far_longer_than_their_timeouts_is_no_hang(g
     assert events(root, "hang") == [] and len(events(root, "launch")) == 1, out[-4000:]
     took = log.first(Phase.TRAIN) - log.first(Phase.VERIFY)
     print(
-        f"\nverify+load {took:.1f}s on a {THROTTLE_BYTES_PER_S} B/s file system = "
+        f"\nverify+load {took:.1f}s on a {WATCH_THROTTLE_BYTES_PER_S} B/s file system = "
         f"{took / IO_TIMEOUT_S:.1f}x the verify/load timeout ({IO_TIMEOUT_S:g}s); no hang verdict"
     )
     assert took >= 5 * IO_TIMEOUT_S  # long by construction (the throttle), or the test proves nothing

@@ -12,15 +12,18 @@ watchdog sees its process go) or silent in its own heartbeat.
 
 from __future__ import annotations
 
+import pickle
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 T = TypeVar("T")
 KEEPALIVE_S = 0.5
+_LEN = 8  # bytes of the length in front of a packed object
 
 
 @contextmanager
@@ -41,11 +44,43 @@ def beating(beat: Callable[[], object], interval_s: float = KEEPALIVE_S) -> Iter
         t.join()
 
 
-def gather(obj: T, group: dist.ProcessGroup | None, beat: Callable[[], object]) -> list[T]:
-    """Every rank's ``obj``, by rank, on every rank."""
-    out: list[Any] = [None] * dist.get_world_size(group)
+def gather_to_root(obj: T, group: dist.ProcessGroup | None, beat: Callable[[], object]) -> list[T] | None:
+    """Every rank's ``obj``, by rank, on rank 0 (None on the others).
+
+    Linear in the world size N: each rank sends one buffer and rank 0 receives N, where an
+    all-gather hands every rank all N objects (N^2 over the job: each commit sent 4,096 ranks'
+    file lists to each of 4,096 ranks). Not ``dist.gather_object``: it all-gathers every rank's
+    size first (N sizes to each rank); here one MAX all-reduce of a single size is enough, as each
+    buffer carries its own length (``_pack``)."""
+    payload = _pack(obj)
+    size = torch.tensor([payload.numel()], dtype=torch.int64)
+    world = dist.get_world_size(group)
     with beating(beat):
-        dist.all_gather_object(out, obj, group=group)
+        dist.all_reduce(size, op=dist.ReduceOp.MAX, group=group)
+        width = int(size.item())
+        padded = torch.zeros(width, dtype=torch.uint8)
+        padded[: payload.numel()] = payload
+        received = torch.empty(world * width, dtype=torch.uint8) if dist.get_rank(group) == 0 else None
+        dist.gather(
+            padded, None if received is None else list(received.split(width)), group=group, group_dst=0
+        )
+    return None if received is None else unpack_all(received, world)
+
+
+def _pack(obj: object) -> torch.Tensor:
+    """``obj`` pickled, behind its length (8 bytes, little-endian), as a byte tensor."""
+    data = pickle.dumps(obj)
+    return torch.frombuffer(bytearray(len(data).to_bytes(_LEN, "little") + data), dtype=torch.uint8)
+
+
+def unpack_all(received: torch.Tensor, count: int) -> list[Any]:
+    """The ``count`` objects ``_pack`` made, received side by side, each padded to the same width."""
+    raw = received.numpy().data
+    width = len(raw) // count
+    out = []
+    for start in range(0, count * width, width):
+        n = int.from_bytes(raw[start : start + _LEN], "little")
+        out.append(pickle.loads(raw[start + _LEN : start + _LEN + n]))  # our ranks' (as all_gather_object)
     return out
 
 

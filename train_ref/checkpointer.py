@@ -7,11 +7,12 @@ Protocol of one save (every rank calls ``save`` at the same step boundary):
    (or that it could not: the save failed);
 3. each rank writes its per-rank state file, then DCP writes the shards (async: staged in the
    background and uploaded by a thread; sync: before returning);
-4. once every rank's writes have finished (phase COMMIT), ranks send rank 0 the checksums of the
-   files they wrote, or the error that stopped them; rank 0 commits (manifest, rename, ``latest``)
+4. once every rank's writes have finished (phase COMMIT), ranks send rank 0 (a gather, linear in
+   the ranks) the checksums of the files they wrote (an async save computed them in the
+   background), or the error that stopped them; rank 0 commits (manifest, rename, ``latest``)
    when nobody failed, then hands the commit to ``on_commit`` (the remote tier's uploader, which
-   also does retention between uploads) or else prunes itself; then it tells every rank the
-   outcome.
+   also does retention between uploads) or else prunes itself, in the background; then it tells
+   every rank the outcome.
 
 A failed save (ENOSPC, EDQUOT, EIO... on any rank, DCP's CheckpointException, a rank's file missing
 from rank 0's view) is decided at those two exchanges, never by one rank alone (a rank that went
@@ -24,7 +25,9 @@ raises StorageGaveUp (exit 74).
 Async: training continues while staging runs, but ``before_optimizer_step`` waits for staging to
 complete, because an optimizer step during staging would tear the checkpoint. Whether the upload is
 done is agreed by all ranks at each step boundary (``step_boundary``), never decided from a local
-``future.done()``, so every rank commits at the same step.
+``future.done()``, so every rank commits at the same step. That agreement, and the preemption
+notice's, rides on a reduction the step does anyway (``reduce_with_control``: two numbers appended
+to the loss all-reduce), so a step where nothing is pending costs no extra collective.
 
 DCP and the step-boundary agreement each run on their own gloo group: the upload thread's
 collectives on the default group deadlocked against training collectives (torch-cpu.md).
@@ -39,8 +42,8 @@ import pickle
 import shutil
 import sys
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -146,6 +149,30 @@ class SaveOutcome:
     tmp_left: bool = False  # rank 0 could not remove the tmp dir (a file it cannot see)
 
 
+def commit_reports(
+    root: Path,
+    tmp: Path,
+    info: CheckpointInfo,
+    reports: Sequence[Mapping[str, FileEntry]],
+    on_phase: Callable[[str], None] | None = None,
+    sign_key: bytes | None = None,
+) -> store.CheckpointRef:
+    """Rank 0: commit ``tmp`` with every rank's report (file -> size and checksum, by rank) as
+    ``store.commit``'s ``known`` and ``writers``: every rank's files must be in rank 0's view, else
+    nothing is committed. Each rank synced its own files (DCP, ``RankState.save``), so the commit
+    syncs directory entries only. Linear in the number of files."""
+    return store.commit(
+        root,
+        tmp,
+        info,
+        known={name: entry for report in reports for name, entry in report.items()},
+        writers={rank: sorted(report) for rank, report in enumerate(reports)},
+        files_synced=True,
+        on_phase=on_phase,
+        sign_key=sign_key,
+    )
+
+
 class StorageGaveUp(Exception):
     """The save policy stopped the launch (exit 74); ``str(e)`` is one line for the job log."""
 
@@ -156,24 +183,38 @@ class _InFlight:
     tmp: Path
     meta: dict[str, Any]
     staging: Future[None] | None
-    upload: Future[None]
-    error: SaveError | None = None  # met by this rank before the upload (its state file)
+    # DCP's upload, then this rank's checksums of what it wrote (off the loop's clock).
+    written: Future[dict[str, FileEntry]]
     started: float = field(default_factory=time.monotonic)
 
 
-class _DelayedWriter(FileSystemWriter):
-    def __init__(self, path: Path, delay_s: float):
+class _ShardWriter(FileSystemWriter):
+    """DCP's file system writer, minus the zip CRC32 of every tensor record.
+
+    DCP writes each tensor with ``torch.save``, whose zip writer computes a CRC32 of every byte:
+    a third of a sync save's CPU time here (bench/checkpoint.py), for a check nothing reads
+    (``torch.load`` skips it; unzip would warn) and that the manifest's xxh3-128 of every file
+    already makes. ``torch.serialization.set_crc32_options`` is process-wide: it is off only
+    while this writer writes (at most one save writes at a time), so a ``torch.save`` elsewhere in
+    the process during an async save's write also goes without it, and loads all the same."""
+
+    def __init__(self, path: Path, delay_s: float = 0.0):
         super().__init__(path)
         self.delay_s = delay_s
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
-        time.sleep(self.delay_s)
-        return super().write_data(plan, planner)
+        if self.delay_s > 0:
+            time.sleep(self.delay_s)
+        crc = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)
+        try:
+            return super().write_data(plan, planner)
+        finally:
+            torch.serialization.set_crc32_options(crc)
 
 
 def _writer(path: Path, root: Path) -> FileSystemWriter:
-    delay = float(os.environ.get(ENV_SAVE_DELAY, "0") or 0)
-    w = _DelayedWriter(path, delay) if delay > 0 else FileSystemWriter(path)
+    w = _ShardWriter(path, float(os.environ.get(ENV_SAVE_DELAY, "0") or 0))
     w.fs = ProgressFileSystem(root)  # a failed write names its file
     return w
 
@@ -205,8 +246,14 @@ class Checkpointer:
         if async_save:
             self.stager = OrderedStager(GPU_STAGING if torch.cuda.is_available() else CPU_STAGING)
         self.in_flight: _InFlight | None = None
+        # Work off the loop's clock, in order: an async save's state file and checksums, and
+        # rank 0's prune after a commit (the last one, which _make_room waits for).
+        self._worker: ThreadPoolExecutor | None = None
+        self._pruning: Future[None] | None = None
+        self._agreed: list[bool] | None = None  # flags agreed by reduce_with_control this step
         self.last_blocking_s = 0.0  # time the training loop was blocked by the last save call
         self.last_staging_wait_s = 0.0  # ... and then waiting for its staging before a step
+        self.last_finish_s = 0.0  # ... and then its commit (after a wait, if its writes were not done)
         # Rank 0's account of failed saves: how many in a row, since when nothing is durable
         # (the launch started from a durable checkpoint, or from nothing), tmp dirs to remove.
         self.failures = 0
@@ -225,12 +272,11 @@ class Checkpointer:
         tmp = self._begin(state.step)
         if isinstance(tmp, SaveOutcome):
             return tmp
-        error = None
-        try:
-            RankState.save(tmp / rank_state_filename(self.rank), self.rank_extra)
-        except OSError as e:
-            error = save_error(e, self.rank, self.root)
+        rank_file = tmp / rank_state_filename(self.rank)
         if self.async_save and not blocking:
+            rank_state = RankState.serialize(
+                self.rank_extra
+            )  # the streams as of this step; written off the loop
             resp = dcp.async_save(
                 {"app": state.saving(self.rank, self.world_size)},
                 storage_writer=_writer(tmp, self.root),
@@ -242,9 +288,15 @@ class Checkpointer:
                 if isinstance(resp, AsyncSaveResponse)
                 else (None, resp)
             )
-            self.in_flight = _InFlight(state.step, tmp, meta, staging, upload, error, started=t0)
+            written = self._background().submit(self._write_and_hash, tmp, upload, rank_file, rank_state)
+            self.in_flight = _InFlight(state.step, tmp, meta, staging, written, started=t0)
             self.last_blocking_s = time.monotonic() - t0
             return None
+        error = None
+        try:
+            RankState.save(rank_file, self.rank_extra)
+        except OSError as e:
+            error = save_error(e, self.rank, self.root)
         try:
             dcp.save(
                 {"app": state.saving(self.rank, self.world_size)},
@@ -265,40 +317,91 @@ class Checkpointer:
             self.in_flight.staging = None
             self.last_staging_wait_s = time.monotonic() - t0
 
+    def reduce_with_control(
+        self, t: torch.Tensor, preempt_requested: bool, save_due: bool = False
+    ) -> torch.Tensor:
+        """``t`` summed over all ranks (default group), carrying this rank's control flags along
+        for the next ``boundary``: the step's agreement then costs no collective of its own.
+        ``t``: a floating tensor the step reduces anyway (the reference loop: its loss). Every rank
+        calls it at the same point of every step (it is a collective)."""
+        flags = self._flags(preempt_requested, save_due).to(t.device, t.dtype)
+        packed = torch.cat([t.reshape(-1), flags])
+        dist.all_reduce(packed)
+        # SUM of 0/1 flags: > 0 when any rank set it, exact in any float dtype.
+        self._agreed = [v > 0 for v in packed[t.numel() :].tolist()]
+        return packed[: t.numel()].reshape(t.shape)
+
     def step_boundary(self, preempt_requested: bool) -> bool:
-        """One small collective per step: do all ranks agree the upload is done (then commit), and
-        has any rank been asked to stop? Returns the latter, identical on every rank."""
+        """Do all ranks agree the upload is done (then commit), and has any rank been asked to
+        stop? Returns the latter, identical on every rank."""
         return self.boundary(preempt_requested)[0]
 
     def boundary(self, preempt_requested: bool, save_due: bool = False) -> tuple[bool, bool]:
         """``step_boundary``, also carrying rank 0's ``save_due`` (a time-based save: one clock
-        decides, never each rank's own). Returns (preempt, save), identical on every rank."""
-        busy = self.in_flight is not None and not self.in_flight.upload.done()
-        due = save_due and self.rank == 0
-        flags = torch.tensor([int(preempt_requested), int(busy), int(due)], dtype=torch.int64)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.ctl_group)
-        if self.in_flight is not None and not flags[1]:
+        decides, never each rank's own). Returns (preempt, save), identical on every rank. Agreed
+        from the flags this step's ``reduce_with_control`` carried (their values as of that call;
+        a notice that came later is agreed at the next step); a loop that did not call it pays one
+        small all-reduce here. Either way every rank takes the same path: whether the flags came
+        along is a property of the loop's code, the same on every rank."""
+        agreed, self._agreed = self._agreed, None
+        if agreed is None:
+            flags = self._flags(preempt_requested, save_due)
+            dist.all_reduce(flags, group=self.ctl_group)
+            agreed = [v > 0 for v in flags.tolist()]
+        preempt, busy, due = agreed
+        if self.in_flight is not None and not busy:
             self.finish()
-        return bool(flags[0]), bool(flags[2])
+        return preempt, due
+
+    def _flags(self, preempt_requested: bool, save_due: bool) -> torch.Tensor:
+        """This rank's [asked to stop, upload still running, a time-based save due (rank 0's
+        clock only)], to be SUM-reduced."""
+        busy = self.in_flight is not None and not self.in_flight.written.done()
+        due = save_due and self.rank == 0
+        return torch.tensor([int(preempt_requested), int(busy), int(due)], dtype=torch.int64)
 
     def finish(self) -> SaveOutcome | None:
         """Wait for the in-flight save, if any, and commit it (or agree that it failed)."""
         if self.in_flight is None:
             return None
+        t0 = time.monotonic()
         f, self.in_flight = self.in_flight, None
         if f.staging is not None:
             f.staging.result()
-        error = f.error
+        error, entries = None, None
         try:
-            f.upload.result()
+            entries = f.written.result()
         except (OSError, CheckpointException) as e:
-            error = error or self._storage_error(e)
-        return self._commit(f.step, f.tmp, f.meta, error, f.started)
+            error = self._storage_error(e)
+        outcome = self._commit(f.step, f.tmp, f.meta, error, f.started, entries)
+        self.last_finish_s = time.monotonic() - t0
+        return outcome
 
     def close(self) -> None:
         self.finish()
         if self.stager is not None:
             self.stager.close()
+        if self._worker is not None:
+            self._worker.shutdown()  # after the last prune
+
+    def _background(self) -> ThreadPoolExecutor:
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-background")
+        return self._worker
+
+    def _write_and_hash(
+        self, tmp: Path, upload: Future[None], rank_file: Path, rank_state: bytes
+    ) -> dict[str, FileEntry]:
+        """Background, while training goes on: write (and fsync) this rank's state file, wait for
+        DCP's upload, then checksum this rank's files, so the commit at a later step boundary
+        only exchanges them (the files are still in the page cache). Raises the OSError of the
+        state file, a read, or what the upload raised, never before the upload is over: the
+        commit that follows may remove the tmp dir."""
+        try:
+            RankState.write(rank_file, rank_state)
+        finally:
+            upload.result()
+        return self._local_entries(tmp, None)
 
     def _storage_error(self, e: BaseException) -> SaveError:
         """This rank's storage failure, or ``e`` raised again when it is not one (a bug crashes).
@@ -334,6 +437,8 @@ class Checkpointer:
         save also a prune (dead writers' tmp dirs, quarantine retention; checkpoints beyond
         ``keep`` unless an uploader owns retention). Best effort: a failure here is the next
         save's to report."""
+        if self._pruning is not None:  # one prune at a time
+            self._pruning.result()
         for tmp in list(self.leftovers):
             shutil.rmtree(tmp, ignore_errors=True)
             if not os.path.lexists(tmp):
@@ -345,22 +450,30 @@ class Checkpointer:
                 log.warning("prune before retrying a save failed: %s", e)
 
     def _commit(
-        self, step: int, tmp: Path, meta: dict[str, Any], error: SaveError | None, started: float
+        self,
+        step: int,
+        tmp: Path,
+        meta: dict[str, Any],
+        error: SaveError | None,
+        started: float,
+        entries: dict[str, FileEntry] | None = None,
     ) -> SaveOutcome:
-        """Every rank's writes are done: rank 0 commits with the checksums each rank computed,
-        unless a rank failed; every rank learns the outcome. The manifest records how long the save
-        took since ``started`` (META_SAVE_S: what a preemption notice must leave time for)."""
+        """Every rank's writes are done: rank 0 commits with the checksums each rank computed
+        (``entries``, or now), unless a rank failed; every rank learns the outcome. The manifest
+        records how long the save took since ``started`` (META_SAVE_S: what a preemption notice
+        must leave time for)."""
         progress = self.hb.tracker(Phase.COMMIT, step)
-        mine: dict[str, FileEntry] | SaveError | None = error
+        progress.total = len(COMMIT_STEPS) if self.rank == 0 else 0  # + bytes hashed now
+        mine: dict[str, FileEntry] | SaveError | None = error or entries
         if mine is None:
             try:
                 mine = self._local_entries(tmp, progress)
             except OSError as e:
                 mine = save_error(e, self.rank, self.root)
         progress.set_path("")  # waiting for the peers, not in a read
-        gathered = agree.gather(mine, self.ctl_group, lambda: progress(0))
+        gathered = agree.gather_to_root(mine, self.ctl_group, lambda: progress(0))
         outcome = None
-        if self.rank == 0:
+        if gathered is not None:  # rank 0
             meta = {**meta, META_SAVE_S: round(time.monotonic() - started, 3)}
             outcome = self._decide(step, tmp, meta, gathered, progress)
         outcome = agree.broadcast(outcome, self.ctl_group, lambda: progress(0))
@@ -410,7 +523,7 @@ class Checkpointer:
             progress(1)
 
         try:
-            ref = store.commit(
+            ref = commit_reports(
                 self.root,
                 tmp,
                 replace(
@@ -420,11 +533,9 @@ class Checkpointer:
                     meta={k: v for k, v in meta.items() if k != "metrics"},
                     metrics=meta.get("metrics", {}),
                 ),
-                known={k: v for d in entries for k, v in d.items()},
-                # Every rank's files must be in rank 0's view, else nothing is committed.
-                writers={r: sorted(d) for r, d in enumerate(entries)},
-                on_phase=phase,
-                sign_key=self.info.sign_key,
+                entries,
+                phase,
+                self.info.sign_key,
             )
         except (OSError, store.IncompleteCommit) as e:
             final = self.root / step_dirname(step)
@@ -440,17 +551,22 @@ class Checkpointer:
         if self.failures:
             log.warning("save recovered: %s committed after %d failed save(s)", ref.name, self.failures)
         self.failures, self.last_durable = 0, time.monotonic()
+        log.info("committed %s", ref.name)
         if self.on_commit is not None:
-            log.info("committed %s", ref.name)
             self.on_commit(ref)
-        else:
-            try:
-                pruned = store.prune(self.root, keep=self.keep).deleted
-            except (OSError, store.StoreError) as e:  # the checkpoint is committed all the same
-                log.warning("committed %s; prune failed: %s", ref.name, e)
-                pruned = ()
-            log.info("committed %s%s", ref.name, f" (pruned {', '.join(pruned)})" if pruned else "")
+        else:  # off the loop: deleting a 0.6 GB checkpoint's files took 0.2 s here
+            self._pruning = self._background().submit(self._prune, ref)
         return SaveOutcome(ref.step, True, latest=ref.name)
+
+    def _prune(self, ref: store.CheckpointRef) -> None:
+        """Rank 0, in the background: retention after committing ``ref``."""
+        try:
+            pruned = store.prune(self.root, keep=self.keep).deleted
+        except (OSError, store.StoreError) as e:  # the checkpoint is committed all the same
+            log.warning("committed %s; prune failed: %s", ref.name, e)
+            return
+        if pruned:
+            log.info("pruned %s (after committing %s)", ", ".join(pruned), ref.name)
 
     def _failed(self, step: int, errors: list[SaveError], tmp: Path | None) -> SaveOutcome:
         """Rank 0: nothing is committed; the tmp dir goes (a full disk gets that space back)."""
@@ -499,16 +615,18 @@ class Checkpointer:
                 f"committed checkpoints are intact (newest: {outcome.latest or 'none'}); exit 74, retryable"
             )
 
-    def _local_entries(self, tmp: Path, progress: Progress) -> dict[str, FileEntry]:
+    def _local_entries(self, tmp: Path, progress: Progress | None) -> dict[str, FileEntry]:
         """Checksums of the files this rank wrote, so rank 0 does not re-read every shard. DCP's
-        ``.metadata`` is written by its coordinator, rank 0."""
+        ``.metadata`` is written by its coordinator, rank 0. ``progress`` (the commit's tracker)
+        counts the bytes hashed; None off the loop's thread."""
         mine = [n for n in sorted(os.listdir(tmp)) if self._is_own(n)]
         sizes = {n: (tmp / n).stat().st_size for n in mine}
-        # Bytes hashed, and for rank 0 one unit per step of the store's commit (on_phase).
-        progress.total = sum(sizes.values()) + (len(COMMIT_STEPS) if self.rank == 0 else 0)
+        if progress is not None:
+            progress.total += sum(sizes.values())
         out = {}
         for name in mine:
-            progress.set_path(os.path.relpath(tmp / name, self.root))
+            if progress is not None:
+                progress.set_path(os.path.relpath(tmp / name, self.root))
             out[name] = FileEntry(sizes[name], checksum_file(tmp / name, progress, PROGRESS_CHUNK))
         return out
 

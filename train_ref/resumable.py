@@ -514,9 +514,8 @@ class Resumable:
             self.metrics_file.append(rec.to_line())
         self.hb.beat(step, Phase.TRAIN, last_step_s=dt)
         self.drill.maybe_hang(step, When.STEP)
-        by_time = self.saves.every_s > 0 and time.monotonic() - self._last_save >= self.saves.every_s
         try:
-            preempt, save_now = self.ckpt.boundary(PREEMPTION.set, by_time)
+            preempt, save_now = self.ckpt.boundary(PREEMPTION.set, self._save_due_by_time())
             done = step >= self.steps
             if preempt:
                 PREEMPTION.ignore_further()
@@ -533,6 +532,17 @@ class Resumable:
             self.stop(Exit.STORAGE, Phase.SAVE, str(e))
         self._t_end = time.perf_counter()
         return done
+
+    def reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over all ranks, carrying this step's control flags along (a preemption
+        notice, the upload's state, a time-based save due): use it for a reduction your step makes
+        anyway (the loss, for logging) and ``step_end`` costs no collective of its own. Call it on
+        every rank at the same point of a step (it is a collective), on every step or on none."""
+        return self.ckpt.reduce_with_control(t, PREEMPTION.set, self._save_due_by_time())
+
+    def _save_due_by_time(self) -> bool:
+        """--save-every-s: due by this rank's clock; only rank 0's counts (``boundary``)."""
+        return self.saves.every_s > 0 and time.monotonic() - self._last_save >= self.saves.every_s
 
     def beat(self) -> None:
         """A heartbeat now (throttled): for a long stretch of the trainer's own between steps."""

@@ -172,7 +172,8 @@ def verify_spread(choice: Choice, root: Path, hb: HeartbeatWriter) -> ShareVerdi
             mine = ShareVerdict(rank, v.evidence, v.reason, name, v.error)
             break
     progress.set_path("")  # waiting for the peers now, not in a read
-    return combine(agree.gather(mine, None, lambda: progress(0)))
+    verdicts = agree.gather_to_root(mine, None, lambda: progress(0))
+    return agree.broadcast(None if verdicts is None else combine(verdicts), None, lambda: progress(0))
 
 
 class _Retry:

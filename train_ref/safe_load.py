@@ -21,6 +21,7 @@ import io
 import os
 import pickle
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -33,7 +34,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
 
 from supervisor.format.layout import parse_committed
 from supervisor.safepickle import WHY, UnsafePickle, load_restricted
@@ -50,7 +52,15 @@ def weights_only_refusal(label: str, e: pickle.UnpicklingError) -> UnsafePickle:
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """A FileSystemReader that never unpickles anything outside DCP's metadata allowlist."""
+    """A FileSystemReader that never unpickles anything outside DCP's metadata allowlist, and
+    reads each file front to back, an item at a time.
+
+    torch 2.13 reads a file's items in plan order through a Python view of the file (a seek, a
+    tell and a chunked read per access of ``torch.load``'s zip reader: ~25 Python calls per item)
+    and leaves "sort by offset" as a TODO. Here the items go in offset order (one forward pass per
+    file, which the kernel's readahead streams when the cache is cold) and each item's bytes come
+    in one read into memory, where ``torch.load`` parses them: 20-35% less CPU per load measured
+    here (bench/checkpoint.py has the load against a raw read)."""
 
     def __init__(self, path: str | os.PathLike[str]):
         super().__init__(path)
@@ -74,6 +84,18 @@ class SafeFileSystemReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        def where(item: ReadItem) -> tuple[str, int]:
+            info = self.storage_data[item.storage_index]
+            return info.relative_path, info.offset
+
+        return super().read_data(replace(plan, items=sorted(plan.items, key=where)), planner)
+
+    def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
+        """The item's bytes, read at once (counted, when ``fs`` counts), as an in-memory file."""
+        file.seek(sinfo.offset)
+        return io.BytesIO(file.read(sinfo.length))  # short (a truncated file): torch.load refuses it
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

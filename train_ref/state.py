@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import random
 from collections import deque
 from pathlib import Path
@@ -205,16 +206,29 @@ class RankState:
 
     @staticmethod
     def save(path: Path, extra: Stateful | None = None) -> None:
-        """Serialized in memory, then written by Python: a full disk is an OSError naming the
-        file (torch.save's own writer reports a RuntimeError without the errno). ``extra``: the
-        trainer's own per-rank items (tensors, numbers, strings: loaded with weights_only)."""
+        RankState.write(path, RankState.serialize(extra))
+
+    @staticmethod
+    def serialize(extra: Stateful | None = None) -> bytes:
+        """The streams as of now, as the file's bytes (an async save writes them later).
+        ``extra``: the trainer's own per-rank items (tensors, numbers, strings: loaded with
+        weights_only)."""
         sd = RankState.capture()
         if extra is not None:
             sd[USER_ITEMS] = extra.state_dict()
         buf = io.BytesIO()
         torch.save(sd, buf)
+        return buf.getvalue()
+
+    @staticmethod
+    def write(path: Path, data: bytes) -> None:
+        """Written by Python: a full disk is an OSError naming the file (torch.save's own writer
+        reports a RuntimeError without the errno). Synced here, by its writer: the commit does not
+        fsync every rank's files from rank 0."""
         with naming(path), open(path, "wb") as f:
-            f.write(buf.getbuffer())
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
 
     @staticmethod
     def load(

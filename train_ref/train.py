@@ -452,8 +452,8 @@ class Trainer:
         self.scaler.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        mean_loss = loss.detach().float().clone()
-        dist.all_reduce(mean_loss)
+        # The loss all-reduce also carries the step boundary's flags (preemption, save in flight).
+        mean_loss = self.r.reduce(loss.detach().float())  # carries the step's control flags
         return float(mean_loss) / self.d.world_size, float(full_tensor(norm)), lr
 
     def run(self) -> None:

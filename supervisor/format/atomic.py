@@ -31,10 +31,11 @@ def fsync_file(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def fsync_tree(path: str | os.PathLike[str]) -> None:
-    """Persist every file under ``path`` and every directory entry, deepest first."""
+def fsync_tree(path: str | os.PathLike[str], *, files: bool = True) -> None:
+    """Persist every file under ``path`` and every directory entry, deepest first; ``files=False``:
+    the directory entries only (each file's writer persisted it)."""
     for dirpath, _dirnames, filenames in os.walk(path, topdown=False):
-        for name in filenames:
+        for name in filenames if files else ():
             fsync_file(os.path.join(dirpath, name))
         fsync_dir(dirpath)
 

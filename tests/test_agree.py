@@ -1,0 +1,30 @@
+"""The control exchanges of a commit and of a step boundary, on real gloo process groups."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from trainer_helpers import REPO, trainer_env
+from waiting import PATIENCE_S
+
+pytestmark = pytest.mark.slow
+
+
+def test_gather_reaches_rank_0_only_and_flags_reach_every_rank(tmp_path):
+    nproc = 3
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(REPO / "tests" / "agree_worker.py"), str(tmp_path)]  # fmt: skip
+    r = subprocess.run(cmd, cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=PATIENCE_S)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    results = {rank: json.loads((tmp_path / f"result_{rank}.json").read_text()) for rank in range(nproc)}
+    want = [{f"__{r}_{i}.distcp": i for i in range(r + 1)} for r in range(nproc)]
+    assert results[0]["gathered"] == want
+    assert all(results[r]["gathered"] is None for r in range(1, nproc))
+    for d in results.values():
+        assert d["total"] == [float(sum(range(nproc))), float(nproc)]
+        # piggybacked notice of rank 1; the last rank's notice through step_boundary's own
+        # all-reduce; then nothing pending
+        assert d["flags"] == [True, True, False]
