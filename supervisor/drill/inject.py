@@ -12,17 +12,20 @@ from supervisor.format.nodesummary import read_run_heartbeats
 from supervisor.store import list_checkpoints
 
 
-def worker_pid(root: Path, rank: int, launch: str) -> int | None:
-    """The pid of ``rank`` in the given launch, from its heartbeat (None when not yet written)."""
-    for snap in read_run_heartbeats(root):
+def worker_pid(root: Path, rank: int, launch: str, watched_as: Path | None = None) -> int | None:
+    """The pid of ``rank`` in the given launch, from its heartbeat (None when not yet written);
+    ``watched_as``: the run dir's path as the watchdog sees it (nodesummary.read_run_heartbeats)."""
+    for snap in read_run_heartbeats(root, watched_as):
         hb = snap.heartbeat
         if hb and hb.rank == rank and hb.launch_id == launch:
             return hb.pid
     return None
 
 
-def signal_worker(root: Path, rank: int, launch: str, sig: signal.Signals) -> int | None:
-    pid = worker_pid(root, rank, launch)
+def signal_worker(
+    root: Path, rank: int, launch: str, sig: signal.Signals, watched_as: Path | None = None
+) -> int | None:
+    pid = worker_pid(root, rank, launch, watched_as)
     if pid is not None:
         os.kill(pid, sig)
     return pid

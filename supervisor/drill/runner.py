@@ -330,7 +330,7 @@ class Scene:
         return self.tail.last.launch if self.tail.last else ""
 
     def kill(self, fault: Fault, launch: str, sig: signal.Signals = signal.SIGKILL) -> bool:
-        pid = inject.signal_worker(self.root, fault.rank, launch, sig)
+        pid = inject.signal_worker(self.root, fault.rank, launch, sig, watched_as=self.job.root)
         if pid is None:
             self.note(f"not injected: no heartbeat of rank {fault.rank} in launch {launch}")
             return False

@@ -183,7 +183,7 @@ class SlowStorage(Driver):
         )
         if not kill_under(scene, fault, launch, rule, what):
             return None
-        clock = PhaseClock(scene.root, launch)
+        clock = PhaseClock(scene.root, launch, watched_as=scene.job.root)
         scene.await_resume(fault, launch, observe=clock.poll)
         clock.poll()
         hits = scene.fs.hits(rule)
@@ -205,14 +205,14 @@ class PhaseClock:
     it runs (the files are overwritten as it goes): when each rank entered each phase, and the
     largest gap between two beats of a rank held to the verify or load timeout."""
 
-    def __init__(self, root: Path, old_launch: str) -> None:
-        self.root, self.old_launch = root, old_launch
+    def __init__(self, root: Path, old_launch: str, watched_as: Path) -> None:
+        self.root, self.old_launch, self.watched_as = root, old_launch, watched_as
         self.stretches: dict[int, list[tuple[Phase, float]]] = {}  # rank -> (phase, first beat in it)
         self.gap = 0.0
         self._last: dict[int, float] = {}  # rank -> its last beat, while in verify or load
 
     def poll(self) -> None:
-        for snap in read_run_heartbeats(self.root):
+        for snap in read_run_heartbeats(self.root, self.watched_as):
             hb = snap.heartbeat
             if hb is None or not hb.launch_id or hb.launch_id == self.old_launch:
                 continue

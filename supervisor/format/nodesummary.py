@@ -271,18 +271,20 @@ def local_folders(root: str | Path) -> list[Path]:
     return sorted(user.glob(f"*-{run_key(root)}/node*"))
 
 
-def read_run_heartbeats(root: str | Path) -> list[HeartbeatSnapshot]:
+def read_run_heartbeats(root: str | Path, watched_as: str | Path | None = None) -> list[HeartbeatSnapshot]:
     """Every rank of the run as freshly as this machine can see it, by rank: the run directory's
     rank files, the node summaries, and this machine's node-local folders of the run; per rank
     the newest readable record wins. For tools on a node (the drill, tests, benchmarks); `status`
-    reads the summaries (report.py)."""
+    reads the summaries (report.py). ``watched_as``: the path the watchdog was given, when the
+    caller reads the run dir by another (the drill reads a fault mount's backing dir): the
+    node-local folders are keyed by the watchdog's path."""
     snaps = list(read_heartbeats(root))
     for _node, path in summary_paths(root):
         try:
             snaps += read_summary(path).snapshots()
         except (OSError, ValueError):
             continue
-    for folder in local_folders(root):
+    for folder in local_folders(watched_as or root):
         snaps += read_heartbeat_folder(folder)
     return newest_per_rank(snaps)
 
