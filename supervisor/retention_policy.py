@@ -176,16 +176,21 @@ def _best(candidates: Sequence[Candidate], policy: RetentionPolicy) -> list[Cand
 # ---------------------------------------------------------------- flags
 
 
-def add_retention_args(p: argparse.ArgumentParser) -> None:
+def add_retention_args(p: argparse.ArgumentParser, milestones: bool = True) -> None:
     """The policy's flags. Their defaults are None (``policy_from_args`` tells "not given" from a
-    value), so each help says its default itself."""
+    value), so each help says its default itself. ``milestones=False`` leaves out
+    --milestone-every (the trainer's means the remote tier's milestones)."""
     g = p.add_argument_group("retention (which valid checkpoints prune keeps; the newest always)")
     g.add_argument(
         "--keep", type=int, help=f"the newest K valid ones (>= {MIN_KEEP}; default {DEFAULT_KEEP})"
     )
-    g.add_argument(
-        "--milestone-every", type=int, metavar="M", help="also every step divisible by M (default 0: none)"
-    )
+    if milestones:
+        g.add_argument(
+            "--milestone-every",
+            type=int,
+            metavar="M",
+            help="also every step divisible by M (default 0: none)",
+        )
     g.add_argument(
         "--keep-every-s",
         type=float,
@@ -217,13 +222,11 @@ def _best_flag(text: str) -> tuple[str, str, int]:
     return metric, mode, k
 
 
-def policy_from_args(args: argparse.Namespace) -> RetentionPolicy | None:
-    """The policy the flags of ``add_retention_args`` ask for; None when none was given (the
-    caller picks its default). StoreError when one is out of range."""
-    given = {
-        k: getattr(args, k, None)
-        for k in ("keep", "milestone_every", "keep_every_s", "keep_best", "keep_all")
-    }
+def policy_from_args(args: argparse.Namespace, milestones: bool = True) -> RetentionPolicy | None:
+    """The policy the flags of ``add_retention_args`` (with the same ``milestones``) ask for;
+    None when none was given (the caller picks its default). StoreError when one is out of range."""
+    names = ("keep", "milestone_every", "keep_every_s", "keep_best", "keep_all")
+    given = {k: getattr(args, k, None) for k in names if milestones or k != "milestone_every"}
     if all(v is None for v in given.values()):
         return None
     best = given.pop("keep_best")

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from supervisor import store
 from supervisor.format.heartbeat import HeartbeatWriter
 from supervisor.format.manifest import CheckpointInfo
 from train_ref import agree
@@ -22,7 +23,13 @@ def main() -> int:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     hb = HeartbeatWriter(root, rank=rank, local_rank=rank, world_size=world)
-    ckpt = Checkpointer(root, async_save=False, keep=2, info=CommitInfo(CheckpointInfo(0, world)), hb=hb)
+    ckpt = Checkpointer(
+        root,
+        async_save=False,
+        retention=store.RetentionPolicy(keep=2),
+        info=CommitInfo(CheckpointInfo(0, world)),
+        hb=hb,
+    )
     # Rank r sends r+1 file names: sizes differ, so the padding and lengths are exercised.
     gathered = agree.gather_to_root(
         {f"__{rank}_{i}.distcp": i for i in range(rank + 1)}, ckpt.ctl_group, lambda: 0

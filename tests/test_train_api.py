@@ -85,7 +85,7 @@ def test_allow_config_change_applies_a_new_learning_rate_on_resume(goldens, tmp_
     cfg = replace(
         get_config("tiny", Corpus.load(None).tokenizer.vocab_size), lr=0.001
     )  # floor: min_lr / 0.001
-    lr21 = next(m["lr"] for m in reversed(metrics(root)) if m["step"] == 21)
+    lr21 = next(m.lr for m in reversed(metrics(root)) if m.step == 21)
     assert lr21 == pytest.approx(0.001 * WarmupCosine.of(cfg)(20), rel=1e-12)
     assert digest(root) != digest(golden)
 
@@ -99,8 +99,8 @@ def test_time_based_saves_are_decided_once_for_every_rank(tmp_path):
 def test_the_metrics_of_the_saved_step_are_in_its_manifest(goldens):
     golden = goldens.get("ddp", 2)
     m = read_manifest(golden / "step_00000020")
-    line = next(x for x in metrics(golden) if x["step"] == 20)
-    assert m.metrics["loss"] == line["loss"] and m.metrics["lr"] == line["lr"]
+    line = next(x for x in metrics(golden) if x.step == 20)
+    assert m.metrics["loss"] == line.loss and m.metrics["lr"] == line.lr
     assert m.meta["identity"]["seed"] == SEED and m.meta["identity"]["amp"] == "off"
 
 

@@ -40,7 +40,6 @@ import logging
 import os
 import pickle
 import shutil
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -149,6 +148,10 @@ class SaveOutcome:
     tmp_left: bool = False  # rank 0 could not remove the tmp dir (a file it cannot see)
 
 
+# With an uploader, retention is the uploader's (between uploads): a local prune keeps every valid one.
+KEEP_ALL = store.RetentionPolicy(keep_all=True)
+
+
 def commit_reports(
     root: Path,
     tmp: Path,
@@ -225,7 +228,7 @@ class Checkpointer:
         root: Path,
         *,
         async_save: bool,
-        keep: int,
+        retention: store.RetentionPolicy,
         info: CommitInfo,
         hb: HeartbeatWriter,
         policy: SavePolicy | None = None,
@@ -235,7 +238,7 @@ class Checkpointer:
         """``on_commit`` (rank 0) takes over retention: pruning here could delete a checkpoint
         while a background upload reads it. ``rank_extra``: the trainer's own per-rank items,
         saved in the per-rank file beside the RNG streams."""
-        self.root, self.async_save, self.keep, self.info, self.hb = root, async_save, keep, info, hb
+        self.root, self.async_save, self.retention, self.info, self.hb = root, async_save, retention, info, hb
         self.policy = policy or SavePolicy()
         self.on_commit = on_commit
         self.rank_extra = rank_extra
@@ -435,7 +438,7 @@ class Checkpointer:
     def _make_room(self) -> None:
         """Rank 0, before a save: tmp dirs of failed saves it could not remove yet; after a failed
         save also a prune (dead writers' tmp dirs, quarantine retention; checkpoints beyond
-        ``keep`` unless an uploader owns retention). Best effort: a failure here is the next
+        the retention policy unless an uploader owns retention). Best effort: a failure here is the next
         save's to report."""
         if self._pruning is not None:  # one prune at a time
             self._pruning.result()
@@ -445,7 +448,7 @@ class Checkpointer:
                 self.leftovers.remove(tmp)
         if self.failures:
             try:
-                store.prune(self.root, keep=self.keep if self.on_commit is None else sys.maxsize)
+                store.prune(self.root, policy=self.retention if self.on_commit is None else KEEP_ALL)
             except (OSError, store.StoreError) as e:
                 log.warning("prune before retrying a save failed: %s", e)
 
@@ -561,7 +564,7 @@ class Checkpointer:
     def _prune(self, ref: store.CheckpointRef) -> None:
         """Rank 0, in the background: retention after committing ``ref``."""
         try:
-            pruned = store.prune(self.root, keep=self.keep).deleted
+            pruned = store.prune(self.root, policy=self.retention).deleted
         except (OSError, store.StoreError) as e:  # the checkpoint is committed all the same
             log.warning("committed %s; prune failed: %s", ref.name, e)
             return

@@ -99,6 +99,12 @@ class Saves:
     keep: int = store.DEFAULT_KEEP
     max_failed_saves: int = DEFAULT_MAX_FAILED_SAVES
     max_unsaved_s: float = 0.0
+    # What prune keeps locally beyond the newest ``keep`` (one per period, best by a metric of
+    # ``step_end``, all); None: the newest ``keep``. Recorded for `status` and `ckpt list`.
+    retention: store.RetentionPolicy | None = None
+
+    def retention_policy(self) -> store.RetentionPolicy:
+        return self.retention if self.retention is not None else store.RetentionPolicy(keep=self.keep)
 
     def policy(self) -> SavePolicy:
         return SavePolicy(max_failed_saves=self.max_failed_saves, max_unsaved_s=self.max_unsaved_s)
@@ -307,7 +313,7 @@ class Resumable:
         self.ckpt = Checkpointer(
             self.root,
             async_save=self.saves.async_save,
-            keep=self.saves.keep,
+            retention=self.saves.retention_policy(),
             info=CommitInfo(run, sign_key=self.options.sign_key),
             hb=self.hb,
             policy=self.saves.policy(),
@@ -342,6 +348,11 @@ class Resumable:
         self.drill = DrillFaults.from_env(self.rank, self.launch)  # inert unless `supervisor drill` set it
         if self.options.remote is not None and self.options.remote.remote and self.rank == 0:
             self.uploader = tiering.start_uploader(self.root, self.options.remote)
+        if self.rank == 0 and self.uploader is None:  # for `status` and `ckpt list`/`prune` by hand
+            try:
+                store.record_policy(self.root, self.saves.retention_policy())
+            except OSError as e:
+                log.warning("could not record the retention policy: %s", e)
         diff = self._identity_change(choice)
         if self.identity.seed is not None:
             seed_rank_rng(self.identity.seed, self.rank, 0)

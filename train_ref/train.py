@@ -46,6 +46,7 @@ from supervisor.format.exitcodes import Exit
 from supervisor.format.heartbeat import HeartbeatWriter, Phase
 from supervisor.format.layout import RunDir, step_dirname
 from supervisor.redact import redact_log_handlers
+from supervisor.retention_policy import add_retention_args, policy_from_args
 from supervisor.signing import SigningKeyError, add_signing_key_arg, load_key
 from train_ref import standby, tiering
 from train_ref.appender import LineAppender
@@ -106,7 +107,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--async-save", dest="async_save", action="store_true", default=True)
     g.add_argument("--sync-save", dest="async_save", action="store_false")
-    p.add_argument("--keep", type=int, default=store.DEFAULT_KEEP)
+    add_retention_args(p, milestones=False)  # --keep, --keep-every-s, --keep-best, --keep-all
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
     p.add_argument(
@@ -172,7 +173,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.set_defaults(sign_key=None)  # the key itself, loaded by main (signing_key)
     # Test-only: skip restoring these state items on resume, to prove each one matters.
     p.add_argument("--ablate", action="append", default=[], choices=ABLATABLE, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:  # a policy out of range is a usage error, one line (exit 2)
+        args.retention = policy_from_args(args, milestones=False) or store.RetentionPolicy()
+    except store.StoreError as e:
+        p.error(str(e))
+    args.keep = args.retention.keep
+    return args
 
 
 @dataclass(frozen=True)
@@ -262,6 +269,7 @@ def saves(args: argparse.Namespace) -> Saves:
         every_s=args.save_every_s,
         async_save=args.async_save,
         keep=args.keep,
+        retention=args.retention,
         max_failed_saves=args.max_failed_saves,
         max_unsaved_s=args.max_unsaved_s,
     )
