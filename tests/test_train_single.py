@@ -43,22 +43,24 @@ def test_without_torchrun_it_runs_as_one_process_and_resumes_exactly(tmp_path):
 
 
 def test_retention_flags_keep_the_best_by_loss_and_status_shows_the_policy(tmp_path):
-    """--keep 2 --keep-best loss:min: the newest two and the saved step of least loss survive the
-    trainer's own prunes (the manifest carries each step's metrics); the policy is recorded for
-    `status`. A policy out of range is one usage line, before anything runs."""
+    """--keep 2 --keep-best loss:max: the newest two and the saved step of the largest loss (an
+    early one: the loss falls, so only the metric can keep it) survive the trainer's own prunes
+    (the manifest carries each step's metrics); the policy is recorded for `status`. A policy out
+    of range is one usage line, before anything runs."""
     root = tmp_path / "run"
     args = train_args("ddp", steps=16, save_every=2)
-    p = alone(root, *args, "--keep", "2", "--keep-best", "loss:min")
+    p = alone(root, *args, "--keep", "2", "--keep-best", "loss:max")
     assert p.returncode == 0, p.stderr[-3000:]
     loss = {m.step: m.loss for m in read_metrics(RunDir.of(root).metrics)}
-    best = min(range(2, 17, 2), key=lambda s: (loss[s], s))
+    best = max(range(2, 17, 2), key=lambda s: (loss[s], -s))
+    assert best < 14, loss  # not among the newest two
     kept = {c.step for c in store.list_checkpoints(root)}
     assert kept == {14, 16, best}, (kept, best, loss)
     assert read_manifest(root / step_dirname(best)).metrics["loss"] == loss[best]
     status = subprocess.run(
         supervisor_cmd("status", "--ckpt-root", str(root), "--json"), capture_output=True, text=True
     )
-    assert "best 1 by loss" in json.loads(status.stdout)["retention"], status.stdout
+    assert "best 1 by loss (max)" in json.loads(status.stdout)["retention"], status.stdout
 
     bad = alone(tmp_path / "bad", *args, "--keep", "1")
     assert bad.returncode == 2 and "--keep 1" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
