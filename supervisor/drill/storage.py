@@ -205,7 +205,7 @@ class PhaseClock:
     it runs (the files are overwritten as it goes): when each rank entered each phase, and the
     largest gap between two beats of a rank held to the verify or load timeout."""
 
-    def __init__(self, root: Path, old_launch: str, watched_as: Path) -> None:
+    def __init__(self, root: Path, old_launch: str, watched_as: Path | None = None) -> None:
         self.root, self.old_launch, self.watched_as = root, old_launch, watched_as
         self.stretches: dict[int, list[tuple[Phase, float]]] = {}  # rank -> (phase, first beat in it)
         self.gap = 0.0
