@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pickle
 
 import pytest
 import torch
@@ -152,6 +153,25 @@ def test_a_real_full_disk_under_dcp_names_the_shard_and_enospc(small_tmpfs):
         dcp.save({"w": torch.randn(100_000)}, storage_writer=_writer(tmp, root))
     assert (
         str(dcp_save_error(e.value, root))
+        == "rank 0: step_00000005.tmp.1.h/__0_0.distcp: ENOSPC (No space left on device)"
+    )
+
+
+def test_a_disk_that_fills_mid_shard_is_a_storage_failure_on_every_rank(small_tmpfs):
+    """With a few pages free, the shard's open succeeds and a later write fails: torch's serializer
+    then raises "unexpected pos" while handling the ENOSPC. DCP pickles that exception to the other
+    ranks, losing its context; what they get must still say ENOSPC and the shard, or every rank
+    crashes on a full disk it should ride out (the drill's disk-full, freed mid-save)."""
+    root = small_tmpfs.path
+    tmp = root / "step_00000005.tmp.1.h"
+    tmp.mkdir()
+    small_tmpfs.fill()
+    os.truncate(small_tmpfs.filler, os.path.getsize(small_tmpfs.filler) - 8192)  # two pages free
+    with pytest.raises(CheckpointException) as e:
+        dcp.save({"w": torch.randn(100_000)}, storage_writer=_writer(tmp, root))
+    as_sent = pickle.loads(pickle.dumps(e.value))  # what a rank receives from the coordinator
+    assert (
+        str(dcp_save_error(as_sent, root))
         == "rank 0: step_00000005.tmp.1.h/__0_0.distcp: ENOSPC (No space left on device)"
     )
 

@@ -15,6 +15,7 @@ owns the heartbeat), but an OSError of either direction gets the file's path whe
 
 from __future__ import annotations
 
+import copy
 import io
 import os
 from collections.abc import Iterator
@@ -97,12 +98,21 @@ class ProgressFileSystem(FileSystem):
 
 @contextmanager
 def naming(path: str | os.PathLike[str]) -> Iterator[None]:
-    """The OSError behind an exception raised inside names ``path`` when it names no file (a failed
-    write(2) does not; torch's serializer wraps it in a RuntimeError)."""
+    """An exception raised inside whose cause is an OSError leaves as that OSError, naming ``path``
+    when it names no file (a failed write(2) does not).
+
+    torch's serializer turns a failed write into a RuntimeError ("unexpected pos") raised while
+    handling the OSError. DCP pickles each rank's exception to the others, and a pickled exception
+    loses its ``__context__``: only an OSError raised as such is seen as a storage failure, alike
+    on every rank, instead of a bug that crashes the launch."""
     try:
         yield
     except BaseException as e:
         cause = storage_cause(e)
-        if cause is not None and not cause.filename:
+        if cause is None:
+            raise
+        if not cause.filename:
             cause.filename = os.fspath(path)
-        raise
+        if cause is e:
+            raise
+        raise copy.copy(cause) from e
