@@ -10,14 +10,18 @@ from supervisor.format import layout
 from supervisor.format.layout import (
     RunDir,
     deleting_dirname,
+    launch_id,
+    launch_node,
     looks_like_run_dir,
     parse_committed,
     parse_deleting,
     parse_tmp,
+    safe_host,
     step_dirname,
     tmp_dirname,
 )
 from supervisor.format.metrics import MetricsRecord, parse_line, read_metrics
+from supervisor.watch import launch_dirs
 
 
 @settings(derandomize=True, max_examples=200)
@@ -146,3 +150,22 @@ def test_a_metrics_record_round_trips_and_a_partial_line_is_no_record(tmp_path):
     assert read_metrics(path) == []
     path.write_text(rec.to_line() + "\n" + rec.to_line()[:9])
     assert read_metrics(path) == [rec]
+
+
+@settings(derandomize=True, max_examples=200)
+@given(
+    host=st.from_regex(r"[A-Za-z0-9_-]{1,20}", fullmatch=True),
+    node=st.integers(0, 100_000),
+    pid=st.integers(1, 2**22),
+    number=st.integers(1, 10_000),
+)
+def test_a_launch_id_names_its_node_whatever_the_host(host, node, pid, number):
+    assert launch_node(safe_host(launch_id(host, node, pid, number, "a1b2c3"))) == node
+
+
+def test_launch_dirs_stale_are_this_nodes_unrecorded_ones_only():
+    mine_kept, mine_old = launch_id("vm-a", 0, 7, 3, "aaaaaa"), launch_id("vm-a", 0, 7, 1, "bbbbbb")
+    theirs = launch_id("vm-b", 1, 9, 1, "cccccc")
+    names = [mine_kept, mine_old, theirs, "notes", "x-n0-1"]
+    assert launch_dirs.stale(names, 0, keep=[mine_kept]) == [mine_old]
+    assert launch_dirs.stale(names, 1, keep=[]) == [theirs]

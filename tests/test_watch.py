@@ -22,6 +22,7 @@ from watch_helpers import events, finish, leftovers, of, start_watchdog, watch_a
 
 from supervisor.format.events import read_state, state_path
 from supervisor.format.exitcodes import Exit
+from supervisor.format.layout import LAUNCHES, RunDir, launch_id
 from supervisor.format.nodesummary import read_run_heartbeats
 from train_ref import hold
 
@@ -75,6 +76,21 @@ def test_crash_relaunches_from_checkpoint(tmp_path):
     assert of(evs, "pick")[0]["checkpoint"] == "step_00000005"
     st = read_state(state_path(root))
     assert st.status == "done" and st.exit_code == 0 and len(st.restart_times) == 1
+
+
+def test_launch_dirs_beyond_the_state_files_record_are_removed_for_this_node_only(tmp_path):
+    """Launch dirs (error files, worker logs) pile up over weeks of relaunches: after each launch
+    the watchdog removes its node's that its state file no longer records, and no other node's."""
+    root = tmp_path / "run"
+    base = RunDir.of(root).supervisor / LAUNCHES
+    gone, other = launch_id("old", 0, 1, 1, "aaaaaa"), launch_id("old", 1, 1, 1, "bbbbbb")
+    for name in (gone, other, "notes"):
+        (base / name).mkdir(parents=True)
+    rc, evs = run(root, [], ["--steps", "12", "--fault", "crash", "--fault-step", "7"])
+    assert rc == Exit.OK
+    recorded = {e["launch_id"] for e in of(evs, "launch_end")}
+    assert len(recorded) == 2
+    assert sorted(p.name for p in base.iterdir()) == sorted({other, "notes", *recorded})
 
 
 def test_sigstop_hang_dumps_stacks_kills_and_relaunches(tmp_path):

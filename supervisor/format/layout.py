@@ -133,6 +133,21 @@ def safe_host(host: str) -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "-", host) or "unknown"
 
 
+def launch_id(host: str, node: int, pid: int, number: int, token: str) -> str:
+    """A launch's id, unique across requeues and nodes: ``vm-n0-29616-2-edc5bc`` (host, node
+    index, watchdog pid, launch number, a random token); its directory name is ``safe_host`` of it."""
+    return f"{host}-n{node}-{pid}-{number}-{token}"
+
+
+def launch_node(dirname: str) -> int | None:
+    """The node index a launch directory's name carries, or None for a name not made by
+    ``launch_id`` (the host may hold dashes: the four fields after it are parsed from the right)."""
+    parts = dirname.rsplit("-", 4)
+    if len(parts) != 5 or not parts[1].startswith("n") or not parts[1][1:].isdigit():
+        return None
+    return int(parts[1][1:])
+
+
 def tmp_dirname(step: int, pid: int, host: str) -> str:
     return f"{step_dirname(step)}{TMP_MARK}{pid}.{safe_host(host)}"
 

@@ -39,11 +39,12 @@ from supervisor.format.layout import (
     HEARTBEAT_DIR_ENV,
     RunDir,
     heartbeat_filename,
+    launch_id,
     node_local_base,
     stack_dump_filename,
 )
 from supervisor.ioerrors import StorageUnavailable, describe, retry_transient
-from supervisor.watch import culprit, node_summary, process, recovery, restart_policy, rootcause
+from supervisor.watch import culprit, launch_dirs, node_summary, process, recovery, restart_policy, rootcause
 from supervisor.watch.config import ELASTIC_ERROR_FILE_ENV, ELASTIC_LOG_DIR_ENV, SHARE_STORE_ENV, WatchConfig
 from supervisor.watch.recovery import Moment
 from supervisor.watch.restart_policy import Hang, LaunchRecord, Outcome
@@ -495,7 +496,20 @@ class Watchdog:
             newest_checkpoint=rec.newest_after,
         )
         self._save(launches=self.state.with_launch(rec).launches)
+        self._prune_launch_dirs()
         return rec, ended
+
+    def _prune_launch_dirs(self) -> None:
+        """Remove this node's launch directories that the state file no longer records (and
+        that are not the standby's), best effort."""
+        keep = [r.launch_id for r in self.state.launches]
+        if self.standby is not None:
+            keep.append(self.standby[1])
+        _removed, failed = launch_dirs.prune(RunDir.of(self.cfg.root), self.cfg.node, keep)
+        if failed:
+            events.say(
+                f"[supervisor] old launch dirs not removed (tried after the next launch): {'; '.join(failed)}"
+            )
 
     def _launch_env(self, launch_id: str, number: int) -> dict[str, str]:
         """The command's environment: the launch's id and count, the TCPStore fix, and, when the
@@ -523,12 +537,12 @@ class Watchdog:
 
     def _start_launch(self, number: int, standby: bool = False) -> tuple[str, process.Child]:
         """Start COMMAND as launch ``number``; a standby's ranks wait for _take_standby."""
-        launch_id = f"{self.host}-n{self.cfg.node}-{os.getpid()}-{number}-{uuid.uuid4().hex[:6]}"
-        env = self._launch_env(launch_id, number)
+        lid = launch_id(self.host, self.cfg.node, os.getpid(), number, uuid.uuid4().hex[:6])
+        env = self._launch_env(lid, number)
         if standby:
-            env[ENV_STANDBY_RELEASE] = str(RunDir.of(self.cfg.root).release_file(launch_id))
+            env[ENV_STANDBY_RELEASE] = str(RunDir.of(self.cfg.root).release_file(lid))
             env[ENV_WATCHDOG_PID] = str(os.getpid())
-        return launch_id, self._start(env, own_subtree=standby)
+        return lid, self._start(env, own_subtree=standby)
 
     # ------------------------------------------------------------ standby (--standby)
 
