@@ -19,6 +19,7 @@ from commands import supervisor_cmd
 from trainer_helpers import (
     REPO,
     BeatLog,
+    beats,
     digest,
     kill_group,
     largest_share,
@@ -29,6 +30,7 @@ from trainer_helpers import (
 )
 from waiting import wait_for, wait_fs_blocked
 
+from supervisor import store
 from supervisor.format.events import events_path
 from supervisor.format.exitcodes import Exit
 from supervisor.format.heartbeat import Phase
@@ -39,9 +41,9 @@ WATCH = ["--poll-interval", "0.2", "--kill-grace", "1", "--reap-timeout", "1", "
 WATCH += ["--backoff-initial", "0.5", "--backoff-jitter", "0", "--startup-timeout", "120"]
 
 
-def watch(root: Path, *watch_args: str) -> subprocess.Popen[str]:
+def watch(root: Path, *watch_args: str, train: tuple[str, ...] = ()) -> subprocess.Popen[str]:
     """The watchdog over torchrun over the trainer, in its own session (cleanup kills the group)."""
-    trainer = torchrun_cmd(root, 2, *train_args("ddp"))
+    trainer = torchrun_cmd(root, 2, *train_args("ddp", *train))
     argv = supervisor_cmd("watch", "--ckpt-root", str(root), *WATCH, *watch_args)
     return subprocess.Popen(
         [*argv, "--", *trainer],
@@ -99,6 +101,37 @@ def test_a_throttled_verify_and_load_far_longer_than_their_timeouts_is_no_hang(g
         f"{took / IO_TIMEOUT_S:.1f}x the verify/load timeout ({IO_TIMEOUT_S:g}s); no hang verdict"
     )
     assert took >= 5 * IO_TIMEOUT_S  # long by construction (the throttle), or the test proves nothing
+    assert digest(root) == digest(golden)
+
+
+# The final save's tries fail until a rank reports this many in a row: the backoff before the
+# next try is then 4-8 s (supervisor.ioerrors.backoff_s), longer than SAVE_TIMEOUT_S by construction.
+FINAL_SAVE_FAILURES = 5
+SAVE_TIMEOUT_S = 3.0
+
+
+def test_a_final_save_retried_longer_than_the_phase_timeouts_is_no_hang(goldens, faultfs):
+    """The final save fails again and again (ENOSPC) and each rank waits longer between tries; a
+    rank that slept silently through a backoff was once killed as hung at the very end of a run.
+    Every rank beats while it waits: no hang verdict, one launch, the checkpoint commits once
+    space is back, digest equal to an uninterrupted run."""
+    golden = goldens.get("ddp", 2)
+    root = rewind(golden, faultfs.mountpoint / "run", 20)
+    rid = faultfs.fail("/run/step_00000030.tmp.*/*", "ENOSPC", ops=["write"])
+    t = str(SAVE_TIMEOUT_S)
+    p = watch(root, "--hang-timeout", t, "--save-timeout", t, train=("--max-failed-saves", "20"))
+    try:
+        failed = lambda: max((b.save_failures for b in beats(root).values()), default=0)  # noqa: E731
+        wait_for(lambda: failed() >= FINAL_SAVE_FAILURES, "the final save's failures", timeout=300, proc=p)
+        faultfs.clear(rid)
+        rc, out = done(p)
+    finally:
+        faultfs.clear()
+        kill_group(p)
+    assert rc == Exit.OK, out[-4000:]
+    assert events(root, "hang") == [] and len(events(root, "launch")) == 1, out[-4000:]
+    assert out.count("SAVE FAILED at step 30") >= FINAL_SAVE_FAILURES, out[-4000:]
+    assert store.read_latest(root) == "step_00000030"
     assert digest(root) == digest(golden)
 
 

@@ -644,10 +644,20 @@ class Resumable:
         return digest
 
     def _final_save(self) -> None:
-        rng = random.Random()  # not the global one: that belongs to the training loop
+        """The last checkpoint, tried again until it commits or the save policy gives up
+        (StorageGaveUp). Between tries every rank waits the same backoff, beating: a bounded wait
+        for storage is no hang (a rank silent in the next save's first exchange would be one).
+        The jitter is seeded by the launch and the agreed failure count: alike on every rank,
+        different across jobs, and not the global RNG, which belongs to the training loop."""
         while not (outcome := self.save_now()).committed:
-            if self.rank == 0:  # the others wait for rank 0 in the next save's first exchange
-                time.sleep(backoff_s(outcome.failures, rng))
+            rng = random.Random(f"{self.hb.launch_id}:{outcome.failures}")
+            self._wait_beating(backoff_s(outcome.failures, rng), Phase.SAVE)
+
+    def _wait_beating(self, seconds: float, phase: Phase) -> None:
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            self.hb.beat(self.state.step, phase)
+            time.sleep(min(left, self.hb.interval_s / 2))
 
     def _final_record(self) -> str:
         """The digest (phase DIGEST, progress in bytes hashed) and ``final.json``, retried on a

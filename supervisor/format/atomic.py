@@ -76,9 +76,9 @@ def restrict_umask() -> int:
 
 
 def hostname() -> str:
-    import socket  # here: `status` answers in milliseconds and needs it rarely
-
-    return socket.gethostname().split(".")[0] or "localhost"
+    """This host's short name. ``os.uname().nodename`` is what ``socket.gethostname()`` returns
+    (both are the kernel's nodename) without importing socket: 8 ms of every `status`."""
+    return os.uname().nodename.split(".")[0] or "localhost"
 
 
 def pid_alive(pid: int) -> bool:
