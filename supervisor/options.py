@@ -124,7 +124,8 @@ def _add_pair(target: argparse.ArgumentParser | argparse._ArgumentGroup, f: data
     opt: Option = f.metadata[OPTION]
     pair = target.add_mutually_exclusive_group()
     pair.add_argument(flag_of(f), dest=dest_of(f), action="store_true", default=_default(f), help=opt.help)
-    pair.add_argument(opt.off, dest=dest_of(f), action="store_false", help=f"the opposite of {flag_of(f)}")
+    off_help = f"the opposite of {flag_of(f)}"
+    pair.add_argument(opt.off, dest=dest_of(f), action="store_false", default=_default(f), help=off_help)
 
 
 def _argument(f: dataclasses.Field[Any], hint: Any) -> dict[str, Any]:

@@ -267,7 +267,16 @@ def _choose(
     downloaded = None
     try:
         if args.remote:
-            res = tiering.resume(root, args, expect, deep=signed_deep, on_retry=on_retry)
+            res = tiering.resume(
+                root,
+                args.remote,
+                expect,
+                deep=signed_deep,
+                key=args.sign_key,
+                io_retry_s=args.io_retry,
+                allow_fresh_start=args.allow_fresh_start,
+                on_retry=on_retry,
+            )
             downloaded = res.chosen.step if res.source == "remote" and res.chosen else None
         load_step = getattr(args, "load_step", None)
         v = (
