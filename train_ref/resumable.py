@@ -25,7 +25,6 @@ heartbeat, says one line on rank 0 and raises ``SystemExit`` with the code of
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
@@ -68,7 +67,7 @@ from train_ref.devices import DeviceError
 from train_ref.drill_faults import DrillFaults, When
 from train_ref.parallel import params_digest
 from train_ref.progress_io import ProgressFileSystem
-from train_ref.resume import RETRY_LATER, Choice, choose_checkpoint, describe_diff, identity_diff
+from train_ref.resume import RETRY_LATER, Choice, Request, choose_checkpoint, describe_diff, identity_diff
 from train_ref.safe_load import load_dcp, refusal_line
 from train_ref.save_policy import DEFAULT_MAX_FAILED_SAVES, SavePolicy
 from train_ref.signals import PreemptionFlag, register_stack_dump
@@ -207,9 +206,9 @@ class ResumeOptions:
     remote: RemoteOptions = nested(RemoteOptions, "remote tier (docs/tiers.md)")
 
 
-def resume_args(root: Path, options: ResumeOptions, identity: Identity | None = None) -> argparse.Namespace:
+def resume_args(root: Path, options: ResumeOptions, identity: Identity | None = None) -> Request:
     """The options as resume.py reads them."""
-    return argparse.Namespace(
+    return Request(
         ckpt_root=root,
         verify=options.verify,
         io_retry=options.io_retry_s,
@@ -548,7 +547,7 @@ class Resumable:
             allow_data_change=self.options.allow_data_change,
         )
 
-    def _args(self) -> argparse.Namespace:
+    def _args(self) -> Request:
         return resume_args(self.root, self.options, self.identity)
 
     def _remote_problem(self) -> str:
