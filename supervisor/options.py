@@ -48,6 +48,8 @@ class Option:
     env: str = ""
     check: Callable[[Any], str] | None = None
     group: str = ""
+    off: str = ""
+    hidden: bool = False
 
 
 def option(  # noqa: PLR0913  one keyword per Option field, all optional
@@ -62,6 +64,8 @@ def option(  # noqa: PLR0913  one keyword per Option field, all optional
     env: str = "",
     check: Callable[[Any], str] | None = None,
     group: str = "",
+    off: str = "",
+    hidden: bool = False,
 ) -> Any:
     """A dataclass field that is also a command-line option.
 
@@ -71,8 +75,11 @@ def option(  # noqa: PLR0913  one keyword per Option field, all optional
     values (or lists the values). ``env`` names an environment variable that, when set, is the flag's
     default (the field's default stays for code that builds the config itself). ``check`` bounds
     the value (POSITIVE, NOT_NEGATIVE). ``group`` titles the help section it is listed in.
+    ``off`` gives a bool field a second flag that clears it, the two mutually exclusive
+    (``--async-save``/``--sync-save``). A ``tuple[X, ...]`` field is a repeatable option, one X
+    per use (its choices bound each). ``hidden`` leaves a test-only option out of ``--help``.
     """
-    meta = {OPTION: Option(help, flag, metavar, parse, choices, env, check, group)}
+    meta = {OPTION: Option(help, flag, metavar, parse, choices, env, check, group, off, hidden)}
     return dataclasses.field(default=default, default_factory=default_factory, metadata=meta)
 
 
@@ -106,14 +113,30 @@ def _add(parser: argparse.ArgumentParser, cls: type, group: str, groups: dict[st
             if title and title not in groups:
                 groups[title] = parser.add_argument_group(title)
             target = groups[title] if title else parser
-            target.add_argument(flag_of(f), dest=dest_of(f), **_argument(f, hints[f.name]))
+            if f.metadata[OPTION].off:
+                _add_pair(target, f)
+            else:
+                target.add_argument(flag_of(f), dest=dest_of(f), **_argument(f, hints[f.name]))
+
+
+def _add_pair(target: argparse.ArgumentParser | argparse._ArgumentGroup, f: dataclasses.Field[Any]) -> None:
+    """A bool field's flag and its ``off`` flag, one of them at most."""
+    opt: Option = f.metadata[OPTION]
+    pair = target.add_mutually_exclusive_group()
+    pair.add_argument(flag_of(f), dest=dest_of(f), action="store_true", default=_default(f), help=opt.help)
+    off_help = f"the opposite of {flag_of(f)}"
+    pair.add_argument(opt.off, dest=dest_of(f), action="store_false", default=_default(f), help=off_help)
 
 
 def _argument(f: dataclasses.Field[Any], hint: Any) -> dict[str, Any]:
     """add_argument's keywords for one option field."""
     opt: Option = f.metadata[OPTION]
     default = _default(f)
-    kw: dict[str, Any] = {"help": opt.help}
+    kw: dict[str, Any] = {"help": argparse.SUPPRESS if opt.hidden else opt.help}
+    if get_origin(hint) is tuple:  # repeatable: None when never given (build keeps the default)
+        (item, _) = get_args(hint)
+        kw.update(action="append", default=None, type=_checked(opt.parse or item, opt.check))
+        return {**kw, "choices": tuple(opt.choices)} if opt.choices is not None else kw
     if _scalar(hint) is bool and opt.parse is None and opt.choices is None:
         if default and not flag_of(f).startswith("--no-"):
             raise TypeError(f"{f.name}: a switch that defaults to True needs a --no-... flag")
@@ -190,6 +213,10 @@ def build(cls: type, args: argparse.Namespace, **given: Any) -> Any:
 
 def _value(f: dataclasses.Field[Any], raw: Any) -> Any:
     opt: Option = f.metadata[OPTION]
+    if isinstance(raw, list):  # a repeatable option given
+        return tuple(raw)
+    if raw is None and isinstance(_default(f), tuple):  # ... and not given
+        return _default(f)
     if isinstance(opt.choices, Mapping):
         return opt.choices[raw]
     if flag_of(f).startswith("--no-") and isinstance(raw, bool):

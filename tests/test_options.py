@@ -96,6 +96,48 @@ def test_a_true_switch_without_a_no_flag_is_refused() -> None:
         parser_for(Bad)
 
 
+@dataclasses.dataclass(frozen=True)
+class Pairs:
+    fast: bool = option("the fast way", True, off="--slow")
+    tags: tuple[str, ...] = option("one tag per use", (), flag="--tag", choices=("a", "b"))
+    secret: int = option("test-only", 0, hidden=True)
+
+
+@pytest.mark.parametrize(
+    ("argv", "want"),
+    [
+        ([], Pairs()),
+        (["--fast"], Pairs()),
+        (["--slow"], Pairs(fast=False)),
+        (["--tag", "b", "--tag", "a", "--secret", "3"], Pairs(tags=("b", "a"), secret=3)),
+    ],
+)
+def test_a_pair_of_flags_a_repeatable_and_a_hidden_option(argv: list[str], want: Pairs) -> None:
+    assert options.build(Pairs, parser_for(Pairs).parse_args(argv)) == want
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--fast", "--slow"], "argument --slow: not allowed with argument --fast"),
+        (["--tag", "c"], "argument --tag: invalid choice: 'c'"),
+    ],
+)
+def test_a_pair_is_exclusive_and_each_repeat_is_checked(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as e:
+        parser_for(Pairs).parse_args(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_a_hidden_option_is_not_in_the_help_and_the_pair_is_each_once() -> None:
+    text = parser_for(Pairs).format_help()
+    assert "--secret" not in text and "test-only" not in text
+    assert text.count("--fast") == 3 and "the opposite of --fast" in text  # usage, its line, --slow's help
+
+
 def watch_args(*argv: str) -> argparse.Namespace:
     return build_parser("watch").parse_args(["watch", "--ckpt-root", "/r", *argv, "--", "cmd"])
 

@@ -16,6 +16,7 @@ from supervisor.format.exitcodes import NON_RETRYABLE, Exit
 from supervisor.format.heartbeat import HeartbeatWriter, Phase, read_heartbeats
 from train_ref.config import get_config
 from train_ref.data import Corpus
+from train_ref.resumable import resume_args
 from train_ref.resume import _choose, choose_checkpoint
 from train_ref.train import parse_args
 
@@ -26,8 +27,8 @@ def cfg():
 
 
 def choose(root: Path, cfg, *flags: str):
-    args = parse_args(["--ckpt-root", str(root), "--steps", "1", "--verify", "quick", *flags])
-    return _choose(args, store.Expectation(), cfg, "launch-1")
+    opts = parse_args(["--ckpt-root", str(root), "--steps", "1", "--verify", "quick", *flags])
+    return _choose(resume_args(root, opts.resume), store.Expectation(), cfg, "launch-1")
 
 
 def test_an_all_quarantined_run_is_refused_with_66_unless_allowed(tmp_path: Path, cfg) -> None:
@@ -79,7 +80,9 @@ def test_after_the_choice_the_heartbeat_is_back_in_startup(tmp_path: Path, cfg) 
     root = tmp_path / "run"
     make_ckpt(root, 10)
     hb = PhaseLog(root, rank=0, local_rank=0, world_size=1)
-    args = parse_args(["--ckpt-root", str(root), "--steps", "1", "--verify", "quick"])
+    args = resume_args(
+        root, parse_args(["--ckpt-root", str(root), "--steps", "1", "--verify", "quick"]).resume
+    )
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
         choice = choose_checkpoint(args, store.Expectation(), cfg, hb)

@@ -8,9 +8,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from train_ref.resumable import Identity, Objects, Resumable, ResumeOptions, Saves
+    from train_ref.resumable import Identity, Objects, RemoteOptions, Resumable, ResumeOptions, Saves
 
-__all__ = ["Identity", "Objects", "Resumable", "ResumeOptions", "Saves"]
+__all__ = ["Identity", "Objects", "RemoteOptions", "Resumable", "ResumeOptions", "Saves"]
 
 
 def __getattr__(name: str) -> Any:

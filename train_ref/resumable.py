@@ -25,7 +25,6 @@ heartbeat, says one line on rank 0 and raises ``SystemExit`` with the code of
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
@@ -58,6 +57,7 @@ from supervisor.format.layout import FINAL, RunDir
 from supervisor.format.manifest import CheckpointInfo
 from supervisor.format.metrics import MetricsRecord
 from supervisor.ioerrors import backoff_s, retry_transient
+from supervisor.options import nested, option
 from supervisor.safepickle import UnsafePickle
 from supervisor.tiers.uploader import Uploader
 from train_ref import agree, launch_marks, tiering
@@ -67,11 +67,12 @@ from train_ref.devices import DeviceError
 from train_ref.drill_faults import DrillFaults, When
 from train_ref.parallel import params_digest
 from train_ref.progress_io import ProgressFileSystem
-from train_ref.resume import RETRY_LATER, Choice, choose_checkpoint, describe_diff, identity_diff
+from train_ref.resume import RETRY_LATER, Choice, Request, choose_checkpoint, describe_diff, identity_diff
 from train_ref.safe_load import load_dcp, refusal_line
 from train_ref.save_policy import DEFAULT_MAX_FAILED_SAVES, SavePolicy
 from train_ref.signals import PreemptionFlag, register_stack_dump
 from train_ref.state import seed_rank_rng
+from train_ref.tiering import RemoteOptions
 
 log = logging.getLogger("train_ref")
 
@@ -79,6 +80,7 @@ log = logging.getLogger("train_ref")
 # notice during startup is not lost.
 PREEMPTION = PreemptionFlag()
 _installed: list[str] = []  # install()'s problem, once installed
+VERIFY = ("quick", "deep")
 
 
 def install_signals() -> str:
@@ -91,14 +93,31 @@ def install_signals() -> str:
 
 @dataclass(frozen=True)
 class Saves:
-    """When and how to checkpoint."""
+    """When and how to checkpoint. Each option field is also the trainer's flag (``supervisor.options``)."""
 
-    every_steps: int = 50  # 0: not by step count
-    every_s: float = 0.0  # 0: not by time; rank 0's clock decides, every rank follows
-    async_save: bool = True
+    every_steps: int = option("save every N steps (0: only by --save-every-s)", 50, flag="--save-every")
+    every_s: float = option(
+        "also save when this long has passed since the last save (rank 0's clock decides for all)",
+        0.0,
+        flag="--save-every-s",
+        metavar="SECONDS",
+    )
+    async_save: bool = option(
+        "save in the background while training goes on (default)", True, off="--sync-save"
+    )
+    # The newest ``keep`` and the retention beyond it: the retention flags (--keep, --keep-every-s,
+    # --keep-best, --keep-all) of supervisor.retention_policy, shared with `ckpt prune`.
     keep: int = store.DEFAULT_KEEP
-    max_failed_saves: int = DEFAULT_MAX_FAILED_SAVES
-    max_unsaved_s: float = 0.0
+    max_failed_saves: int = option(
+        "exit 74 after N failed saves in a row (a full disk, EIO...); until then training goes on",
+        DEFAULT_MAX_FAILED_SAVES,
+        metavar="N",
+    )
+    max_unsaved_s: float = option(
+        "also exit 74 when a save fails and nothing was committed for this long (0: no limit)",
+        0.0,
+        metavar="SECONDS",
+    )
     # What prune keeps locally beyond the newest ``keep`` (one per period, best by a metric of
     # ``step_end``, all); None: the newest ``keep``. Recorded for `status` and `ckpt list`.
     retention: store.RetentionPolicy | None = None
@@ -147,20 +166,69 @@ class Identity:
 
 @dataclass(frozen=True)
 class ResumeOptions:
-    """How to choose the checkpoint to resume from."""
+    """How to choose the checkpoint to resume from. Each option field is also the trainer's flag."""
 
-    verify: str = "deep"  # deep: every file's checksum, spread over the ranks; quick: sizes
-    io_retry_s: float = store.IO_RETRY_S
-    allow_fresh_start: bool = False
-    allow_config_change: bool = False
-    allow_data_change: bool = False
-    load_step: int | None = None  # this step instead of the newest (newer ones are moved aside)
+    verify: str = option(
+        "checkpoint check before loading: deep = every file's checksum (DCP has none), quick = sizes",
+        "deep",  # deep: spread over the ranks
+        choices=VERIFY,
+    )
+    io_retry_s: float = option(
+        "retry checkpoints that cannot be read this long at resume, then exit 74",
+        store.IO_RETRY_S,
+        flag="--io-retry",
+        metavar="SECONDS",
+    )
+    allow_fresh_start: bool = option(
+        "start from step 0 when no checkpoint is usable even though some are quarantined", False
+    )
+    allow_config_change: bool = option(
+        "resume with a changed LR, weight decay, schedule or augmentation (applied); "
+        "other changes are still refused",
+        False,
+    )
+    allow_data_change: bool = option("resume on data with another fingerprint", False)
+    load_step: int | None = option(
+        "resume from committed step N instead of the newest (newer ones are moved to quarantine/)",
+        None,
+        metavar="N",
+    )
     # A new run's starting point: another run's weights, DIR or DIR:STEP (default its newest valid
     # checkpoint), and with init_optimizer its optimizer state too; recorded in every manifest.
-    init_from: str | None = None
-    init_optimizer: bool = False
-    sign_key: bytes | None = field(default=None, repr=False)
-    remote: argparse.Namespace | None = None  # tiering.add_args' options, with --remote set
+    init_from: str | None = option(
+        "a NEW run starts from another run's weights (its newest valid checkpoint, or STEP); "
+        "recorded in every manifest; ignored once this run has checkpoints of its own",
+        None,
+        metavar="DIR[:STEP]",
+    )
+    init_optimizer: bool = option("with --init-from: its optimizer state too", False)
+    sign_key: bytes | None = field(default=None, repr=False)  # --signing-key's key (supervisor.signing)
+    remote: RemoteOptions = nested(RemoteOptions, "remote tier (docs/tiers.md)")
+
+
+def resume_args(root: Path, options: ResumeOptions, identity: Identity | None = None) -> Request:
+    """The options as resume.py reads them."""
+    return Request(
+        ckpt_root=root,
+        verify=options.verify,
+        io_retry=options.io_retry_s,
+        allow_fresh_start=options.allow_fresh_start,
+        sign_key=options.sign_key,
+        load_step=options.load_step,
+        identity=(identity or Identity()).all_fields,
+        remote=options.remote if options.remote.url else None,
+    )
+
+
+def remote_problem(remote: RemoteOptions, local_keep: int) -> str:
+    """What is wrong with the remote tier's options (one line naming the flag), or ''."""
+    if not remote.url:
+        return ""
+    try:
+        remote.policy(local_keep)
+    except store.StoreError as e:
+        return str(e)
+    return ""
 
 
 class Objects(Stateful):
@@ -297,7 +365,7 @@ class Resumable:
         self._stacks = register_stack_dump(stack_dump_path(self.root, self.rank))  # open until exit
         self.problem = install_signals() or self.saves.problem() or self._remote_problem()
         self.uploader: Uploader | None = None  # rank 0 with a remote, from resume() on
-        remote = self.options.remote is not None and self.options.remote.remote and self.rank == 0
+        remote = bool(self.options.remote.url) and self.rank == 0
         run = CheckpointInfo(
             step=0,  # each commit sets its step, meta and metrics
             world_size=self.world_size,
@@ -346,8 +414,8 @@ class Resumable:
             self.stop(choice.code, Phase.STARTUP, f"{why}: {choice.error}")
         self.launch = choice.launch
         self.drill = DrillFaults.from_env(self.rank, self.launch)  # inert unless `supervisor drill` set it
-        if self.options.remote is not None and self.options.remote.remote and self.rank == 0:
-            self.uploader = tiering.start_uploader(self.root, self.options.remote)
+        if self.options.remote.url and self.rank == 0:
+            self.uploader = tiering.start_uploader(self.root, self.options.remote, self.saves.keep)
         if self.rank == 0 and self.uploader is None:  # for `status` and `ckpt list`/`prune` by hand
             try:
                 store.record_policy(self.root, self.saves.retention_policy())
@@ -479,31 +547,11 @@ class Resumable:
             allow_data_change=self.options.allow_data_change,
         )
 
-    def _args(self) -> argparse.Namespace:
-        """The options as resume.py and tiering.py read them."""
-        o = self.options
-        mine = {
-            "ckpt_root": self.root,
-            "verify": o.verify,
-            "io_retry": o.io_retry_s,
-            "allow_fresh_start": o.allow_fresh_start,
-            "sign_key": o.sign_key,
-            "load_step": o.load_step,
-            "identity": self.identity.all_fields,
-            "keep": self.saves.keep,
-        }
-        return argparse.Namespace(
-            **{**(vars(o.remote) if o.remote is not None else {"remote": None}), **mine}
-        )
+    def _args(self) -> Request:
+        return resume_args(self.root, self.options, self.identity)
 
     def _remote_problem(self) -> str:
-        if self.options.remote is None or not self.options.remote.remote:
-            return ""
-        try:
-            tiering.policy(self._args())
-        except store.StoreError as e:
-            return str(e)
-        return ""
+        return remote_problem(self.options.remote, self.saves.keep)
 
     def _submit(self, ref: store.CheckpointRef) -> None:
         if self.uploader is not None:
@@ -609,7 +657,7 @@ class Resumable:
             log.warning("preemption signal: checkpointing step %d, then exit %d", step, Exit.REQUEUE)
         outcome = self.save_now()
         self.ckpt.close()
-        flush = self.options.remote.remote_flush_timeout if self.options.remote is not None else 0.0
+        flush = self.options.remote.flush_timeout_s
         self.close_uploader(min(flush, tiering.PREEMPT_FLUSH_TIMEOUT_S))
         if not outcome.committed:  # requeued, it would resume from an older checkpoint anyway
             self.stop(
@@ -637,8 +685,7 @@ class Resumable:
             self.metrics_file.close()
             self.metrics_file = None
         digest = self._final_record()
-        flush = self.options.remote.remote_flush_timeout if self.options.remote is not None else 0.0
-        self.close_uploader(flush)
+        self.close_uploader(self.options.remote.flush_timeout_s)
         deliberate_exit(self.hb, self.rank, self.state.step, Phase.DONE, Exit.OK)
         self._stacks.close()
         return digest

@@ -18,13 +18,12 @@ quick pick takes it briefly; the shares are hashed outside it).
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import random
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -39,6 +38,7 @@ from supervisor.ioerrors import Evidence, backoff_s, describe
 from supervisor.tiers.remote import RemoteUnavailable
 from train_ref import agree, tiering
 from train_ref.progress_io import PROGRESS_CHUNK
+from train_ref.tiering import RemoteOptions
 
 log = logging.getLogger("train_ref")
 
@@ -55,6 +55,20 @@ class Batch(Protocol):
 
     @property
     def global_batch(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the choice reads: the run directory and the resume options (``resumable.resume_args``)."""
+
+    ckpt_root: Path
+    verify: str = "deep"
+    io_retry: float = store.IO_RETRY_S
+    allow_fresh_start: bool = False
+    sign_key: bytes | None = field(default=None, repr=False)
+    load_step: int | None = None
+    identity: Mapping[str, Any] | None = None  # this run's, named in a mismatch refusal
+    remote: RemoteOptions | None = None  # with --remote only
 
 
 @dataclass(frozen=True)
@@ -111,9 +125,7 @@ def combine(verdicts: list[ShareVerdict]) -> ShareVerdict:
 # ---------------------------------------------------------------- the choice, on every rank
 
 
-def choose_checkpoint(
-    args: argparse.Namespace, expect: store.Expectation, cfg: Batch, hb: HeartbeatWriter
-) -> Choice:
+def choose_checkpoint(args: Request, expect: store.Expectation, cfg: Batch, hb: HeartbeatWriter) -> Choice:
     """Every rank: the checkpoint to load (verified as ``--verify`` says), or why none may be.
 
     Ends back in phase STARTUP: what comes next until the load (building the model, the optimizer,
@@ -124,9 +136,7 @@ def choose_checkpoint(
     return choice
 
 
-def _choose_verified(
-    args: argparse.Namespace, expect: store.Expectation, cfg: Batch, hb: HeartbeatWriter
-) -> Choice:
+def _choose_verified(args: Request, expect: store.Expectation, cfg: Batch, hb: HeartbeatWriter) -> Choice:
     rank0 = dist.get_rank() == 0
     retry = _Retry(args.ckpt_root, args.io_retry) if rank0 else None
     launch = (
@@ -249,7 +259,7 @@ class _Retry:
 
 
 def _choose(
-    args: argparse.Namespace,
+    args: Request,
     expect: store.Expectation,
     cfg: Batch,
     launch: str,
@@ -266,16 +276,25 @@ def _choose(
     signed_deep = args.verify == "deep" and args.sign_key is not None
     downloaded = None
     try:
-        if args.remote:
-            res = tiering.resume(root, args, expect, deep=signed_deep, on_retry=on_retry)
+        if args.remote is not None:
+            res = tiering.resume(
+                root,
+                args.remote,
+                expect,
+                deep=signed_deep,
+                key=args.sign_key,
+                io_retry_s=args.io_retry,
+                allow_fresh_start=args.allow_fresh_start,
+                on_retry=on_retry,
+            )
             downloaded = res.chosen.step if res.source == "remote" and res.chosen else None
-        load_step = getattr(args, "load_step", None)
+        load_step = args.load_step
         v = (
             pick_step(root, load_step, expect, args.sign_key)
             if load_step is not None
             else store.pick(
                 root,
-                deep=signed_deep and not args.remote,  # with --remote, checked by the tier resume
+                deep=signed_deep and args.remote is None,  # with --remote, checked by the tier resume
                 expect=expect,
                 progress=progress,
                 io_retry_s=args.io_retry,
@@ -285,9 +304,7 @@ def _choose(
             ).chosen
         )
     except store.MismatchError as e:
-        return Choice(
-            launch, error=str(e) + mismatch_fields(root, getattr(args, "identity", None)), code=Exit.MISMATCH
-        )
+        return Choice(launch, error=str(e) + mismatch_fields(root, args.identity), code=Exit.MISMATCH)
     except store.NoUsableCheckpoint as e:
         return Choice(launch, error=str(e), code=Exit.NO_USABLE_CHECKPOINT)
     except store.StorageUnavailable as e:

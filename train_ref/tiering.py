@@ -7,14 +7,15 @@ run without ``--remote`` (or with a directory remote) never touches it.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor import store
-from supervisor.tiers.remote import open_remote
+from supervisor.options import option
+from supervisor.tiers.remote import RemoteTier, open_remote
 from supervisor.tiers.resume import ResumeResult, prepare_resume
 from supervisor.tiers.uploader import BUSY_SKIP, BUSY_WAIT, Uploader, UploadPolicy
 
@@ -28,37 +29,51 @@ PREEMPT_FLUSH_TIMEOUT_S = 30.0
 FLUSH_SLICE_S = 5.0
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("remote tier (docs/tiers.md)")
-    g.add_argument("--remote", default=None, metavar="URL", help="DIR, file://DIR or s3://BUCKET/PREFIX")
-    g.add_argument(
-        "--remote-endpoint", default=None, metavar="URL", help="S3 endpoint (else AWS_ENDPOINT_URL)"
-    )
-    g.add_argument("--remote-keep", type=int, default=5, help="newest complete checkpoints kept remotely")
-    g.add_argument("--milestone-every", type=int, default=0, help="also keep every N-th step remotely")
-    g.add_argument("--remote-busy", choices=(BUSY_SKIP, BUSY_WAIT), default=BUSY_SKIP)
-    g.add_argument("--remote-wait-timeout", type=float, default=60.0, help="longest submit wait (busy=wait)")
-    g.add_argument("--remote-flush-timeout", type=float, default=300.0, help="upload wait at the end")
-    g.add_argument("--remote-attempts", type=int, default=4, help="tries per cycle before 'down'")
+@dataclass(frozen=True)
+class RemoteOptions:
+    """The remote tier's options (``ResumeOptions.remote``); without ``url``, no remote tier."""
 
-
-def policy(args: argparse.Namespace) -> UploadPolicy:
-    """The upload policy; RemoteConfigError (a StoreError, one line) for impossible values."""
-    return UploadPolicy(
-        busy=args.remote_busy,
-        wait_timeout_s=args.remote_wait_timeout,
-        attempts=max(1, args.remote_attempts),
-        remote_keep=args.remote_keep,
-        milestone_every=args.milestone_every,
-        local_keep=args.keep,
+    url: str | None = option("DIR, file://DIR or s3://BUCKET/PREFIX", None, flag="--remote", metavar="URL")
+    endpoint: str | None = option(
+        "S3 endpoint (else AWS_ENDPOINT_URL)", None, flag="--remote-endpoint", metavar="URL"
     )
+    keep: int = option("newest complete checkpoints kept remotely", 5, flag="--remote-keep")
+    milestone_every: int = option("also keep every N-th step remotely", 0, metavar="N")
+    busy: str = option(
+        "a commit while an upload runs: skip its upload (the next one catches up) or wait for it",
+        BUSY_SKIP,
+        flag="--remote-busy",
+        choices=(BUSY_SKIP, BUSY_WAIT),
+    )
+    wait_timeout_s: float = option(
+        "longest submit wait (busy=wait)", 60.0, flag="--remote-wait-timeout", metavar="SECONDS"
+    )
+    flush_timeout_s: float = option(
+        "upload wait at the end", 300.0, flag="--remote-flush-timeout", metavar="SECONDS"
+    )
+    attempts: int = option("tries per cycle before 'down'", 4, flag="--remote-attempts", metavar="N")
+
+    def policy(self, local_keep: int) -> UploadPolicy:
+        """The upload policy; RemoteConfigError (a StoreError, one line) for impossible values."""
+        return UploadPolicy(
+            busy=self.busy,
+            wait_timeout_s=self.wait_timeout_s,
+            attempts=max(1, self.attempts),
+            remote_keep=self.keep,
+            milestone_every=self.milestone_every,
+            local_keep=local_keep,
+        )
 
 
 def resume(
     root: Path,
-    args: argparse.Namespace,
+    remote: RemoteOptions,
     expect: store.Expectation,
+    *,
     deep: bool,
+    key: bytes | None,
+    io_retry_s: float,
+    allow_fresh_start: bool,
     on_retry: Callable[[str], None],
 ) -> ResumeResult:
     """Make the newest valid checkpoint of either tier the local ``latest`` (downloading and
@@ -67,21 +82,26 @@ def resume(
     ``store.pick`` does."""
     return prepare_resume(
         root,
-        open_remote(args.remote, args.remote_endpoint, key=args.sign_key),
+        _open(remote, key),
         deep=deep,
         expect=expect,
-        io_retry_s=args.io_retry,
+        io_retry_s=io_retry_s,
         on_retry=on_retry,
-        allow_fresh_start=args.allow_fresh_start,
-        key=args.sign_key,
+        allow_fresh_start=allow_fresh_start,
+        key=key,
     )
 
 
-def start_uploader(root: Path, args: argparse.Namespace) -> Uploader:
+def start_uploader(root: Path, remote: RemoteOptions, local_keep: int) -> Uploader:
     """Rank 0's uploader; its first cycle catches up on what the remote lacks."""
-    up = Uploader(root, open_remote(args.remote, args.remote_endpoint), policy(args)).start()
-    log.info("remote tier %s: uploads in the background (busy policy %s)", up.remote.url, args.remote_busy)
+    up = Uploader(root, _open(remote), remote.policy(local_keep)).start()
+    log.info("remote tier %s: uploads in the background (busy policy %s)", up.remote.url, remote.busy)
     return up
+
+
+def _open(remote: RemoteOptions, key: bytes | None = None) -> RemoteTier:
+    assert remote.url, "the remote tier is only used with --remote"
+    return open_remote(remote.url, remote.endpoint, key=key)
 
 
 def close_uploader(up: Uploader, timeout_s: float, beat: Callable[[], object]) -> None:

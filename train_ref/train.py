@@ -40,15 +40,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from supervisor import store
+from supervisor import options, store
 from supervisor.format.atomic import restrict_umask
 from supervisor.format.exitcodes import Exit
 from supervisor.format.heartbeat import HeartbeatWriter, Phase
 from supervisor.format.layout import RunDir, step_dirname
+from supervisor.options import nested, option
 from supervisor.redact import redact_log_handlers
 from supervisor.retention_policy import add_retention_args, policy_from_args
 from supervisor.signing import SigningKeyError, add_signing_key_arg, load_key
-from train_ref import standby, tiering
+from train_ref import standby
 from train_ref.appender import LineAppender
 from train_ref.config import CONFIGS, TrainConfig, get_config
 from train_ref.data import Corpus, WindowDataset, collate
@@ -64,10 +65,10 @@ from train_ref.resumable import (
     Saves,
     deliberate_exit,
     install_signals,
+    remote_problem,
 )
 from train_ref.resume import Choice
 from train_ref.sampler import ResumableBatchSampler
-from train_ref.save_policy import DEFAULT_MAX_FAILED_SAVES
 from train_ref.schedule import WarmupCosine
 from train_ref.state import ABLATABLE, RANK_ITEMS, TrainState
 
@@ -78,108 +79,66 @@ log = logging.getLogger("train_ref")
 LOSS_JUMP_SIGMAS = 4.0
 LOSS_JUMP_SLACK = 0.05
 SANITY_STEPS = 3
-VERIFY = ("quick", "deep")
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="train_ref.train", description=__doc__.split("\n")[0])
-    p.add_argument("--ckpt-root", required=True, type=Path)
-    p.add_argument("--steps", required=True, type=int, help="stop after this many steps in total")
-    p.add_argument(
-        "--save-every", type=int, default=50, help="save every N steps (0: only by --save-every-s)"
+def _override(what: str) -> Any:
+    return option(f"{what} (default: the config's)", None)
+
+
+@dataclass(frozen=True)
+class TrainerOptions:
+    """The reference trainer's command line, typed: each option field is one flag, its default and
+    its help (``supervisor.options``); ``saves`` and ``resume`` are the Resumable's own options."""
+
+    ckpt_root: Path = option("the run directory: checkpoints, heartbeats, metrics.jsonl, final.json")
+    steps: int = option("stop after this many steps in total")
+    seed: int = option("data order, initial weights and every RNG", 0)
+    parallel: str = option("how the model is spread over the ranks", "fsdp", choices=MODES)
+    config: str = option(
+        "the model and optimizer config (train_ref/config.py)", "tiny", choices=sorted(CONFIGS)
     )
-    p.add_argument(
-        "--save-every-s",
-        type=float,
-        default=0.0,
-        metavar="SECONDS",
-        help="also save when this long has passed since the last save (rank 0's clock decides for all)",
-    )
-    p.add_argument(
-        "--load-step",
-        type=int,
-        default=None,
-        metavar="N",
-        help="resume from committed step N instead of the newest (newer ones are moved to quarantine/)",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--parallel", choices=MODES, default="fsdp")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--async-save", dest="async_save", action="store_true", default=True)
-    g.add_argument("--sync-save", dest="async_save", action="store_false")
-    add_retention_args(p, milestones=False)  # --keep, --keep-every-s, --keep-best, --keep-all
-    p.add_argument("--num-workers", type=int, default=0)
-    p.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
-    p.add_argument(
-        "--init-from",
-        default=None,
-        metavar="DIR[:STEP]",
-        help="a NEW run starts from another run's weights (its newest valid checkpoint, or STEP); "
-        "recorded in every manifest; ignored once this run has checkpoints of its own",
-    )
-    p.add_argument("--init-optimizer", action="store_true", help="with --init-from: its optimizer state too")
-    for flag, what in (("--lr", "peak learning rate"), ("--weight-decay", "AdamW weight decay")):
-        p.add_argument(flag, type=float, default=None, help=f"{what} (default: the config's)")
-    p.add_argument("--decay-steps", type=int, default=None, help="cosine horizon (default: the config's)")
-    p.add_argument("--corpus", default=None, help="UTF-8 text file (default: the built-in corpus)")
-    p.add_argument("--allow-config-change", action="store_true")
-    p.add_argument("--allow-data-change", action="store_true")
-    p.add_argument(
-        "--allow-fresh-start",
-        action="store_true",
-        help="start from step 0 when no checkpoint is usable even though some are quarantined",
-    )
-    p.add_argument(
-        "--io-retry",
-        type=float,
-        default=store.IO_RETRY_S,
-        metavar="SECONDS",
-        help="retry checkpoints that cannot be read this long at resume, then exit 74",
-    )
-    p.add_argument(
-        "--max-failed-saves",
-        type=int,
-        default=DEFAULT_MAX_FAILED_SAVES,
-        metavar="N",
-        help="exit 74 after N failed saves in a row (a full disk, EIO...); until then training goes on",
-    )
-    p.add_argument(
-        "--max-unsaved-s",
-        type=float,
-        default=0.0,
-        metavar="SECONDS",
-        help="also exit 74 when a save fails and nothing was committed for this long (0: no limit)",
-    )
-    p.add_argument("--log-samples", action="store_true", help="per-rank sample ids of every step")
-    p.add_argument(
-        "--amp",
+    lr: float | None = _override("peak learning rate")
+    weight_decay: float | None = _override("AdamW weight decay")
+    decay_steps: int | None = _override("cosine horizon")
+    corpus: str | None = option("UTF-8 text file (default: the built-in corpus)", None)
+    num_workers: int = option("DataLoader worker processes", 0)
+    log_samples: bool = option("per-rank sample ids of every step", False)
+    amp: str = option(
+        "autocast; fp16 adds loss scaling (GradScaler), on CUDA and on CPU alike",
+        "off",
         choices=("off", "fp16", "bf16"),
-        default="off",
-        help="autocast; fp16 adds loss scaling (GradScaler), on CUDA and on CPU alike",
     )
-    p.add_argument(
-        "--deterministic",
-        action="store_true",
-        help="torch.use_deterministic_algorithms(True): needed for a bit-exact resume on GPUs",
+    deterministic: bool = option(
+        "torch.use_deterministic_algorithms(True): needed for a bit-exact resume on GPUs", False
     )
-    p.add_argument(
-        "--verify",
-        choices=VERIFY,
-        default="deep",
-        help="checkpoint check before loading: deep = every file's checksum (DCP has none), quick = sizes",
-    )
-    tiering.add_args(p)
-    add_signing_key_arg(p)
-    p.set_defaults(sign_key=None)  # the key itself, loaded by main (signing_key)
+    saves: Saves = nested(Saves)
+    resume: ResumeOptions = nested(ResumeOptions)
+    signing_key: str | None = None  # --signing-key's source (supervisor.signing's flag, shared)
     # Test-only: skip restoring these state items on resume, to prove each one matters.
-    p.add_argument("--ablate", action="append", default=[], choices=ABLATABLE, help=argparse.SUPPRESS)
+    ablate: tuple[str, ...] = option(
+        "test-only: skip restoring ITEM on resume", (), choices=ABLATABLE, hidden=True
+    )
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="train_ref.train", description=__doc__.split("\n")[0])
+    options.add_options(p, TrainerOptions)
+    add_retention_args(p, milestones=False)  # --keep, --keep-every-s, --keep-best, --keep-all
+    add_signing_key_arg(p)
+    return p
+
+
+def parse_args(argv: list[str] | None) -> TrainerOptions:
+    p = parser()
     args = p.parse_args(argv)
     try:  # a policy out of range is a usage error, one line (exit 2)
-        args.retention = policy_from_args(args, milestones=False) or store.RetentionPolicy()
+        retention = policy_from_args(args, milestones=False)
     except store.StoreError as e:
         p.error(str(e))
-    args.keep = args.retention.keep
-    return args
+    kept = {"keep": retention.keep, "retention": retention} if retention else {}  # else Saves' defaults
+    saves = options.build(Saves, args, **kept)
+    opts: TrainerOptions = options.build(TrainerOptions, args, saves=saves, signing_key=args.signing_key)
+    return opts
 
 
 @dataclass(frozen=True)
@@ -231,18 +190,18 @@ def init_distributed() -> Dist:
     return Dist(rank, local, dist.get_world_size(), torch.device("cuda", index), problem)
 
 
-def identity(args: argparse.Namespace, cfg: TrainConfig, corpus: Corpus) -> Identity:
+def identity(opts: TrainerOptions, cfg: TrainConfig, corpus: Corpus) -> Identity:
     """Everything that changes this trainer's trajectory: the whole config (model shape,
     optimizer, schedule length, augmentation), the precision mode and the seed (data order,
     initial weights, every RNG); the data by its fingerprint."""
-    fields = {"amp": args.amp, **_flat(asdict(cfg))}
+    fields = {"amp": opts.amp, **_flat(asdict(cfg))}
     return Identity(
         fields,
         data=corpus.fingerprint,
-        seed=args.seed,
+        seed=opts.seed,
         name=cfg.name,
         global_batch=cfg.global_batch,
-        mode=args.parallel,
+        mode=opts.parallel,
         changeable=CHANGEABLE,
     )
 
@@ -263,46 +222,19 @@ CHANGEABLE = frozenset(
 )
 
 
-def saves(args: argparse.Namespace) -> Saves:
-    return Saves(
-        every_steps=args.save_every,
-        every_s=args.save_every_s,
-        async_save=args.async_save,
-        keep=args.keep,
-        retention=args.retention,
-        max_failed_saves=args.max_failed_saves,
-        max_unsaved_s=args.max_unsaved_s,
-    )
-
-
-def options(args: argparse.Namespace) -> ResumeOptions:
-    return ResumeOptions(
-        verify=args.verify,
-        io_retry_s=args.io_retry,
-        allow_fresh_start=args.allow_fresh_start,
-        allow_config_change=args.allow_config_change,
-        allow_data_change=args.allow_data_change,
-        load_step=args.load_step,
-        init_from=args.init_from,
-        init_optimizer=args.init_optimizer,
-        sign_key=args.sign_key,
-        remote=args if args.remote else None,
-    )
-
-
 class Reference(Resumable):
     """The reference trainer's Resumable: its sampler position in every manifest, the config
     changes it can apply, and the test-only ablation of a state item at load."""
 
-    def __init__(self, trainer: Trainer, args: argparse.Namespace):
+    def __init__(self, trainer: Trainer, opts: TrainerOptions):
         self.trainer = trainer
         super().__init__(
-            args.ckpt_root,
+            opts.ckpt_root,
             trainer.state,
-            steps=args.steps,
-            identity=identity(args, trainer.cfg, trainer.corpus),
-            saves=saves(args),
-            options=options(args),
+            steps=opts.steps,
+            identity=identity(opts, trainer.cfg, trainer.corpus),
+            saves=opts.saves,
+            options=opts.resume,
         )
 
     def save_meta(self) -> dict[str, Any]:
@@ -310,7 +242,7 @@ class Reference(Resumable):
 
     def load(self, choice: Choice) -> bool:
         """Test-only ``--ablate ITEM``: skip restoring that item, to prove it matters."""
-        ablate = frozenset(self.trainer.args.ablate)
+        ablate = frozenset(self.trainer.opts.ablate)
         if not ablate:
             return super().load(choice)
         assert choice.ckpt is not None
@@ -346,25 +278,25 @@ class Trainer:
     """One launch of the training job on this rank: the model, its data and the loop; the
     checkpoint lifecycle is ``self.r`` (a Resumable)."""
 
-    def __init__(self, args: argparse.Namespace, d: Dist, cfg: TrainConfig, corpus: Corpus):
-        self.args, self.d, self.cfg, self.corpus = args, d, cfg, corpus
+    def __init__(self, opts: TrainerOptions, d: Dist, cfg: TrainConfig, corpus: Corpus):
+        self.opts, self.d, self.cfg, self.corpus = opts, d, cfg, corpus
         tok = corpus.tokenizer
         # Identical initial parameters on every rank; fsdp never builds the whole model (parallel.py).
-        self.model = build(lambda: GPT(cfg.model), args.parallel, d.device, args.seed)
+        self.model = build(lambda: GPT(cfg.model), opts.parallel, d.device, opts.seed)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
         )
         self.schedule = WarmupCosine.of(cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule)
-        self.amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.amp)
+        self.amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(opts.amp)
         # Loss scaling for fp16, on CUDA and CPU alike (one code path, tested on CPU); disabled, its
         # state is an empty dict, saved and restored all the same.
-        self.scaler = torch.amp.GradScaler(d.device.type, enabled=args.amp == "fp16")
+        self.scaler = torch.amp.GradScaler(d.device.type, enabled=opts.amp == "fp16")
         self.dataset = WindowDataset(
-            tok.encode(corpus.text), cfg.model.block_size, cfg.crop_max, cfg.mask_prob, tok.mask_id, args.seed
+            tok.encode(corpus.text), cfg.model.block_size, cfg.crop_max, cfg.mask_prob, tok.mask_id, opts.seed
         )
         self.sampler = ResumableBatchSampler(
-            len(self.dataset), cfg.global_batch, d.rank, d.world_size, args.seed
+            len(self.dataset), cfg.global_batch, d.rank, d.world_size, opts.seed
         )
         self.state = TrainState(
             self.model,
@@ -373,9 +305,9 @@ class Trainer:
             self.scaler,
             self.sampler,
             cfg.loss_window,
-            replicated=args.parallel == "ddp",
+            replicated=opts.parallel == "ddp",
         )
-        self.r = Reference(self, args)
+        self.r = Reference(self, opts)
         self.ckpt = self.r.ckpt
         self.samples_file: LineAppender | None = None
         self.hold: HoldGate | None = None  # test-only: main sets it from TRAIN_REF_HOLD_FILE
@@ -430,9 +362,9 @@ class Trainer:
         return torch.utils.data.DataLoader(
             self.dataset,
             batch_sampler=self.sampler,
-            num_workers=self.args.num_workers,
+            num_workers=self.opts.num_workers,
             collate_fn=collate,
-            generator=torch.Generator().manual_seed(self.args.seed),
+            generator=torch.Generator().manual_seed(self.opts.seed),
         )
 
     def perturb(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -452,7 +384,7 @@ class Trainer:
         with torch.autocast(self.d.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
             loss = self.model(x, y)
         self.scaler.scale(loss).backward()
-        sync_grads(self.model, self.args.parallel)
+        sync_grads(self.model, self.opts.parallel)
         self.scaler.unscale_(self.optimizer)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         lr = self.optimizer.param_groups[0]["lr"]
@@ -467,19 +399,19 @@ class Trainer:
     def run(self) -> None:
         """Train to --steps; the sample log is closed on every way out (the exit skips teardown)."""
         with contextlib.ExitStack() as files:
-            if self.args.log_samples:
-                samples = RunDir.of(self.args.ckpt_root).samples(self.d.rank)
+            if self.opts.log_samples:
+                samples = RunDir.of(self.opts.ckpt_root).samples(self.d.rank)
                 samples.parent.mkdir(exist_ok=True)
                 self.samples_file = LineAppender(samples)
                 files.callback(self.samples_file.close)
             self.loop()
 
     def loop(self) -> None:
-        args, st = self.args, self.state
+        opts, st = self.opts, self.state
         start = st.step
         batches = iter(self.loader())
         first_losses: list[float] = []
-        while st.step < args.steps:
+        while st.step < opts.steps:
             t0 = time.perf_counter()
             x, y, ids = next(batches)
             loss, norm, lr = self.train_step(x, y)
@@ -490,7 +422,7 @@ class Trainer:
                 self.samples_file.append(json.dumps({"launch": self.r.launch, "step": step, "ids": ids}))
             if start > 0 and len(first_losses) < SANITY_STEPS:
                 first_losses.append(loss)
-                if len(first_losses) == min(SANITY_STEPS, args.steps - start):
+                if len(first_losses) == min(SANITY_STEPS, opts.steps - start):
                     self.check_losses(first_losses)
             step_s = round(time.perf_counter() - t0, 6)
             self.r.step_end(step, {"loss": loss, "lr": lr, "grad_norm": norm, "step_time": step_s})
@@ -511,8 +443,8 @@ def hold_if_asked(gate: HoldGate, step: int, beat: Callable[[], object]) -> bool
 
 @record  # the exception that ends a rank goes to $TORCHELASTIC_ERROR_FILE: the watchdog's root cause
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.deterministic:  # before CUDA starts: cuBLAS reads its workspace setting once
+    opts = parse_args(argv)
+    if opts.deterministic:  # before CUDA starts: cuBLAS reads its workspace setting once
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     signal_problem = install_signals()  # before the model is built: a notice is never lost
@@ -523,17 +455,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     redact_log_handlers()  # a --remote URL or a backend's error may carry credentials
     restrict_umask()  # nothing this run creates is world-writable (docs/security.md)
-    args.ckpt_root.mkdir(parents=True, exist_ok=True)
-    corpus = Corpus.load(args.corpus)
-    cfg = with_overrides(get_config(args.config, corpus.tokenizer.vocab_size), args)
-    args.sign_key, key_problem = signing_key(args)
-    problem = d.problem or config_problem(args, cfg, d.world_size) or key_problem or signal_problem
+    opts.ckpt_root.mkdir(parents=True, exist_ok=True)
+    corpus = Corpus.load(opts.corpus)
+    cfg = with_overrides(get_config(opts.config, corpus.tokenizer.vocab_size), opts)
+    key, key_problem = signing_key(opts)
+    opts = replace(opts, resume=replace(opts.resume, sign_key=key))
+    problem = d.problem or config_problem(opts, cfg, d.world_size) or key_problem or signal_problem
     if problem:  # before anything is built on it (a batch that does not split, no device...)
-        hb = HeartbeatWriter(args.ckpt_root, rank=d.rank, local_rank=d.local_rank, world_size=d.world_size)
+        hb = HeartbeatWriter(opts.ckpt_root, rank=d.rank, local_rank=d.local_rank, world_size=d.world_size)
         return deliberate_exit(
             hb, d.rank, 0, Phase.STARTUP, Exit.BAD_CONFIG, f"refused: bad config: {problem}"
         )
-    trainer = Trainer(args, d, cfg, corpus)
+    trainer = Trainer(opts, d, cfg, corpus)
     trainer.r.resume()
     trainer.hold = HoldGate.from_env(d.rank, trainer.r.launch)  # None unless TRAIN_REF_HOLD_FILE is set
     trainer.check_schedule()
@@ -543,39 +476,37 @@ def main(argv: list[str] | None = None) -> int:
     return int(Exit.OK)
 
 
-def signing_key(args: argparse.Namespace) -> tuple[bytes | None, str]:
+def signing_key(opts: TrainerOptions) -> tuple[bytes | None, str]:
     """--signing-key's key (None without it), and a one-line problem when it cannot be used."""
-    if not args.signing_key:
+    if not opts.signing_key:
         return None, ""
     try:
-        return load_key(args.signing_key, outside=(args.ckpt_root, args.remote)), ""
+        return load_key(opts.signing_key, outside=(opts.ckpt_root, opts.resume.remote.url)), ""
     except SigningKeyError as e:
         return None, str(e)
 
 
-def with_overrides(cfg: TrainConfig, args: argparse.Namespace) -> TrainConfig:
+def with_overrides(cfg: TrainConfig, opts: TrainerOptions) -> TrainConfig:
     """The named config with --lr, --weight-decay, --decay-steps where given (part of the identity:
     a resume with other values is refused unless --allow-config-change, which applies them)."""
-    given = {"lr": args.lr, "weight_decay": args.weight_decay, "decay_steps": args.decay_steps}
+    given: dict[str, Any] = {
+        "lr": opts.lr,
+        "weight_decay": opts.weight_decay,
+        "decay_steps": opts.decay_steps,
+    }
     return replace(cfg, **{k: v for k, v in given.items() if v is not None})
 
 
-def config_problem(args: argparse.Namespace, cfg: TrainConfig, world: int) -> str:
+def config_problem(opts: TrainerOptions, cfg: TrainConfig, world: int) -> str:
     """One line saying what is wrong with the command line, or ''."""
     if cfg.global_batch % world:
         return f"global batch {cfg.global_batch} of config '{cfg.name}' does not split over {world} ranks"
-    if args.steps < 0:
+    if opts.steps < 0:
         return "--steps must be >= 0"
-    if args.load_step is not None and args.load_step < 0:
-        return f"--load-step {args.load_step}: give a committed step (ckpt list shows them)"
-    if problem := saves(args).problem():
-        return problem
-    if args.remote:
-        try:
-            tiering.policy(args)
-        except store.StoreError as e:
-            return str(e)
-    return ""
+    load_step = opts.resume.load_step
+    if load_step is not None and load_step < 0:
+        return f"--load-step {load_step}: give a committed step (ckpt list shows them)"
+    return opts.saves.problem() or remote_problem(opts.resume.remote, opts.saves.keep)
 
 
 def exit_now(code: int) -> NoReturn:
