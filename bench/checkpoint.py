@@ -9,7 +9,8 @@ On 2 ranks (torchrun, gloo on CPU), with the ~50M-parameter ``bench`` model and 
    also a bare ``dcp.save`` (stock writer, no commit);
 3. the trainer's load (``Checkpointer.load``: DCP through the safe reader with counted reads, then
    the per-rank file) vs a raw read of the same files, each rank reading its share at once, with
-   the page cache hot, and cold (``posix_fadvise(DONTNEED)`` on every file first);
+   the page cache hot, and cold (``posix_fadvise(DONTNEED)`` on every file first); beside it the
+   same load as before issue 12 point 3 (every tensor record through ``torch.load``, GC on);
 4. end-to-end overhead of saving every ``--interval`` steps (the trainer's default ``--save-every``):
    ``--window`` steps with one async save in the middle vs the same steps without, interleaved;
    the extra time of that one save, divided by ``--interval`` steps of training. (A CPU step of
@@ -22,6 +23,7 @@ Targets: async blocked <= 5% of sync; sync >= 80% of dd; load >= 80% of a raw re
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -95,6 +97,7 @@ def worker(args: argparse.Namespace) -> None:
     from supervisor.format.heartbeat import Phase
     from supervisor.format.manifest import list_files
     from supervisor.store import list_checkpoints
+    from train_ref import safe_load
     from train_ref.resume import split_by_size
 
     root = Path(args.dir) / "ckpt"
@@ -177,6 +180,16 @@ def worker(args: argparse.Namespace) -> None:
             cold,
         )
 
+    def load_via_torch_load(ckpt: Path, files: list[Path], cold: bool) -> float:
+        """The same load as the reader did before issue 12 point 3: every tensor record through
+        ``torch.load``, the cycle collector on."""
+        fast, no_gc = safe_load.plain_tensor, safe_load.no_gc
+        safe_load.plain_tensor, safe_load.no_gc = (lambda *_: None), contextlib.nullcontext
+        try:
+            return load(ckpt, files, cold)
+        finally:
+            safe_load.plain_tensor, safe_load.no_gc = fast, no_gc
+
     def timed_all(fn: Callable[[], object], files: list[Path], cold: bool) -> float:
         if cold and rank0:
             drop_cache(files)
@@ -217,6 +230,9 @@ def worker(args: argparse.Namespace) -> None:
         for cold in (False, True):
             got[f"raw_read_{'cold' if cold else 'hot'}_s"].append(read_share(files, cold))
             got[f"load_{'cold' if cold else 'hot'}_s"].append(load(newest, files, cold))
+            got[f"load_torch_load_{'cold' if cold else 'hot'}_s"].append(
+                load_via_torch_load(newest, files, cold)
+            )
 
     base, saving = [], []
     for _ in range(2):  # interleaved so drift of the machine hits both alike
@@ -244,6 +260,8 @@ KEYS = (
     "load_hot_s",
     "raw_read_cold_s",
     "load_cold_s",
+    "load_torch_load_hot_s",
+    "load_torch_load_cold_s",
 )
 
 
@@ -280,6 +298,10 @@ def report(
         read, load = m[f"raw_read_{kind}_s"], m[f"load_{kind}_s"]
         print(f"load throughput / raw read, {kind:<4} page cache        {read / load:8.3f}   (target >= 0.80)"
               f"   {gb / load:.2f} vs {gb / read:.2f} GB/s")  # fmt: skip
+        before = m[f"load_torch_load_{kind}_s"]
+        print(
+            f"  every tensor through torch.load, GC on (before)  {read / before:8.3f}   {gb / before:.2f} GB/s"
+        )
     print(f"rank-0 torch.save / sync save                     {m['rank0_torch_save_s'] / sync:8.3f}")
     print(
         f"one save costs {extra:.2f} s of training ({args.window}-step window, {med(base) / args.window:.2f} s/step)"

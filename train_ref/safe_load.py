@@ -8,19 +8,25 @@ every rank run any code at the next resume through either. So a load goes throug
 
 - ``SafeFileSystemReader``: ``read_metadata`` unpickles with supervisor.safepickle's allowlist
   (the real classes, nothing else), inside DCP's own read: no window between a check and the read;
-- ``SafeLoadPlanner``: ``load_bytes`` with ``torch.load(weights_only=True)``, as DCP already loads
-  tensors and the per-rank state files are loaded.
+- ``SafeLoadPlanner``: ``load_bytes`` with ``torch.load(weights_only=True)``, as the per-rank
+  state files are loaded;
+- tensors: read off their bytes when the record is the plain layout DCP writes (nothing
+  unpickled, train_ref/tensor_record.py), else ``torch.load(weights_only=True)`` as DCP does.
 
 A refusal is one line naming the file (``UnsafePickle``), raised by ``load_dcp`` on every rank
-(each reads the index itself), before anything from the file has run.
+(each reads the index itself), before anything from the file has run. A record that cannot be
+read (a truncated file, a broken zip) is ``CorruptRecord``, one line naming the file and item.
 """
 
 from __future__ import annotations
 
+import gc
 import io
 import os
 import pickle
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any, cast
@@ -28,20 +34,32 @@ from typing import IO, Any, cast
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from supervisor.format.layout import parse_committed
 from supervisor.safepickle import WHY, UnsafePickle, load_restricted
+from train_ref.tensor_record import plain_tensor
 
 # torch's weights_only refusal names the global: "Unsupported global: GLOBAL posix.system was not ..."
 _GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+
+
+class CorruptRecord(ValueError):
+    """A shard record that cannot be read: one line naming the file, the item and what to do."""
 
 
 def weights_only_refusal(label: str, e: pickle.UnpicklingError) -> UnsafePickle:
@@ -58,15 +76,18 @@ class SafeFileSystemReader(FileSystemReader):
     torch 2.13 reads a file's items in plan order through a Python view of the file (a seek, a
     tell and a chunked read per access of ``torch.load``'s zip reader: ~25 Python calls per item)
     and leaves "sort by offset" as a TODO. Here the items go in offset order (one forward pass per
-    file, which the kernel's readahead streams when the cache is cold) and each item's bytes come
-    in one read into memory, where ``torch.load`` parses them: 20-35% less CPU per load measured
-    here (bench/checkpoint.py has the load against a raw read)."""
+    file, which the kernel's readahead streams when the cache is cold), each item's bytes come in
+    one read into memory, and a tensor record in DCP's plain layout is decoded there without
+    ``torch.load`` (``plain_tensor``), which was most of a load's CPU (bench/checkpoint.py has
+    the load against a raw read; docs/trainer.md the numbers)."""
 
     def __init__(self, path: str | os.PathLike[str]):
         super().__init__(path)
         # The first refusal: DCP catches a read_metadata error and tries the per-rank index, then
         # wraps what it got; the load site re-raises this one line instead.
         self.refused: UnsafePickle | None = None
+        self.corrupt: CorruptRecord | None = None  # the same for a record that cannot be read
+        self.tensors: dict[str, Any] = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """torch 2.13's ``FileSystemReader.read_metadata`` with ``pickle.load`` restricted."""
@@ -85,17 +106,87 @@ class SafeFileSystemReader(FileSystemReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self.tensors = metadata.state_dict_metadata  # each chunk's dtype and sizes, for plain_tensor
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """torch 2.13's ``FileSystemReader.read_data``, in offset order, each record in one read,
+        and a tensor record decoded by ``plain_tensor`` when it can (``torch.load`` otherwise)."""
+
         def where(item: ReadItem) -> tuple[str, int]:
             info = self.storage_data[item.storage_index]
             return info.relative_path, info.offset
 
-        return super().read_data(replace(plan, items=sorted(plan.items, key=where)), planner)
+        items = sorted(plan.items, key=where)
+        if any(self.storage_data[i.storage_index].transform_descriptors for i in items):
+            return super().read_data(replace(plan, items=items), planner)  # records an extension wrote
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in items:
+            per_file.setdefault(where(item)[0], []).append(item)
+        for relative_path, reqs in per_file.items():
+            path = self.fs.concat_path(self.path, relative_path)
+            with self.fs.create_stream(path, "rb") as stream:
+                for req in reqs:
+                    self._read_item(cast(io.BufferedIOBase, stream), Path(path), req, planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
 
-    def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
-        """The item's bytes, read at once (counted, when ``fs`` counts), as an in-memory file."""
-        file.seek(sinfo.offset)
-        return io.BytesIO(file.read(sinfo.length))  # short (a truncated file): torch.load refuses it
+    def _read_item(self, stream: io.BufferedIOBase, path: Path, req: ReadItem, planner: LoadPlanner) -> None:
+        info = self.storage_data[req.storage_index]
+        label = f"{path} (item {req.storage_index.fqn})"
+        stream.seek(info.offset)
+        rec = bytearray(info.length)
+        got = stream.readinto(rec)  # counted, when ``fs`` counts
+        if got != info.length:
+            raise self._corrupt(
+                f"{label}: the file ends {got} of {info.length} bytes into the record at offset {info.offset}"
+            )
+        if req.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(req, io.BytesIO(rec))
+            return
+        tensor = narrow_tensor_by_index(self._tensor(rec, req, label), req.storage_offsets, req.lengths)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != tensor.size():
+            raise self._corrupt(
+                f"{label}: holds a chunk of {tuple(tensor.size())}, the index says {tuple(target.size())}"
+            )
+        target.copy_(tensor)
+        planner.commit_tensor(req, target)
+
+    def _tensor(self, rec: bytearray, req: ReadItem, label: str) -> torch.Tensor:
+        """The record's chunk: read off its bytes when it is the plain layout, else torch.load."""
+        md = self.tensors.get(req.storage_index.fqn)
+        chunk = _chunk(md, req.storage_index) if isinstance(md, TensorStorageMetadata) else None
+        if md is not None and chunk is not None:
+            plain = plain_tensor(rec, md.properties.dtype, tuple(chunk.sizes))
+            if plain is not None:
+                return plain
+        try:
+            return cast(torch.Tensor, torch.load(io.BytesIO(rec), map_location="cpu", weights_only=True))
+        except pickle.UnpicklingError as e:
+            self.refused = self.refused or weights_only_refusal(label, e)
+            raise self.refused from None
+        except RuntimeError as e:  # torch's zip reader: "PytorchStreamReader failed reading ..."
+            raise self._corrupt(f"{label}: not a readable tensor record ({str(e).splitlines()[0]})") from None
+
+    def _corrupt(self, what: str) -> CorruptRecord:
+        self.corrupt = self.corrupt or CorruptRecord(
+            f"{what}: the checkpoint is corrupt or was changed after its checks; verify it with "
+            f"`python -m supervisor ckpt verify --deep` and quarantine it (the next launch resumes from the one before)"
+        )
+        return self.corrupt
+
+
+def _chunk(md: TensorStorageMetadata, index: MetadataIndex) -> ChunkStorageMetadata | None:
+    """The chunk ``index`` names (``index.index`` is DCP's hint into the list)."""
+    i = index.index
+    if i is not None and i < len(md.chunks) and md.chunks[i].offsets == index.offset:
+        return md.chunks[i]
+    return next((c for c in md.chunks if c.offsets == index.offset), None)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -136,13 +227,35 @@ def load_dcp(
     if fs is not None:
         reader.fs = fs
     try:
-        dcp.load(
-            state_dict, storage_reader=reader, planner=SafeLoadPlanner(reader), process_group=process_group
-        )
+        with no_gc():
+            dcp.load(
+                state_dict,
+                storage_reader=reader,
+                planner=SafeLoadPlanner(reader),
+                process_group=process_group,
+            )
     except (Exception, CheckpointException):  # DCP's CheckpointException is a BaseException
         if reader.refused is not None:
             raise reader.refused from None
+        if reader.corrupt is not None:
+            raise reader.corrupt from None
         raise
+
+
+@contextmanager
+def no_gc() -> Iterator[None]:
+    """The cycle collector off for the duration. A load allocates tens of thousands of objects
+    (plans, read items, their unpickled copies on the coordinator), enough to set off a full
+    collection over everything the trainer holds: 0.2-0.5 s measured in the bench config, on one
+    rank at a time while the other waits for it in DCP's next collective. What the load frees is
+    freed by reference counting; a cycle it leaves waits for the next collection after it."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def refusal_line(e: UnsafePickle, root: Path, ckpt: Path | None) -> str:
