@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,7 @@ from trainer_helpers import (
 from waiting import wait_for, wait_fs_blocked
 
 from supervisor import store
+from supervisor.drill.faultctl import FaultFS
 from supervisor.format.events import events_path
 from supervisor.format.exitcodes import Exit
 from supervisor.format.heartbeat import Phase
@@ -70,6 +72,28 @@ def done(p: subprocess.Popen[str]) -> tuple[int, str]:
     return p.returncode, out
 
 
+def one_clean_launch(
+    root: Path,
+    p: subprocess.Popen[str],
+    faultfs: FaultFS,
+    until: Callable[[], bool],
+    what: str,
+    then: Callable[[], None] = lambda: None,
+) -> str:
+    """Wait for ``until`` (then do ``then``) and for the watchdog's end, the faults cleared and
+    the group killed whatever happens: exit 0, one launch, no hang verdict. Its output."""
+    try:
+        wait_for(until, what, timeout=600, proc=p)
+        then()
+        rc, out = done(p)
+    finally:
+        faultfs.clear()
+        kill_group(p)
+    assert rc == Exit.OK, out[-4000:]
+    assert events(root, "hang") == [] and len(events(root, "launch")) == 1, out[-4000:]
+    return out
+
+
 # Timeouts of the phases a throttled resume runs through: several times the longest silence
 # between two beats measured in-process (about 3-5 s at this throttle: one 64 KiB chunk per rank).
 IO_TIMEOUT_S = 10.0
@@ -86,15 +110,8 @@ def test_a_throttled_verify_and_load_far_longer_than_their_timeouts_is_no_hang(g
     t = str(IO_TIMEOUT_S)
     log = BeatLog(root)
     p = watch(root, "--hang-timeout", "60", "--verify-timeout", t, "--load-timeout", t)
-    try:
-        trained = lambda: log.poll() or log.first(Phase.TRAIN) is not None  # noqa: E731
-        wait_for(trained, "the first step after the throttled resume", timeout=600, proc=p)
-        rc, out = done(p)
-    finally:
-        faultfs.clear()
-        kill_group(p)
-    assert rc == Exit.OK, out[-4000:]
-    assert events(root, "hang") == [] and len(events(root, "launch")) == 1, out[-4000:]
+    trained = lambda: log.poll() or log.first(Phase.TRAIN) is not None  # noqa: E731
+    one_clean_launch(root, p, faultfs, trained, "the first step after the throttled resume")
     took = log.first(Phase.TRAIN) - log.first(Phase.VERIFY)
     print(
         f"\nverify+load {took:.1f}s on a {WATCH_THROTTLE_BYTES_PER_S} B/s file system = "
@@ -120,16 +137,11 @@ def test_a_final_save_retried_longer_than_the_phase_timeouts_is_no_hang(goldens,
     rid = faultfs.fail("/run/step_00000030.tmp.*/*", "ENOSPC", ops=["write"])
     t = str(SAVE_TIMEOUT_S)
     p = watch(root, "--hang-timeout", t, "--save-timeout", t, train=("--max-failed-saves", "20"))
-    try:
-        failed = lambda: max((b.save_failures for b in beats(root).values()), default=0)  # noqa: E731
-        wait_for(lambda: failed() >= FINAL_SAVE_FAILURES, "the final save's failures", timeout=300, proc=p)
-        faultfs.clear(rid)
-        rc, out = done(p)
-    finally:
-        faultfs.clear()
-        kill_group(p)
-    assert rc == Exit.OK, out[-4000:]
-    assert events(root, "hang") == [] and len(events(root, "launch")) == 1, out[-4000:]
+    failed = lambda: max((b.save_failures for b in beats(root).values()), default=0)  # noqa: E731
+    until = lambda: failed() >= FINAL_SAVE_FAILURES  # noqa: E731
+    out = one_clean_launch(
+        root, p, faultfs, until, "the final save's failures", then=lambda: faultfs.clear(rid)
+    )
     assert out.count("SAVE FAILED at step 30") >= FINAL_SAVE_FAILURES, out[-4000:]
     assert store.read_latest(root) == "step_00000030"
     assert digest(root) == digest(golden)
