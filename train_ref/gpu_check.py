@@ -354,7 +354,9 @@ def bind_worker() -> None:
     order = os.environ[ENV_BIND].split(",")
     os.environ["CUDA_VISIBLE_DEVICES"] = order[int(os.environ.get("LOCAL_RANK", "0"))]
     sys.argv = ["train_ref.train", *sys.argv[2:]]
-    runpy.run_module("train_ref.train", run_name="__main__")
+    # alter_sys: the trainer is __main__ as under `python -m`, so what it looks up by module name
+    # (the annotations its options are built from) resolves in its own globals
+    runpy.run_module("train_ref.train", run_name="__main__", alter_sys=True)
 
 
 def main(argv: list[str] | None = None) -> int:
