@@ -24,18 +24,17 @@ def stale(names: Iterable[str], node: int, keep: Collection[str]) -> list[str]:
     return sorted(n for n in names if launch_node(n) == node and n not in kept)
 
 
-def prune(run: RunDir, node: int, keep: Collection[str]) -> tuple[list[str], list[str]]:
-    """Remove node ``node``'s stale launch directories: (removed, not removed: 'name: why')."""
+def prune(run: RunDir, node: int, keep: Collection[str]) -> list[str]:
+    """Remove node ``node``'s stale launch directories; those not removed, as 'name: why'."""
     base = run.supervisor / LAUNCHES
     try:
         names = os.listdir(base)
     except OSError:
-        return [], []  # none made yet, or unreadable now: next time
-    removed, failed = [], []
+        return []  # none made yet, or unreadable now: next time
+    failed = []
     for name in stale(names, node, keep):
         try:
             shutil.rmtree(base / name)
-            removed.append(name)
         except OSError as e:
             failed.append(f"{name}: {e.strerror or e}")
-    return removed, failed
+    return failed

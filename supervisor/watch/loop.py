@@ -505,7 +505,7 @@ class Watchdog:
         keep = [r.launch_id for r in self.state.launches]
         if self.standby is not None:
             keep.append(self.standby[1])
-        _removed, failed = launch_dirs.prune(RunDir.of(self.cfg.root), self.cfg.node, keep)
+        failed = launch_dirs.prune(RunDir.of(self.cfg.root), self.cfg.node, keep)
         if failed:
             events.say(
                 f"[supervisor] old launch dirs not removed (tried after the next launch): {'; '.join(failed)}"
