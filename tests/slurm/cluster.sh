@@ -101,17 +101,22 @@ node_names() {
 }
 
 write_config() {
-  local dir=$1 nodes=$2 net=${3:-} ctld_port slurmd_port names
+  local dir=$1 nodes=$2 net=${3:-} ctld_port slurmd_port first_job_id names
   names=$(node_names "$nodes")
   ctld_port=$(free_port)
   slurmd_port=$(free_port)
   while [ "$slurmd_port" = "$ctld_port" ]; do slurmd_port=$(free_port); done
+  # Job ids start in a window of 25 picked by the (free, so unique while it lives) controller
+  # port: two test clusters on one machine then give their jobs different ids, hence different
+  # default rendezvous ports (20000 + id mod 10000), instead of both starting at 1.
+  first_job_id=$(( (ctld_port % 400) * 25 + 1 ))
   mkdir -p "$dir/state" "$dir/spool"
   cat >"$dir/slurm.conf" <<EOF
 # Written by tests/slurm/cluster.sh: nodes $names, everything under $dir.
 ClusterName=ci
 SlurmctldPort=$ctld_port
 SlurmdPort=$slurmd_port
+FirstJobId=$first_job_id
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
