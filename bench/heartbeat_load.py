@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from supervisor.format.heartbeat import HeartbeatWriter, Phase, read_heartbeat
 from supervisor.format.layout import HEARTBEAT_DIR_ENV, RunDir, heartbeat_filename
+from supervisor.watch.liveness import PhaseTimeouts
 from supervisor.watch.node_summary import NodeFacts, Publisher
-from supervisor.watch.restart_policy import PhaseTimeouts
 
 # Syscalls that cost a shared filesystem a metadata round trip (namespace lookups and changes,
 # opens, and fsync's commit); reads, writes and closes of an open file are counted apart.

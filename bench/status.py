@@ -29,11 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from supervisor.format.events import RunState, write_state
 from supervisor.format.heartbeat import Heartbeat, HeartbeatSnapshot, Phase, write_heartbeat
+from supervisor.format.launches import LaunchRecord, Outcome
 from supervisor.format.layout import MANIFEST, step_dirname
 from supervisor.format.manifest import CheckpointInfo, build_manifest
 from supervisor.format.nodesummary import write_summary
+from supervisor.watch.liveness import Clock, PhaseTimeouts
 from supervisor.watch.node_summary import NodeFacts, build_summary
-from supervisor.watch.restart_policy import Clock, LaunchRecord, Outcome, PhaseTimeouts
 
 REPO = Path(__file__).resolve().parent.parent
 SHARDS_PER_CKPT = 8

@@ -23,7 +23,7 @@ from supervisor.format.layout import RunDir, parse_state_filename
 from supervisor.format.nodesummary import NodeSummary, newest_per_rank, read_summary, summary_paths
 from supervisor.ioerrors import Evidence, describe
 from supervisor.quickcache import QuickChecks
-from supervisor.watch.restart_policy import Clock, PhaseTimeouts, describe_progress, rank_stale
+from supervisor.watch.liveness import Clock, PhaseTimeouts, describe_progress, rank_stale
 
 if TYPE_CHECKING:
     from supervisor.tiers.uploader import RemoteStatus

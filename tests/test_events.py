@@ -20,7 +20,7 @@ from supervisor.format.events import (
     read_state,
     state_path,
 )
-from supervisor.watch.restart_policy import LaunchRecord, Outcome
+from supervisor.format.launches import LaunchRecord, Outcome
 
 GOOD_LAUNCH = {
     "number": 1,

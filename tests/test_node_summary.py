@@ -42,8 +42,8 @@ from supervisor.format.nodesummary import (
     write_summary,
 )
 from supervisor.report import build_report
+from supervisor.watch.liveness import Clock, PhaseTimeouts
 from supervisor.watch.node_summary import NodeFacts, Publisher, build_summary, choose_folder
-from supervisor.watch.restart_policy import Clock, PhaseTimeouts
 
 LID = "vm-n0-1-1-abc"
 TIMEOUTS = PhaseTimeouts(train=10.0)

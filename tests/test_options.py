@@ -15,7 +15,7 @@ from supervisor.cli.main import build_parser
 from supervisor.drill.runner import DrillConfig
 from supervisor.options import NOT_NEGATIVE, POSITIVE, nested, option
 from supervisor.watch.config import WatchConfig
-from supervisor.watch.restart_policy import PhaseTimeouts
+from supervisor.watch.liveness import PhaseTimeouts
 
 
 @dataclasses.dataclass(frozen=True)

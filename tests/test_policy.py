@@ -8,28 +8,19 @@ import pytest
 
 from supervisor.format.exitcodes import Exit
 from supervisor.format.heartbeat import Heartbeat, HeartbeatSnapshot, Phase
+from supervisor.format.launches import LaunchRecord, Outcome
+from supervisor.watch.detectors import DeadRank, Hang, confirm_dead, dead_ranks, detect_hangs, save_news
+from supervisor.watch.liveness import Clock, PhaseTimeouts, effective_timeouts, learned_train_timeout
 from supervisor.watch.restart_policy import (
     Backoff,
     Budget,
-    Clock,
-    DeadRank,
-    Hang,
-    LaunchRecord,
-    Outcome,
-    PhaseTimeouts,
     RestartPolicy,
     backoff_s,
     budget_verdict,
     classify_exit,
-    confirm_dead,
-    dead_ranks,
     decide,
-    detect_hangs,
-    effective_timeouts,
     failures_in_a_row,
-    learned_train_timeout,
     no_progress_verdict,
-    save_news,
 )
 
 LID = "launch-b"

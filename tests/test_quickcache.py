@@ -16,8 +16,8 @@ from supervisor.format.layout import RunDir
 from supervisor.format.nodesummary import write_summary
 from supervisor.quickcache import QuickChecks, fingerprint
 from supervisor.report import CheckpointRow, build_report
+from supervisor.watch.liveness import Clock, PhaseTimeouts
 from supervisor.watch.node_summary import NodeFacts, build_summary
-from supervisor.watch.restart_policy import Clock, PhaseTimeouts
 
 STEPS = (10, 20, 30)
 

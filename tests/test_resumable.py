@@ -13,7 +13,8 @@ from waiting import PATIENCE_S
 
 from supervisor.format.heartbeat import Heartbeat, HeartbeatSnapshot, Phase, parse_heartbeat
 from supervisor.format.manifest import Manifest, ManifestError, parse_manifest
-from supervisor.watch.restart_policy import Clock, PhaseTimeouts, detect_hangs
+from supervisor.watch.detectors import detect_hangs
+from supervisor.watch.liveness import Clock, PhaseTimeouts
 
 BEAT = Heartbeat(
     rank=0, local_rank=0, host="h", pid=1, step=7, phase=Phase.TRAIN, wall_time=100.0, launch_id="L"

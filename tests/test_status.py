@@ -19,9 +19,9 @@ from supervisor.cli.status import render
 from supervisor.drill.corruption import Corruption, corrupt
 from supervisor.format.events import RunState, write_state
 from supervisor.format.heartbeat import Heartbeat, Phase, write_heartbeat
+from supervisor.format.launches import LaunchRecord, Outcome
 from supervisor.format.layout import RunDir
 from supervisor.report import STATUS_SCHEMA, build_report
-from supervisor.watch.restart_policy import LaunchRecord, Outcome
 
 LID = "vm-n0-1-2-abc"
 

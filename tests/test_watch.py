@@ -254,7 +254,7 @@ def test_descendants_walks_the_tree_and_skips_zombies():
 
 def test_state_round_trip_and_garbage(tmp_path):
     from supervisor.format.events import RunState, parse_state, write_state
-    from supervisor.watch.restart_policy import LaunchRecord, Outcome
+    from supervisor.format.launches import LaunchRecord, Outcome
 
     rec = LaunchRecord(1, "id", 1.0, 2.0, Outcome.HANG, "hang: rank 1", 5, 10, 12)
     st = RunState(status="running", restart_times=(1.5,), launches=(rec,), command=("a", "b"))

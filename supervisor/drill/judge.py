@@ -25,7 +25,7 @@ from supervisor.drill.plan import (
 from supervisor.drill.switch import BLOCKING_FUNCTION
 from supervisor.format.eventnames import EventName
 from supervisor.format.exitcodes import Exit
-from supervisor.watch.restart_policy import Outcome
+from supervisor.format.launches import Outcome
 
 # slow-storage: the resumed launch's verify + load must take this many times their timeout, or
 # the scenario proves nothing about long phases.

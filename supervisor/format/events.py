@@ -19,8 +19,8 @@ from typing import Any, TextIO
 
 from supervisor.format.atomic import atomic_write_json
 from supervisor.format.eventnames import EventName
+from supervisor.format.launches import LaunchRecord, Outcome
 from supervisor.format.layout import RunDir
-from supervisor.watch.restart_policy import LaunchRecord, Outcome
 
 STATE_VERSION = 1
 # Launch records kept in the state file (the event log keeps every one).

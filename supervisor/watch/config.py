@@ -10,8 +10,8 @@ from pathlib import Path
 from supervisor import slurm
 from supervisor.ioerrors import IO_RETRY_S
 from supervisor.options import NOT_NEGATIVE, POSITIVE, nested, option
-from supervisor.watch import restart_policy
-from supervisor.watch.restart_policy import PhaseTimeouts, RestartPolicy
+from supervisor.watch.liveness import DEFAULT_LEARN_FLOOR_S, PhaseTimeouts
+from supervisor.watch.restart_policy import RestartPolicy
 
 # torchrun + gloo: a restarted group that reuses the agent's TCPStore hangs or fails to connect
 # (see docs/watchdog.md); set in the child's environment unless the operator set it.
@@ -69,7 +69,7 @@ class WatchConfig:
     )
     learn_floor_s: float = option(
         "the least learned train timeout, in seconds",
-        restart_policy.DEFAULT_LEARN_FLOOR_S,
+        DEFAULT_LEARN_FLOOR_S,
         flag="--learn-floor",
         group=HANG,
     )

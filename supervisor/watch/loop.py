@@ -1,7 +1,8 @@
 """The watchdog loop: pick -> launch -> monitor heartbeats -> classify -> decide -> back off.
 
 Facts are gathered here (processes, heartbeat files, the store) and handed to the pure functions
-in ``restart_policy.py``; this module only carries out what they decide and records it.
+in ``detectors.py`` (hung, dead ranks) and ``restart_policy.py`` (stop or relaunch); this
+module only carries out what they decide and records it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from supervisor.format.heartbeat import (
     read_heartbeat,
     read_heartbeat_folder,
 )
+from supervisor.format.launches import FAILURES, LaunchRecord, Outcome
 from supervisor.format.layout import (
     HEARTBEAT_DIR_ENV,
     RunDir,
@@ -44,10 +46,20 @@ from supervisor.format.layout import (
     stack_dump_filename,
 )
 from supervisor.ioerrors import StorageUnavailable, describe, retry_transient
-from supervisor.watch import culprit, launch_dirs, node_summary, process, recovery, restart_policy, rootcause
+from supervisor.watch import (
+    culprit,
+    detectors,
+    launch_dirs,
+    liveness,
+    node_summary,
+    process,
+    recovery,
+    restart_policy,
+    rootcause,
+)
 from supervisor.watch.config import ELASTIC_ERROR_FILE_ENV, ELASTIC_LOG_DIR_ENV, SHARE_STORE_ENV, WatchConfig
+from supervisor.watch.detectors import Hang
 from supervisor.watch.recovery import Moment
-from supervisor.watch.restart_policy import Hang, LaunchRecord, Outcome
 
 T = TypeVar("T")
 
@@ -69,7 +81,7 @@ class _Ended:
 
     returncode: int
     hangs: list[Hang] = field(default_factory=list)
-    dead: list[restart_policy.DeadRank] = field(default_factory=list)
+    dead: list[detectors.DeadRank] = field(default_factory=list)
     stop_signal: int | None = None
     preempted: bool = False
     culprit: str = ""  # who hung it, from the stack dumps (culprit.py)
@@ -458,12 +470,12 @@ class Watchdog:
                     EventName.KILL, f"launch {number}: killed what was left: {note}", unreaped=child.unreaped
                 )
         killed = time.time()
-        beats = restart_policy.launch_heartbeats(read_heartbeat_folder(self.hb_dir), launch_id)
+        beats = detectors.launch_heartbeats(read_heartbeat_folder(self.hb_dir), launch_id)
         self._track_recovery(beats, number, final=True)
         self.recovering = {Moment.DETECTED: ended.detected or killed, Moment.TREE_KILLED: killed}
         self.recovering.update(failed_at(ended, beats))
         cls = self._classify(ended, beats)
-        cause = self._root_cause(launch_id, number, beats) if cls.outcome in restart_policy.FAILURES else None
+        cause = self._root_cause(launch_id, number, beats) if cls.outcome in FAILURES else None
         if cause is not None:
             cls = replace(cls, reason=f"{cls.reason}; root cause {cause.describe()}")
         if child.unreaped:
@@ -686,7 +698,7 @@ class Watchdog:
         ended = _Ended(returncode=0)
         reader = _LaunchBeats(self.hb_dir, launch_id)
         next_check = time.monotonic() + self.cfg.poll_s
-        gone: list[restart_policy.DeadRank] = []  # ranks seen vanished without an exit code, not yet dead
+        gone: list[detectors.DeadRank] = []  # ranks seen vanished without an exit code, not yet dead
         gone_since: dict[int, float] = {}
         save_seen: dict[int, int] = {}
         while True:
@@ -694,7 +706,7 @@ class Watchdog:
             if rc is not None:
                 ended.detected = time.time()
                 # The ranks' last word (a save that worked again just before the end) is logged too.
-                self._report_saves(restart_policy.launch_heartbeats(reader.read(), launch_id), save_seen)
+                self._report_saves(detectors.launch_heartbeats(reader.read(), launch_id), save_seen)
                 ended.returncode = rc
                 if rc != 0:  # they did not exit cleanly after all; the first to vanish first
                     ended.dead = sorted(gone, key=lambda d: (gone_since.get(d.rank, 0.0), d.rank))
@@ -713,14 +725,14 @@ class Watchdog:
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + self.cfg.poll_s
                 snaps = reader.read()
-                beats = restart_policy.launch_heartbeats(snaps, launch_id)
+                beats = detectors.launch_heartbeats(snaps, launch_id)
                 save_seen = self._report_saves(beats, save_seen)
                 self._track_recovery(beats, self.state.launch_count)
                 self._keep_standby(child, beats)
                 tree = set(child.tree())  # after the read: a rank that beat and then died is gone
-                gone = restart_policy.dead_ranks(beats, self.host, tree)
+                gone = detectors.dead_ranks(beats, self.host, tree)
                 survivors = any(b.host == self.host and b.pid in tree for b in beats)
-                dead, gone_since = restart_policy.confirm_dead(
+                dead, gone_since = detectors.confirm_dead(
                     gone,
                     gone_since,
                     time.monotonic(),
@@ -758,7 +770,7 @@ class Watchdog:
 
     def _report_saves(self, beats: list[Heartbeat], seen: dict[int, int]) -> dict[int, int]:
         """save_failed / save_recovered events for what this node's ranks report."""
-        news, seen = restart_policy.save_news((b for b in beats if b.host == self.host), seen)
+        news, seen = detectors.save_news((b for b in beats if b.host == self.host), seen)
         for n in news:
             self.log.emit(
                 n.event,
@@ -778,7 +790,7 @@ class Watchdog:
         a command that writes no heartbeat gets it, after --preempt-fallback seconds, on its
         ranks (process.Child.workers: never torchrun's agent, which SIGUSR1 would kill, nor a
         rank's DataLoader workers)."""
-        beats = restart_policy.launch_heartbeats(read_heartbeat_folder(self.hb_dir), launch_id)
+        beats = detectors.launch_heartbeats(read_heartbeat_folder(self.hb_dir), launch_id)
         tree = set(child.tree())
         local = [b for b in beats if b.host == self.host and b.pid in tree]
         if any(b.phase == Phase.STARTUP for b in local):
@@ -805,15 +817,15 @@ class Watchdog:
                 b.last_step_s for b in beats if b.phase == Phase.TRAIN and b.last_step_s > 0
             )
             self.step_times = [max(self.step_times)] if self.step_times else []
-            learned = restart_policy.learned_train_timeout(
+            learned = liveness.learned_train_timeout(
                 self.step_times, self.cfg.learn_factor, self.cfg.learn_floor_s
             )
-            timeouts = restart_policy.effective_timeouts(timeouts, learned)
-        return restart_policy.detect_hangs(
+            timeouts = liveness.effective_timeouts(timeouts, learned)
+        return detectors.detect_hangs(
             snaps,
             launch_id=launch_id,
             launch_age_s=time.monotonic() - child.started_mono,
-            clock=restart_policy.Clock(time.time(), time.monotonic(), boot_id()),
+            clock=liveness.Clock(time.time(), time.monotonic(), boot_id()),
             timeouts=timeouts,
             require_heartbeat=self.cfg.require_heartbeat,
         )
@@ -842,7 +854,7 @@ class Watchdog:
     def _handle_hang(self, child: process.Child, hangs: list[Hang], launch_id: str, detected: float) -> str:
         """Dump every local rank's stacks, name the culprit from where each rank waits (culprit.py),
         log it with the dumps, then kill the launch. Returns who hung it, for the launch's reason."""
-        beats = restart_policy.launch_heartbeats(read_heartbeat_folder(self.hb_dir), launch_id)  # every rank
+        beats = detectors.launch_heartbeats(read_heartbeat_folder(self.hb_dir), launch_id)  # every rank
         tree = set(child.tree())
         stopped = set(process.stopped(tree))
         targets = {b.rank: b.pid for b in beats if b.host == self.host and b.pid in tree}
@@ -896,7 +908,7 @@ class _LaunchBeats:
             snaps = [read_heartbeat(self.folder / heartbeat_filename(r), r) for r in self.ranks]
         if now >= self.next_full:
             self.next_full = now + FULL_SCAN_S
-        beats = restart_policy.launch_heartbeats(snaps, self.launch_id)
+        beats = detectors.launch_heartbeats(snaps, self.launch_id)
         if full:
             self.ranks = [b.rank for b in beats]
         self.assembling = (

@@ -25,7 +25,7 @@ from supervisor.format.heartbeat import Heartbeat, HeartbeatSnapshot, Phase, boo
 from supervisor.format.layout import RunDir, job_key, node_heartbeat_dir
 from supervisor.format.nodesummary import RankProblem, SummaryHeader, stale_after, write_summary
 from supervisor.ioerrors import describe
-from supervisor.watch.restart_policy import Clock, PhaseTimeouts, rank_stale
+from supervisor.watch.liveness import Clock, PhaseTimeouts, rank_stale
 
 # At exit, how long to wait for the publisher thread (a write blocked on a hung shared
 # filesystem) before giving up on the final summary.
