@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import uuid
 from dataclasses import replace
 from pathlib import Path
 
@@ -117,14 +118,14 @@ def test_save_schedule_problems_name_the_flag() -> None:
 # ---------------------------------------------------------------- two real ranks
 
 
-def _rank(rank: int, tmp: str, out: mp.Queue) -> None:
+def _rank(rank: int, tmp: str, store: str, out: mp.Queue) -> None:
     import torch
     import torch.distributed as dist
 
     from supervisor.format.heartbeat import read_heartbeats
     from train_ref import Identity, Resumable, Saves
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -160,7 +161,10 @@ def _rank(rank: int, tmp: str, out: mp.Queue) -> None:
 def _two_ranks(tmp: Path) -> dict[int, tuple]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, str(tmp), out)) for r in (0, 1)]
+    # A store file per launch: a second launch on the first one's file can find its stale keys and
+    # dial the first launch's dead ranks (seen once, under a busy loop on each core).
+    store = str(tmp / f"store-{uuid.uuid4().hex}")
+    procs = [ctx.Process(target=_rank, args=(r, str(tmp), store, out)) for r in (0, 1)]
     for p in procs:
         p.start()
     try:
