@@ -7,6 +7,7 @@ Nothing here touches a process or a file: classify how a launch ended and decide
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -34,10 +35,7 @@ class Classification:
 
 
 def _signal_name(signum: int) -> str:
-    """'SIGKILL'; ValueError for a number that names no signal. signal is imported here: `status`
-    imports this module and names no signal."""
-    import signal
-
+    """'SIGKILL'; ValueError for a number that names no signal."""
     return signal.Signals(signum).name
 
 
@@ -129,7 +127,7 @@ def backoff_s(failures_in_a_row: int, b: Backoff) -> float:
     first (a lone crash costs no time), then exponential with jitter via tenacity."""
     if failures_in_a_row <= 1:
         return 0.0
-    import tenacity  # here, not at the top: `supervisor status` imports this module and needs speed
+    import tenacity  # here, not at the top: only a second failure in a row needs it
 
     wait = tenacity.wait_exponential_jitter(initial=b.initial_s, max=b.max_s, jitter=b.jitter_s)
     # a bare call state (no Retrying behind it): the wait strategy reads only attempt_number
