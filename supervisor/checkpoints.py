@@ -60,6 +60,8 @@ class MismatchError(StoreError):
 
 @dataclass(frozen=True)
 class CheckpointRef:
+    """A committed checkpoint's directory and its step, as listed (nothing read yet)."""
+
     step: int
     path: Path
 
@@ -70,6 +72,8 @@ class CheckpointRef:
 
 @dataclass(frozen=True)
 class Verdict:
+    """A checkpoint's check: OK, corrupt (proof) or unknown (storage did not answer: not proof)."""
+
     ref: CheckpointRef
     evidence: Evidence
     reason: str = ""
@@ -442,6 +446,8 @@ def backfill_reasons(root: Path) -> None:
 
 @dataclass(frozen=True)
 class QuarantinedRef:
+    """A checkpoint in quarantine/, with the reason recorded when it was moved there."""
+
     name: str
     path: Path
     reason: str

@@ -18,10 +18,11 @@ it changes; a file that cannot be read or parsed is an empty cache, one that can
 
 from __future__ import annotations
 
-import hashlib
 import json
+import marshal
 import os
 import stat
+from _blake2 import blake2b  # hashlib's, without importing hashlib: OpenSSL's load, 2.5 ms a `status`
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,8 @@ from supervisor.format.atomic import atomic_write_bytes
 from supervisor.format.layout import RunDir
 from supervisor.ioerrors import Evidence
 
-CACHE_VERSION = 1
+# 2: the key hashes the entries' marshal bytes (their repr in 1: 5x slower, 5 ms of 500 checkpoints)
+CACHE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,9 @@ def fingerprint(path: str) -> Fingerprint | None:
     except OSError:
         return None
     entries.sort()
-    return Fingerprint(hashlib.blake2b(repr(entries).encode(), digest_size=16).hexdigest(), total)
+    # marshal: bytes that stand for the entries, 6x faster than their repr. They may differ
+    # between Python versions: a new Python checks every checkpoint once, as a cold cache does.
+    return Fingerprint(blake2b(marshal.dumps(entries), digest_size=16).hexdigest(), total)
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,8 @@ class Checked:
 
 @dataclass(frozen=True)
 class _Passed:
+    """A remembered quick check that passed: its files' key and what the listing shows."""
+
     key: str
     wall_time: float
     total_bytes: int

@@ -47,6 +47,8 @@ STATUS_SCHEMA = 2
 
 @dataclass(frozen=True)
 class NodeRow:
+    """One watchdog (node) as `status` shows it: its state file, and its node summary's news."""
+
     node: int
     host: str
     watchdog_pid: int
@@ -81,6 +83,8 @@ class RankCounts:
 
 @dataclass(frozen=True)
 class LaunchRow:
+    """One launch of a node's watchdog: how it ended and from which step it resumed."""
+
     node: int
     number: int
     started: float
@@ -93,6 +97,8 @@ class LaunchRow:
 
 @dataclass(frozen=True)
 class RankRow:
+    """One rank as `status` shows it, judged live or stale from its heartbeat."""
+
     rank: int
     host: str
     pid: int | None
@@ -110,6 +116,8 @@ class RankRow:
 
 @dataclass(frozen=True)
 class CheckpointRow:
+    """One committed checkpoint as `status` lists it, with its quick check's verdict."""
+
     name: str
     step: int
     age_s: float | None
@@ -122,12 +130,16 @@ class CheckpointRow:
 
 @dataclass(frozen=True)
 class QuarantineRow:
+    """A checkpoint moved aside, and why."""
+
     name: str
     reason: str
 
 
 @dataclass(frozen=True)
 class StatusReport:
+    """Everything `status` says about a run, frozen: rendered for a person or dumped as JSON."""
+
     root: str
     time: float
     state: str
@@ -189,15 +201,15 @@ def _from_summary(s: NodeSummary, me: str, clock: Clock) -> NodeRow:
 
 
 def _state_files(root: Path) -> list[tuple[int, str]]:
-    """(node, path) of every watchdog's state file, by node (os.listdir and plain strings: 2,048
-    Path objects globbed and sorted cost `status` tens of ms)."""
+    """(node, path) of every watchdog's state file, by node (os.listdir and plain strings joined
+    without os.path.join: 2,048 Path objects globbed and sorted cost `status` tens of ms)."""
     folder = os.fspath(RunDir.of(root).supervisor)
     try:
         names = os.listdir(folder)
     except OSError:
         return []
     found = ((parse_state_filename(n), n) for n in names)
-    return sorted((node, os.path.join(folder, n)) for node, n in found if node is not None)
+    return sorted((node, f"{folder}/{n}") for node, n in found if node is not None)
 
 
 def _nodes(

@@ -79,6 +79,8 @@ QUARANTINE_KEEP = 5
 
 @dataclass(frozen=True)
 class PruneResult:
+    """What a prune deleted, kept and moved aside, or would with ``dry_run``."""
+
     deleted: tuple[str, ...] = ()
     kept: tuple[str, ...] = ()
     stale_tmp_removed: tuple[str, ...] = ()
@@ -99,6 +101,8 @@ class PruneResult:
 
 @dataclass(frozen=True)
 class TmpRef:
+    """A checkpoint being written (or abandoned): its writer and how long since anything in it changed."""
+
     path: Path
     step: int
     pid: int
@@ -161,6 +165,8 @@ def tmp_is_stale(t: TmpRef, this_host: str, alive: Callable[[int], bool], stale_
 
 @dataclass(frozen=True)
 class QuarantineEntry:
+    """A quarantined checkpoint as the quarantine's retention weighs it."""
+
     name: str
     step: int
     order: tuple[str, int]  # when it was quarantined (layout.QuarantinedName.order)

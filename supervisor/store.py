@@ -156,6 +156,8 @@ class NoUsableCheckpoint(StoreError):
 
 @dataclass(frozen=True)
 class PickResult:
+    """What a pick before a resume chose, and what it moved aside on the way."""
+
     chosen: Verdict | None
     quarantined: tuple[tuple[str, str], ...] = ()
     latest_before: str | None = None
@@ -450,6 +452,8 @@ def quarantine_step(root: str | Path, step: int, reason: str) -> Path:
 
 @dataclass(frozen=True)
 class RollbackResult:
+    """What `ckpt rollback` did, or would do with ``dry_run``."""
+
     to: str  # the checkpoint the run resumes from now
     moved: tuple[tuple[str, str], ...]  # (name, where in quarantine/) newest first; with dry_run, none
     newer: tuple[str, ...]  # the committed checkpoints newer than ``to``, newest first

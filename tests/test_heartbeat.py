@@ -19,6 +19,7 @@ from supervisor.format.heartbeat import (
     Phase,
     read_heartbeat,
     read_heartbeats,
+    read_small,
     write_heartbeat,
 )
 from supervisor.format.layout import RunDir
@@ -80,6 +81,14 @@ def test_bad_files_read_as_unknown_with_a_reason(tmp_path: Path, content: bytes,
     p.write_bytes(content)
     snap = read_heartbeat(p, 3)
     assert not snap.known and snap.heartbeat is None and problem in snap.problem
+
+
+@pytest.mark.parametrize("size", [0, 1, (1 << 16) - 1, 1 << 16, (1 << 16) + 1, 3 << 16])
+def test_read_small_reads_a_file_whole_at_any_size(tmp_path: Path, size: int) -> None:
+    """One read per small file: it must still read on past a read that filled its buffer."""
+    data = os.urandom(size)
+    (tmp_path / "f").write_bytes(data)
+    assert read_small(tmp_path / "f") == data
 
 
 def test_missing_and_directory_read_as_unknown(tmp_path: Path) -> None:

