@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from waiting import PATIENCE_S, wait_for, wait_held
+from waiting import PATIENCE_S, processes, wait_for, wait_held
 
 from train_ref import hold
 from train_ref.hold import HoldFileError, HoldGate, read_hold
@@ -99,18 +99,10 @@ def test_the_trainer_agrees_every_rank_holds_when_one_saw_the_file(tmp_path: Pat
     hold.hold_at(gate, 4)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, str(tmp_path / "store"), str(gate), out)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
+    with processes(ctx, [(_rank, (r, str(tmp_path / "store"), str(gate), out)) for r in (0, 1)]) as procs:
         acks = wait_held(gate, 2, 4)
         assert {r: a["pid"] for r, a in acks.items()} == {r: p.pid for r, p in enumerate(procs)}
         hold.release(gate)
         results = dict(out.get(timeout=PATIENCE_S) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(PATIENCE_S)
-            if p.is_alive():
-                p.kill()
     assert results == {0: True, 1: True}
     assert [p.exitcode for p in procs] == [0, 0]

@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from waiting import PATIENCE_S
+from waiting import PATIENCE_S, processes
 
 from supervisor.format.heartbeat import Heartbeat, HeartbeatSnapshot, Phase, parse_heartbeat
 from supervisor.format.manifest import Manifest, ManifestError, parse_manifest
@@ -164,16 +164,8 @@ def _two_ranks(tmp: Path) -> dict[int, tuple]:
     # A store file per launch: a second launch on the first one's file can find its stale keys and
     # dial the first launch's dead ranks (seen once, under a busy loop on each core).
     store = str(tmp / f"store-{uuid.uuid4().hex}")
-    procs = [ctx.Process(target=_rank, args=(r, str(tmp), store, out)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
+    with processes(ctx, [(_rank, (r, str(tmp), store, out)) for r in (0, 1)]) as procs:
         results = dict((r[0], r[1:]) for r in (out.get(timeout=PATIENCE_S) for _ in procs))
-    finally:
-        for p in procs:
-            p.join(PATIENCE_S)
-            if p.is_alive():
-                p.kill()
     assert [p.exitcode for p in procs] == [0, 0]
     return results
 

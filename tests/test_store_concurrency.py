@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import time
 import traceback
 from pathlib import Path
 
 from store_helpers import latest_text, make_ckpt, quarantine_dirs
-from waiting import PATIENCE_S
+from waiting import processes
 
 from supervisor import store
 from supervisor.format.layout import step_dirname
@@ -80,15 +79,8 @@ def test_writer_with_concurrent_listers_pickers_and_pruners(tmp_path: Path) -> N
     ctx = mp.get_context("fork")
     roles = ["writer", "lister", "lister", "picker"]
     outs = [tmp_path / f"{i}-{r}.json" for i, r in enumerate(roles)]
-    procs = [ctx.Process(target=_run, args=(r, root, o)) for r, o in zip(roles, outs, strict=True)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + PATIENCE_S  # bounds a hang only
-    for p in procs:
-        p.join(max(1.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
+    with processes(ctx, [(_run, (r, root, o)) for r, o in zip(roles, outs, strict=True)]):
+        pass  # they run to their end together: joined on the way out, killed after PATIENCE_S (a hang)
     results = [json.loads(o.read_text()) if o.exists() else {"error": "no result (hung?)"} for o in outs]
     for role, res in zip(roles, results, strict=True):
         assert "error" not in res, f"{role}: {res['error']}"

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from multiprocessing.context import ForkContext, SpawnContext
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import TypeVar
 
@@ -79,3 +82,23 @@ def wait_fs_blocked(fs: Controller, rule: str, proc: subprocess.Popen, n: int = 
         poll=0.1,
         explain=lambda: str(fs.status()),
     )
+
+
+@contextmanager
+def processes(
+    ctx: SpawnContext | ForkContext, calls: Sequence[tuple[Callable[..., object], tuple]]
+) -> Iterator[Sequence[BaseProcess]]:
+    """One started process per (target, args); on the way out each is joined, all of them within
+    PATIENCE_S (a hang's bound only), and any still running is killed so no test leaves one behind."""
+    procs = [ctx.Process(target=target, args=args) for target, args in calls]
+    for p in procs:
+        p.start()
+    try:
+        yield procs
+    finally:
+        deadline = time.monotonic() + PATIENCE_S
+        for p in procs:
+            p.join(max(1.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
