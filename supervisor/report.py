@@ -19,7 +19,7 @@ from supervisor import store
 from supervisor.format import events
 from supervisor.format.atomic import hostname, pid_alive
 from supervisor.format.heartbeat import HeartbeatSnapshot, Phase, boot_id, read_heartbeats
-from supervisor.format.layout import RunDir, parse_state_filename
+from supervisor.format.layout import RunDir, parse_state_filename, per_node_files
 from supervisor.format.nodesummary import NodeSummary, newest_per_rank, read_summary, summary_paths
 from supervisor.ioerrors import Evidence, describe
 from supervisor.quickcache import QuickChecks
@@ -204,15 +204,8 @@ def _from_summary(s: NodeSummary, me: str, clock: Clock) -> NodeRow:
 
 
 def _state_files(root: Path) -> list[tuple[int, str]]:
-    """(node, path) of every watchdog's state file, by node (os.listdir and plain strings joined
-    without os.path.join: 2,048 Path objects globbed and sorted cost `status` tens of ms)."""
-    folder = os.fspath(RunDir.of(root).supervisor)
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return []
-    found = ((parse_state_filename(n), n) for n in names)
-    return sorted((node, f"{folder}/{n}") for node, n in found if node is not None)
+    """(node, path) of every watchdog's state file, by node."""
+    return per_node_files(os.fspath(RunDir.of(root).supervisor), parse_state_filename)
 
 
 def _nodes(

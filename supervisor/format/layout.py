@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -410,3 +410,15 @@ class RunDir:
 
     def samples(self, rank: int) -> Path:
         return self.root / SAMPLES / samples_filename(rank)
+
+
+def per_node_files(folder: str, parse: Callable[[str], int | None]) -> list[tuple[int, str]]:
+    """(node, path) of each file in ``folder`` whose name ``parse`` gives a node, by node; none when
+    the folder cannot be listed. Plain strings (os.listdir, f-strings, no os.path.join or Path):
+    `status` lists 2,048 summaries and 2,048 state files this way, and those cost it ms."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    found = ((parse(n), n) for n in names)
+    return sorted((node, f"{folder}/{n}") for node, n in found if node is not None)

@@ -41,6 +41,7 @@ from supervisor.format.layout import (
     RunDir,
     node_local_base,
     parse_node_summary_filename,
+    per_node_files,
     run_key,
 )
 
@@ -258,14 +259,7 @@ def parse_records(path: str, body: bytes) -> list[HeartbeatSnapshot]:
 
 def summary_paths(root: str | Path) -> list[tuple[int, str]]:
     """(node, path) of every summary file of the run, by node."""
-    folder = os.path.join(root, HEARTBEATS)
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return []
-    found = ((parse_node_summary_filename(n), n) for n in names)
-    # f-strings, not os.path.join: 2,048 joins cost `status` 3 ms
-    return sorted((node, f"{folder}/{n}") for node, n in found if node is not None)
+    return per_node_files(os.path.join(root, HEARTBEATS), parse_node_summary_filename)
 
 
 def local_folders(root: str | Path) -> list[Path]:
