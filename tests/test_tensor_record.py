@@ -22,7 +22,7 @@ from supervisor.safepickle import UnsafePickle
 from train_ref import safe_load
 from train_ref.checkpointer import _writer
 from train_ref.safe_load import CorruptRecord, load_dcp
-from train_ref.tensor_record import plain_tensor
+from train_ref.tensor_record import plain_tensor, read_in_place
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int8, torch.uint8]
 DTYPES += [torch.bool, torch.complex64]
@@ -164,14 +164,61 @@ def test_a_load_reads_plain_records_off_their_bytes_and_the_rest_with_torch_load
         plain[sizes] = got is not None
         return got
 
+    in_place: dict[tuple[int, ...], bool | str] = {}
+
+    def spy_in_place(stream: Any, offset: int, length: int, target: torch.Tensor, label: str) -> bool | str:
+        in_place[tuple(target.size())] = got = read_in_place(stream, offset, length, target, label)
+        return got
+
     monkeypatch.setattr(safe_load, "plain_tensor", spy)
+    monkeypatch.setattr(safe_load, "read_in_place", spy_in_place)
     out = blank(state)
     load_dcp(ckpt, out, None)
     for k, v in state.items():
         assert torch.equal(out[k], v) if isinstance(v, torch.Tensor) else out[k] == v, k
-    # the strided one alone went through torch.load: DCP clones a view, not a transposed tensor
-    # (and reads nothing for the empty one)
-    assert plain == {(300, 200): True, (9, 6): False, (33,): True, (): True, (10,): True}
+    # the one record of 64 KiB or more was read into its tensor; of the rest, the strided one alone
+    # went through torch.load: DCP clones a view, not a transposed tensor (and reads nothing for
+    # the empty one)
+    assert in_place == {(300, 200): True}
+    assert plain == {(9, 6): False, (33,): True, (): True, (10,): True}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_record_read_in_place_is_bit_exact_and_anything_else_leaves_the_target_alone(
+    dtype: torch.dtype,
+) -> None:
+    """Head, tail, then the data straight into the target: the same bits as ``torch.load``; a
+    layout it does not read (compressed, an extra entry) or a target that is not one contiguous
+    block is False, with the target untouched, and the caller reads the record whole."""
+    t = sample(dtype, (300, 70))
+    rec = bytes(record(t, crc=False))
+    pad = b"x" * 1000  # the record sits inside a shard, at an offset
+    target = torch.zeros_like(t)
+    assert read_in_place(io.BytesIO(pad + rec + pad), len(pad), len(rec), target, "w") is True
+    assert target.view(torch.uint8).tolist() == torch.load(io.BytesIO(rec)).view(torch.uint8).tolist()
+    files = entries(bytearray(rec))
+    prefix = next(iter(files)).split("/")[0]
+    others = [bytes(rezip(files, zipfile.ZIP_DEFLATED)), bytes(rezip({**files, f"{prefix}/data/1": b"\0"}))]
+    for other in others:
+        untouched = torch.zeros_like(t)
+        assert read_in_place(io.BytesIO(other), 0, len(other), untouched, "w") is False
+        assert not untouched.view(torch.uint8).any()
+    strided = torch.zeros(70, 300, dtype=dtype).t()
+    assert read_in_place(io.BytesIO(rec), 0, len(rec), strided, "w") is False
+    assert not strided.contiguous().view(torch.uint8).any()
+
+
+def test_a_shard_that_ends_inside_a_record_read_in_place_is_one_line(tmp_path: Path) -> None:
+    """Cut in the middle of the large record's data: the read in place finds the file short, and
+    says so naming the file and the item (the tail it reads first is missing)."""
+    ckpt, state = saved(tmp_path)
+    rec = bytes(record(state["w"], crc=False))
+    shard = rewrite_record(ckpt, "w", rec)
+    os.truncate(shard, os.path.getsize(shard) - len(rec) // 2)
+    with pytest.raises(CorruptRecord) as e:
+        load_dcp(ckpt, blank(state), None)
+    msg = str(e.value)
+    assert "\n" not in msg and f"{shard} (item w): the file ends inside the record" in msg and "verify" in msg
 
 
 def rewrite_record(ckpt: Path, fqn: str, new: bytes) -> Path:

@@ -14,6 +14,10 @@ DCP's metadata, itself loaded through the allowlist), finds ``data/0`` through t
 directory, and returns a tensor over those bytes. Nothing of the record is unpickled; any other
 layout (a view, a strided tensor, another entry, big-endian, compression, zip64, a torch that
 pickles differently) returns None and goes through ``torch.load(weights_only=True)`` as before.
+
+``read_in_place`` does the same checks on a record's head and tail alone, then reads the chunk's
+bytes from the file straight into the tensor that receives them: a large record is neither
+buffered nor copied (the load's two memory passes over every byte, besides the read itself).
 """
 
 from __future__ import annotations
@@ -58,6 +62,10 @@ _ENTRIES = frozenset(
         ".data/serialization_id",
     }
 )
+# What a read in place fetches of a record before its data: torch.save puts data.pkl, byteorder and
+# data/0's header in the first few hundred bytes and the central directory (~70 bytes an entry) last.
+IN_PLACE_HEAD = 4096
+IN_PLACE_TAIL = 4096
 _EOCD = struct.Struct("<IHHHHIIH")  # end of central directory, no comment
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # central directory file header
 _LOCAL = struct.Struct("<IHHHHHIIIHH")  # local file header
@@ -101,52 +109,71 @@ def contiguous_pickle(dtype: torch.dtype, sizes: tuple[int, ...]) -> bytes | Non
     return buf.getvalue()
 
 
-def _entries(rec: memoryview) -> dict[str, tuple[int, int, int]] | None:
+class _Known:
+    """A record's bytes where they are known: all of them, or the head and the tail a read in
+    place fetches first (the zip's headers are at both ends, the chunk's bytes in between).
+    ``at`` is None for a range outside what is known, as for one outside the record."""
+
+    def __init__(self, length: int, head: memoryview, tail: memoryview | None = None):
+        self.length, self.head = length, head
+        self.tail = tail if tail is not None else memoryview(b"")
+        self.tail_start = length - len(self.tail)
+
+    def at(self, start: int, n: int) -> memoryview | None:
+        if start < 0 or n < 0 or start + n > self.length:
+            return None
+        if start + n <= len(self.head):
+            return self.head[start : start + n]
+        if start >= self.tail_start:
+            return self.tail[start - self.tail_start : start - self.tail_start + n]
+        return None
+
+    def unpack(self, form: struct.Struct, start: int) -> tuple[Any, ...] | None:
+        got = self.at(start, form.size)
+        return form.unpack(got) if got is not None else None
+
+
+def _entries(rec: _Known) -> dict[str, tuple[int, int, int]] | None:
     """The record's zip entries as name -> (local header offset, method, size), from its central
     directory; None when it is not a plain zip (a comment, zip64, a multi-disk archive)."""
-    if len(rec) < _EOCD.size:
+    eocd = rec.unpack(_EOCD, rec.length - _EOCD.size)
+    if eocd is None:
         return None
-    sig, disk, cd_disk, _, n, cd_size, cd_off, comment = _EOCD.unpack_from(rec, len(rec) - _EOCD.size)
-    if sig != _EOCD_SIG or disk or cd_disk or comment or n > 16 or cd_off + cd_size > len(rec) - _EOCD.size:
+    sig, disk, cd_disk, _, n, cd_size, cd_off, comment = eocd
+    if sig != _EOCD_SIG or disk or cd_disk or comment or n > 16 or cd_off + cd_size > rec.length - _EOCD.size:
         return None
     out, p = {}, cd_off
     for _ in range(n):
-        if p + _CENTRAL.size > cd_off + cd_size:
+        f = rec.unpack(_CENTRAL, p) if p + _CENTRAL.size <= cd_off + cd_size else None
+        if f is None:
             return None
-        f = _CENTRAL.unpack_from(rec, p)
         sig, method, csize, usize, nlen, xlen, clen, lho = f[0], f[4], f[8], f[9], f[10], f[11], f[12], f[16]
-        if sig != _CENTRAL_SIG or csize != usize:
+        name = rec.at(p + _CENTRAL.size, nlen)
+        if sig != _CENTRAL_SIG or csize != usize or name is None:
             return None
-        out[bytes(rec[p + _CENTRAL.size : p + _CENTRAL.size + nlen]).decode("utf-8", "replace")] = (
-            lho,
-            method,
-            usize,
-        )
+        out[bytes(name).decode("utf-8", "replace")] = (lho, method, usize)
         p += _CENTRAL.size + nlen + xlen + clen
     return out if len(out) == n else None  # a name twice: which one torch.load reads is its business
 
 
-def _body(rec: memoryview, entry: tuple[int, int, int], name: str, end: int) -> int | None:
+def _body(rec: _Known, entry: tuple[int, int, int], name: str, end: int) -> int | None:
     """Where a stored (uncompressed) entry's bytes start, checked against its local header."""
     lho, method, size = entry
-    if method != 0 or lho + _LOCAL.size > end:
+    f = rec.unpack(_LOCAL, lho) if method == 0 and lho + _LOCAL.size <= end else None
+    if f is None:
         return None
-    f = _LOCAL.unpack_from(rec, lho)
     nlen, xlen = f[9], f[10]
     start = lho + _LOCAL.size + nlen + xlen
-    if (
-        f[0] != _LOCAL_SIG
-        or bytes(rec[lho + _LOCAL.size : lho + _LOCAL.size + nlen]) != name.encode()
-        or start + size > end
-    ):
+    local_name = rec.at(lho + _LOCAL.size, nlen)
+    if f[0] != _LOCAL_SIG or local_name is None or bytes(local_name) != name.encode() or start + size > end:
         return None
     return start
 
 
-def _spans(view: memoryview) -> list[tuple[int, int]] | None:
+def _spans(rec: _Known) -> list[tuple[int, int]] | None:
     """(start, size) of data.pkl, byteorder and data/0, when every entry is one torch.save writes
     under one archive prefix, stored uncompressed; None otherwise."""
-    entries = _entries(view)
+    entries = _entries(rec)
     if not entries:
         return None
     prefix = next(iter(entries)).split("/", 1)[0] + "/"
@@ -155,30 +182,72 @@ def _spans(view: memoryview) -> list[tuple[int, int]] | None:
     out = []
     for key in ("data.pkl", "byteorder", "data/0"):
         entry = entries.get(prefix + key)
-        start = _body(view, entry, prefix + key, len(view) - _EOCD.size) if entry is not None else None
+        start = _body(rec, entry, prefix + key, rec.length - _EOCD.size) if entry is not None else None
         if entry is None or start is None:
             return None
         out.append((start, entry[2]))
     return out
 
 
-def plain_tensor(rec: bytearray, dtype: torch.dtype, sizes: tuple[int, ...]) -> torch.Tensor | None:
-    """The chunk ``rec`` holds, as a tensor over ``rec``'s bytes (no copy), when the record is the
-    plain layout described above; None otherwise (the caller falls back to ``torch.load``)."""
+def plain_data_start(rec: _Known, dtype: torch.dtype, sizes: tuple[int, ...]) -> int | None:
+    """Where the chunk's bytes start in the record, when it is the plain layout described above
+    and its ``data.pkl`` and byte order lie in what is known of it; None otherwise."""
     expected = contiguous_pickle(dtype, sizes)
-    view = memoryview(rec)
-    spans = _spans(view) if expected is not None and sys.byteorder == "little" else None
+    spans = _spans(rec) if expected is not None and sys.byteorder == "little" else None
     if spans is None:
         return None
     (pkl, pkl_n), (order, order_n), (data, data_n) = spans
-    numel = math.prod(sizes)
+    pickled, byteorder = rec.at(pkl, pkl_n), rec.at(order, order_n)
     if (
-        bytes(view[pkl : pkl + pkl_n]) != expected
-        or bytes(view[order : order + order_n]) != b"little"
-        or data_n != numel * dtype.itemsize
+        pickled is None
+        or bytes(pickled) != expected
+        or byteorder is None
+        or bytes(byteorder) != b"little"
+        or data_n != math.prod(sizes) * dtype.itemsize
         or data % dtype.itemsize
     ):
         return None
+    return data
+
+
+def read_in_place(
+    stream: io.BufferedIOBase, offset: int, length: int, target: torch.Tensor, label: str
+) -> bool | str:
+    """Read the plain record at ``offset`` (``length`` bytes) of ``stream`` straight into
+    ``target``'s memory: its head and tail first (the zip's headers), then the chunk's bytes,
+    with no buffer and no copy between. False, with nothing of ``target`` written, when the
+    record or the target is not one this reads (the caller reads the record whole); a string
+    saying how the file fell short when it ends inside the record."""
+    if target.device.type != "cpu" or not target.is_contiguous() or target.numel() == 0:
+        return False
+    head_n = min(length, IN_PLACE_HEAD)
+    tail_n = min(length - head_n, IN_PLACE_TAIL)
+    stream.seek(offset)
+    head = stream.read(head_n)
+    stream.seek(offset + length - tail_n)
+    tail = stream.read(tail_n)
+    if len(head) != head_n or len(tail) != tail_n:
+        return f"the file ends inside the record at offset {offset} ({length} bytes)"
+    start = plain_data_start(
+        _Known(length, memoryview(head), memoryview(tail)), target.dtype, tuple(target.size())
+    )
+    if start is None:
+        return False
+    stream.seek(offset + start)
+    into = target.view(-1).view(torch.uint8).numpy().data  # the tensor's own memory
+    got = stream.readinto(into)
+    if got != into.nbytes:
+        return f"the file ends {start + got} of {length} bytes into the record at offset {offset}"
+    return True
+
+
+def plain_tensor(rec: bytearray, dtype: torch.dtype, sizes: tuple[int, ...]) -> torch.Tensor | None:
+    """The chunk ``rec`` holds, as a tensor over ``rec``'s bytes (no copy), when the record is the
+    plain layout described above; None otherwise (the caller falls back to ``torch.load``)."""
+    data = plain_data_start(_Known(len(rec), memoryview(rec)), dtype, sizes)
+    if data is None:
+        return None
+    numel = math.prod(sizes)
     if numel == 0:
         return torch.empty(sizes, dtype=dtype)
     return torch.frombuffer(rec, dtype=dtype, count=numel, offset=data).view(sizes)
