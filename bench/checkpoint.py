@@ -10,12 +10,17 @@ On 2 ranks (torchrun, gloo on CPU), with the ~50M-parameter ``bench`` model and 
 3. the trainer's load (``Checkpointer.load``: DCP through the safe reader with counted reads, then
    the per-rank file) vs a raw read of the same files, each rank reading its share at once, with
    the page cache hot, and cold (``posix_fadvise(DONTNEED)`` on every file first); beside it the
-   same load as before issue 12 point 3 (every tensor record through ``torch.load``, GC on);
+   same share read into memory that keeps it (a load's floor: the raw read streams through one
+   buffer that stays in the CPU's cache, a load leaves every byte in a tensor), and the same load
+   as before issue 12 point 3 (every tensor record through ``torch.load``, GC on);
 4. end-to-end overhead of saving every ``--interval`` steps (the trainer's default ``--save-every``):
    ``--window`` steps with one async save in the middle vs the same steps without, interleaved;
    the extra time of that one save, divided by ``--interval`` steps of training. (A CPU step of
    the bench model takes seconds, so timing whole 50-step intervals would take an hour.)
 Targets: async blocked <= 5% of sync; sync >= 80% of dd; load >= 80% of a raw read; overhead <= 3%.
+Ranks write their heartbeats where ranks under ``supervisor watch`` do, a node-local folder (a
+commit beats three times; on a disk each beat is an fsync'd write); ``--heartbeats-in-run-dir``
+measures a trainer alone.
 
     .venv/bin/python bench/checkpoint.py [--repeats 3] [--interval 50] [--window 6] [--dir /tmp]
 """
@@ -47,13 +52,25 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=6, help="steps timed around one save")
     p.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument(
+        "--heartbeats-in-run-dir",
+        action="store_true",
+        help="ranks write heartbeats into the run dir, as a trainer alone does (default: in a "
+        "node-local folder, as ranks under `supervisor watch` do)",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
 def launch(args: argparse.Namespace) -> int:
+    from supervisor.format.layout import HEARTBEAT_DIR_ENV, node_local_base
+
     work = Path(tempfile.mkdtemp(prefix="bench_ckpt_", dir=args.dir))
+    beats = Path(tempfile.mkdtemp(prefix="bench_ckpt_heartbeats_", dir=node_local_base()))
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PYTHONPATH=str(REPO))
+    if not args.heartbeats_in_run_dir:
+        env[HEARTBEAT_DIR_ENV] = str(beats)
+    print(f"heartbeats: {'the run dir' if args.heartbeats_in_run_dir else beats}", flush=True)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
         __file__, "--worker", "--dir", str(work), "--repeats", str(args.repeats), "--interval", str(args.interval),
@@ -64,6 +81,7 @@ def launch(args: argparse.Namespace) -> int:
         return subprocess.call(cmd, env=env, cwd=REPO)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(beats, ignore_errors=True)
 
 
 def make_trainer(root: Path, config: str, extra: list[str] | None = None) -> Any:
