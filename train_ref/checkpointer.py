@@ -64,6 +64,7 @@ from supervisor.format.heartbeat import HeartbeatWriter, Phase, Progress
 from supervisor.format.layout import DCP_METADATA, rank_state_filename, step_dirname
 from supervisor.format.manifest import META_SAVE_S, CheckpointInfo, FileEntry, checksum_file
 from train_ref import agree
+from train_ref.optim_state import prime_for_load
 from train_ref.progress_io import PROGRESS_CHUNK, ProgressFileSystem, open_progress
 from train_ref.safe_load import load_dcp, weights_only_refusal
 from train_ref.save_policy import SaveError, SavePolicy, dcp_save_error, failure_line, give_up, save_error
@@ -648,7 +649,9 @@ class Checkpointer:
         counted into ``progress``. Returns whether the per-rank state was restored; on another
         world size it cannot map onto the new ranks, and the caller derives fresh streams instead.
         Nothing in the checkpoint is run: a pickle that names anything else than plain data is
-        UnsafePickle, one line (train_ref/safe_load.py)."""
+        UnsafePickle, one line (train_ref/safe_load.py). An Adam(W) without state gets it
+        allocated to be read into, not computed (train_ref/optim_state.py)."""
+        prime_for_load(getattr(state, "optimizer", None))
         load_dcp(ckpt, {"app": state}, self.dcp_group, fs=ProgressFileSystem(self.root, progress))
         if saved_world_size != self.world_size:
             return False

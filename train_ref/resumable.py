@@ -65,6 +65,7 @@ from train_ref.appender import LineAppender
 from train_ref.checkpointer import Checkpointer, CommitInfo, Saveable, SaveOutcome, StorageGaveUp
 from train_ref.devices import DeviceError
 from train_ref.drill_faults import DrillFaults, When
+from train_ref.optim_state import prime_for_load
 from train_ref.parallel import params_digest
 from train_ref.progress_io import ProgressFileSystem
 from train_ref.resume import RETRY_LATER, Choice, Request, choose_checkpoint, describe_diff, identity_diff
@@ -474,6 +475,8 @@ class Resumable:
         if isinstance(src, str):
             self.stop(Exit.BAD_CONFIG, Phase.STARTUP, f"refused: --init-from {spec}: {src}")
         what = "weights and optimizer" if self.options.init_optimizer else "weights"
+        if self.options.init_optimizer:
+            prime_for_load(getattr(self.state, "optimizer", None))
         try:
             load_dcp(
                 src,
