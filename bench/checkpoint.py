@@ -63,13 +63,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def launch(args: argparse.Namespace) -> int:
-    from supervisor.format.layout import HEARTBEAT_DIR_ENV, node_local_base
+    from supervisor.format.layout import node_local_base
 
     work = Path(tempfile.mkdtemp(prefix="bench_ckpt_", dir=args.dir))
     beats = Path(tempfile.mkdtemp(prefix="bench_ckpt_heartbeats_", dir=node_local_base()))
-    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PYTHONPATH=str(REPO))
-    if not args.heartbeats_in_run_dir:
-        env[HEARTBEAT_DIR_ENV] = str(beats)
+    env = torchrun_env(None if args.heartbeats_in_run_dir else beats)
     print(f"heartbeats: {'the run dir' if args.heartbeats_in_run_dir else beats}", flush=True)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
@@ -82,6 +80,17 @@ def launch(args: argparse.Namespace) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(beats, ignore_errors=True)
+
+
+def torchrun_env(heartbeats: Path | None) -> dict[str, str]:
+    """The environment of a bench's torchrun: this checkout importable, torchrun's restart-safe
+    store, and the ranks' heartbeats in ``heartbeats`` (None: in the run dir, as a trainer alone)."""
+    from supervisor.format.layout import HEARTBEAT_DIR_ENV
+
+    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PYTHONPATH=str(REPO))
+    if heartbeats is not None:
+        env[HEARTBEAT_DIR_ENV] = str(heartbeats)
+    return env
 
 
 def make_trainer(root: Path, config: str, extra: list[str] | None = None) -> Any:
