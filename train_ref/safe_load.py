@@ -182,7 +182,7 @@ class SafeFileSystemReader(FileSystemReader):
         if target.dtype != md.properties.dtype or tuple(target.size()) != tuple(chunk.sizes):
             return False
         info = self.storage_data[req.storage_index]
-        done = read_in_place(stream, info.offset, info.length, target, label)
+        done = read_in_place(stream, info.offset, info.length, target)
         if isinstance(done, str):
             raise self._corrupt(f"{label}: {done}")
         if done:

@@ -210,15 +210,19 @@ def plain_data_start(rec: _Known, dtype: torch.dtype, sizes: tuple[int, ...]) ->
     return data
 
 
-def read_in_place(
-    stream: io.BufferedIOBase, offset: int, length: int, target: torch.Tensor, label: str
-) -> bool | str:
+def read_in_place(stream: io.BufferedIOBase, offset: int, length: int, target: torch.Tensor) -> bool | str:
     """Read the plain record at ``offset`` (``length`` bytes) of ``stream`` straight into
     ``target``'s memory: its head and tail first (the zip's headers), then the chunk's bytes,
     with no buffer and no copy between. False, with nothing of ``target`` written, when the
     record or the target is not one this reads (the caller reads the record whole); a string
     saying how the file fell short when it ends inside the record."""
-    if target.device.type != "cpu" or not target.is_contiguous() or target.numel() == 0:
+    if (
+        target.device.type != "cpu"
+        or not target.is_contiguous()
+        or target.numel() == 0
+        or target.is_conj()  # a lazy view: its memory holds other values than it shows
+        or target.is_neg()
+    ):
         return False
     head_n = min(length, IN_PLACE_HEAD)
     tail_n = min(length - head_n, IN_PLACE_TAIL)
