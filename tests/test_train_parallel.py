@@ -1,4 +1,5 @@
-"""fsdp's meta-device build: the same initial parameters as a whole build, on any world size."""
+"""fsdp's meta-device build: the same initial parameters as a whole build, on any world size; and
+an fsdp checkpoint's records read in place, its AdamW state allocated, loaded back bit for bit."""
 
 from __future__ import annotations
 
@@ -23,3 +24,17 @@ def test_fsdp_meta_build_equals_the_whole_build(nproc):
     _, got, _, want, _, never_whole = line.split()
     assert got == want
     assert never_whole == "True" or nproc == 1
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_fsdp_records_read_in_place_and_allocated_adamw_state_load_bit_exact(nproc):
+    """3 ranks: shards of uneven sizes. Every rank reads some records in place (the model's
+    larger shards are 64 KiB and more) and ends with exactly the saved shards and state."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(REPO / "tests" / "inplace_load_worker.py")]  # fmt: skip
+    r = subprocess.run(cmd, cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=PATIENCE_S)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = sorted(ln.split() for ln in r.stdout.splitlines() if ln.startswith("rank "))
+    assert [ln[1] for ln in lines] == [str(i) for i in range(nproc)], r.stdout[-3000:]
+    for _, rank, _, in_place, _, primed, _, equal in lines:
+        assert int(in_place) > 0 and primed == "True" and equal == "True", (rank, in_place, primed, equal)
