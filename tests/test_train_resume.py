@@ -70,7 +70,11 @@ def test_kill9_one_worker_then_relaunch_is_bit_exact(goldens, tmp_path, parallel
     rng = random.Random(f"{parallel}-{nproc}-{workers}")
     kill_at, victim = rng.randint(SAVE_EVERY + 1, STEPS - 4), rng.randrange(nproc)
     root = tmp_path / "run"
-    args = train_args(parallel, "--num-workers", str(workers))
+    # Sync saves: step 10's checkpoint is committed before step 11 begins. An async one commits
+    # at the first step boundary after its upload, which a busy machine delayed past kill_at: the
+    # relaunch then started fresh (bit-exact still, but no resume to test). The async path's kill
+    # is the test below.
+    args = train_args(parallel, "--num-workers", str(workers), "--sync-save")
     gate = tmp_path / "hold"
     hold.hold_at(gate, kill_at)
     proc = launch(root, nproc, *args, env=trainer_env(gate))
