@@ -5,6 +5,7 @@ record is one line naming the file and the item."""
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import pickle
@@ -209,6 +210,23 @@ def test_a_record_read_in_place_is_bit_exact_and_anything_else_leaves_the_target
         conj = torch.zeros_like(t).conj()
         assert read_in_place(io.BytesIO(rec), 0, len(rec), conj) is False and not conj.resolve_conj().any()
     assert not strided.contiguous().view(torch.uint8).any()
+
+
+def test_an_io_error_in_a_read_in_place_is_an_io_error_not_corruption() -> None:
+    """EIO while the data streams in leaves as the OSError it is (the caller's storage handling
+    retries it), never as a record found short or corrupt."""
+
+    class FailingData(io.BytesIO):
+        def readinto(self, b: Any) -> int:
+            if len(memoryview(b)) > 8192:  # the chunk's bytes, after head and tail
+                raise OSError(errno.EIO, "Input/output error")
+            return super().readinto(b)
+
+    t = sample(torch.float32, (300, 70))
+    rec = bytes(record(t, crc=False))
+    with pytest.raises(OSError) as e:
+        read_in_place(FailingData(rec), 0, len(rec), torch.zeros_like(t))
+    assert e.value.errno == errno.EIO
 
 
 def test_a_shard_that_ends_inside_a_record_read_in_place_is_one_line(tmp_path: Path) -> None:
