@@ -61,11 +61,12 @@ from torch.futures import Future as TorchFuture
 
 from supervisor import store
 from supervisor.format.heartbeat import HeartbeatWriter, Phase, Progress
-from supervisor.format.layout import DCP_METADATA, rank_state_filename, step_dirname
+from supervisor.format.layout import DCP_METADATA, dcp_shard_filename, rank_state_filename, step_dirname
 from supervisor.format.manifest import META_SAVE_S, CheckpointInfo, FileEntry, checksum_file
 from train_ref import agree
 from train_ref.optim_state import prime_for_load
 from train_ref.progress_io import PROGRESS_CHUNK, ProgressFileSystem, open_progress
+from train_ref.readahead import readahead
 from train_ref.safe_load import load_dcp, weights_only_refusal
 from train_ref.save_policy import SaveError, SavePolicy, dcp_save_error, failure_line, give_up, save_error
 from train_ref.state import RankState
@@ -650,15 +651,20 @@ class Checkpointer:
         world size it cannot map onto the new ranks, and the caller derives fresh streams instead.
         Nothing in the checkpoint is run: a pickle that names anything else than plain data is
         UnsafePickle, one line (train_ref/safe_load.py). An Adam(W) without state gets it
-        allocated to be read into, not computed (train_ref/optim_state.py)."""
-        prime_for_load(getattr(state, "optimizer", None))
-        load_dcp(ckpt, {"app": state}, self.dcp_group, fs=ProgressFileSystem(self.root, progress))
-        if saved_world_size != self.world_size:
-            return False
+        allocated to be read into, not computed (train_ref/optim_state.py). From the first line,
+        the files this rank reads first (DCP's index; on the saved world size, its own shard and
+        RNG file) are read into the page cache behind it (train_ref/readahead.py)."""
+        same_world = saved_world_size == self.world_size
         path = ckpt / rank_state_filename(self.rank)
-        try:
-            with open_progress(path, progress, self.root) as f:
-                RankState.load(f, skip, str(path), self.rank_extra)
-        except pickle.UnpicklingError as e:
-            raise weights_only_refusal(str(path), e) from None
+        first = [ckpt / DCP_METADATA] + ([ckpt / dcp_shard_filename(self.rank), path] if same_world else [])
+        with readahead(first):
+            prime_for_load(getattr(state, "optimizer", None))
+            load_dcp(ckpt, {"app": state}, self.dcp_group, fs=ProgressFileSystem(self.root, progress))
+            if not same_world:
+                return False
+            try:
+                with open_progress(path, progress, self.root) as f:
+                    RankState.load(f, skip, str(path), self.rank_extra)
+            except pickle.UnpicklingError as e:
+                raise weights_only_refusal(str(path), e) from None
         return True

@@ -280,6 +280,13 @@ def stack_dump_filename(rank: int) -> str:
     return f"stacks_{_rank_name(rank)}.txt"
 
 
+def dcp_shard_filename(rank: int, index: int = 0) -> str:
+    """The ``index``-th shard file rank ``rank`` writes, as DCP names them (torch 2.13
+    ``FileSystemWriter``: the prefix ``__<rank>_`` its global plan gives, then a file count; the
+    trainer's writer, one thread, writes one: index 0)."""
+    return f"__{rank}_{index}.distcp"
+
+
 def rank_state_filename(rank: int) -> str:
     """The file in a checkpoint that holds one rank's own state (its RNGs)."""
     return f"{_rank_name(rank)}.state.pt"

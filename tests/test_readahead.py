@@ -1,0 +1,114 @@
+"""The read-ahead of a load's first files (train_ref/readahead.py): it fills the page cache, stays
+within its limit, stops at an error and where the file system keeps nothing, and never holds up
+the load it serves. Its speed is bench/checkpoint.py's (the load with and without it)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from supervisor.drill.faultctl import FaultFS
+from supervisor.format.layout import dcp_shard_filename
+from train_ref.checkpointer import _writer
+from train_ref.readahead import LIMIT, PROBE, _into_cache, _read_ahead, readahead
+
+EVENT_TIMEOUT_S = 60.0
+MIB = 1 << 20
+
+
+def cold_file(path: Path, size: int) -> Path:
+    """A file of ``size`` random bytes on disk, none of them in the page cache."""
+    path.write_bytes(os.urandom(size))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # dirty pages are not dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return path
+
+
+def resident(path: Path) -> bool:
+    """Every byte of ``path`` reads without I/O (RWF_NOWAIT)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        buf = bytearray(os.fstat(fd).st_size)
+        return os.preadv(fd, [buf], 0, os.RWF_NOWAIT) == len(buf)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def test_it_reads_the_files_into_the_page_cache(tmp_path: Path) -> None:
+    first, shard = cold_file(tmp_path / "first", MIB // 2), cold_file(tmp_path / "shard", 40 * MIB)
+    control = cold_file(tmp_path / "control", 4 * MIB)
+    _read_ahead([first, shard], LIMIT, threading.Event())
+    if resident(control):
+        pytest.skip(f"{tmp_path}'s file system keeps a file's pages after POSIX_FADV_DONTNEED (tmpfs?)")
+    assert resident(first) and resident(shard)
+
+
+def test_it_reads_at_most_the_limit_and_nothing_once_stopped(tmp_path: Path) -> None:
+    sink = os.open(os.devnull, os.O_WRONLY)
+    try:
+        f = cold_file(tmp_path / "shard", 8 * MIB)
+        assert _into_cache(f, 3 * MIB, sink, threading.Event()) == 3 * MIB
+        assert _into_cache(f, LIMIT, sink, threading.Event()) == 8 * MIB
+        stopped = threading.Event()
+        stopped.set()
+        assert _into_cache(f, LIMIT, sink, stopped) == 0
+    finally:
+        os.close(sink)
+
+
+def test_where_nothing_is_kept_it_stops_after_the_first_probe(faultfs: FaultFS) -> None:
+    """The fault filesystem serves reads with direct_io: reading ahead there would read it all
+    twice. It reads the first file's first PROBE bytes and stops."""
+    m = faultfs.mountpoint
+    first, shard = m / "first", m / "shard"
+    first.write_bytes(os.urandom(3 * PROBE))
+    shard.write_bytes(os.urandom(PROBE))
+    counted = faultfs.delay("/first", 0.001, ops=["read"])  # counts the reads
+    never = faultfs.fail("/shard", "EIO", ops=["read"])
+    _read_ahead([first, shard], LIMIT, threading.Event())
+    assert faultfs.hits(counted) >= 1, "the probe reads the first file"
+    assert faultfs.hits(never) == 0, "nothing after the probe is read"
+
+
+def test_an_error_stops_it_quietly(faultfs: FaultFS, tmp_path: Path) -> None:
+    """EIO, or a file not there, is the load's to report: the read-ahead gives up, raises nothing."""
+    m = faultfs.mountpoint
+    broken, after = m / "broken", m / "after"
+    broken.write_bytes(b"x" * PROBE)
+    after.write_bytes(b"y" * PROBE)
+    eio = faultfs.fail("/broken", "EIO", ops=["read"])
+    never = faultfs.fail("/after", "EIO", ops=["read"])
+    _read_ahead([broken, after], LIMIT, threading.Event())
+    _read_ahead([tmp_path / "missing", after], LIMIT, threading.Event())
+    assert faultfs.hits(eio) >= 1 and faultfs.hits(never) == 0
+
+
+def test_a_stalled_read_ahead_does_not_hold_up_the_load(faultfs: FaultFS) -> None:
+    shard = faultfs.mountpoint / "shard"
+    shard.write_bytes(b"z" * PROBE)
+    rid = faultfs.block("/shard", ops=["read"])
+    with readahead([shard]):
+        (stalled,) = faultfs.wait_blocked(rid, timeout=EVENT_TIMEOUT_S)
+    assert faultfs.blocked() == [stalled], "the with block ended while the read-ahead is stalled"
+    (thread,) = [t for t in threading.enumerate() if t.name == "ckpt-readahead"]
+    faultfs.release(rid)
+    thread.join(EVENT_TIMEOUT_S)
+    assert not thread.is_alive()
+
+
+def test_the_shard_it_reads_ahead_is_the_one_dcp_writes(tmp_path: Path) -> None:
+    """Checkpointer.load reads ahead ``dcp_shard_filename(rank)``: DCP must name this rank's shard so."""
+    ckpt = tmp_path / "step"
+    dcp.save({"w": torch.arange(6.0)}, storage_writer=_writer(ckpt, tmp_path))
+    assert sorted(p.name for p in ckpt.glob("*.distcp")) == [dcp_shard_filename(0)]
