@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import gc
 import json
 import logging
 import math
@@ -470,6 +471,10 @@ def main(argv: list[str] | None = None) -> int:
     trainer.r.resume()
     trainer.hold = HoldGate.from_env(d.rank, trainer.r.launch)  # None unless TRAIN_REF_HOLD_FILE is set
     trainer.check_schedule()
+    # What is built by now (imports, model, loaded state: ~300,000 objects in the bench config)
+    # lives for the whole run. Out of the collector's view, a full collection in the loop takes
+    # ~0 s instead of 0.07-0.14 s, wherever it lands (a step, an async save's call).
+    gc.freeze()
     trainer.run()
     trainer.r.finish()
     dist.destroy_process_group()
