@@ -12,7 +12,8 @@ On 2 ranks (torchrun, gloo on CPU), with the ~50M-parameter ``bench`` model and 
    the page cache hot, and cold (``posix_fadvise(DONTNEED)`` on every file first); beside it the
    same share read into memory that keeps it (a load's floor: the raw read streams through one
    buffer that stays in the CPU's cache, a load leaves every byte in a tensor), and the same load
-   as before issue 12 point 3 (every tensor record through ``torch.load``, GC on);
+   as before issue 12 point 3 (every tensor record through ``torch.load``, GC on), and without the
+   kernel reading the rank's shard ahead while DCP plans (train_ref/readahead.py);
 4. end-to-end overhead of saving every ``--interval`` steps (the trainer's default ``--save-every``):
    ``--window`` steps with one async save in the middle vs the same steps without, interleaved;
    the extra time of that one save, divided by ``--interval`` steps of training. (A CPU step of
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import shutil
@@ -37,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import unittest.mock
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -124,11 +127,12 @@ def worker(args: argparse.Namespace) -> None:
     from supervisor.format.heartbeat import Phase
     from supervisor.format.manifest import READ_CHUNK, list_files
     from supervisor.store import list_checkpoints
-    from train_ref import safe_load
+    from train_ref import checkpointer, safe_load
     from train_ref.resume import split_by_size
 
     root = Path(args.dir) / "ckpt"
     t = make_trainer(root, "bench")
+    gc.freeze()  # as train.main does before its loop (bench/gc_pause.py)
     d = t.d
     rank0 = d.rank == 0
     batches = iter(t.loader())
@@ -169,6 +173,15 @@ def worker(args: argparse.Namespace) -> None:
             t.ckpt.last_staging_wait_s = 0.0
         return t.ckpt.last_blocking_s, staging, t.ckpt.last_finish_s
 
+    def prune_wait() -> float:
+        """The sync save just before left rank 0's prune running in the background. A save
+        first waits for the prune before it; saves ``--interval`` steps apart find it long done,
+        so it is waited out before the async save, and timed apart."""
+        t0 = time.perf_counter()
+        if t.ckpt._pruning is not None:
+            t.ckpt._pruning.result()
+        return time.perf_counter() - t0
+
     def rank0_torch_save() -> float:
         dist.barrier()
         t0 = time.perf_counter()
@@ -191,20 +204,24 @@ def worker(args: argparse.Namespace) -> None:
         out.unlink()
         return time.perf_counter() - t0
 
-    def read_share(files: list[Path], cold: bool) -> float:
-        """Every rank reads its share of the files (split by size), all at once: the same bytes
-        and parallelism as the load."""
+    def my_share(files: list[Path]) -> dict[str, int]:
+        """This rank's share of the files (split by size, as the resume's verify splits them),
+        with their sizes."""
         sizes = {str(p): p.stat().st_size for p in files}
-        mine = split_by_size(sizes, d.world_size)[d.rank]
+        return {n: sizes[n] for n in split_by_size(sizes, d.world_size)[d.rank]}
+
+    def read_share(files: list[Path], cold: bool) -> float:
+        """Every rank reads its share of the files, all at once: the same bytes and parallelism
+        as the load."""
+        mine = my_share(files)
         return timed_all(lambda: raw_read([Path(n) for n in mine]), files, cold)
 
     def read_share_kept(files: list[Path], cold: bool) -> float:
         """The same share read into memory that keeps it: one buffer of the share's size,
         allocated and touched beforehand as parameters are. A load must leave every byte in its
         tensor; ``read_share`` streams through one small buffer that stays in the CPU's cache."""
-        sizes = {str(p): p.stat().st_size for p in files}
-        mine = split_by_size(sizes, d.world_size)[d.rank]
-        kept = torch.zeros(sum(sizes[n] for n in mine), dtype=torch.uint8)
+        mine = my_share(files)
+        kept = torch.zeros(sum(mine.values()), dtype=torch.uint8)
         view = memoryview(kept.numpy())
 
         def read() -> None:
@@ -235,6 +252,11 @@ def worker(args: argparse.Namespace) -> None:
         finally:
             safe_load.plain_tensor, safe_load.no_gc = fast, no_gc
 
+    def load_without_readahead(ckpt: Path, files: list[Path], cold: bool) -> float:
+        """The same load without the kernel reading the rank's shard ahead while DCP plans."""
+        with unittest.mock.patch.object(checkpointer, "readahead", lambda _paths: contextlib.nullcontext()):
+            return load(ckpt, files, cold)
+
     def timed_all(fn: Callable[[], object], files: list[Path], cold: bool) -> float:
         if cold and rank0:
             drop_cache(files)
@@ -262,6 +284,7 @@ def worker(args: argparse.Namespace) -> None:
         dist.barrier()
         t.ckpt.save(st, {}, blocking=True)
         got["sync_blocking_s"].append(t.ckpt.last_blocking_s)
+        got["prune_wait_s"].append(prune_wait())
         parts = async_blocked()
         got["async_blocking_s"].append(sum(parts))
         for key, part in zip(("async_call_s", "async_staging_s", "async_commit_s"), parts, strict=True):
@@ -272,13 +295,16 @@ def worker(args: argparse.Namespace) -> None:
         files = [newest / n for n in list_files(newest)]
         nbytes = sum(p.stat().st_size for p in files)
         got["dd_fsync_s"].append(dd(nbytes) if rank0 else 0.0)
+        reads: list[tuple[str, Callable[..., float], tuple[Path, ...]]] = [
+            ("raw_read", read_share, ()),
+            ("raw_read_kept", read_share_kept, ()),
+            ("load", load, (newest,)),
+            ("load_torch_load", load_via_torch_load, (newest,)),
+            ("load_no_readahead", load_without_readahead, (newest,)),
+        ]
         for cold in (False, True):
-            got[f"raw_read_{'cold' if cold else 'hot'}_s"].append(read_share(files, cold))
-            got[f"raw_read_kept_{'cold' if cold else 'hot'}_s"].append(read_share_kept(files, cold))
-            got[f"load_{'cold' if cold else 'hot'}_s"].append(load(newest, files, cold))
-            got[f"load_torch_load_{'cold' if cold else 'hot'}_s"].append(
-                load_via_torch_load(newest, files, cold)
-            )
+            for key, read, ckpt in reads[:: -1 if i % 2 else 1]:  # each order in turn: drift hits all alike
+                got[f"{key}_{'cold' if cold else 'hot'}_s"].append(read(*ckpt, files, cold))
 
     base, saving = [], []
     for _ in range(2):  # interleaved so drift of the machine hits both alike
@@ -299,6 +325,7 @@ KEYS = (
     "async_call_s",
     "async_staging_s",
     "async_commit_s",
+    "prune_wait_s",
     "bare_dcp_save_s",
     "rank0_torch_save_s",
     "dd_fsync_s",
@@ -310,6 +337,8 @@ KEYS = (
     "load_cold_s",
     "load_torch_load_hot_s",
     "load_torch_load_cold_s",
+    "load_no_readahead_hot_s",
+    "load_no_readahead_cold_s",
 )
 
 
@@ -337,6 +366,9 @@ def report(
     print(
         f"  call {m['async_call_s']:.3f} s + staging wait {m['async_staging_s']:.3f} s + commit {m['async_commit_s']:.3f} s"
     )
+    print(
+        f"  a save right after a commit first waits for its prune: {m['prune_wait_s']:.3f} s (rank 0; not above)"
+    )
     print(f"sync save (incl. commit) throughput / dd fsync    {dd / sync:8.3f}   (target >= 0.80)")
     print(f"bare dcp.save throughput / dd fsync               {dd / m['bare_dcp_save_s']:8.3f}   (no commit)")
     print(
@@ -348,6 +380,8 @@ def report(
               f"   {gb / load:.2f} vs {gb / read:.2f} GB/s")  # fmt: skip
         kept = m[f"raw_read_kept_{kind}_s"]
         print(f"  / raw read into memory kept (a load's floor)   {kept / load:8.3f}   {gb / kept:.2f} GB/s")
+        plain = m[f"load_no_readahead_{kind}_s"]
+        print(f"  without the read-ahead (train_ref/readahead.py){read / plain:8.3f}   {gb / plain:.2f} GB/s")
         before = m[f"load_torch_load_{kind}_s"]
         print(
             f"  every tensor through torch.load, GC on (before)  {read / before:8.3f}   {gb / before:.2f} GB/s"
