@@ -98,10 +98,11 @@ def test_a_stalled_read_ahead_does_not_hold_up_the_load(faultfs: FaultFS) -> Non
     shard = faultfs.mountpoint / "shard"
     shard.write_bytes(b"z" * PROBE)
     rid = faultfs.block("/shard", ops=["read"])
+    before = set(threading.enumerate())  # another test's read-ahead may still be finishing
     with readahead([shard]):
         (stalled,) = faultfs.wait_blocked(rid, timeout=EVENT_TIMEOUT_S)
     assert faultfs.blocked() == [stalled], "the with block ended while the read-ahead is stalled"
-    (thread,) = [t for t in threading.enumerate() if t.name == "ckpt-readahead"]
+    (thread,) = [t for t in threading.enumerate() if t.name == "ckpt-readahead" and t not in before]
     faultfs.release(rid)
     thread.join(EVENT_TIMEOUT_S)
     assert not thread.is_alive()
