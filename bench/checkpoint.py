@@ -117,6 +117,13 @@ def make_trainer(root: Path, config: str, extra: list[str] | None = None) -> Any
     return t
 
 
+def readahead_off() -> contextlib.AbstractContextManager[object]:
+    """``Checkpointer.load`` without its read-ahead (train_ref/readahead.py), for the side by side."""
+    from train_ref import checkpointer
+
+    return unittest.mock.patch.object(checkpointer, "readahead", lambda _paths: contextlib.nullcontext())
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -127,7 +134,7 @@ def worker(args: argparse.Namespace) -> None:
     from supervisor.format.heartbeat import Phase
     from supervisor.format.manifest import READ_CHUNK, list_files
     from supervisor.store import list_checkpoints
-    from train_ref import checkpointer, safe_load
+    from train_ref import safe_load
     from train_ref.resume import split_by_size
 
     root = Path(args.dir) / "ckpt"
@@ -254,7 +261,7 @@ def worker(args: argparse.Namespace) -> None:
 
     def load_without_readahead(ckpt: Path, files: list[Path], cold: bool) -> float:
         """The same load without the kernel reading the rank's shard ahead while DCP plans."""
-        with unittest.mock.patch.object(checkpointer, "readahead", lambda _paths: contextlib.nullcontext()):
+        with readahead_off():
             return load(ckpt, files, cold)
 
     def timed_all(fn: Callable[[], object], files: list[Path], cold: bool) -> float:

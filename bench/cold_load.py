@@ -13,21 +13,19 @@ from a barrier to a barrier. The first trial (a first load's one-off costs) is n
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import unittest.mock
 from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.checkpoint import make_trainer, torchrun_env  # noqa: E402 - after the path is set
+from bench.checkpoint import make_trainer, readahead_off, torchrun_env  # noqa: E402 - after the path is set
 
 KINDS = ("read ahead", "not read ahead", "raw read of the shard")
 
@@ -40,7 +38,6 @@ def worker(work: Path, trials: int) -> None:
     from supervisor.format.layout import dcp_shard_filename
     from supervisor.format.manifest import list_files
     from supervisor.store import list_checkpoints
-    from train_ref import checkpointer
 
     t = make_trainer(work / "ckpt", "bench")
     st, d = t.state, t.d
@@ -55,7 +52,7 @@ def worker(work: Path, trials: int) -> None:
         t.ckpt.load(ckpt, st, saved_world_size=d.world_size, skip=frozenset(), progress=tracker)
 
     def load_plain() -> None:
-        with unittest.mock.patch.object(checkpointer, "readahead", lambda _paths: contextlib.nullcontext()):
+        with readahead_off():
             load()
 
     runs: dict[str, Callable[[], object]] = {
