@@ -18,14 +18,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.checkpoint import make_trainer, readahead_off, torchrun_env  # noqa: E402 - after the path is set
+from bench.checkpoint import make_trainer, readahead_off, timed_all, torchrun_env  # noqa: E402 - after the path is set
 
 KINDS = ("read ahead", "not read ahead", "raw read of the shard")
 
@@ -33,7 +32,7 @@ KINDS = ("read ahead", "not read ahead", "raw read of the shard")
 def worker(work: Path, trials: int) -> None:
     import torch.distributed as dist
 
-    from bench.verify import drop_cache, raw_read
+    from bench.verify import raw_read
     from supervisor.format.heartbeat import Phase
     from supervisor.format.layout import dcp_shard_filename
     from supervisor.format.manifest import list_files
@@ -63,14 +62,9 @@ def worker(work: Path, trials: int) -> None:
     got: dict[str, list[float]] = {k: [] for k in KINDS}
     for i in range(trials + 1):
         for kind in KINDS[:: -1 if i % 2 else 1]:
-            if d.rank == 0:
-                drop_cache(files)
-            dist.barrier()
-            t0 = time.perf_counter()
-            runs[kind]()
-            dist.barrier()
+            took = timed_all(runs[kind], files, cold=True)
             if i:
-                got[kind].append(time.perf_counter() - t0)
+                got[kind].append(took)
     if d.rank == 0:
         for kind in KINDS:
             print(f"cold, {kind + ':':<22} median {statistics.median(got[kind]):.3f} s  "

@@ -1,12 +1,15 @@
 """Run under torchrun by test_agree.py: the commit's gather reaches rank 0 only, in rank order, for
 objects of different sizes; the step-boundary flags riding on a reduction reach every rank alike,
-and so do those of a loop that does not piggyback (step_boundary's own all-reduce)."""
+and so do those of a loop that does not piggyback (step_boundary's own all-reduce); an async
+save's commit, started at a step boundary, runs in the background."""
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,6 +19,23 @@ from supervisor.format.heartbeat import HeartbeatWriter
 from supervisor.format.manifest import CheckpointInfo
 from train_ref import agree
 from train_ref.checkpointer import Checkpointer, CommitInfo
+
+
+@dataclass
+class _Tiny:
+    """The least a save takes (``checkpointer.Saveable``)."""
+
+    step: int
+    w: torch.Tensor
+
+    def saving(self, rank: int, world_size: int) -> _Tiny:
+        return self
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"w": self.w}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.w = state_dict["w"]
 
 
 def main() -> int:
@@ -39,8 +59,40 @@ def main() -> int:
     piggybacked = ckpt.step_boundary(preempt_requested=False)  # this call's argument comes too late
     own = ckpt.step_boundary(preempt_requested=rank == world - 1)  # nothing carried: its own all-reduce
     quiet = ckpt.step_boundary(preempt_requested=False)
+    # An async save's commit starts at the boundary that agrees its writes are done and runs in
+    # the background; a later boundary takes the outcome.
+    async_root = root / "async"
+    async_root.mkdir(exist_ok=True)
+    asy = Checkpointer(
+        async_root,
+        async_save=True,
+        retention=store.RetentionPolicy(keep=2),
+        info=CommitInfo(CheckpointInfo(0, world)),
+        hb=hb,
+    )
+    asy.save(_Tiny(5, torch.full((4,), float(rank))), {})
+    f = asy.in_flight
+    assert f is not None
+    early = []
+    while f.committed is None:  # every rank's writes done: started at the same boundary
+        early.append(store.read_latest(async_root))  # nothing has started the commit yet
+        asy.step_boundary(preempt_requested=False)
+    f.committed.result()  # done in the background: no boundary in between
+    before_taken = store.read_latest(async_root)
+    asy.step_boundary(preempt_requested=False)  # takes the outcome
+    committed = {
+        "early": early,
+        "before_taken": before_taken,
+        "taken": asy.in_flight is None,
+    }
+    asy.close()
     # A file per rank: lines printed by several ranks at once may interleave on torchrun's stdout.
-    result = {"gathered": gathered, "total": total.tolist(), "flags": [piggybacked, own, quiet]}
+    result = {
+        "gathered": gathered,
+        "total": total.tolist(),
+        "flags": [piggybacked, own, quiet],
+        "async": committed,
+    }
     (root / f"result_{rank}.json").write_text(json.dumps(result))
     ckpt.close()
     dist.destroy_process_group()

@@ -13,7 +13,7 @@ from waiting import PATIENCE_S
 pytestmark = pytest.mark.slow
 
 
-def test_gather_reaches_rank_0_only_and_flags_reach_every_rank(tmp_path):
+def test_gather_reaches_rank_0_only_flags_reach_every_rank_and_an_async_commit_runs_unattended(tmp_path):
     nproc = 3
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(REPO / "tests" / "agree_worker.py"), str(tmp_path)]  # fmt: skip
@@ -28,3 +28,8 @@ def test_gather_reaches_rank_0_only_and_flags_reach_every_rank(tmp_path):
         # piggybacked notice of rank 1; the last rank's notice through step_boundary's own
         # all-reduce; then nothing pending
         assert d["flags"] == [True, True, False]
+        # no commit before every rank agreed its writes done; then the ranks' background work
+        # committed alone, and the next boundary took the outcome
+        a = d["async"]
+        assert a["early"] and set(a["early"]) == {None}, a
+        assert a["before_taken"] == "step_00000005" and a["taken"], a

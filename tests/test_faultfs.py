@@ -18,14 +18,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from waiting import EVENT_TIMEOUT_S
 
 from supervisor.drill.faultctl import FaultFS
 from supervisor.drill.faultfs import Faults, proc_lineage
 from supervisor.drill.faultrules import SIZED_OPS, RuleError, RuleState, parse_rule, throttle
 from supervisor.drill.mounts import SmallTmpfs, is_mounted
 from supervisor.format import atomic
-
-EVENT_TIMEOUT_S = 60.0
 
 # ---------------------------------------------------------------- rules, pure
 

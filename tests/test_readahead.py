@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from waiting import EVENT_TIMEOUT_S
 
 from supervisor.drill.faultctl import FaultFS
 from supervisor.format.layout import dcp_shard_filename
 from train_ref.checkpointer import _writer
 from train_ref.readahead import LIMIT, PROBE, _into_cache, _read_ahead, readahead
 
-EVENT_TIMEOUT_S = 60.0
 MIB = 1 << 20
 
 

@@ -96,7 +96,7 @@ def test_kill9_one_worker_then_relaunch_is_bit_exact(goldens, tmp_path, parallel
 
 def test_kill_during_async_save_never_uses_that_checkpoint(goldens, tmp_path):
     """Held after step 20, the async save of step 20 has begun (its tmp dir exists, step 10 was
-    committed first) and cannot commit: commits happen only at a step boundary."""
+    committed first) and cannot commit: a commit starts only at a step boundary."""
     golden = goldens.get("ddp", 2)
     root = tmp_path / "run"
     args = train_args("ddp", "--async-save")

@@ -8,6 +8,8 @@ import errno
 import json
 import os
 import pickle
+import threading
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -15,12 +17,13 @@ import torch.distributed.checkpoint as dcp
 from hypothesis import given
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+from waiting import PATIENCE_S
 
 from supervisor import store
 from supervisor.ioerrors import Evidence
 from train_ref.appender import LineAppender
 from train_ref.checkpointer import _writer
-from train_ref.progress_io import PROGRESS_CHUNK, ProgressFileSystem
+from train_ref.progress_io import PROGRESS_CHUNK, ProgressFileSystem, Relay, wait_forwarding
 from train_ref.resume import ShareVerdict, combine, split_by_size
 from train_ref.safe_load import load_dcp
 from train_ref.save_policy import (
@@ -295,3 +298,77 @@ def test_the_progress_reader_counts_what_dcp_reads_a_chunk_at_a_time(tmp_path):
     assert sum(t.calls) >= shard  # every byte of the shard went through the counter
     assert max(t.calls) <= PROGRESS_CHUNK and len(t.calls) >= shard // PROGRESS_CHUNK
     assert t.paths == ["step_00000001/.metadata", "step_00000001/__0_0.distcp"]
+
+
+# ---------------------------------------------------------------- a wait on background work
+
+
+class _Beats:
+    """The waiting thread's tracker: each call is a heartbeat, recorded as (bytes done, file)."""
+
+    def __init__(self) -> None:
+        self.total = self.done = 0
+        self.path = ""
+        self.beats: list[tuple[int, str]] = []
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        self.beats.append((self.done, self.path))
+
+    def set_path(self, path: str) -> None:
+        self.path = path
+
+
+class _Watched(Relay):
+    """A Relay that counts the waiter's looks at it (each look reads ``moves``), so the test
+    waits for looks, not for time."""
+
+    def __init__(self) -> None:
+        self.looks = 0
+        self._looked = threading.Condition()
+        super().__init__()
+
+    @property  # type: ignore[override]
+    def moves(self) -> int:
+        if threading.current_thread().name == "waiter":
+            with self._looked:
+                self.looks += 1
+                self._looked.notify_all()
+        return self._moves
+
+    @moves.setter
+    def moves(self, value: int) -> None:
+        self._moves = value
+
+    def looked(self, more: int) -> None:
+        """Return once the waiter looked ``more`` more times from now."""
+        with self._looked:
+            want = self.looks + more
+            assert self._looked.wait_for(lambda: self.looks >= want, timeout=PATIENCE_S)
+
+
+def test_a_wait_on_background_work_beats_when_it_moved_and_never_while_it_is_stuck():
+    """How the loop waits on an async save's background commit: a slow commit is no hang, a
+    stuck one goes silent naming its file (the watchdog's hang verdict)."""
+    work, beats, done = _Watched(), _Beats(), Future[None]()
+    args = (done, work, beats, 0.001)
+    waiter = threading.Thread(target=wait_forwarding, args=args, name="waiter", daemon=True)
+    waiter.start()
+    try:
+        work.set_path("step_00000010.tmp.x/__1_0.distcp")
+        work(1000)
+        work.looked(2)  # a whole look after the move
+        assert beats.beats[-1] == (1000, "step_00000010.tmp.x/__1_0.distcp")
+        silent = len(beats.beats)
+        work.looked(50)  # stuck: 50 looks, nothing moved
+        assert len(beats.beats) == silent
+        work.set_path("")  # its part done: waiting for the peers
+        work.looked(2)
+        assert beats.beats[silent:] == [(1000, "")]
+        work(0)  # agree.beating's keepalive while it waits: a beat too
+        work.looked(2)
+        assert beats.beats[silent:] == [(1000, ""), (1000, "")]
+    finally:
+        done.set_result(None)
+    waiter.join(PATIENCE_S)
+    assert not waiter.is_alive()

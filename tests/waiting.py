@@ -22,6 +22,9 @@ from train_ref import hold
 
 T = TypeVar("T")
 PATIENCE_S = 300.0
+# The bound of a wait on an event inside this process or its file system (a thread's join, a
+# blocked op showing up), where no process has to start: shorter, as nothing slow stands before it.
+EVENT_TIMEOUT_S = 60.0
 POLL_S = 0.02
 
 

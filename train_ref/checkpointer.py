@@ -7,12 +7,13 @@ Protocol of one save (every rank calls ``save`` at the same step boundary):
    (or that it could not: the save failed);
 3. each rank writes its per-rank state file, then DCP writes the shards (async: staged in the
    background and uploaded by a thread; sync: before returning);
-4. once every rank's writes have finished (phase COMMIT), ranks send rank 0 (a gather, linear in
-   the ranks) the checksums of the files they wrote (an async save computed them in the
-   background), or the error that stopped them; rank 0 commits (manifest, rename, ``latest``)
-   when nobody failed, then hands the commit to ``on_commit`` (the remote tier's uploader, which
-   also does retention between uploads) or else prunes itself, in the background; then it tells
-   every rank the outcome.
+4. once every rank's writes have finished, ranks send rank 0 (a gather, linear in the ranks) the
+   checksums of the files they wrote, or the error that stopped them; rank 0 commits (manifest,
+   rename, ``latest``) when nobody failed, then hands the commit to ``on_commit`` (the remote
+   tier's uploader, which also does retention between uploads) or else prunes itself, in the
+   background; then it tells every rank the outcome. A sync save does this on the loop (phase
+   COMMIT). An async save starts it at the step boundary where every rank's writes are done and
+   runs it in the background; the loop takes the outcome at a later boundary (``_InFlight``).
 
 A failed save (ENOSPC, EDQUOT, EIO... on any rank, DCP's CheckpointException, a rank's file missing
 from rank 0's view) is decided at those two exchanges, never by one rank alone (a rank that went
@@ -23,14 +24,18 @@ quarantine retention). ``save_policy.give_up`` decides, on rank 0, when to stop:
 raises StorageGaveUp (exit 74).
 
 Async: training continues while staging runs, but ``before_optimizer_step`` waits for staging to
-complete, because an optimizer step during staging would tear the checkpoint. Whether the upload is
-done is agreed by all ranks at each step boundary (``step_boundary``), never decided from a local
-``future.done()``, so every rank commits at the same step. That agreement, and the preemption
+complete, because an optimizer step during staging would tear the checkpoint. Whether the
+writes, then the commit, are over is agreed by all ranks at each step boundary
+(``step_boundary``), never decided from a local ``future.done()``, so every rank starts the commit
+at the same step and takes its outcome (and a StorageGaveUp) at the same step. That agreement,
+and the preemption
 notice's, rides on a reduction the step does anyway (``reduce_with_control``: two numbers appended
 to the loss all-reduce), so a step where nothing is pending costs no extra collective.
 
 DCP and the step-boundary agreement each run on their own gloo group: the upload thread's
-collectives on the default group deadlocked against training collectives (torch-cpu.md).
+collectives on the default group deadlocked against training collectives (torch-cpu.md). The
+commit's exchanges run on DCP's group after its writes, on the loop (sync) or the background
+thread (async): the loop uses that group again only for the next save, after ``finish``.
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ from supervisor.format.layout import DCP_METADATA, dcp_shard_filename, rank_stat
 from supervisor.format.manifest import META_SAVE_S, CheckpointInfo, FileEntry, checksum_file
 from train_ref import agree
 from train_ref.optim_state import prime_for_load
-from train_ref.progress_io import PROGRESS_CHUNK, ProgressFileSystem, open_progress
+from train_ref.progress_io import PROGRESS_CHUNK, ProgressFileSystem, Relay, open_progress, wait_forwarding
 from train_ref.readahead import readahead
 from train_ref.safe_load import load_dcp, weights_only_refusal
 from train_ref.save_policy import SaveError, SavePolicy, dcp_save_error, failure_line, give_up, save_error
@@ -184,13 +189,24 @@ class StorageGaveUp(Exception):
 
 @dataclass
 class _InFlight:
+    """An async save, in stages off the loop: staging; DCP's upload, this rank's state file and
+    checksums (``written``); the commit with the other ranks (``committed``: started at the step
+    boundary where every rank's ``written`` is done, so commits start only at step boundaries).
+    ``work`` counts the checksums' and the commit's progress, so that a loop that must wait on
+    them beats while they move (``Checkpointer._wait``)."""
+
     step: int
     tmp: Path
     meta: dict[str, Any]
     staging: Future[None] | None
-    # DCP's upload, then this rank's checksums of what it wrote (off the loop's clock).
     written: Future[dict[str, FileEntry]]
+    work: Relay
     started: float = field(default_factory=time.monotonic)
+    committed: Future[SaveOutcome] | None = None
+
+    def stage(self) -> Future[Any]:
+        """The stage running now: the writes, or once started, the commit."""
+        return self.written if self.committed is None else self.committed
 
 
 class _ShardWriter(FileSystemWriter):
@@ -293,8 +309,11 @@ class Checkpointer:
                 if isinstance(resp, AsyncSaveResponse)
                 else (None, resp)
             )
-            written = self._background().submit(self._write_and_hash, tmp, upload, rank_file, rank_state)
-            self.in_flight = _InFlight(state.step, tmp, meta, staging, written, started=t0)
+            work = Relay()
+            written = self._background().submit(
+                self._write_and_hash, tmp, upload, rank_file, rank_state, work
+            )
+            self.in_flight = _InFlight(state.step, tmp, meta, staging, written, work, started=t0)
             self.last_blocking_s = time.monotonic() - t0
             return None
         error = None
@@ -355,32 +374,47 @@ class Checkpointer:
             agreed = [v > 0 for v in flags.tolist()]
         preempt, busy, due = agreed
         if self.in_flight is not None and not busy:
-            self.finish()
+            if self.in_flight.committed is None:
+                self._start_commit(self.in_flight)
+            else:
+                self.finish()
         return preempt, due
 
     def _flags(self, preempt_requested: bool, save_due: bool) -> torch.Tensor:
-        """This rank's [asked to stop, upload still running, a time-based save due (rank 0's
-        clock only)], to be SUM-reduced."""
-        busy = self.in_flight is not None and not self.in_flight.written.done()
+        """This rank's [asked to stop, the in-flight save's stage still running, a time-based save
+        due (rank 0's clock only)], to be SUM-reduced."""
+        busy = self.in_flight is not None and not self.in_flight.stage().done()
         due = save_due and self.rank == 0
         return torch.tensor([int(preempt_requested), int(busy), int(due)], dtype=torch.int64)
 
     def finish(self) -> SaveOutcome | None:
-        """Wait for the in-flight save, if any, and commit it (or agree that it failed)."""
+        """Take the in-flight save's outcome (committed, or failed on some rank) into the heartbeat
+        and the log, starting its commit and waiting for it if need be (every rank calls it at
+        the same point); raises StorageGaveUp as ``save``."""
         if self.in_flight is None:
             return None
         t0 = time.monotonic()
         f, self.in_flight = self.in_flight, None
         if f.staging is not None:
             f.staging.result()
-        error, entries = None, None
-        try:
-            entries = f.written.result()
-        except (OSError, CheckpointException) as e:
-            error = self._storage_error(e)
-        outcome = self._commit(f.step, f.tmp, f.meta, error, f.started, entries)
+        if f.committed is None:
+            self._start_commit(f)
+        outcome = self._wait(f)
+        self._apply(outcome)
         self.last_finish_s = time.monotonic() - t0
         return outcome
+
+    def _start_commit(self, f: _InFlight) -> None:
+        f.committed = self._background().submit(self._commit_written, f)  # after ``written``
+
+    def _wait(self, f: _InFlight) -> SaveOutcome:
+        """``f``'s outcome. While its background work goes on the loop waits in phase COMMIT and
+        beats each time that work moved (bytes hashed, a commit step, a beat while waiting for
+        peers), so a slow commit is no hang and a stuck one leaves its file in the heartbeat."""
+        assert f.committed is not None
+        if not f.committed.done():
+            wait_forwarding(f.committed, f.work, self.hb.tracker(Phase.COMMIT, f.step), agree.KEEPALIVE_S)
+        return f.committed.result()
 
     def close(self) -> None:
         self.finish()
@@ -395,18 +429,29 @@ class Checkpointer:
         return self._worker
 
     def _write_and_hash(
-        self, tmp: Path, upload: Future[None], rank_file: Path, rank_state: bytes
+        self, tmp: Path, upload: Future[None], rank_file: Path, rank_state: bytes, work: Relay
     ) -> dict[str, FileEntry]:
         """Background, while training goes on: write (and fsync) this rank's state file, wait for
-        DCP's upload, then checksum this rank's files, so the commit at a later step boundary
-        only exchanges them (the files are still in the page cache). Raises the OSError of the
-        state file, a read, or what the upload raised, never before the upload is over: the
-        commit that follows may remove the tmp dir."""
+        DCP's upload, then checksum this rank's files, so the commit only exchanges them (the
+        files are still in the page cache). Raises the OSError of the state file, a read, or what
+        the upload raised, never before the upload is over: a failed commit removes the tmp dir."""
         try:
             RankState.write(rank_file, rank_state)
         finally:
             upload.result()
-        return self._local_entries(tmp, None)
+        return self._local_entries(tmp, work)
+
+    def _commit_written(self, f: _InFlight) -> SaveOutcome:
+        """Background: ``_agree`` on what ``f``'s writes left, on DCP's group (every rank starts
+        it at the same step boundary). It never touches the heartbeat, which the loop owns: its
+        progress goes to ``f.work``. An error that is not a storage failure (a bug) is raised
+        at ``finish``."""
+        error, entries = None, None
+        try:
+            entries = f.written.result()
+        except (OSError, CheckpointException) as e:
+            error = self._storage_error(e)
+        return self._agree(f.step, f.tmp, f.meta, error, f.started, f.work, entries)
 
     def _storage_error(self, e: BaseException) -> SaveError:
         """This rank's storage failure, or ``e`` raised again when it is not one (a bug crashes).
@@ -437,13 +482,18 @@ class Checkpointer:
             self._apply(got)
         return got
 
+    def wait_pruned(self) -> None:
+        """Wait for rank 0's prune after the last commit, if one is running (the next save
+        waits for it first: the room it frees is that save's)."""
+        if self._pruning is not None:
+            self._pruning.result()
+
     def _make_room(self) -> None:
         """Rank 0, before a save: tmp dirs of failed saves it could not remove yet; after a failed
         save also a prune (dead writers' tmp dirs, quarantine retention; checkpoints beyond
         the retention policy unless an uploader owns retention). Best effort: a failure here is the next
         save's to report."""
-        if self._pruning is not None:  # one prune at a time
-            self._pruning.result()
+        self.wait_pruned()  # one prune at a time
         for tmp in list(self.leftovers):
             shutil.rmtree(tmp, ignore_errors=True)
             if not os.path.lexists(tmp):
@@ -455,19 +505,28 @@ class Checkpointer:
                 log.warning("prune before retrying a save failed: %s", e)
 
     def _commit(
+        self, step: int, tmp: Path, meta: dict[str, Any], error: SaveError | None, started: float
+    ) -> SaveOutcome:
+        """A sync save's commit, on the loop: ``_agree`` beating the heartbeat, then ``_apply``."""
+        progress = self.hb.tracker(Phase.COMMIT, step)
+        outcome = self._agree(step, tmp, meta, error, started, progress)
+        self._apply(outcome, progress)
+        return outcome
+
+    def _agree(
         self,
         step: int,
         tmp: Path,
         meta: dict[str, Any],
         error: SaveError | None,
         started: float,
+        progress: Progress | Relay,
         entries: dict[str, FileEntry] | None = None,
     ) -> SaveOutcome:
         """Every rank's writes are done: rank 0 commits with the checksums each rank computed
         (``entries``, or now), unless a rank failed; every rank learns the outcome. The manifest
         records how long the save took since ``started`` (META_SAVE_S: what a preemption notice
         must leave time for)."""
-        progress = self.hb.tracker(Phase.COMMIT, step)
         progress.total = len(COMMIT_STEPS) if self.rank == 0 else 0  # + bytes hashed now
         mine: dict[str, FileEntry] | SaveError | None = error or entries
         if mine is None:
@@ -476,15 +535,14 @@ class Checkpointer:
             except OSError as e:
                 mine = save_error(e, self.rank, self.root)
         progress.set_path("")  # waiting for the peers, not in a read
-        gathered = agree.gather_to_root(mine, self.ctl_group, lambda: progress(0))
+        gathered = agree.gather_to_root(mine, self.dcp_group, lambda: progress(0))
         outcome = None
         if gathered is not None:  # rank 0
             meta = {**meta, META_SAVE_S: round(time.monotonic() - started, 3)}
             outcome = self._decide(step, tmp, meta, gathered, progress)
-        outcome = agree.broadcast(outcome, self.ctl_group, lambda: progress(0))
+        outcome = agree.broadcast(outcome, self.dcp_group, lambda: progress(0))
         if outcome.tmp_left:
             self._remove_own_files(tmp)
-        self._apply(outcome, progress)
         return outcome
 
     def _remove_own_files(self, tmp: Path) -> None:
@@ -497,7 +555,7 @@ class Checkpointer:
                 if self._is_own(name):
                     with contextlib.suppress(OSError):
                         os.unlink(tmp / name)
-        dist.barrier(group=self.ctl_group)
+        dist.barrier(group=self.dcp_group)
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             if not os.path.lexists(tmp):
@@ -514,7 +572,7 @@ class Checkpointer:
         tmp: Path,
         meta: dict[str, Any],
         gathered: list[dict[str, FileEntry] | SaveError],
-        progress: Progress,
+        progress: Progress | Relay,
     ) -> SaveOutcome:
         """Rank 0: commit when every rank's part is there; else remove the tmp dir."""
         errors = [g for g in gathered if isinstance(g, SaveError)]
@@ -620,18 +678,15 @@ class Checkpointer:
                 f"committed checkpoints are intact (newest: {outcome.latest or 'none'}); exit 74, retryable"
             )
 
-    def _local_entries(self, tmp: Path, progress: Progress | None) -> dict[str, FileEntry]:
+    def _local_entries(self, tmp: Path, progress: Progress | Relay) -> dict[str, FileEntry]:
         """Checksums of the files this rank wrote, so rank 0 does not re-read every shard. DCP's
-        ``.metadata`` is written by its coordinator, rank 0. ``progress`` (the commit's tracker)
-        counts the bytes hashed; None off the loop's thread."""
+        ``.metadata`` is written by its coordinator, rank 0. ``progress`` counts the bytes hashed."""
         mine = [n for n in sorted(os.listdir(tmp)) if self._is_own(n)]
         sizes = {n: (tmp / n).stat().st_size for n in mine}
-        if progress is not None:
-            progress.total += sum(sizes.values())
+        progress.total += sum(sizes.values())
         out = {}
         for name in mine:
-            if progress is not None:
-                progress.set_path(os.path.relpath(tmp / name, self.root))
+            progress.set_path(os.path.relpath(tmp / name, self.root))
             out[name] = FileEntry(sizes[name], checksum_file(tmp / name, progress, PROGRESS_CHUNK))
         return out
 

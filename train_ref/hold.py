@@ -9,8 +9,8 @@ Both sides of the protocol live here, torch-free, so the fake trainer and the te
     PATH.rank_RRRRR.ack          {"step": N, "pid", "launch"}: rank R is held after step N
 
 After step N's boundary (its heartbeat, the preemption agreement and the start of its periodic
-save: an async save of step N stays uncommitted while held, commits happen only at step
-boundaries), each rank writes its ack and waits until PATH no longer says N (removed by
+save: an async save of step N stays uncommitted while held, a commit starts only at a step
+boundary), each rank writes its ack and waits until PATH no longer says N (removed by
 ``release``, or rewritten with a later step to hold at next). While held it keeps beating its
 heartbeat, so the watchdog sees no hang; a preemption notice that arrives while held is acted on
 at the next step boundary after the release. Whether to hold is agreed by all ranks (the trainer

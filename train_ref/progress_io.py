@@ -19,12 +19,14 @@ import copy
 import io
 import os
 from collections.abc import Iterator
+from concurrent.futures import Future, wait
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from supervisor.format.heartbeat import Progress
 from train_ref.save_policy import storage_cause
 
 if TYPE_CHECKING:
@@ -42,6 +44,39 @@ class Tracker(Protocol):
     def __call__(self, n: int) -> None: ...
 
     def set_path(self, path: str) -> None: ...
+
+
+class Relay:
+    """A tracker for work on a background thread, which must not write the heartbeat (the loop's
+    thread owns it): it only counts, and ``moves`` goes up at each call. A thread that waits on
+    that work forwards the counts to its own tracker when ``moves`` changed: its wait then beats
+    while the work moves, and goes silent, naming the work's file, when the work is stuck, as if
+    it did the work itself. One thread writes it (the work's, or a helper beating while it waits
+    for peers; the work is blocked meanwhile); readers may see a count one call old."""
+
+    def __init__(self) -> None:
+        self.done = self.total = self.moves = 0
+        self.path = ""
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        self.moves += 1
+
+    def set_path(self, path: str) -> None:
+        self.path = path
+        self.moves += 1
+
+
+def wait_forwarding(done: Future[Any], work: Relay, progress: Progress, interval_s: float) -> None:
+    """Wait until ``done``, looking at ``work`` every ``interval_s``: when it moved, its counts
+    and file go into ``progress`` (a beat); when it did not, nothing does."""
+    moves = -1
+    while wait([done], timeout=interval_s).not_done:
+        if work.moves != moves:
+            moves = work.moves
+            progress.total = work.total
+            progress.set_path(work.path)
+            progress(work.done - progress.done)
 
 
 class ProgressFile(io.FileIO):
