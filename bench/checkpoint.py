@@ -229,8 +229,8 @@ def worker(args: argparse.Namespace) -> None:
         return time.perf_counter() - t0
 
     def my_share(files: list[Path]) -> dict[str, int]:
-        """This rank's share of the files (split by size, as the resume's verify splits them),
-        with their sizes."""
+        """This rank's share of the files, split by size (the same bytes in all as the load,
+        in even parts), with their sizes."""
         sizes = {str(p): p.stat().st_size for p in files}
         return {n: sizes[n] for n in split_by_size(sizes, d.world_size)[d.rank]}
 

@@ -10,6 +10,7 @@ import os
 import pickle
 import threading
 from concurrent.futures import Future
+from dataclasses import replace
 
 import pytest
 import torch
@@ -20,11 +21,13 @@ from torch.distributed.checkpoint.api import CheckpointException, _wrap_exceptio
 from waiting import PATIENCE_S
 
 from supervisor import store
+from supervisor.format.layout import dcp_shard_filename, rank_state_filename
+from supervisor.format.manifest import FileEntry, Manifest
 from supervisor.ioerrors import Evidence
 from train_ref.appender import LineAppender
 from train_ref.checkpointer import _writer
 from train_ref.progress_io import PROGRESS_CHUNK, ProgressFileSystem, Relay, wait_forwarding
-from train_ref.resume import ShareVerdict, combine, split_by_size
+from train_ref.resume import ShareVerdict, combine, split_by_size, verify_shares
 from train_ref.safe_load import load_dcp
 from train_ref.save_policy import (
     SavePolicy,
@@ -242,6 +245,40 @@ def test_the_split_balances_bytes_largest_first():
     ]
     assert split_by_size(sizes, 1) == [sorted(sizes)]
     assert split_by_size({"a": 1}, 3) == [["a"], [], []]
+
+
+def _written(world: int) -> Manifest:
+    """A checkpoint of ``world`` ranks as the trainer commits it: rank 0 wrote DCP's index, each
+    rank its shard and its RNG file; shards of uneven sizes."""
+    files = {".metadata": FileEntry(40, "x")}
+    writers: dict[int, tuple[str, ...]] = {}
+    for r in range(world):
+        mine = (dcp_shard_filename(r), rank_state_filename(r))
+        files |= {mine[0]: FileEntry(100 + 50 * r, "x"), mine[1]: FileEntry(17, "x")}
+        writers[r] = mine + ((".metadata",) if r == 0 else ())
+    return Manifest(step=10, world_size=world, files=files, writers=writers)
+
+
+def test_on_the_saved_world_size_each_rank_verifies_what_it_wrote_and_loads_next():
+    m = _written(2)
+    assert verify_shares(m, 2) == [sorted(m.writers[0]), sorted(m.writers[1])]
+    # by size alone, each rank would read the other's shard: its load would then read its own cold
+    by_size = split_by_size({n: e.size for n, e in m.files.items()}, 2)
+    assert dcp_shard_filename(1) in by_size[0] and dcp_shard_filename(0) in by_size[1]
+
+
+def test_on_another_world_size_or_without_writers_the_split_is_by_size():
+    m = _written(2)
+    sizes = {n: e.size for n, e in m.files.items()}
+    assert verify_shares(m, 3) == split_by_size(sizes, 3)
+    assert verify_shares(replace(m, writers={}), 2) == split_by_size(sizes, 2)
+
+
+def test_files_no_rank_wrote_go_by_size_after_the_given_ones():
+    sizes = {"a": 10, "b": 1, "c": 5, "d": 4}
+    # given a -> r0, b -> r1: c (5) onto r1 (1), d (4) onto r1 (6) < r0 (10)
+    assert split_by_size(sizes, 2, [["a"], ["b"]]) == [["a"], ["b", "c", "d"]]
+    assert split_by_size(sizes, 2, [["a", "gone"]]) == [["a"], ["b", "c", "d"]]  # a name not listed
 
 
 @given(

@@ -23,7 +23,7 @@ from supervisor.format.manifest import read_manifest
 from supervisor.format.metrics import MetricsRecord, read_metrics
 from supervisor.format.nodesummary import read_run_heartbeats
 from train_ref import hold
-from train_ref.resume import split_by_size
+from train_ref.resume import verify_shares
 
 # Small enough for CI (2 cores): ~0.05-0.2 s per step, 30 steps cross three saves.
 STEPS = 30
@@ -227,5 +227,4 @@ def largest_share(root: Path, step: int, rank: int, world: int = 2) -> str:
     """The largest file ``rank`` checks in the spread deep verify of ``step`` (the split every rank
     computes from the manifest)."""
     m = read_manifest(root / f"step_{step:08d}")
-    sizes = {n: e.size for n, e in m.files.items()}
-    return max(split_by_size(sizes, world)[rank], key=lambda n: sizes[n])
+    return max(verify_shares(m, world)[rank], key=lambda n: m.files[n].size)
