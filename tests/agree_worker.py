@@ -38,18 +38,22 @@ class _Tiny:
         self.w = state_dict["w"]
 
 
+def _checkpointer(root: Path, hb: HeartbeatWriter, async_save: bool) -> Checkpointer:
+    return Checkpointer(
+        root,
+        async_save=async_save,
+        retention=store.RetentionPolicy(keep=2),
+        info=CommitInfo(CheckpointInfo(0, dist.get_world_size())),
+        hb=hb,
+    )
+
+
 def main() -> int:
     root = Path(sys.argv[1])
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     hb = HeartbeatWriter(root, rank=rank, local_rank=rank, world_size=world)
-    ckpt = Checkpointer(
-        root,
-        async_save=False,
-        retention=store.RetentionPolicy(keep=2),
-        info=CommitInfo(CheckpointInfo(0, world)),
-        hb=hb,
-    )
+    ckpt = _checkpointer(root, hb, async_save=False)
     # Rank r sends r+1 file names: sizes differ, so the padding and lengths are exercised.
     gathered = agree.gather_to_root(
         {f"__{rank}_{i}.distcp": i for i in range(rank + 1)}, ckpt.ctl_group, lambda: 0
@@ -63,13 +67,7 @@ def main() -> int:
     # the background; a later boundary takes the outcome.
     async_root = root / "async"
     async_root.mkdir(exist_ok=True)
-    asy = Checkpointer(
-        async_root,
-        async_save=True,
-        retention=store.RetentionPolicy(keep=2),
-        info=CommitInfo(CheckpointInfo(0, world)),
-        hb=hb,
-    )
+    asy = _checkpointer(async_root, hb, async_save=True)
     asy.save(_Tiny(5, torch.full((4,), float(rank))), {})
     f = asy.in_flight
     assert f is not None
