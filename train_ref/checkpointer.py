@@ -27,10 +27,10 @@ Async: training continues while staging runs, but ``before_optimizer_step`` wait
 complete, because an optimizer step during staging would tear the checkpoint. Whether the
 writes, then the commit, are over is agreed by all ranks at each step boundary
 (``step_boundary``), never decided from a local ``future.done()``, so every rank starts the commit
-at the same step and takes its outcome (and a StorageGaveUp) at the same step. That agreement,
-and the preemption
-notice's, rides on a reduction the step does anyway (``reduce_with_control``: two numbers appended
-to the loss all-reduce), so a step where nothing is pending costs no extra collective.
+at the same step and takes its outcome (and a StorageGaveUp) at the same step. That agreement, and
+the preemption notice's, rides on a reduction the step does anyway (``reduce_with_control``: two
+numbers appended to the loss all-reduce), so a step where nothing is pending costs no extra
+collective.
 
 DCP and the step-boundary agreement each run on their own gloo group: the upload thread's
 collectives on the default group deadlocked against training collectives (torch-cpu.md). The
