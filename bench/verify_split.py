@@ -30,6 +30,9 @@ from train_ref.resume import split_by_size, verify_shares  # noqa: E402
 def report(m: Manifest) -> None:
     sizes = {n: e.size for n, e in m.files.items()}
     print(f"step {m.step}: {m.world_size} ranks, {sum(sizes.values()):,} bytes in {len(sizes)} files")
+    if not m.writers:
+        print("  its manifest records no writers (format 1): both splits go by size")
+        return
     for label, shares in (
         ("by size (before)", split_by_size(sizes, m.world_size)),
         ("what each wrote (verify_shares)", verify_shares(m, m.world_size)),
