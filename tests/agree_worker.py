@@ -82,6 +82,8 @@ def main() -> int:
         "early": early,
         "before_taken": before_taken,
         "taken": asy.in_flight is None,
+        # what a loop waiting on it would show: bytes hashed + commit steps, never over 100%
+        "counted": (f.work.done, f.work.total),
     }
     asy.close()
     # A file per rank: lines printed by several ranks at once may interleave on torchrun's stdout.

@@ -33,3 +33,5 @@ def test_gather_reaches_rank_0_only_flags_reach_every_rank_and_an_async_commit_r
         a = d["async"]
         assert a["early"] and set(a["early"]) == {None}, a
         assert a["before_taken"] == "step_00000005" and a["taken"], a
+        done, total = a["counted"]
+        assert 0 < done <= total, a

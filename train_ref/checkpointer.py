@@ -527,7 +527,8 @@ class Checkpointer:
         (``entries``, or now), unless a rank failed; every rank learns the outcome. The manifest
         records how long the save took since ``started`` (META_SAVE_S: what a preemption notice
         must leave time for)."""
-        progress.total = len(COMMIT_STEPS) if self.rank == 0 else 0  # + bytes hashed now
+        # added to what it counts already (an async save's relay: the bytes it hashed before)
+        progress.total += len(COMMIT_STEPS) if self.rank == 0 else 0  # + bytes hashed now
         mine: dict[str, FileEntry] | SaveError | None = error or entries
         if mine is None:
             try:
