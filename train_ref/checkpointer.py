@@ -66,7 +66,13 @@ from torch.futures import Future as TorchFuture
 
 from supervisor import store
 from supervisor.format.heartbeat import HeartbeatWriter, Phase, Progress
-from supervisor.format.layout import DCP_METADATA, dcp_shard_filename, rank_state_filename, step_dirname
+from supervisor.format.layout import (
+    DCP_METADATA,
+    dcp_shard_filename,
+    dcp_shard_prefix,
+    rank_state_filename,
+    step_dirname,
+)
 from supervisor.format.manifest import META_SAVE_S, CheckpointInfo, FileEntry, checksum_file
 from train_ref import agree
 from train_ref.optim_state import prime_for_load
@@ -565,7 +571,7 @@ class Checkpointer:
     def _is_own(self, name: str) -> bool:
         """A file this rank writes into a checkpoint (DCP's ``.metadata``: its coordinator, rank 0)."""
         own = {rank_state_filename(self.rank)} | ({DCP_METADATA} if self.rank == 0 else set())
-        return name.startswith(f"__{self.rank}_") or name in own
+        return name.startswith(dcp_shard_prefix(self.rank)) or name in own
 
     def _decide(
         self,

@@ -280,11 +280,16 @@ def stack_dump_filename(rank: int) -> str:
     return f"stacks_{_rank_name(rank)}.txt"
 
 
+def dcp_shard_prefix(rank: int) -> str:
+    """What every shard file rank ``rank`` writes starts with (torch 2.13 ``FileSystemWriter``:
+    the prefix its global plan gives)."""
+    return f"__{rank}_"
+
+
 def dcp_shard_filename(rank: int, index: int = 0) -> str:
-    """The ``index``-th shard file rank ``rank`` writes, as DCP names them (torch 2.13
-    ``FileSystemWriter``: the prefix ``__<rank>_`` its global plan gives, then a file count; the
-    trainer's writer, one thread, writes one: index 0)."""
-    return f"__{rank}_{index}.distcp"
+    """The ``index``-th shard file rank ``rank`` writes, as DCP names them (``dcp_shard_prefix``,
+    then a file count; the trainer's writer, one thread, writes one: index 0)."""
+    return f"{dcp_shard_prefix(rank)}{index}.distcp"
 
 
 def rank_state_filename(rank: int) -> str:
