@@ -6,6 +6,7 @@ save's commit, started at a step boundary, runs in the background."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from supervisor import store
 from supervisor.format.heartbeat import HeartbeatWriter
+from supervisor.format.layout import DCP_METADATA, dcp_shard_filename, rank_state_filename, step_dirname
 from supervisor.format.manifest import CheckpointInfo
 from train_ref import agree
 from train_ref.checkpointer import Checkpointer, CommitInfo
@@ -82,8 +84,13 @@ def main() -> int:
         "early": early,
         "before_taken": before_taken,
         "taken": asy.in_flight is None,
-        # what a loop waiting on it would show: bytes hashed + commit steps, never over 100%
+        # what a loop waiting on it would show: bytes written, then hashed, then commit steps,
+        # never over 100%
         "counted": (f.work.done, f.work.total),
+        "sizes": {
+            n: os.path.getsize(async_root / step_dirname(5) / n)
+            for n in (dcp_shard_filename(rank), rank_state_filename(rank), DCP_METADATA)
+        },
     }
     asy.close()
     # A file per rank: lines printed by several ranks at once may interleave on torchrun's stdout.

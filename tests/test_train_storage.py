@@ -240,30 +240,37 @@ def test_a_read_blocked_in_the_spread_verify_names_its_file_while_the_waiting_ra
 # 60 kB/s; the bytes are fixed, so the time is a floor, by construction), while one 64 KiB chunk
 # per reader (two share it) takes about 3 s.
 THROTTLE_BYTES_PER_S = 45_000
+# Two saves of the tiny checkpoint (~0.6 MB each) through this take ~15 s, while one smallest
+# write per rank (two share the throttle) takes 0.4 s.
+SAVE_THROTTLE_BYTES_PER_S = 80_000
 
 
-def test_on_a_throttled_file_system_verify_and_load_beat_all_along(goldens, faultfs):
+def test_on_a_throttled_file_system_verify_load_and_saves_beat_all_along(goldens, faultfs):
     """In-process side of "a long phase with progress is never a hang": however long verify and
-    load take, no rank is silent for more than a fraction of it. The numbers are printed."""
+    load take, and the saves after them (an async save at step 25 that the loop must wait for at
+    step 30, then the sync final save), no rank is silent for more than a fraction of it. The
+    numbers are printed."""
     golden = goldens.get("ddp", 2)
     root = rewind(golden, faultfs.mountpoint / "run", 20)
     faultfs.throttle("/run/step_00000020/*", THROTTLE_BYTES_PER_S)
+    faultfs.throttle("/run/step_*.tmp.*/*", SAVE_THROTTLE_BYTES_PER_S, ops=["write"])
     log = BeatLog(root)
-    proc = launch(root, 2, *train_args("ddp"))
+    after = (Phase.DIGEST, Phase.DONE)  # the tiny model's digest may come and go between two polls
+    proc = launch(root, 2, *train_args("ddp", save_every=5))
     try:
-        trained = lambda: log.poll() or log.first(Phase.TRAIN) is not None  # noqa: E731
-        wait_for(trained, "the first step after the throttled resume", timeout=600, proc=proc)
+        saved = lambda: log.poll() or log.first(*after) is not None  # noqa: E731
+        wait_for(saved, "the end of the saves after a throttled resume", timeout=600, proc=proc)
         r = finish(proc)
     finally:
         faultfs.clear()
         kill_group(proc)
     assert r.rc == 0, r.output[-3000:]
-    start, end = log.first(Phase.VERIFY), log.first(Phase.TRAIN)
-    silence = log.longest_silence(end)
     phases = {p for w in log.seen.values() for _t, p in w}
-    print(
-        f"\nverify+load {end - start:.1f}s, longest silence of a rank {silence:.1f}s, phases {sorted(phases)}"
-    )
-    assert {Phase.VERIFY, Phase.LOAD} <= phases
-    assert end - start >= 5 * silence, (end - start, silence)
-    assert digest(root) == digest(golden)
+    assert {Phase.VERIFY, Phase.LOAD, Phase.SAVE} <= phases, phases
+    for what, first, last in (("verify+load", Phase.VERIFY, (Phase.TRAIN,)), ("saves", Phase.SAVE, after)):
+        start, end = log.first(first), log.first(*last)
+        assert start is not None and end is not None
+        silence = log.longest_silence(end, since=start)
+        print(f"\n{what} {end - start:.1f}s, longest silence of a rank {silence:.1f}s")
+        assert end - start >= 5 * silence, (what, end - start, silence)
+    assert store.read_latest(root) == "step_00000030" and digest(root) == digest(golden)

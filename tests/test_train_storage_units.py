@@ -26,7 +26,16 @@ from supervisor.format.manifest import FileEntry, Manifest
 from supervisor.ioerrors import Evidence
 from train_ref.appender import LineAppender
 from train_ref.checkpointer import _writer
-from train_ref.progress_io import PROGRESS_CHUNK, ProgressFileSystem, Relay, wait_forwarding
+from train_ref.progress_io import (
+    MAX_WRITE_CHUNK,
+    MIN_WRITE_CHUNK,
+    PROGRESS_CHUNK,
+    WRITE_CHUNK_S,
+    ProgressFileSystem,
+    Relay,
+    next_write_chunk,
+    wait_forwarding,
+)
 from train_ref.resume import ShareVerdict, combine, split_by_size, verify_shares
 from train_ref.safe_load import load_dcp
 from train_ref.save_policy import (
@@ -335,6 +344,32 @@ def test_the_progress_reader_counts_what_dcp_reads_a_chunk_at_a_time(tmp_path):
     assert sum(t.calls) >= shard  # every byte of the shard went through the counter
     assert max(t.calls) <= PROGRESS_CHUNK and len(t.calls) >= shard // PROGRESS_CHUNK
     assert t.paths == ["step_00000001/.metadata", "step_00000001/__0_0.distcp"]
+
+
+def test_the_progress_writer_counts_what_dcp_writes_a_chunk_at_a_time(tmp_path):
+    """A save beats while its bytes move (a sync save into the loop's heartbeat, an async upload
+    into its relay), naming the file it writes: a slow write is no hang, a stuck one is named."""
+    ckpt = tmp_path / "step_00000001"
+    saved = {"w": torch.randn(1_000_000), "b": torch.arange(10)}  # 4 MB: several chunks
+    t = _Tracker()
+    dcp.save(saved, storage_writer=_writer(ckpt, tmp_path, t))
+    written = sum(os.path.getsize(ckpt / n) for n in ("__0_0.distcp", ".metadata"))
+    assert sum(t.calls) == written  # every byte DCP wrote went through the counter
+    assert max(t.calls) <= MAX_WRITE_CHUNK and len(t.calls) >= written // MAX_WRITE_CHUNK
+    assert t.paths[0] == "step_00000001/__0_0.distcp" and t.paths[-1].startswith("step_00000001/.metadata")
+    loaded = {"w": torch.zeros(1_000_000), "b": torch.zeros(10, dtype=torch.int64)}
+    load_dcp(ckpt, loaded, None, fs=ProgressFileSystem(tmp_path))
+    assert torch.equal(loaded["w"], saved["w"]) and torch.equal(loaded["b"], saved["b"])
+
+
+def test_writes_are_sized_to_the_rate_they_run_at_within_bounds():
+    """Few large writes on a fast disk (each write(2) costs), small ones on a slow file system
+    (each must end well within a phase timeout, so the save beats)."""
+    assert next_write_chunk(MIN_WRITE_CHUNK, 1e-6) == MAX_WRITE_CHUNK  # page cache: ~16 GB/s
+    assert next_write_chunk(MIN_WRITE_CHUNK, 0.0) == MAX_WRITE_CHUNK  # below the clock's resolution
+    assert next_write_chunk(MIN_WRITE_CHUNK, 16 / 45) == MIN_WRITE_CHUNK  # 45 kB/s
+    mid = next_write_chunk(1 << 20, 0.1)  # 10 MB/s: what WRITE_CHUNK_S takes at that rate
+    assert mid % 4096 == 0 and (1 << 20) * WRITE_CHUNK_S / 0.1 - 4096 < mid <= (1 << 20) * WRITE_CHUNK_S / 0.1
 
 
 # ---------------------------------------------------------------- a wait on background work

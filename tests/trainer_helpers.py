@@ -214,13 +214,15 @@ class BeatLog:
             if not writes or writes[-1][0] != b.mono_time:
                 writes.append((b.mono_time, b.phase))
 
-    def first(self, phase: Phase) -> float | None:
-        """When some rank first wrote a heartbeat in ``phase`` (monotonic clock), if seen."""
-        return min((t for w in self.seen.values() for t, p in w if p == phase), default=None)
+    def first(self, *phases: Phase) -> float | None:
+        """When some rank first wrote a heartbeat in one of ``phases`` (monotonic clock), if seen."""
+        return min((t for w in self.seen.values() for t, p in w if p in phases), default=None)
 
-    def longest_silence(self, until: float) -> float:
-        """The longest time a rank went without a heartbeat write, up to ``until``."""
-        return max(b[0] - a[0] for w in self.seen.values() for a, b in pairwise(w) if b[0] <= until)
+    def longest_silence(self, until: float, since: float = 0.0) -> float:
+        """The longest time a rank went without a heartbeat write, from ``since`` to ``until``."""
+        return max(
+            b[0] - a[0] for w in self.seen.values() for a, b in pairwise(w) if since <= a[0] and b[0] <= until
+        )
 
 
 def largest_share(root: Path, step: int, rank: int, world: int = 2) -> str:

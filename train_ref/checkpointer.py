@@ -76,7 +76,14 @@ from supervisor.format.layout import (
 from supervisor.format.manifest import META_SAVE_S, CheckpointInfo, FileEntry, checksum_file
 from train_ref import agree
 from train_ref.optim_state import prime_for_load
-from train_ref.progress_io import PROGRESS_CHUNK, ProgressFileSystem, Relay, open_progress, wait_forwarding
+from train_ref.progress_io import (
+    PROGRESS_CHUNK,
+    ProgressFileSystem,
+    Relay,
+    Tracker,
+    open_progress,
+    wait_forwarding,
+)
 from train_ref.readahead import readahead
 from train_ref.safe_load import load_dcp, weights_only_refusal
 from train_ref.save_policy import SaveError, SavePolicy, dcp_save_error, failure_line, give_up, save_error
@@ -198,8 +205,8 @@ class _InFlight:
     """An async save, in stages off the loop: staging; DCP's upload, this rank's state file and
     checksums (``written``); the commit with the other ranks (``committed``: started at the step
     boundary where every rank's ``written`` is done, so commits start only at step boundaries).
-    ``work`` counts the checksums' and the commit's progress, so that a loop that must wait on
-    them beats while they move (``Checkpointer._wait``)."""
+    ``work`` counts the upload's writes, the checksums' and the commit's progress, so that a loop
+    that must wait on them beats while they move (``Checkpointer._wait``)."""
 
     step: int
     tmp: Path
@@ -240,9 +247,11 @@ class _ShardWriter(FileSystemWriter):
             torch.serialization.set_crc32_options(crc)
 
 
-def _writer(path: Path, root: Path) -> FileSystemWriter:
+def _writer(path: Path, root: Path, progress: Tracker | None = None) -> FileSystemWriter:
+    """DCP's writer into ``path``: a failed write names its file; with ``progress``, bytes written
+    are counted into it, a chunk at a time, naming the file."""
     w = _ShardWriter(path, float(os.environ.get(ENV_SAVE_DELAY, "0") or 0))
-    w.fs = ProgressFileSystem(root)  # a failed write names its file
+    w.fs = ProgressFileSystem(root, progress)
     return w
 
 
@@ -304,9 +313,10 @@ class Checkpointer:
             rank_state = RankState.serialize(
                 self.rank_extra
             )  # the streams as of this step; written off the loop
+            work = Relay()  # counts the upload's writes, then the checksums and the commit
             resp = dcp.async_save(
                 {"app": state.saving(self.rank, self.world_size)},
-                storage_writer=_writer(tmp, self.root),
+                storage_writer=_writer(tmp, self.root, work),
                 process_group=self.dcp_group,
                 async_stager=self.stager,
             )
@@ -315,7 +325,6 @@ class Checkpointer:
                 if isinstance(resp, AsyncSaveResponse)
                 else (None, resp)
             )
-            work = Relay()
             written = self._background().submit(
                 self._write_and_hash, tmp, upload, rank_file, rank_state, work
             )
@@ -330,7 +339,7 @@ class Checkpointer:
         try:
             dcp.save(
                 {"app": state.saving(self.rank, self.world_size)},
-                storage_writer=_writer(tmp, self.root),
+                storage_writer=_writer(tmp, self.root, self.hb.tracker(Phase.SAVE, state.step)),
                 process_group=self.dcp_group,
             )
         except (OSError, CheckpointException) as e:
@@ -414,12 +423,14 @@ class Checkpointer:
         f.committed = self._background().submit(self._commit_written, f)  # after ``written``
 
     def _wait(self, f: _InFlight) -> SaveOutcome:
-        """``f``'s outcome. While its background work goes on the loop waits in phase COMMIT and
-        beats each time that work moved (bytes hashed, a commit step, a beat while waiting for
-        peers), so a slow commit is no hang and a stuck one leaves its file in the heartbeat."""
+        """``f``'s outcome. While its background work goes on the loop waits, in phase SAVE for the
+        writes and checksums, then COMMIT, and beats each time that work moved (bytes written or
+        hashed, a commit step, a beat while waiting for peers), so a slow save is no hang and a
+        stuck one leaves its file in the heartbeat."""
         assert f.committed is not None
-        if not f.committed.done():
-            wait_forwarding(f.committed, f.work, self.hb.tracker(Phase.COMMIT, f.step), agree.KEEPALIVE_S)
+        for stage, phase in ((f.written, Phase.SAVE), (f.committed, Phase.COMMIT)):
+            if not stage.done():
+                wait_forwarding(stage, f.work, self.hb.tracker(phase, f.step), agree.KEEPALIVE_S)
         return f.committed.result()
 
     def close(self) -> None:
@@ -690,7 +701,9 @@ class Checkpointer:
         ``.metadata`` is written by its coordinator, rank 0. ``progress`` counts the bytes hashed."""
         mine = [n for n in sorted(os.listdir(tmp)) if self._is_own(n)]
         sizes = {n: (tmp / n).stat().st_size for n in mine}
-        progress.total += sum(sizes.values())
+        # bytes counted with no total (an async save's relay: the upload's writes) are done out
+        # of themselves, so done never passes total
+        progress.total = max(progress.total, progress.done) + sum(sizes.values())
         out = {}
         for name in mine:
             progress.set_path(os.path.relpath(tmp / name, self.root))
