@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from commands import REPO, supervisor_cmd
 from store_helpers import make_ckpt
+from waiting import wait_for
 
 from supervisor.drill.report import write_report
 from supervisor.format.events import EventLog, RunState, events_path, read_events, state_path, write_state
@@ -150,16 +151,16 @@ def test_backend_errors_and_remote_json_are_redacted(tmp_path: Path) -> None:
     with pytest.raises(RemoteUnavailable) as e:
         tier.scan()
     assert leaks(str(e.value)) == [] and "ConnectionError" in str(e.value)
-    up = Uploader(root, tier, UploadPolicy(attempts=1, local_keep=None)).start()
-    try:
-        assert not up.flush(timeout_s=30)
+    events = RunDir.of(root).supervisor / "events.remote.jsonl"
+    up = Uploader(root, tier, UploadPolicy(attempts=1, local_keep=None)).start()  # its first cycle fails
+    try:  # reported last, after remote.json
+        wait_for(lambda: events.exists() and "remote_down" in events.read_text(), "the remote_down event")
     finally:
         up.close()
     status = RunDir.of(root).remote_status.read_text()
     assert json.loads(status)["state"] == "down"
     assert leaks(status) == [], status
-    remote_events = (RunDir.of(root).supervisor / "events.remote.jsonl").read_text()
-    assert "remote_down" in remote_events and leaks(remote_events) == []
+    assert leaks(events.read_text()) == []
 
 
 @pytest.mark.parametrize("url", ["gcs://AKIAEXAMPLE:s3cr3t@bucket/run", "nope://AKIAEXAMPLE:s3cr3t@host/run"])
