@@ -31,6 +31,7 @@ from train_ref.progress_io import (
     MIN_WRITE_CHUNK,
     PROGRESS_CHUNK,
     WRITE_CHUNK_S,
+    Keepalive,
     ProgressFileSystem,
     Relay,
     next_write_chunk,
@@ -343,7 +344,8 @@ def test_the_progress_reader_counts_what_dcp_reads_a_chunk_at_a_time(tmp_path):
     shard = os.path.getsize(ckpt / "__0_0.distcp")
     assert sum(t.calls) >= shard  # every byte of the shard went through the counter
     assert max(t.calls) <= PROGRESS_CHUNK and len(t.calls) >= shard // PROGRESS_CHUNK
-    assert t.paths == ["step_00000001/.metadata", "step_00000001/__0_0.distcp"]
+    # each file named while it is read, cleared after (between files)
+    assert t.paths == ["step_00000001/.metadata", "", "step_00000001/__0_0.distcp", ""]
 
 
 def test_the_progress_writer_counts_what_dcp_writes_a_chunk_at_a_time(tmp_path):
@@ -356,7 +358,9 @@ def test_the_progress_writer_counts_what_dcp_writes_a_chunk_at_a_time(tmp_path):
     written = sum(os.path.getsize(ckpt / n) for n in ("__0_0.distcp", ".metadata"))
     assert sum(t.calls) == written  # every byte DCP wrote went through the counter
     assert max(t.calls) <= MAX_WRITE_CHUNK and len(t.calls) >= written // MAX_WRITE_CHUNK
-    assert t.paths[0] == "step_00000001/__0_0.distcp" and t.paths[-1].startswith("step_00000001/.metadata")
+    named = [p for p in t.paths if p]  # the directory made, the shard, DCP's index renamed into place
+    assert named[0] == "step_00000001" and "step_00000001/__0_0.distcp" in named, named
+    assert named[-1].startswith("step_00000001/.metadata") and t.paths[-1] == "", t.paths
     loaded = {"w": torch.zeros(1_000_000), "b": torch.zeros(10, dtype=torch.int64)}
     load_dcp(ckpt, loaded, None, fs=ProgressFileSystem(tmp_path))
     assert torch.equal(loaded["w"], saved["w"]) and torch.equal(loaded["b"], saved["b"])
@@ -370,6 +374,20 @@ def test_writes_are_sized_to_the_rate_they_run_at_within_bounds():
     assert next_write_chunk(MIN_WRITE_CHUNK, 16 / 45) == MIN_WRITE_CHUNK  # 45 kB/s
     mid = next_write_chunk(1 << 20, 0.1)  # 10 MB/s: what WRITE_CHUNK_S takes at that rate
     assert mid % 4096 == 0 and (1 << 20) * WRITE_CHUNK_S / 0.1 - 4096 < mid <= (1 << 20) * WRITE_CHUNK_S / 0.1
+
+
+def test_a_keepalive_beats_between_files_only():
+    """A rank waiting on its peers inside DCP's save (between its files) beats; one inside a file
+    operation (a write, a rename) does not, so a stuck one still goes silent naming the file."""
+    t = _Tracker()
+    k = Keepalive(t)
+    k.beat()
+    k.set_path("step_00000010.tmp.x/__1_0.distcp")
+    k(4096)
+    k.beat()  # inside the write: no beat
+    k.set_path("")
+    k.beat()
+    assert t.calls == [0, 4096, 0]
 
 
 # ---------------------------------------------------------------- a wait on background work

@@ -6,7 +6,9 @@ Protocol of one save (every rank calls ``save`` at the same step boundary):
 2. rank 0 opens the store's tmp dir (``supervisor.store.begin``) and tells the others its path
    (or that it could not: the save failed);
 3. each rank writes its per-rank state file, then DCP writes the shards (async: staged in the
-   background and uploaded by a thread; sync: before returning);
+   background and uploaded by a thread; sync: before returning), every write counted into the
+   heartbeat, directly (sync) or through the save's relay (async), with a beat between files
+   while the rank waits inside DCP for the others (``progress_io``);
 4. once every rank's writes have finished, ranks send rank 0 (a gather, linear in the ranks) the
    checksums of the files they wrote, or the error that stopped them; rank 0 commits (manifest,
    rename, ``latest``) when nobody failed, then hands the commit to ``on_commit`` (the remote
@@ -78,6 +80,7 @@ from train_ref import agree
 from train_ref.optim_state import prime_for_load
 from train_ref.progress_io import (
     PROGRESS_CHUNK,
+    Keepalive,
     ProgressFileSystem,
     Relay,
     Tracker,
@@ -313,10 +316,11 @@ class Checkpointer:
             rank_state = RankState.serialize(
                 self.rank_extra
             )  # the streams as of this step; written off the loop
-            work = Relay()  # counts the upload's writes, then the checksums and the commit
+            # counts the upload's writes (beating between files), then the checksums and the commit
+            uploading = Keepalive(Relay())
             resp = dcp.async_save(
                 {"app": state.saving(self.rank, self.world_size)},
-                storage_writer=_writer(tmp, self.root, work),
+                storage_writer=_writer(tmp, self.root, uploading),
                 process_group=self.dcp_group,
                 async_stager=self.stager,
             )
@@ -326,9 +330,9 @@ class Checkpointer:
                 else (None, resp)
             )
             written = self._background().submit(
-                self._write_and_hash, tmp, upload, rank_file, rank_state, work
+                self._write_and_hash, tmp, upload, rank_file, rank_state, uploading
             )
-            self.in_flight = _InFlight(state.step, tmp, meta, staging, written, work, started=t0)
+            self.in_flight = _InFlight(state.step, tmp, meta, staging, written, uploading.inner, started=t0)
             self.last_blocking_s = time.monotonic() - t0
             return None
         error = None
@@ -336,12 +340,14 @@ class Checkpointer:
             RankState.save(rank_file, self.rank_extra)
         except OSError as e:
             error = save_error(e, self.rank, self.root)
+        saving = Keepalive(self.hb.tracker(Phase.SAVE, state.step))
         try:
-            dcp.save(
-                {"app": state.saving(self.rank, self.world_size)},
-                storage_writer=_writer(tmp, self.root, self.hb.tracker(Phase.SAVE, state.step)),
-                process_group=self.dcp_group,
-            )
+            with agree.beating(saving.beat):  # between files: waiting for the other ranks
+                dcp.save(
+                    {"app": state.saving(self.rank, self.world_size)},
+                    storage_writer=_writer(tmp, self.root, saving),
+                    process_group=self.dcp_group,
+                )
         except (OSError, CheckpointException) as e:
             error = error or self._storage_error(e)
         outcome = self._commit(state.step, tmp, meta, error, t0)
@@ -446,17 +452,19 @@ class Checkpointer:
         return self._worker
 
     def _write_and_hash(
-        self, tmp: Path, upload: Future[None], rank_file: Path, rank_state: bytes, work: Relay
+        self, tmp: Path, upload: Future[None], rank_file: Path, rank_state: bytes, uploading: Keepalive[Relay]
     ) -> dict[str, FileEntry]:
         """Background, while training goes on: write (and fsync) this rank's state file, wait for
-        DCP's upload, then checksum this rank's files, so the commit only exchanges them (the
-        files are still in the page cache). Raises the OSError of the state file, a read, or what
-        the upload raised, never before the upload is over: a failed commit removes the tmp dir."""
+        DCP's upload (beating for it between its files), then checksum this rank's files, so the
+        commit only exchanges them (the files are still in the page cache). Raises the OSError of
+        the state file, a read, or what the upload raised, never before the upload is over: a
+        failed commit removes the tmp dir."""
         try:
             RankState.write(rank_file, rank_state)
         finally:
-            upload.result()
-        return self._local_entries(tmp, work)
+            with agree.beating(uploading.beat):
+                upload.result()
+        return self._local_entries(tmp, uploading.inner)
 
     def _commit_written(self, f: _InFlight) -> SaveOutcome:
         """Background: ``_agree`` on what ``f``'s writes left, on DCP's group (every rank starts

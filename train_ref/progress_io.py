@@ -22,12 +22,13 @@ from __future__ import annotations
 import copy
 import io
 import os
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, wait
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
@@ -140,18 +141,20 @@ class ProgressFile(io.FileIO):
 def open_progress(path: str | os.PathLike[str], progress: Tracker, root: Path) -> io.BufferedReader:
     """``path`` opened for reading with counted reads; the tracker names it (relative to ``root``,
     the run dir, where it is inside)."""
-    return io.BufferedReader(_counted(path, progress, root, "rb"))
+    progress.set_path(_named(path, root))
+    return io.BufferedReader(ProgressFile(path, progress))
 
 
-def _counted(path: str | os.PathLike[str], progress: Tracker, root: Path, mode: str) -> ProgressFile:
+def _named(path: str | os.PathLike[str], root: Path) -> str:
     rel = os.path.relpath(path, root)
-    progress.set_path(os.fspath(path) if rel.startswith("..") else rel)
-    return ProgressFile(path, progress, PROGRESS_CHUNK if mode == "rb" else MIN_WRITE_CHUNK, mode)
+    return os.fspath(path) if rel.startswith("..") else rel
 
 
 class ProgressFileSystem(FileSystem):
     """DCP's local file system with counted reads and writes (when given a tracker) and named
-    errors."""
+    errors. With a tracker, every operation names its file while it runs and clears it after: a
+    rank stuck in one is named, and one between files (waiting on its peers) is known to be
+    (``Keepalive``)."""
 
     def __init__(self, root: Path, progress: Tracker | None = None) -> None:
         super().__init__()
@@ -159,16 +162,78 @@ class ProgressFileSystem(FileSystem):
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
-        with naming(path):
-            if self.progress is not None and mode == "rb":
-                with open_progress(path, self.progress, self.root) as stream:
-                    yield stream
-            elif self.progress is not None and mode == "wb":
-                with io.BufferedWriter(_counted(path, self.progress, self.root, mode)) as stream:
+        with self._on(path):
+            if self.progress is not None and mode in ("rb", "wb"):
+                first = PROGRESS_CHUNK if mode == "rb" else MIN_WRITE_CHUNK
+                raw = ProgressFile(path, self.progress, first, mode)
+                buffered = io.BufferedReader(raw) if mode == "rb" else io.BufferedWriter(raw)
+                with buffered as stream:
                     yield stream
             else:
                 with super().create_stream(path, mode) as stream:
                     yield stream
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        with self._on(path):
+            super().rename(path, new_path)
+
+    def mkdir(self, path: str | os.PathLike[str]) -> None:
+        with self._on(path):
+            super().mkdir(path)
+
+    def exists(self, path: str | os.PathLike[str]) -> bool:
+        with self._on(path):
+            return super().exists(path)
+
+    def rm_file(self, path: str | os.PathLike[str]) -> None:
+        with self._on(path):
+            super().rm_file(path)
+
+    def ls(self, path: str | os.PathLike[str]) -> list[str]:
+        with self._on(path):
+            return super().ls(path)
+
+    @contextmanager
+    def _on(self, path: str | os.PathLike[str]) -> Iterator[None]:
+        with naming(path):
+            if self.progress is None:
+                yield
+                return
+            self.progress.set_path(_named(path, self.root))
+            try:
+                yield
+            finally:
+                self.progress.set_path("")
+
+
+T = TypeVar("T", bound=Tracker)
+
+
+class Keepalive(Generic[T]):
+    """A tracker for I/O that waits on its peers between files (DCP's exchanges inside a save):
+    ``beat``, called every so often by a helper thread (``agree.beating``), beats for it while no
+    file operation is under way and never during one. So a rank that wrote its part and waits for
+    the slowest is no hang, and one stuck in a write still goes silent, naming the file. Both
+    threads' calls go through one lock (neither ``Progress`` nor ``Relay`` is thread-safe)."""
+
+    def __init__(self, inner: T) -> None:
+        self.inner = inner
+        self._lock = threading.Lock()
+        self._in_file = False
+
+    def __call__(self, n: int) -> None:
+        with self._lock:
+            self.inner(n)
+
+    def set_path(self, path: str) -> None:
+        with self._lock:
+            self._in_file = bool(path)
+            self.inner.set_path(path)
+
+    def beat(self) -> None:
+        with self._lock:
+            if not self._in_file:
+                self.inner(0)
 
 
 @contextmanager
