@@ -5,12 +5,14 @@
   beats all along, so no hang verdict, one launch, digest-equal to an uninterrupted run.
 - A read that never returns in the spread deep verify: the hang verdict comes within the verify
   timeout + 2 s and names the rank, the phase and the file; the rank waiting for it is not named.
+- The same for a shard write that never returns in a save.
 
 The measured numbers are printed (pytest -s)."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -144,6 +146,34 @@ def test_a_final_save_retried_longer_than_the_phase_timeouts_is_no_hang(goldens,
     )
     assert out.count("SAVE FAILED at step 30") >= FINAL_SAVE_FAILURES, out[-4000:]
     assert store.read_latest(root) == "step_00000030"
+    assert digest(root) == digest(golden)
+
+
+def test_a_write_that_never_returns_in_a_save_is_a_hang_naming_its_rank_and_file_only(goldens, faultfs):
+    """Rank 1's shard write of the final save blocks forever. Rank 1 goes silent, its heartbeat
+    naming the file; rank 0, done with its own shard and waiting inside DCP's save for rank 1,
+    keeps beating (progress_io.Keepalive), so the verdict names rank 1 alone."""
+    golden = goldens.get("ddp", 2)
+    root = rewind(golden, faultfs.mountpoint / "run", 20)
+    rid = faultfs.block("/run/step_00000030.tmp.*/__1_0.distcp", ops=["write"])
+    p = watch(root, "--hang-timeout", "60", "--save-timeout", str(SAVE_TIMEOUT_S))
+    try:
+        (blocked,) = wait_fs_blocked(faultfs, rid, p)
+        wait_for(lambda: events(root, "kill"), "the kill of the hung launch", proc=p)
+        faultfs.clear(rid)  # after the SIGKILL, as for the blocked read below
+        rc, out = done(p)
+    finally:
+        faultfs.clear()
+        kill_group(p)
+    (hang,) = events(root, "hang")
+    latency = hang["t"] - blocked.since
+    print(f"\nwrite blocked -> hang verdict: {latency:.2f}s (save timeout {SAVE_TIMEOUT_S:g}s, poll 0.2s)")
+    assert hang["ranks"] == [1], hang["msg"]
+    assert "rank 1 made no progress" in hang["msg"] and "in phase save" in hang["msg"], hang["msg"]
+    assert re.search(r"at step_00000030\.tmp\.[^/ ]+/__1_0\.distcp", hang["msg"]), hang["msg"]
+    assert latency <= SAVE_TIMEOUT_S + 2.0
+    assert rc == Exit.OK, out[-4000:]  # relaunched from step 20 once the write was released, and finished
+    assert [e["outcome"] for e in events(root, "launch_end")] == ["hang", "done"]
     assert digest(root) == digest(golden)
 
 
