@@ -149,32 +149,41 @@ def test_a_final_save_retried_longer_than_the_phase_timeouts_is_no_hang(goldens,
     assert digest(root) == digest(golden)
 
 
+def hang_on_block(root: Path, faultfs: FaultFS, rule: str, *watch_args: str) -> tuple[dict, float]:
+    """Watch ``root`` until the operation held by faultfs ``rule`` is judged a hang; the launch is
+    then relaunched and finishes (exit 0, outcomes hang then done). Returns the hang event and
+    its latency from the block. The rule is released once the watchdog sent SIGKILL (the pending
+    kill then ends the rank): released before, the ranks would act on its SIGTERM as a preemption
+    notice and checkpoint."""
+    p = watch(root, "--hang-timeout", "60", *watch_args)
+    try:
+        (blocked,) = wait_fs_blocked(faultfs, rule, p)
+        wait_for(lambda: events(root, "kill"), "the kill of the hung launch", proc=p)
+        faultfs.clear(rule)
+        rc, out = done(p)
+    finally:
+        faultfs.clear()
+        kill_group(p)
+    assert rc == Exit.OK, out[-4000:]
+    assert [e["outcome"] for e in events(root, "launch_end")] == ["hang", "done"]
+    (hang,) = events(root, "hang")
+    return hang, hang["t"] - blocked.since
+
+
 def test_a_write_that_never_returns_in_a_save_is_a_hang_naming_its_rank_and_file_only(goldens, faultfs):
     """Rank 1's shard write of the final save blocks forever. Rank 1 goes silent, its heartbeat
     naming the file; rank 0, done with its own shard and waiting inside DCP's save for rank 1,
     keeps beating (progress_io.Keepalive), so the verdict names rank 1 alone."""
     golden = goldens.get("ddp", 2)
     root = rewind(golden, faultfs.mountpoint / "run", 20)
-    rid = faultfs.block("/run/step_00000030.tmp.*/__1_0.distcp", ops=["write"])
-    p = watch(root, "--hang-timeout", "60", "--save-timeout", str(SAVE_TIMEOUT_S))
-    try:
-        (blocked,) = wait_fs_blocked(faultfs, rid, p)
-        wait_for(lambda: events(root, "kill"), "the kill of the hung launch", proc=p)
-        faultfs.clear(rid)  # after the SIGKILL, as for the blocked read below
-        rc, out = done(p)
-    finally:
-        faultfs.clear()
-        kill_group(p)
-    (hang,) = events(root, "hang")
-    latency = hang["t"] - blocked.since
+    rule = faultfs.block("/run/step_00000030.tmp.*/__1_0.distcp", ops=["write"])
+    hang, latency = hang_on_block(root, faultfs, rule, "--save-timeout", str(SAVE_TIMEOUT_S))
     print(f"\nwrite blocked -> hang verdict: {latency:.2f}s (save timeout {SAVE_TIMEOUT_S:g}s, poll 0.2s)")
     assert hang["ranks"] == [1], hang["msg"]
     assert "rank 1 made no progress" in hang["msg"] and "in phase save" in hang["msg"], hang["msg"]
     assert re.search(r"at step_00000030\.tmp\.[^/ ]+/__1_0\.distcp", hang["msg"]), hang["msg"]
     assert latency <= SAVE_TIMEOUT_S + 2.0
-    assert rc == Exit.OK, out[-4000:]  # relaunched from step 20 once the write was released, and finished
-    assert [e["outcome"] for e in events(root, "launch_end")] == ["hang", "done"]
-    assert digest(root) == digest(golden)
+    assert digest(root) == digest(golden)  # relaunched from step 20 once the write was released
 
 
 VERIFY_TIMEOUT_S = 3.0
@@ -184,25 +193,11 @@ def test_a_read_that_never_returns_in_the_verify_is_a_hang_naming_rank_phase_and
     golden = goldens.get("ddp", 2)
     root = rewind(golden, faultfs.mountpoint / "run", 20)
     name = largest_share(root, 20, rank=1)
-    rid = faultfs.block(f"/run/step_00000020/{name}", ops=["read"])
-    p = watch(root, "--hang-timeout", "60", "--verify-timeout", str(VERIFY_TIMEOUT_S))
-    try:
-        (blocked,) = wait_fs_blocked(faultfs, rid, p)
-        # Released once the watchdog sent SIGKILL (the pending kill then ends the rank): released
-        # before, the ranks would act on its SIGTERM as a preemption notice and checkpoint.
-        wait_for(lambda: events(root, "kill"), "the kill of the hung launch", proc=p)
-        faultfs.clear(rid)
-        rc, out = done(p)
-    finally:
-        faultfs.clear()
-        kill_group(p)
-    (hang,) = events(root, "hang")
-    latency = hang["t"] - blocked.since
+    rule = faultfs.block(f"/run/step_00000020/{name}", ops=["read"])
+    hang, latency = hang_on_block(root, faultfs, rule, "--verify-timeout", str(VERIFY_TIMEOUT_S))
     print(f"\nread blocked -> hang verdict: {latency:.2f}s (verify timeout {VERIFY_TIMEOUT_S:g}s, poll 0.2s)")
     assert hang["ranks"] == [1], hang["msg"]
     assert "rank 1 made no progress" in hang["msg"] and "in phase verify" in hang["msg"]
     assert f"at step_00000020/{name}" in hang["msg"], hang["msg"]
     assert latency <= VERIFY_TIMEOUT_S + 2.0
-    assert rc == Exit.OK, out[-4000:]  # relaunched once the read was released, and finished
-    assert [e["outcome"] for e in events(root, "launch_end")] == ["hang", "done"]
-    assert digest(root) == digest(golden)
+    assert digest(root) == digest(golden)  # relaunched once the read was released
