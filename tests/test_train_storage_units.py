@@ -377,8 +377,9 @@ def test_writes_are_sized_to_the_rate_they_run_at_within_bounds():
 
 
 def test_a_keepalive_beats_between_files_only():
-    """A rank waiting on its peers inside DCP's save (between its files) beats; one inside a file
-    operation (a write, a rename) does not, so a stuck one still goes silent naming the file."""
+    """A rank waiting on its peers inside DCP's save or load (between its files) beats; one inside
+    a file operation (a read, a write, a rename) does not, so a stuck one still goes silent
+    naming the file."""
     t = _Tracker()
     k = Keepalive(t)
     k.beat()

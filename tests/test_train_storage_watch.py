@@ -1,8 +1,9 @@
 """End to end under the watchdog: the reference trainer (torchrun, 2 ranks, tiny) supervised by
 ``python -m supervisor watch``, its run dir on the fault filesystem (docs/storage-faults.md).
 
-- A throttled file system on which verify + load take many times the phase timeouts: progress
-  beats all along, so no hang verdict, one launch, digest-equal to an uninterrupted run.
+- One rank's shard throttled, so that verify + load take many times the phase timeouts: the
+  slow rank beats all along, the other beats while it waits for it; no hang verdict, one launch,
+  digest-equal to an uninterrupted run.
 - A read that never returns in the spread deep verify: the hang verdict comes within the verify
   timeout + 2 s and names the rank, the phase and the file; the rank waiting for it is not named.
 - The same for a shard write that never returns in a save.
@@ -45,9 +46,11 @@ WATCH = ["--poll-interval", "0.2", "--kill-grace", "1", "--reap-timeout", "1", "
 WATCH += ["--backoff-initial", "0.5", "--backoff-jitter", "0", "--startup-timeout", "120"]
 
 
-def watch(root: Path, *watch_args: str, train: tuple[str, ...] = ()) -> subprocess.Popen[str]:
+def watch(
+    root: Path, *watch_args: str, train: tuple[str, ...] = (), parallel: str = "ddp"
+) -> subprocess.Popen[str]:
     """The watchdog over torchrun over the trainer, in its own session (cleanup kills the group)."""
-    trainer = torchrun_cmd(root, 2, *train_args("ddp", *train))
+    trainer = torchrun_cmd(root, 2, *train_args(parallel, *train))
     argv = supervisor_cmd("watch", "--ckpt-root", str(root), *WATCH, *watch_args)
     return subprocess.Popen(
         [*argv, "--", *trainer],
@@ -96,30 +99,35 @@ def one_clean_launch(
     return out
 
 
-# Timeouts of the phases a throttled resume runs through: several times the longest silence
-# between two beats measured in-process (about 3-5 s at this throttle: one 64 KiB chunk per rank).
-IO_TIMEOUT_S = 10.0
-# Slower than test_train_storage's throttle: the load reads each item once, in offset order, so
-# verify + load read about twice the checkpoint's bytes (44 s at 45 kB/s, where torch's own reader
-# took 71 s re-reading 64 KiB around every item); at 30 kB/s they take ~65 s, over 5 timeouts.
-WATCH_THROTTLE_BYTES_PER_S = 30_000
+# Rank 1's FSDP shard file (0.39 MB of the tiny model, 0.08 MB of which rank 0 loads too) read at
+# this rate: rank 1's verify takes at least 9.8 s and the load 11.9 s (the throttle is shared, and
+# nothing of it comes faster), over 4 phase timeouts in all. A 64 KiB read while both ranks read it
+# takes up to 3.3 s, with the 1 s between heartbeat writes under the timeout.
+SLOW_SHARD_BYTES_PER_S = 40_000
+IO_TIMEOUT_S = 5.0
 
 
 def test_a_throttled_verify_and_load_far_longer_than_their_timeouts_is_no_hang(goldens, faultfs):
-    golden = goldens.get("ddp", 2)
+    """FSDP, each rank verifying the files it wrote and loading its own shard; rank 1's shard file
+    alone is slow. Rank 1 beats per chunk through both phases, however long they take; rank 0,
+    done with its part at once, waits for rank 1 in the verify's exchange and inside DCP's load
+    (each time many timeouts long) and beats meanwhile (progress_io.kept_alive), or it is the one
+    judged hung. No hang verdict, one launch, digest equal to an uninterrupted run."""
+    golden = goldens.get("fsdp", 2)
     root = rewind(golden, faultfs.mountpoint / "run", 20)
-    faultfs.throttle("/run/step_00000020/*", WATCH_THROTTLE_BYTES_PER_S)
+    faultfs.throttle("/run/step_00000020/__1_0.distcp", SLOW_SHARD_BYTES_PER_S, ops=["read"])
     t = str(IO_TIMEOUT_S)
     log = BeatLog(root)
-    p = watch(root, "--hang-timeout", "60", "--verify-timeout", t, "--load-timeout", t)
+    p = watch(root, "--hang-timeout", "60", "--verify-timeout", t, "--load-timeout", t, parallel="fsdp")
     trained = lambda: log.poll() or log.first(Phase.TRAIN) is not None  # noqa: E731
     one_clean_launch(root, p, faultfs, trained, "the first step after the throttled resume")
-    took = log.first(Phase.TRAIN) - log.first(Phase.VERIFY)
+    took, load = (log.first(Phase.TRAIN) - log.first(phase) for phase in (Phase.VERIFY, Phase.LOAD))
     print(
-        f"\nverify+load {took:.1f}s on a {WATCH_THROTTLE_BYTES_PER_S} B/s file system = "
+        f"\nverify+load {took:.1f}s (load {load:.1f}s) with rank 1's shard at {SLOW_SHARD_BYTES_PER_S} B/s = "
         f"{took / IO_TIMEOUT_S:.1f}x the verify/load timeout ({IO_TIMEOUT_S:g}s); no hang verdict"
     )
-    assert took >= 5 * IO_TIMEOUT_S  # long by construction (the throttle), or the test proves nothing
+    # long by construction (the throttle), or the test proves nothing
+    assert took >= 4 * IO_TIMEOUT_S and load >= 2 * IO_TIMEOUT_S
     assert digest(root) == digest(golden)
 
 

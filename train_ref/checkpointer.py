@@ -52,7 +52,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import IO, Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -84,7 +84,7 @@ from train_ref.progress_io import (
     ProgressFileSystem,
     Relay,
     Tracker,
-    open_progress,
+    kept_alive,
     wait_forwarding,
 )
 from train_ref.readahead import readahead
@@ -340,9 +340,8 @@ class Checkpointer:
             RankState.save(rank_file, self.rank_extra)
         except OSError as e:
             error = save_error(e, self.rank, self.root)
-        saving = Keepalive(self.hb.tracker(Phase.SAVE, state.step))
         try:
-            with agree.beating(saving.beat):  # between files: waiting for the other ranks
+            with kept_alive(self.hb.tracker(Phase.SAVE, state.step)) as saving:
                 dcp.save(
                     {"app": state.saving(self.rank, self.world_size)},
                     storage_writer=_writer(tmp, self.root, saving),
@@ -730,7 +729,8 @@ class Checkpointer:
         progress: Progress,
     ) -> bool:
         """Load shards (DCP reshards to this world size), then this rank's RNG file, every read
-        counted into ``progress``. Returns whether the per-rank state was restored; on another
+        counted into ``progress``, which also beats while this rank waits for its peers inside
+        DCP's load (a rank done with its shard is no hang while a slower one reads). Returns whether the per-rank state was restored; on another
         world size it cannot map onto the new ranks, and the caller derives fresh streams instead.
         Nothing in the checkpoint is run: a pickle that names anything else than plain data is
         UnsafePickle, one line (train_ref/safe_load.py). An Adam(W) without state gets it
@@ -740,14 +740,16 @@ class Checkpointer:
         same_world = saved_world_size == self.world_size
         path = ckpt / rank_state_filename(self.rank)
         first = [ckpt / DCP_METADATA] + ([ckpt / dcp_shard_filename(self.rank), path] if same_world else [])
-        with readahead(first):
+        with readahead(first), kept_alive(progress) as loading:
             prime_for_load(getattr(state, "optimizer", None))
-            load_dcp(ckpt, {"app": state}, self.dcp_group, fs=ProgressFileSystem(self.root, progress))
+            fs = ProgressFileSystem(self.root, loading)
+            load_dcp(ckpt, {"app": state}, self.dcp_group, fs=fs)
             if not same_world:
                 return False
             try:
-                with open_progress(path, progress, self.root) as f:
-                    RankState.load(f, skip, str(path), self.rank_extra)
+                with fs.create_stream(path, "rb") as f:
+                    # torch types the stream as IOBase; it is the binary file opened "rb" here
+                    RankState.load(cast(IO[bytes], f), skip, str(path), self.rank_extra)
             except pickle.UnpicklingError as e:
                 raise weights_only_refusal(str(path), e) from None
         return True

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from supervisor.format.heartbeat import Progress
+from train_ref import agree
 from train_ref.save_policy import storage_cause
 
 if TYPE_CHECKING:
@@ -138,13 +139,6 @@ class ProgressFile(io.FileIO):
         return bytes(out)
 
 
-def open_progress(path: str | os.PathLike[str], progress: Tracker, root: Path) -> io.BufferedReader:
-    """``path`` opened for reading with counted reads; the tracker names it (relative to ``root``,
-    the run dir, where it is inside)."""
-    progress.set_path(_named(path, root))
-    return io.BufferedReader(ProgressFile(path, progress))
-
-
 def _named(path: str | os.PathLike[str], root: Path) -> str:
     rel = os.path.relpath(path, root)
     return os.fspath(path) if rel.startswith("..") else rel
@@ -234,6 +228,16 @@ class Keepalive(Generic[T]):
         with self._lock:
             if not self._in_file:
                 self.inner(0)
+
+
+@contextmanager
+def kept_alive(progress: T) -> Iterator[Keepalive[T]]:
+    """``progress`` as a ``Keepalive``, beaten by a helper thread while the block runs: for DCP's
+    save and load, which wait on their peers between files (a rank done with its shard waits in
+    DCP's exchanges for the slowest, as long as that one needs)."""
+    alive = Keepalive(progress)
+    with agree.beating(alive.beat):
+        yield alive
 
 
 @contextmanager

@@ -67,7 +67,7 @@ from train_ref.devices import DeviceError
 from train_ref.drill_faults import DrillFaults, When
 from train_ref.optim_state import prime_for_load
 from train_ref.parallel import params_digest
-from train_ref.progress_io import ProgressFileSystem
+from train_ref.progress_io import ProgressFileSystem, kept_alive
 from train_ref.resume import RETRY_LATER, Choice, Request, choose_checkpoint, describe_diff, identity_diff
 from train_ref.safe_load import load_dcp, refusal_line
 from train_ref.save_policy import DEFAULT_MAX_FAILED_SAVES, SavePolicy
@@ -478,12 +478,13 @@ class Resumable:
         if self.options.init_optimizer:
             prime_for_load(getattr(self.state, "optimizer", None))
         try:
-            load_dcp(
-                src,
-                {"app": _Weights(self.state, self.options.init_optimizer)},
-                self.ckpt.dcp_group,
-                fs=ProgressFileSystem(src.parent, self.hb.tracker(Phase.LOAD, 0)),
-            )
+            with kept_alive(self.hb.tracker(Phase.LOAD, 0)) as loading:
+                load_dcp(
+                    src,
+                    {"app": _Weights(self.state, self.options.init_optimizer)},
+                    self.ckpt.dcp_group,
+                    fs=ProgressFileSystem(src.parent, loading),
+                )
         except UnsafePickle as e:
             self.stop(Exit.UNTRUSTED, Phase.LOAD, refusal_line(e, src.parent, src))
         except (Exception, CheckpointException) as e:  # another model's: one line, not a traceback
