@@ -8,6 +8,11 @@ PIP_EXTRA ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test`/`test-fast`: most end-to-end tests wait on their processes
+# (throttled storage, timeouts, SLURM), so 2 workers on 2 cores cut the suite by a quarter or more;
+# the SLURM tests stay on one worker (tests/conftest.py). TEST_WORKERS=0: one process, no xdist.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadgroup)
 DRILL_ARGS ?=
 
 .PHONY: setup test test-fast drill lint bench gpu-check clean
@@ -22,10 +27,10 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not slurm" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow and not slurm" $(XDIST) $(PYTEST_ARGS)
 
 drill: $(STAMP)
 	$(PY) -m supervisor drill $(DRILL_ARGS)

@@ -95,3 +95,11 @@ def goldens(tmp_path_factory: pytest.TempPathFactory):
     from trainer_helpers import shared_goldens  # imports torch: only for the tests that need it
 
     return shared_goldens(lambda: tmp_path_factory.mktemp("goldens"))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``--dist loadgroup``, the Makefile's): every SLURM test on one worker,
+    so one test cluster runs at a time."""
+    for item in items:
+        if item.get_closest_marker("slurm"):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
