@@ -730,13 +730,14 @@ class Checkpointer:
     ) -> bool:
         """Load shards (DCP reshards to this world size), then this rank's RNG file, every read
         counted into ``progress``, which also beats while this rank waits for its peers inside
-        DCP's load (a rank done with its shard is no hang while a slower one reads). Returns whether the per-rank state was restored; on another
-        world size it cannot map onto the new ranks, and the caller derives fresh streams instead.
-        Nothing in the checkpoint is run: a pickle that names anything else than plain data is
-        UnsafePickle, one line (train_ref/safe_load.py). An Adam(W) without state gets it
-        allocated to be read into, not computed (train_ref/optim_state.py). From the first line,
-        the files this rank reads first (DCP's index; on the saved world size, its own shard and
-        RNG file) are read into the page cache behind it (train_ref/readahead.py)."""
+        DCP's load (a rank done with its shard is no hang while a slower one reads). Returns
+        whether the per-rank state was restored; on another world size it cannot map onto the
+        new ranks, and the caller derives fresh streams instead. Nothing in the checkpoint is
+        run: a pickle that names anything else than plain data is UnsafePickle, one line
+        (train_ref/safe_load.py). An Adam(W) without state gets it allocated to be read into, not
+        computed (train_ref/optim_state.py). From the first line, the files this rank reads first
+        (DCP's index; on the saved world size, its own shard and RNG file) are read into the page
+        cache behind it (train_ref/readahead.py)."""
         same_world = saved_world_size == self.world_size
         path = ckpt / rank_state_filename(self.rank)
         first = [ckpt / DCP_METADATA] + ([ckpt / dcp_shard_filename(self.rank), path] if same_world else [])
