@@ -207,15 +207,17 @@ def prune(
     *,
     policy: RetentionPolicy | None = None,
     keep: int | None = None,
-    milestone_every: int | None = None,
     dry_run: bool = False,
     stale_tmp_after_s: float = STALE_TMP_AFTER_S,
     quarantine_keep: int | None = QUARANTINE_KEEP,
     quarantine_max_bytes: int | None = None,
+    progress: Callable[[int], object] | None = None,
 ) -> PruneResult:
     """Delete valid committed checkpoints ``policy`` does not keep, stale tmp dirs and the oldest
-    quarantined checkpoints beyond the quarantine's retention. ``keep`` / ``milestone_every``
-    alone (the older form) mean ``RetentionPolicy(keep=..., milestone_every=...)``.
+    quarantined checkpoints beyond the quarantine's retention. ``keep`` alone (the older form)
+    means ``RetentionPolicy(keep=...)``. ``progress`` hears of each checkpoint judged and each
+    directory removed, one unit each: on a slow file system a prune is long work, and whoever
+    waits for it can beat as it moves.
 
     Retention counts valid (quick check) checkpoints only, so K fallbacks really exist. Invalid
     ones older than the newest valid are quarantined with their reason, never deleted; invalid
@@ -224,7 +226,7 @@ def prune(
     sees it half deleted); its files go after the lock is released, dead writers' tmp dirs first.
     A crash mid-removal leaves a renamed dir that a later prune finishes.
     """
-    policy = _policy(policy, keep, milestone_every)
+    policy = _policy(policy, keep)
     root = require_root(root)
     for flag, value in (
         ("--quarantine-keep", quarantine_keep),
@@ -236,8 +238,12 @@ def prune(
     qdir = RunDir.of(root).quarantine
     # Sizes walk every file of every quarantined checkpoint: before the lock, not under it.
     sizes = _quarantine_sizes(root) if quarantine_max_bytes is not None else {}
+    tick = progress or (lambda _n: None)
     with root_lock(root):
-        verdicts = [validate(r) for r in list_checkpoints(root)]
+        verdicts = []
+        for ref in list_checkpoints(root):
+            verdicts.append(validate(ref))
+            tick(1)
         valid = [v.ref.step for v in verdicts if v.ok]
         newest_valid = valid[0] if valid else None
         kept = plan_retention([Candidate.of(v.manifest) for v in verdicts if v.ok and v.manifest], policy)
@@ -278,12 +284,7 @@ def prune(
                 fsync_dir(root)
     if not dry_run:
         trash += [p for p in _quarantine_leftovers(qdir) if p not in trash]  # a crashed prune's
-        import shutil  # here: `status` imports this module and never removes
-
-        for path in trash:
-            shutil.rmtree(path, ignore_errors=True)
-        if trash:
-            fsync_dir(root)
+        _remove(root, trash, tick)
     gone = {r.step for r in doomed} | {v.ref.step for v in bad_old}
     return PruneResult(
         deleted=tuple(r.name for r in doomed),
@@ -298,13 +299,22 @@ def prune(
     )
 
 
-def _policy(policy: RetentionPolicy | None, keep: int | None, milestone_every: int | None) -> RetentionPolicy:
+def _remove(root: Path, trash: list[Path], tick: Callable[[int], object]) -> None:
+    """The doomed directories, renamed under the lock, removed after it, one ``tick`` each."""
+    import shutil  # here: `status` imports this module and never removes
+
+    for path in trash:
+        shutil.rmtree(path, ignore_errors=True)
+        tick(1)
+    if trash:
+        fsync_dir(root)
+
+
+def _policy(policy: RetentionPolicy | None, keep: int | None) -> RetentionPolicy:
     if policy is None:
-        return RetentionPolicy(
-            keep=DEFAULT_KEEP if keep is None else keep, milestone_every=milestone_every or 0
-        )
-    if keep is not None or milestone_every is not None:
-        raise TypeError("prune: pass policy=, or keep= / milestone_every=, not both")
+        return RetentionPolicy(keep=DEFAULT_KEEP if keep is None else keep)
+    if keep is not None:
+        raise TypeError("prune: pass policy= or keep=, not both")
     return policy
 
 

@@ -304,6 +304,16 @@ def test_prune_keeps_the_newest_k(tmp_path: Path) -> None:
     assert not [n for n in os.listdir(tmp_path) if ".deleting." in n]
 
 
+def test_prune_counts_a_unit_per_checkpoint_judged_and_directory_removed(tmp_path: Path) -> None:
+    """What a rank waiting on a prune beats by (train_ref's Checkpointer.wait_pruned)."""
+    for s in range(10, 60, 10):
+        make_ckpt(tmp_path, s)
+    units: list[int] = []
+    res = store.prune(tmp_path, keep=3, progress=units.append)
+    assert _steps(res.deleted) == [10, 20]
+    assert units == [1] * (5 + 2)
+
+
 @pytest.mark.parametrize("keep", [-1, 0, 1])
 def test_prune_refuses_keep_below_two(tmp_path: Path, keep: int) -> None:
     make_ckpt(tmp_path, 10)
@@ -314,7 +324,7 @@ def test_prune_refuses_keep_below_two(tmp_path: Path, keep: int) -> None:
 def test_prune_keeps_milestones(tmp_path: Path) -> None:
     for s in range(10, 110, 10):
         make_ckpt(tmp_path, s)
-    res = store.prune(tmp_path, keep=2, milestone_every=40)
+    res = store.prune(tmp_path, policy=store.RetentionPolicy(keep=2, milestone_every=40))
     assert _steps(committed_names(tmp_path)) == [40, 80, 90, 100]
     assert _steps(res.kept) == [40, 80, 90, 100]
 

@@ -139,8 +139,7 @@ class StoreMachine(RuleBasedStateMachine):
         floor = max((r.step for r in store.list_checkpoints(self.root) if store.validate(r).ok), default=-1)
         res = store.prune(
             self.root,
-            keep=keep,
-            milestone_every=milestone,
+            policy=store.RetentionPolicy(keep=keep, milestone_every=milestone),
             quarantine_keep=q_keep,
             quarantine_max_bytes=q_bytes,
         )

@@ -7,6 +7,8 @@
 - A read that never returns in the spread deep verify: the hang verdict comes within the verify
   timeout + 2 s and names the rank, the phase and the file; the rank waiting for it is not named.
 - The same for a shard write that never returns in a save.
+- Waits on storage that are no hang: a final save retried for long on a full disk, and a save
+  that waits for a slow prune of old checkpoints.
 
 The measured numbers are printed (pytest -s)."""
 
@@ -24,6 +26,7 @@ from trainer_helpers import (
     REPO,
     BeatLog,
     beats,
+    committed,
     digest,
     kill_group,
     largest_share,
@@ -154,6 +157,35 @@ def test_a_final_save_retried_longer_than_the_phase_timeouts_is_no_hang(goldens,
     )
     assert out.count("SAVE FAILED at step 30") >= FINAL_SAVE_FAILURES, out[-4000:]
     assert store.read_latest(root) == "step_00000030"
+    assert digest(root) == digest(golden)
+
+
+# Each file of a pruned checkpoint takes this long to unlink: removing one (6 files) takes 6 s,
+# twice the train timeout, and the final save waits for it.
+UNLINK_DELAY_S = 1.0
+TRAIN_TIMEOUT_S = 3.0
+
+
+def test_a_save_waiting_for_a_slow_prune_is_no_hang(goldens, faultfs):
+    """Retention keeps 2: the commit of step 25 prunes step 10 in the background, and the final
+    save, 5 steps later, waits for that prune first (the room it frees is that save's), as the
+    end waits for the prune after it. Each unlink takes 1 s here. Rank 0 waits in phase save,
+    beating per checkpoint judged or removed (``Checkpointer.wait_pruned``); silent in phase
+    train, as before, a 6 s wait was twice the timeout. No hang verdict, one launch, the pruned
+    checkpoints gone, digest equal to an uninterrupted run."""
+    golden = goldens.get("ddp", 2)
+    root = rewind(golden, faultfs.mountpoint / "run", 20)
+    rid = faultfs.delay("/run/step_*.deleting.*/*", UNLINK_DELAY_S, ops=["unlink"])
+    train = ("--keep", "2", "--save-every", "5")
+    p = watch(root, "--hang-timeout", str(TRAIN_TIMEOUT_S), "--save-timeout", "30", train=train)
+    unlinks: list[int] = []
+    final = lambda: (root / "final.json").exists()  # noqa: E731 - written after the last prune
+    one_clean_launch(
+        root, p, faultfs, final, "the end of the run", then=lambda: unlinks.append(faultfs.hits(rid))
+    )
+    print(f"\n{unlinks[0]} unlinks of pruned checkpoints at {UNLINK_DELAY_S:g}s each; no hang verdict")
+    assert unlinks[0] >= 12  # steps 10 and 20, 6 files each: as slow as that by construction
+    assert committed(root) == ["step_00000025", "step_00000030"]
     assert digest(root) == digest(golden)
 
 

@@ -225,6 +225,16 @@ class _InFlight:
         return self.written if self.committed is None else self.committed
 
 
+@dataclass(frozen=True)
+class _Pruning:
+    """Rank 0's prune after the commit of ``step``, in the background; ``work`` counts its
+    progress (a checkpoint judged, a directory removed) for whoever waits on it."""
+
+    step: int
+    done: Future[None]
+    work: Relay
+
+
 class _ShardWriter(FileSystemWriter):
     """DCP's file system writer, minus the zip CRC32 of every tensor record.
 
@@ -288,7 +298,7 @@ class Checkpointer:
         # Work off the loop's clock, in order: an async save's state file and checksums, and
         # rank 0's prune after a commit (the last one, which _make_room waits for).
         self._worker: ThreadPoolExecutor | None = None
-        self._pruning: Future[None] | None = None
+        self._pruning: _Pruning | None = None
         self._agreed: list[bool] | None = None  # flags agreed by reduce_with_control this step
         self.last_blocking_s = 0.0  # time the training loop was blocked by the last save call
         self.last_staging_wait_s = 0.0  # ... and then waiting for its staging before a step
@@ -440,6 +450,7 @@ class Checkpointer:
 
     def close(self) -> None:
         self.finish()
+        self.wait_pruned()
         if self.stager is not None:
             self.stager.close()
         if self._worker is not None:
@@ -492,7 +503,7 @@ class Checkpointer:
         path, or the outcome of a save that failed right there."""
         mine: Path | SaveOutcome | None = None
         if self.rank == 0:
-            self._make_room()
+            self._make_room(self.hb.tracker(Phase.SAVE, step))
             try:
                 mine = store.begin(self.root, step)
             except OSError as e:
@@ -506,25 +517,35 @@ class Checkpointer:
             self._apply(got)
         return got
 
-    def wait_pruned(self) -> None:
+    def wait_pruned(self, progress: Progress | None = None) -> None:
         """Wait for rank 0's prune after the last commit, if one is running (the next save
-        waits for it first: the room it frees is that save's)."""
-        if self._pruning is not None:
-            self._pruning.result()
+        waits for it first: the room it frees is that save's), forwarding its progress into
+        ``progress`` (default: phase SAVE at the commit's step). A prune on a slow file system
+        is then judged by the save's timeout, per checkpoint it removes, not by a step's."""
+        p, self._pruning = self._pruning, None
+        if p is None:
+            return
+        if not p.done.done():
+            wait_forwarding(
+                p.done, p.work, progress or self.hb.tracker(Phase.SAVE, p.step), agree.KEEPALIVE_S
+            )
+        p.done.result()
 
-    def _make_room(self) -> None:
+    def _make_room(self, progress: Progress) -> None:
         """Rank 0, before a save: tmp dirs of failed saves it could not remove yet; after a failed
         save also a prune (dead writers' tmp dirs, quarantine retention; checkpoints beyond
-        the retention policy unless an uploader owns retention). Best effort: a failure here is the next
-        save's to report."""
-        self.wait_pruned()  # one prune at a time
+        the retention policy unless an uploader owns retention); each directory removed counted
+        into ``progress``. Best effort: a failure here is the next save's to report."""
+        self.wait_pruned(progress)  # one prune at a time
         for tmp in list(self.leftovers):
             shutil.rmtree(tmp, ignore_errors=True)
+            progress(1)
             if not os.path.lexists(tmp):
                 self.leftovers.remove(tmp)
         if self.failures:
             try:
-                store.prune(self.root, policy=self.retention if self.on_commit is None else KEEP_ALL)
+                policy = self.retention if self.on_commit is None else KEEP_ALL
+                store.prune(self.root, policy=policy, progress=progress)
             except (OSError, store.StoreError) as e:
                 log.warning("prune before retrying a save failed: %s", e)
 
@@ -643,13 +664,14 @@ class Checkpointer:
         if self.on_commit is not None:
             self.on_commit(ref)
         else:  # off the loop: deleting a 0.6 GB checkpoint's files took 0.2 s here
-            self._pruning = self._background().submit(self._prune, ref)
+            work = Relay()
+            self._pruning = _Pruning(ref.step, self._background().submit(self._prune, ref, work), work)
         return SaveOutcome(ref.step, True, latest=ref.name)
 
-    def _prune(self, ref: store.CheckpointRef) -> None:
-        """Rank 0, in the background: retention after committing ``ref``."""
+    def _prune(self, ref: store.CheckpointRef, work: Relay) -> None:
+        """Rank 0, in the background: retention after committing ``ref``, counted into ``work``."""
         try:
-            pruned = store.prune(self.root, policy=self.retention).deleted
+            pruned = store.prune(self.root, policy=self.retention, progress=work).deleted
         except (OSError, store.StoreError) as e:  # the checkpoint is committed all the same
             log.warning("committed %s; prune failed: %s", ref.name, e)
             return
