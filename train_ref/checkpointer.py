@@ -503,7 +503,7 @@ class Checkpointer:
         path, or the outcome of a save that failed right there."""
         mine: Path | SaveOutcome | None = None
         if self.rank == 0:
-            self._make_room(self.hb.tracker(Phase.SAVE, step))
+            self._make_room(step)
             try:
                 mine = store.begin(self.root, step)
             except OSError as e:
@@ -517,26 +517,29 @@ class Checkpointer:
             self._apply(got)
         return got
 
-    def wait_pruned(self, progress: Progress | None = None) -> None:
+    def wait_pruned(self, step: int | None = None) -> None:
         """Wait for rank 0's prune after the last commit, if one is running (the next save
-        waits for it first: the room it frees is that save's), forwarding its progress into
-        ``progress`` (default: phase SAVE at the commit's step). A prune on a slow file system
-        is then judged by the save's timeout, per checkpoint it removes, not by a step's."""
+        waits for it first: the room it frees is that save's), in phase SAVE at ``step``
+        (default: the commit's), forwarding its progress. A prune on a slow file system is then
+        judged by the save's timeout, per checkpoint it removes, not by a step's."""
         p, self._pruning = self._pruning, None
         if p is None:
             return
         if not p.done.done():
-            wait_forwarding(
-                p.done, p.work, progress or self.hb.tracker(Phase.SAVE, p.step), agree.KEEPALIVE_S
-            )
+            progress = self.hb.tracker(Phase.SAVE, p.step if step is None else step)
+            wait_forwarding(p.done, p.work, progress, agree.KEEPALIVE_S)
         p.done.result()
 
-    def _make_room(self, progress: Progress) -> None:
-        """Rank 0, before a save: tmp dirs of failed saves it could not remove yet; after a failed
-        save also a prune (dead writers' tmp dirs, quarantine retention; checkpoints beyond
-        the retention policy unless an uploader owns retention); each directory removed counted
-        into ``progress``. Best effort: a failure here is the next save's to report."""
-        self.wait_pruned(progress)  # one prune at a time
+    def _make_room(self, step: int) -> None:
+        """Rank 0, before the save of ``step``: tmp dirs of failed saves it could not remove yet;
+        after a failed save also a prune (dead writers' tmp dirs, quarantine retention;
+        checkpoints beyond the retention policy unless an uploader owns retention); each
+        directory removed counted into the heartbeat, phase SAVE. Best effort: a failure here is
+        the next save's to report."""
+        self.wait_pruned(step)  # one prune at a time
+        if not (self.leftovers or self.failures):
+            return
+        progress = self.hb.tracker(Phase.SAVE, step)
         for tmp in list(self.leftovers):
             shutil.rmtree(tmp, ignore_errors=True)
             progress(1)

@@ -204,11 +204,12 @@ T = TypeVar("T", bound=Tracker)
 
 
 class Keepalive(Generic[T]):
-    """A tracker for I/O that waits on its peers between files (DCP's exchanges inside a save):
-    ``beat``, called every so often by a helper thread (``agree.beating``), beats for it while no
-    file operation is under way and never during one. So a rank that wrote its part and waits for
-    the slowest is no hang, and one stuck in a write still goes silent, naming the file. Both
-    threads' calls go through one lock (neither ``Progress`` nor ``Relay`` is thread-safe)."""
+    """A tracker for I/O that waits on its peers between files (DCP's exchanges inside a save or
+    a load): ``beat``, called every so often by a helper thread (``agree.beating``), beats for it
+    while no file operation is under way and never during one. So a rank that did its part and
+    waits for the slowest is no hang, and one stuck in a read or write still goes silent, naming
+    the file. Both threads' calls go through one lock (neither ``Progress`` nor ``Relay`` is
+    thread-safe)."""
 
     def __init__(self, inner: T) -> None:
         self.inner = inner
