@@ -2,7 +2,10 @@
 
 1. Hang detection: SIGSTOP one rank of the fake trainer (no torch) under the watchdog; latency =
    the verdict's time (the `hang` event's ``detected``) minus the SIGSTOP, and the event's own
-   time (after the stack dumps). Target: the verdict at most the configured timeout + 0.5 s.
+   time (after the stack dumps). Target: the verdict at most the configured timeout + 0.5 s. The
+   trials' stops are spread evenly over one ``--poll-interval`` after the rank is seen at step 5
+   (else each lands at the same moment of the watchdog's poll, and a quiet machine measures the
+   best case every time).
    Also (where FUSE can be mounted) a read that never returns: the fake trainer's rank 1 reads a
    file on the fault filesystem whose reads are blocked, in phase verify; latency = the
    `blocked_io` event's time (it names rank, phase and path, before the stack dumps) minus the
@@ -48,6 +51,7 @@ from supervisor.format.heartbeat import Heartbeat, Phase
 from supervisor.format.layout import STANDBY_READY_PREFIX, RunDir
 from supervisor.format.nodesummary import read_run_heartbeats
 from supervisor.watch import recovery
+from supervisor.watch.config import DEFAULT_POLL_S
 from supervisor.watch.recovery import Moment
 
 REPO = Path(__file__).resolve().parent.parent
@@ -109,15 +113,17 @@ def spawn(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Pope
     )
 
 
-def hang_latency(tmp: Path, timeout_s: float) -> tuple[float, float]:
-    """SIGSTOP -> the watchdog's hang verdict (the event's ``detected``), and -> the hang event
-    itself, written after the stack dumps (--dump-wait 1)."""
+def hang_latency(tmp: Path, timeout_s: float, offset_s: float) -> tuple[float, float]:
+    """SIGSTOP (``offset_s`` after rank 1 is seen at step 5) -> the watchdog's hang verdict (the
+    event's ``detected``), and -> the hang event itself, written after the stack dumps
+    (--dump-wait 1)."""
     root = tmp / "hang"
     watch = [PY, "-m", "supervisor", "watch", "--ckpt-root", str(root), "--hang-timeout", str(timeout_s)]
     watch += ["--kill-grace", "1", "--dump-wait", "1", "--no-progress", "0", "--"]
     p = spawn([*watch, PY, FAKE, "--root", str(root), "--steps", "100000", "--step-s", "0.05"])
     try:
         hb = wait_for(lambda: rank_at(root, 1, 5))
+        time.sleep(offset_s)
         t_stop = time.time()
         os.kill(hb.pid, signal.SIGSTOP)
 
@@ -296,7 +302,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
         for i in range(a.hang_trials):
-            detected, event = hang_latency(tmp / f"h{i}", a.hang_timeout)
+            detected, event = hang_latency(tmp / f"h{i}", a.hang_timeout, DEFAULT_POLL_S * i / a.hang_trials)
             rows["hang"].append(detected)
             rows["hang_event"].append(event)
             read = hang_latency_blocked_read(tmp / f"r{i}", a.hang_timeout)

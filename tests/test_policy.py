@@ -9,7 +9,16 @@ import pytest
 from supervisor.format.exitcodes import Exit
 from supervisor.format.heartbeat import Heartbeat, HeartbeatSnapshot, Phase
 from supervisor.format.launches import LaunchRecord, Outcome
-from supervisor.watch.detectors import DeadRank, Hang, confirm_dead, dead_ranks, detect_hangs, save_news
+from supervisor.watch.detectors import (
+    DeadRank,
+    Hang,
+    confirm_dead,
+    dead_ranks,
+    detect_hangs,
+    hang_due_s,
+    launch_heartbeats,
+    save_news,
+)
 from supervisor.watch.liveness import Clock, PhaseTimeouts, effective_timeouts, learned_train_timeout
 from supervisor.watch.restart_policy import (
     Backoff,
@@ -159,6 +168,34 @@ def test_clock_ages_own_boot_on_the_monotonic_clock():
     assert detect_hangs(snaps, launch_id="", launch_age_s=9, clock=clock, timeouts=t) == []
     later = Clock(wall=T0 - 100, mono=502.0, boot_id="boot-a")  # wall stepped back: still caught
     assert [h.rank for h in detect_hangs(snaps, launch_id="", launch_age_s=9, clock=later, timeouts=t)] == [0]
+
+
+def test_a_hang_is_due_when_the_first_silent_rank_overstays_its_phase():
+    """The watchdog checks again when a hang is due, not a poll interval later: the due time is
+    the earliest rank's limit minus its silence (each by its own phase), and ``detect_hangs``
+    finds that rank just after it and nobody just before it. Done ranks are never due."""
+    t = PhaseTimeouts(train=2, save=10)
+    snaps = [
+        snap(0, Phase.TRAIN, T0 - 0.5),  # due in 1.5 s
+        snap(1, Phase.SAVE, T0 - 9.0),  # due in 1.0 s: the first
+        snap(2, Phase.TRAIN, T0),  # due in 2.0 s
+        snap(3, Phase.DONE, T0 - 1e6),
+    ]
+    clock = Clock(T0)
+    due = hang_due_s(launch_heartbeats(snaps, LID), clock, t)
+    assert due == pytest.approx(1.0)
+
+    def hung(at: float) -> list[int | None]:
+        return [
+            h.rank for h in detect_hangs(snaps, launch_id=LID, launch_age_s=60, clock=Clock(at), timeouts=t)
+        ]
+
+    assert hung(T0 + due - 0.01) == []
+    assert hung(T0 + due + 0.01) == [1]
+    assert hang_due_s(launch_heartbeats(snaps[3:], LID), clock, t) is None  # only a done rank
+    assert hang_due_s([], clock, t) is None  # no heartbeat yet: the poll interval applies
+    late = Clock(T0 + 5)  # already overdue: a negative due (the loop checks at once)
+    assert hang_due_s(launch_heartbeats(snaps, LID), late, t) == pytest.approx(-4.0)
 
 
 @pytest.mark.parametrize("phase", [Phase.VERIFY, Phase.DOWNLOAD, Phase.LOAD, Phase.COMMIT, Phase.DIGEST])

@@ -88,7 +88,7 @@ from supervisor.cli.main import main
 def boom(self, child, launch_id, snaps, beats):
     if any(b.step >= 3 for b in beats):
         raise RuntimeError("injected: a bug in the watchdog's loop")
-    return []
+    return [], 0.5
 watch.Watchdog._check_hangs = boom
 sys.exit(main(sys.argv[1:]))
 """

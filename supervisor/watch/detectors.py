@@ -88,6 +88,15 @@ def detect_hangs(
     return hangs
 
 
+def hang_due_s(beats: Iterable[Heartbeat], clock: Clock, timeouts: PhaseTimeouts) -> float | None:
+    """Seconds until ``detect_hangs`` would first find one of these ranks hung if none beat
+    again; None if it never would. The watchdog checks again then rather than a poll interval
+    later, so a silent rank is judged at its timeout, not up to ``--poll-interval`` after it. (A
+    launch with no heartbeat yet keeps the poll interval: the startup timeout is minutes.)"""
+    due = [limit - clock.age(hb) for hb in beats if (limit := timeouts.for_beat(hb)) is not None]
+    return min(due, default=None)
+
+
 @dataclass(frozen=True)
 class DeadRank:
     rank: int

@@ -8,6 +8,7 @@ module only carries out what they decide and records it.
 from __future__ import annotations
 
 import errno
+import math
 import os
 import signal
 import time
@@ -64,6 +65,9 @@ from supervisor.watch.recovery import Moment
 T = TypeVar("T")
 
 SIGNAL_POLL_S = 0.05
+# A check scheduled for when a silent rank's timeout runs out runs this much after it: its silence
+# is then over the timeout, not equal to it.
+HANG_DUE_SLACK_S = 0.01
 # A rank died: its peers cannot progress (and may ignore SIGTERM inside a collective), and nothing
 # they write can be committed without it, so the rest of the launch gets SIGKILL at once.
 DEAD_RANK_KILL_GRACE_S = 0.0
@@ -741,8 +745,6 @@ class Watchdog:
                     all_gone_wait_s=ALL_RANKS_GONE_WAIT_S,
                     failed=self._errored(launch_id, beats) if gone else (),
                 )
-                if gone:  # judged within the grace, not a poll interval later
-                    next_check = min(next_check, time.monotonic() + SIGNAL_POLL_S)
                 if dead and child.poll() is None:
                     ended.dead, ended.detected = dead, time.time()
                     self.log.emit(
@@ -753,8 +755,12 @@ class Watchdog:
                     self.log.emit(EventName.KILL, child.kill(DEAD_RANK_KILL_GRACE_S), unreaped=child.unreaped)
                     ended.returncode = child.returncode()
                     return ended
-                # While a vanished rank is being judged (dead, or a clean exit), its silence is no hang.
-                hangs = [] if gone else self._check_hangs(child, launch_id, snaps, beats)
+                # While a vanished rank is being judged (dead, or a clean exit), its silence is no
+                # hang. Either is judged when due (the grace, a timeout), not a poll interval later.
+                hangs, due = (
+                    self._check_hangs(child, launch_id, snaps, beats) if not gone else ([], SIGNAL_POLL_S)
+                )
+                next_check = min(next_check, time.monotonic() + due)
                 if hangs:
                     ended.detected = time.time()
                     ended.hangs = hangs = self._where_blocked(child, hangs)
@@ -810,7 +816,8 @@ class Watchdog:
 
     def _check_hangs(
         self, child: process.Child, launch_id: str, snaps: list[HeartbeatSnapshot], beats: list[Heartbeat]
-    ) -> list[Hang]:
+    ) -> tuple[list[Hang], float]:
+        """The hung ranks of this launch, and the seconds until a check should next find one."""
         timeouts = self.cfg.timeouts
         if self.cfg.learn_factor is not None:
             self.step_times.extend(
@@ -821,14 +828,17 @@ class Watchdog:
                 self.step_times, self.cfg.learn_factor, self.cfg.learn_floor_s
             )
             timeouts = liveness.effective_timeouts(timeouts, learned)
-        return detectors.detect_hangs(
+        clock = liveness.Clock(time.time(), time.monotonic(), boot_id())
+        hangs = detectors.detect_hangs(
             snaps,
             launch_id=launch_id,
             launch_age_s=time.monotonic() - child.started_mono,
-            clock=liveness.Clock(time.time(), time.monotonic(), boot_id()),
+            clock=clock,
             timeouts=timeouts,
             require_heartbeat=self.cfg.require_heartbeat,
         )
+        due = detectors.hang_due_s(beats, clock, timeouts)
+        return hangs, math.inf if due is None else max(due, 0.0) + HANG_DUE_SLACK_S
 
     def _where_blocked(self, child: process.Child, hangs: list[Hang]) -> list[Hang]:
         """Each hung rank with the file syscall /proc shows it blocked in (a read that never
