@@ -27,6 +27,7 @@ from supervisor.checkpoints import (
     validate,
 )
 from supervisor.format.atomic import atomic_write_json, fsync_dir, hostname, pid_alive
+from supervisor.format.heartbeat import Tracker
 from supervisor.format.layout import (
     QUARANTINE_DELETING_PREFIX,
     RunDir,
@@ -211,13 +212,13 @@ def prune(
     stale_tmp_after_s: float = STALE_TMP_AFTER_S,
     quarantine_keep: int | None = QUARANTINE_KEEP,
     quarantine_max_bytes: int | None = None,
-    progress: Callable[[int], object] | None = None,
+    progress: Tracker | None = None,
 ) -> PruneResult:
     """Delete valid committed checkpoints ``policy`` does not keep, stale tmp dirs and the oldest
     quarantined checkpoints beyond the quarantine's retention. ``keep`` alone (the older form)
     means ``RetentionPolicy(keep=...)``. ``progress`` hears of each checkpoint judged and each
-    directory removed, one unit each: on a slow file system a prune is long work, and whoever
-    waits for it can beat as it moves.
+    file removed, one unit each, and of the directory being removed: on a slow file system a
+    prune is long work, whoever waits for it can beat as it moves, and a stuck one is named.
 
     Retention counts valid (quick check) checkpoints only, so K fallbacks really exist. Invalid
     ones older than the newest valid are quarantined with their reason, never deleted; invalid
@@ -238,7 +239,7 @@ def prune(
     qdir = RunDir.of(root).quarantine
     # Sizes walk every file of every quarantined checkpoint: before the lock, not under it.
     sizes = _quarantine_sizes(root) if quarantine_max_bytes is not None else {}
-    tick = progress or (lambda _n: None)
+    tick = progress or _Unheard()
     with root_lock(root):
         verdicts = []
         for ref in list_checkpoints(root):
@@ -299,15 +300,45 @@ def prune(
     )
 
 
-def _remove(root: Path, trash: list[Path], tick: Callable[[int], object]) -> None:
-    """The doomed directories, renamed under the lock, removed after it, one ``tick`` each."""
-    import shutil  # here: `status` imports this module and never removes
-
+def _remove(root: Path, trash: list[Path], progress: Tracker) -> None:
+    """The doomed directories, renamed under the lock, removed after it."""
     for path in trash:
-        shutil.rmtree(path, ignore_errors=True)
-        tick(1)
+        remove_tree(path, progress)
     if trash:
         fsync_dir(root)
+
+
+def remove_tree(top: Path, progress: Tracker) -> None:
+    """``shutil.rmtree(top, ignore_errors=True)`` that reports each file removed to ``progress``
+    (a checkpoint of tens of thousands of files on a busy metadata server is minutes of unlinks)
+    and names ``top`` as its path meanwhile. Like rmtree's own safe walk, ``os.fwalk`` works by
+    directory fds and follows no symlink: a link inside ``top`` is removed, never what it points
+    to. What cannot be removed is left, as rmtree leaves it; the caller looks for leftovers."""
+    progress.set_path(str(top))
+    for _dir, dirs, files, fd in os.fwalk(top, topdown=False):
+        for name in files:
+            with suppress(OSError):
+                os.unlink(name, dir_fd=fd)
+            progress(1)
+        for name in dirs:  # a symlink to a directory is listed here, and not walked
+            with suppress(OSError):
+                try:
+                    os.rmdir(name, dir_fd=fd)
+                except NotADirectoryError:
+                    os.unlink(name, dir_fd=fd)
+    with suppress(OSError):
+        os.rmdir(top)
+    progress.set_path("")
+
+
+class _Unheard:
+    """The ``Tracker`` of a prune nobody waits on."""
+
+    def __call__(self, n: int) -> None:
+        pass
+
+    def set_path(self, path: str) -> None:
+        pass
 
 
 def _policy(policy: RetentionPolicy | None, keep: int | None) -> RetentionPolicy:

@@ -81,6 +81,7 @@ from supervisor.retention import (
     prune,
     read_policy,
     record_policy,
+    remove_tree,
     tmp_is_stale,
 )
 
@@ -130,6 +131,7 @@ __all__ = [
     "read_latest",
     "read_policy",
     "record_policy",
+    "remove_tree",
     "require_root",
     "rollback",
     "root_lock",

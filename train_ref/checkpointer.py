@@ -67,7 +67,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as TorchFuture
 
 from supervisor import store
-from supervisor.format.heartbeat import HeartbeatWriter, Phase, Progress
+from supervisor.format.heartbeat import HeartbeatWriter, Phase, Progress, Tracker
 from supervisor.format.layout import (
     DCP_METADATA,
     dcp_shard_filename,
@@ -83,7 +83,6 @@ from train_ref.progress_io import (
     Keepalive,
     ProgressFileSystem,
     Relay,
-    Tracker,
     kept_alive,
     wait_forwarding,
 )
@@ -533,16 +532,15 @@ class Checkpointer:
     def _make_room(self, step: int) -> None:
         """Rank 0, before the save of ``step``: tmp dirs of failed saves it could not remove yet;
         after a failed save also a prune (dead writers' tmp dirs, quarantine retention;
-        checkpoints beyond the retention policy unless an uploader owns retention); each
-        directory removed counted into the heartbeat, phase SAVE. Best effort: a failure here is
-        the next save's to report."""
+        checkpoints beyond the retention policy unless an uploader owns retention); each file
+        removed counted into the heartbeat, phase SAVE. Best effort: a failure here is the next
+        save's to report."""
         self.wait_pruned(step)  # one prune at a time
         if not (self.leftovers or self.failures):
             return
         progress = self.hb.tracker(Phase.SAVE, step)
         for tmp in list(self.leftovers):
-            shutil.rmtree(tmp, ignore_errors=True)
-            progress(1)
+            store.remove_tree(tmp, progress)
             if not os.path.lexists(tmp):
                 self.leftovers.remove(tmp)
         if self.failures:

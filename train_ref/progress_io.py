@@ -28,11 +28,11 @@ from collections.abc import Iterator
 from concurrent.futures import Future, wait
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from supervisor.format.heartbeat import Progress
+from supervisor.format.heartbeat import Progress, Tracker
 from train_ref import agree
 from train_ref.save_policy import storage_cause
 
@@ -57,14 +57,6 @@ def next_write_chunk(n: int, seconds: float) -> int:
     """Bytes for the next counted write, after one of ``n`` bytes took ``seconds``."""
     fit = n / seconds * WRITE_CHUNK_S if seconds > 0 else MAX_WRITE_CHUNK
     return max(MIN_WRITE_CHUNK, min(MAX_WRITE_CHUNK, int(fit) // _PAGE * _PAGE))
-
-
-class Tracker(Protocol):
-    """What ``HeartbeatWriter.tracker`` returns: called with bytes done, told the file in work."""
-
-    def __call__(self, n: int) -> None: ...
-
-    def set_path(self, path: str) -> None: ...
 
 
 class Relay:

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from supervisor.format.atomic import atomic_write_json, hostname
 from supervisor.format.layout import (
@@ -411,6 +411,16 @@ class HeartbeatWriter:
         """Progress of one long phase: call it with the bytes (or units) just done; it beats when
         due, so the watchdog sees progress, and goes silent when progress stops."""
         return Progress(self, phase, step, total)
+
+
+class Tracker(Protocol):
+    """Where long work reports: called with the units (bytes, files) just done, told the path it
+    is on (a hang verdict names it). ``Progress`` beats a heartbeat; train_ref's ``Relay`` counts
+    for a thread that must not write one."""
+
+    def __call__(self, n: int) -> None: ...
+
+    def set_path(self, path: str) -> None: ...
 
 
 class Progress:
