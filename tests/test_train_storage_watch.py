@@ -189,13 +189,12 @@ def test_a_save_waiting_for_a_slow_prune_is_no_hang(goldens, faultfs):
     assert digest(root) == digest(golden)
 
 
-def hang_on_block(root: Path, faultfs: FaultFS, rule: str, *watch_args: str) -> tuple[dict, float]:
-    """Watch ``root`` until the operation held by faultfs ``rule`` is judged a hang; the launch is
-    then relaunched and finishes (exit 0, outcomes hang then done). Returns the hang event and
-    its latency from the block. The rule is released once the watchdog sent SIGKILL (the pending
-    kill then ends the rank): released before, the ranks would act on its SIGTERM as a preemption
-    notice and checkpoint."""
-    p = watch(root, "--hang-timeout", "60", *watch_args)
+def hang_on_block(root: Path, faultfs: FaultFS, rule: str, p: subprocess.Popen[str]) -> tuple[dict, float]:
+    """Watch ``root`` (``p``) until the operation held by faultfs ``rule`` is judged a hang; the
+    launch is then relaunched and finishes (exit 0, outcomes hang then done). Returns the hang
+    event and its latency from the block. The rule is released once the watchdog sent SIGKILL
+    (the pending kill then ends the rank): released before, the ranks would act on its SIGTERM
+    as a preemption notice and checkpoint."""
     try:
         (blocked,) = wait_fs_blocked(faultfs, rule, p)
         wait_for(lambda: events(root, "kill"), "the kill of the hung launch", proc=p)
@@ -217,13 +216,34 @@ def test_a_write_that_never_returns_in_a_save_is_a_hang_naming_its_rank_and_file
     golden = goldens.get("ddp", 2)
     root = rewind(golden, faultfs.mountpoint / "run", 20)
     rule = faultfs.block("/run/step_00000030.tmp.*/__1_0.distcp", ops=["write"])
-    hang, latency = hang_on_block(root, faultfs, rule, "--save-timeout", str(SAVE_TIMEOUT_S))
+    p = watch(root, "--hang-timeout", "60", "--save-timeout", str(SAVE_TIMEOUT_S))
+    hang, latency = hang_on_block(root, faultfs, rule, p)
     print(f"\nwrite blocked -> hang verdict: {latency:.2f}s (save timeout {SAVE_TIMEOUT_S:g}s, poll 0.2s)")
     assert hang["ranks"] == [1], hang["msg"]
     assert "rank 1 made no progress" in hang["msg"] and "in phase save" in hang["msg"], hang["msg"]
     assert re.search(r"at step_00000030\.tmp\.[^/ ]+/__1_0\.distcp", hang["msg"]), hang["msg"]
     assert latency <= SAVE_TIMEOUT_S + 2.0
     assert digest(root) == digest(golden)  # relaunched from step 20 once the write was released
+
+
+def test_a_prune_that_never_returns_is_a_hang_naming_the_directory(goldens, faultfs):
+    """An unlink of the checkpoint the commit of step 25 pruned blocks forever, and the final
+    save waits for that prune: rank 0 goes silent in phase save, its heartbeat naming the
+    directory being removed (``store.remove_tree``). Relaunched, the run resumes from step 25
+    and finishes; the dead prune's directory goes with the next prune."""
+    golden = goldens.get("ddp", 2)
+    root = rewind(golden, faultfs.mountpoint / "run", 20)
+    rule = faultfs.block("/run/step_00000010.deleting.*/*", ops=["unlink"])
+    train = ("--keep", "2", "--save-every", "5")
+    p = watch(root, "--hang-timeout", "60", "--save-timeout", str(SAVE_TIMEOUT_S), train=train)
+    hang, latency = hang_on_block(root, faultfs, rule, p)
+    print(f"\nunlink blocked -> hang verdict: {latency:.2f}s (save timeout {SAVE_TIMEOUT_S:g}s, poll 0.2s)")
+    assert hang["ranks"] == [0], hang["msg"]
+    assert "rank 0 made no progress" in hang["msg"] and "in phase save" in hang["msg"], hang["msg"]
+    assert re.search(r"at \S*step_00000010\.deleting\.[^/ ]+", hang["msg"]), hang["msg"]
+    assert committed(root) == ["step_00000025", "step_00000030"]
+    assert not list(root.glob("*.deleting.*"))
+    assert digest(root) == digest(golden)
 
 
 VERIFY_TIMEOUT_S = 3.0
@@ -234,7 +254,8 @@ def test_a_read_that_never_returns_in_the_verify_is_a_hang_naming_rank_phase_and
     root = rewind(golden, faultfs.mountpoint / "run", 20)
     name = largest_share(root, 20, rank=1)
     rule = faultfs.block(f"/run/step_00000020/{name}", ops=["read"])
-    hang, latency = hang_on_block(root, faultfs, rule, "--verify-timeout", str(VERIFY_TIMEOUT_S))
+    p = watch(root, "--hang-timeout", "60", "--verify-timeout", str(VERIFY_TIMEOUT_S))
+    hang, latency = hang_on_block(root, faultfs, rule, p)
     print(f"\nread blocked -> hang verdict: {latency:.2f}s (verify timeout {VERIFY_TIMEOUT_S:g}s, poll 0.2s)")
     assert hang["ranks"] == [1], hang["msg"]
     assert "rank 1 made no progress" in hang["msg"] and "in phase verify" in hang["msg"]
