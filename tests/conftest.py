@@ -97,6 +97,26 @@ def goldens(tmp_path_factory: pytest.TempPathFactory):
     return shared_goldens(lambda: tmp_path_factory.mktemp("goldens"))
 
 
+class RecordingTracker:
+    """A ``Tracker`` (supervisor/format/heartbeat.py) that records what it hears: the units, and
+    the paths it is told of."""
+
+    def __init__(self) -> None:
+        self.units: list[int] = []
+        self.paths: list[str] = []
+
+    def __call__(self, n: int) -> None:
+        self.units.append(n)
+
+    def set_path(self, path: str) -> None:
+        self.paths.append(path)
+
+
+@pytest.fixture
+def tracker() -> RecordingTracker:
+    return RecordingTracker()
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under pytest-xdist (``--dist loadgroup``, the Makefile's): every SLURM test on one worker,
     so one test cluster runs at a time."""

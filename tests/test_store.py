@@ -304,37 +304,22 @@ def test_prune_keeps_the_newest_k(tmp_path: Path) -> None:
     assert not [n for n in os.listdir(tmp_path) if ".deleting." in n]
 
 
-class Heard:
-    """A ``Tracker`` that records what it hears: units, and the paths it is told of."""
-
-    def __init__(self) -> None:
-        self.units: list[int] = []
-        self.paths: list[str] = []
-
-    def __call__(self, n: int) -> None:
-        self.units.append(n)
-
-    def set_path(self, path: str) -> None:
-        self.paths.append(path)
-
-
-def test_prune_counts_a_unit_per_checkpoint_judged_and_file_removed(tmp_path: Path) -> None:
+def test_prune_counts_a_unit_per_checkpoint_judged_and_file_removed(tmp_path: Path, tracker) -> None:
     """What a rank waiting on a prune beats by (train_ref's Checkpointer.wait_pruned); a stuck
     removal names its directory."""
     for s in range(10, 60, 10):
         make_ckpt(tmp_path, s)
     doomed_files = sum(len(files) for s in (10, 20) for _, _, files in os.walk(tmp_path / f"step_{s:08d}"))
-    heard = Heard()
-    res = store.prune(tmp_path, keep=3, progress=heard)
+    res = store.prune(tmp_path, keep=3, progress=tracker)
     assert _steps(res.deleted) == [10, 20]
     assert doomed_files > 2
-    assert heard.units == [1] * (5 + doomed_files)
-    named = [p for p in heard.paths if p]
+    assert tracker.units == [1] * (5 + doomed_files)
+    named = [p for p in tracker.paths if p]
     assert sorted(Path(p).name.split(".")[0] for p in named) == ["step_00000010", "step_00000020"]
-    assert all(".deleting." in p for p in named) and heard.paths[-1] == ""
+    assert all(".deleting." in p for p in named) and tracker.paths[-1] == ""
 
 
-def test_remove_tree_removes_links_not_what_they_point_to(tmp_path: Path) -> None:
+def test_remove_tree_removes_links_not_what_they_point_to(tmp_path: Path, tracker) -> None:
     """A checkpoint dir is writable by whoever writes the storage: a symlink planted in it (to a
     file, to a directory, dangling) is removed, and nothing outside is touched."""
     outside = tmp_path / "outside"
@@ -347,12 +332,11 @@ def test_remove_tree_removes_links_not_what_they_point_to(tmp_path: Path) -> Non
     (top / "to_file").symlink_to(outside / "keep.bin")
     (top / "nested" / "to_dir").symlink_to(outside)
     (top / "dangling").symlink_to(tmp_path / "nowhere")
-    heard = Heard()
-    store.remove_tree(top, heard)
+    store.remove_tree(top, tracker)
     assert not os.path.lexists(top)
     assert (outside / "keep.bin").read_bytes() == b"x" and (outside / "sub").is_dir()
-    assert sum(heard.units) == 4  # two files, two links to files or nowhere (the dir link is a dir entry)
-    assert heard.paths == [str(top), ""]
+    assert sum(tracker.units) == 4  # two files, two links to files or nowhere (the dir link is a dir entry)
+    assert tracker.paths == [str(top), ""]
 
 
 @pytest.mark.parametrize("keep", [-1, 0, 1])

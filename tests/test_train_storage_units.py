@@ -321,46 +321,32 @@ def test_corrupt_outranks_unknown_outranks_ok():
 # ---------------------------------------------------------------- the progress reader
 
 
-class _Tracker:
-    def __init__(self) -> None:
-        self.calls: list[int] = []
-        self.paths: list[str] = []
-
-    def __call__(self, n: int) -> None:
-        self.calls.append(n)
-
-    def set_path(self, path: str) -> None:
-        self.paths.append(path)
-
-
-def test_the_progress_reader_counts_what_dcp_reads_a_chunk_at_a_time(tmp_path):
+def test_the_progress_reader_counts_what_dcp_reads_a_chunk_at_a_time(tmp_path, tracker):
     ckpt = tmp_path / "step_00000001"
     saved = {"w": torch.randn(300_000), "b": torch.arange(10)}
     dcp.save(saved, storage_writer=_writer(ckpt, tmp_path))
     loaded = {"w": torch.zeros(300_000), "b": torch.zeros(10, dtype=torch.int64)}
-    t = _Tracker()
-    load_dcp(ckpt, loaded, None, fs=ProgressFileSystem(tmp_path, t))
+    load_dcp(ckpt, loaded, None, fs=ProgressFileSystem(tmp_path, tracker))
     assert torch.equal(loaded["w"], saved["w"]) and torch.equal(loaded["b"], saved["b"])
     shard = os.path.getsize(ckpt / "__0_0.distcp")
-    assert sum(t.calls) >= shard  # every byte of the shard went through the counter
-    assert max(t.calls) <= PROGRESS_CHUNK and len(t.calls) >= shard // PROGRESS_CHUNK
+    assert sum(tracker.units) >= shard  # every byte of the shard went through the counter
+    assert max(tracker.units) <= PROGRESS_CHUNK and len(tracker.units) >= shard // PROGRESS_CHUNK
     # each file named while it is read, cleared after (between files)
-    assert t.paths == ["step_00000001/.metadata", "", "step_00000001/__0_0.distcp", ""]
+    assert tracker.paths == ["step_00000001/.metadata", "", "step_00000001/__0_0.distcp", ""]
 
 
-def test_the_progress_writer_counts_what_dcp_writes_a_chunk_at_a_time(tmp_path):
+def test_the_progress_writer_counts_what_dcp_writes_a_chunk_at_a_time(tmp_path, tracker):
     """A save beats while its bytes move (a sync save into the loop's heartbeat, an async upload
     into its relay), naming the file it writes: a slow write is no hang, a stuck one is named."""
     ckpt = tmp_path / "step_00000001"
     saved = {"w": torch.randn(1_000_000), "b": torch.arange(10)}  # 4 MB: several chunks
-    t = _Tracker()
-    dcp.save(saved, storage_writer=_writer(ckpt, tmp_path, t))
+    dcp.save(saved, storage_writer=_writer(ckpt, tmp_path, tracker))
     written = sum(os.path.getsize(ckpt / n) for n in ("__0_0.distcp", ".metadata"))
-    assert sum(t.calls) == written  # every byte DCP wrote went through the counter
-    assert max(t.calls) <= MAX_WRITE_CHUNK and len(t.calls) >= written // MAX_WRITE_CHUNK
-    named = [p for p in t.paths if p]  # the directory made, the shard, DCP's index renamed into place
+    assert sum(tracker.units) == written  # every byte DCP wrote went through the counter
+    assert max(tracker.units) <= MAX_WRITE_CHUNK and len(tracker.units) >= written // MAX_WRITE_CHUNK
+    named = [p for p in tracker.paths if p]  # the directory made, the shard, DCP's index renamed into place
     assert named[0] == "step_00000001" and "step_00000001/__0_0.distcp" in named, named
-    assert named[-1].startswith("step_00000001/.metadata") and t.paths[-1] == "", t.paths
+    assert named[-1].startswith("step_00000001/.metadata") and tracker.paths[-1] == "", tracker.paths
     loaded = {"w": torch.zeros(1_000_000), "b": torch.zeros(10, dtype=torch.int64)}
     load_dcp(ckpt, loaded, None, fs=ProgressFileSystem(tmp_path))
     assert torch.equal(loaded["w"], saved["w"]) and torch.equal(loaded["b"], saved["b"])
@@ -376,19 +362,18 @@ def test_writes_are_sized_to_the_rate_they_run_at_within_bounds():
     assert mid % 4096 == 0 and (1 << 20) * WRITE_CHUNK_S / 0.1 - 4096 < mid <= (1 << 20) * WRITE_CHUNK_S / 0.1
 
 
-def test_a_keepalive_beats_between_files_only():
+def test_a_keepalive_beats_between_files_only(tracker):
     """A rank waiting on its peers inside DCP's save or load (between its files) beats; one inside
     a file operation (a read, a write, a rename) does not, so a stuck one still goes silent
     naming the file."""
-    t = _Tracker()
-    k = Keepalive(t)
+    k = Keepalive(tracker)
     k.beat()
     k.set_path("step_00000010.tmp.x/__1_0.distcp")
     k(4096)
     k.beat()  # inside the write: no beat
     k.set_path("")
     k.beat()
-    assert t.calls == [0, 4096, 0]
+    assert tracker.units == [0, 4096, 0]
 
 
 # ---------------------------------------------------------------- a wait on background work
