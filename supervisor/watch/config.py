@@ -74,7 +74,11 @@ class WatchConfig:
         group=HANG,
     )
     poll_s: float = option(
-        "heartbeat check period", DEFAULT_POLL_S, flag="--poll-interval", check=POSITIVE, group=HANG
+        "heartbeat check period (a silent rank is also checked the moment its timeout runs out)",
+        DEFAULT_POLL_S,
+        flag="--poll-interval",
+        check=POSITIVE,
+        group=HANG,
     )
     dump_wait_s: float = option("wait for stack dumps", DEFAULT_DUMP_WAIT_S, flag="--dump-wait", group=HANG)
     kill_grace_s: float = option("SIGTERM to SIGKILL", DEFAULT_KILL_GRACE_S, flag="--kill-grace", group=HANG)
