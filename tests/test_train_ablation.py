@@ -11,7 +11,7 @@ DataLoader worker RNG (derived from (seed, epoch, batch, sample), not state).
 from __future__ import annotations
 
 import pytest
-from trainer_helpers import SAVE_EVERY, digest, rewind, run_ok, train_args
+from trainer_helpers import EMA, SAVE_EVERY, digest, rewind, run_ok, train_args
 
 from train_ref.state import ABLATABLE
 
@@ -22,9 +22,10 @@ pytestmark = pytest.mark.slow
 def test_skipping_one_item_changes_the_result(goldens, tmp_path, item):
     """Resume the uninterrupted run from its first checkpoint, skipping ``item``. The same resume
     without skipping anything is test_train_resume's kill -9 case: digest equal to the golden."""
-    golden = goldens.get("ddp", 2)
+    parallel, extra = ("fsdp", EMA) if item == "ema" else ("ddp", ())  # a run that keeps one
+    golden = goldens.get(parallel, 2, *extra)
     root = rewind(golden, tmp_path / "run", SAVE_EVERY)
-    r = run_ok(root, 2, *train_args("ddp", "--ablate", item))
+    r = run_ok(root, 2, *train_args(parallel, *extra, "--ablate", item))
     assert f"resume skipped restoring {item}" in r.output
     if item == "scheduler":  # the resume sanity check must notice a schedule that restarted
         assert "resume sanity: LR" in r.output

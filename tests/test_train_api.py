@@ -9,11 +9,13 @@ from dataclasses import replace
 import pytest
 from commands import supervisor_cmd
 from trainer_helpers import (
+    EMA,
     REPO,
     SEED,
     committed,
     copy_run,
     digest,
+    final,
     heartbeat_exit_codes,
     metrics,
     rewind,
@@ -119,9 +121,11 @@ def test_the_example_plain_loop_passes_the_drill(tmp_path):
 def test_init_from_starts_a_new_run_from_another_runs_weights(goldens, tmp_path):
     golden = goldens.get("ddp", 2)
     root = tmp_path / "new"
-    # --steps 0: nothing trained, so the final digest is that of the weights loaded
-    run_ok(root, 2, *train_args("fsdp", "--init-from", str(golden), "--seed", "99", steps=0))
-    assert digest(root) == digest(golden)
+    # --steps 0: nothing trained, so the final digest is that of the weights loaded; a moving
+    # average of the parameters starts at them too
+    run_ok(root, 2, *train_args("fsdp", "--init-from", str(golden), "--seed", "99", *EMA, steps=0))
+    f = final(root)
+    assert f["params_sha256"] == digest(golden) == f["ema_sha256"]
     run_ok(
         root,
         2,

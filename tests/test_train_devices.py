@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from train_ref import devices
 from train_ref.config import get_config
 from train_ref.devices import CudaDevice, DeviceError, cuda_rng_to_restore, device_index
+from train_ref.ema import EMA
 from train_ref.model import GPT
 from train_ref.state import RankState, replica_share, seed_rank_rng
 
@@ -154,7 +155,8 @@ def trained_state() -> dict:
     model(torch.randint(0, 67, (2, 8)), torch.randint(0, 67, (2, 8))).backward()
     opt.step()
     model_sd, optim_sd = get_state_dict(model, opt)
-    return {"model": model_sd, "optim": optim_sd, "scheduler": {"last_epoch": 1}, "step": 1}
+    ema = EMA(model, 0.9).state_dict()
+    return {"model": model_sd, "optim": optim_sd, "scheduler": {"last_epoch": 1}, "step": 1, "ema": ema}
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -164,6 +166,8 @@ def test_replicated_tensors_are_split_between_ranks_once_each(world):
     keys = [set(s["model"]) for s in shares]
     assert set().union(*keys) == set(sd["model"])  # every parameter saved...
     assert sum(len(k) for k in keys) == len(sd["model"])  # ...by exactly one rank
+    ema = [set(s["ema"]) for s in shares]  # the moving averages: each by one rank too
+    assert set().union(*ema) == set(sd["ema"]) and sum(len(k) for k in ema) == len(sd["ema"])
     for s, k in zip(shares, keys, strict=True):
         assert set(s["optim"]["state"]) == k  # a parameter's moments go with it
         assert s["optim"]["param_groups"] == sd["optim"]["param_groups"]  # small: DCP keeps one

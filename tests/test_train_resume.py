@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from trainer_helpers import (
+    EMA,
     SAVE_EVERY,
     STEPS,
     committed,
@@ -61,12 +62,13 @@ def _tree(root: Path) -> dict[str, tuple[int, int]]:
 
 # Every value of each dimension appears, and ranks x parallel is covered fully; num_workers does
 # not change the result by design, so goldens run with 0 workers and half the faulted runs with 2.
-CASES = [("ddp", 2, 0), ("ddp", 4, 2), ("fsdp", 2, 2), ("fsdp", 4, 0)]
+# One case keeps a moving average of the parameters (EMA: its shards resumed too, digest and all).
+CASES = [("ddp", 2, 0, ()), ("ddp", 4, 2, ()), ("fsdp", 2, 2, EMA), ("fsdp", 4, 0, ())]
 
 
-@pytest.mark.parametrize(("parallel", "nproc", "workers"), CASES)
-def test_kill9_one_worker_then_relaunch_is_bit_exact(goldens, tmp_path, parallel, nproc, workers):
-    golden = goldens.get(parallel, nproc)
+@pytest.mark.parametrize(("parallel", "nproc", "workers", "extra"), CASES)
+def test_kill9_one_worker_then_relaunch_is_bit_exact(goldens, tmp_path, parallel, nproc, workers, extra):
+    golden = goldens.get(parallel, nproc, *extra)
     rng = random.Random(f"{parallel}-{nproc}-{workers}")
     kill_at, victim = rng.randint(SAVE_EVERY + 1, STEPS - 4), rng.randrange(nproc)
     root = tmp_path / "run"
@@ -74,7 +76,7 @@ def test_kill9_one_worker_then_relaunch_is_bit_exact(goldens, tmp_path, parallel
     # at the first step boundary after its upload, which a busy machine delayed past kill_at: the
     # relaunch then started fresh (bit-exact still, but no resume to test). The async path's kill
     # is the test below.
-    args = train_args(parallel, "--num-workers", str(workers), "--sync-save")
+    args = train_args(parallel, "--num-workers", str(workers), "--sync-save", *extra)
     gate = tmp_path / "hold"
     hold.hold_at(gate, kill_at)
     proc = launch(root, nproc, *args, env=trainer_env(gate))

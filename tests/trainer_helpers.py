@@ -29,6 +29,7 @@ from train_ref.resume import verify_shares
 STEPS = 30
 SAVE_EVERY = 10
 SEED = 7
+EMA = ("--ema-decay", "0.9")  # the trainer keeps a moving average of its parameters
 
 
 def trainer_env(hold_file: Path | None = None, **extra: str) -> dict[str, str]:
@@ -126,7 +127,9 @@ def final(root: Path) -> dict:
 
 
 def digest(root: Path) -> str:
-    return final(root)["params_sha256"]
+    """The final parameters' digest, and the moving average's where the run kept one (``EMA``)."""
+    f = final(root)
+    return f["params_sha256"] + (f" ema {f['ema_sha256']}" if "ema_sha256" in f else "")
 
 
 def worker_pid(root: Path, rank: int, launched_after: float) -> int:
@@ -170,17 +173,18 @@ def train_args(parallel: str, *extra: str, steps: int = STEPS, save_every: int =
 
 
 class Goldens:
-    """Uninterrupted runs, one per (parallel, nproc), made on first use and shared by the session."""
+    """Uninterrupted runs, one per (parallel, nproc, extra trainer flags), made on first use and
+    shared by the session."""
 
     def __init__(self, base: Path):
         self.base = base
-        self.runs: dict[tuple[str, int], Path] = {}
+        self.runs: dict[tuple[str, int, tuple[str, ...]], Path] = {}
 
-    def get(self, parallel: str, nproc: int) -> Path:
-        key = (parallel, nproc)
+    def get(self, parallel: str, nproc: int, *extra: str) -> Path:
+        key = (parallel, nproc, extra)
         if key not in self.runs:
-            root = self.base / f"golden_{parallel}_{nproc}"
-            run_ok(root, nproc, *train_args(parallel, "--log-samples"))
+            root = self.base / "_".join(["golden", parallel, str(nproc), *(a.strip("-") for a in extra)])
+            run_ok(root, nproc, *train_args(parallel, "--log-samples", *extra))
             self.runs[key] = root
         return self.runs[key]
 

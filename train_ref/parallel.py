@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -111,8 +111,15 @@ def params_digest(model: nn.Module, progress: Callable[[int], None] | None = Non
     any sharding. Every rank must call it (gathering shards is a collective). ``progress`` hears
     of each parameter's local bytes once hashed (a heartbeat tracker: a large model's digest is
     a long phase of its own)."""
+    return tensors_digest(model.named_parameters(), progress)
+
+
+def tensors_digest(
+    named: Iterable[tuple[str, torch.Tensor]], progress: Callable[[int], None] | None = None
+) -> str:
+    """``params_digest`` of any named tensors (sharded or whole)."""
     h = hashlib.sha256()
-    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+    for name, p in sorted(named, key=lambda kv: kv[0]):
         t = full_tensor(p.detach()).cpu().contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())

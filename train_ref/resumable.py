@@ -710,6 +710,11 @@ class Resumable:
             self.hb.beat(self.state.step, phase)
             time.sleep(min(left, self.hb.interval_s / 2))
 
+    def final_fields(self) -> dict[str, Any]:
+        """Entries a trainer adds to ``final.json`` (the reference trainer: its EMA's digest).
+        Called on every rank: it may gather."""
+        return {}
+
     def _final_record(self) -> str:
         """The digest (phase DIGEST, progress in bytes hashed) and ``final.json``, retried on a
         storage error for io_retry_s: the checkpoint is committed by now, so a report that cannot
@@ -717,6 +722,7 @@ class Resumable:
         model: torch.nn.Module = getattr(self.state, "model")  # noqa: B009 - both Saveables have one
         n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         digest = params_digest(model, self.hb.tracker(Phase.DIGEST, self.state.step, n_bytes))
+        extra = self.final_fields()
         if self.rank != 0:
             return digest
         final = {
@@ -726,6 +732,7 @@ class Resumable:
             "parallel": self.identity.mode,
             "config": self.identity.name,
             "loss": self.metrics.get("loss"),
+            **extra,
         }
         try:
             retry_transient(

@@ -2,7 +2,8 @@
 
 ``TrainState`` (a DCP ``Stateful``) holds the state every rank shares or shards: model and optimizer
 (through ``get_state_dict``/``set_state_dict``, so DCP reshards them), LR scheduler, grad scaler,
-step, sampler position and the recent loss window. ``RankState`` is what differs per rank: python
+step, sampler position, the recent loss window and, where the trainer keeps one, the parameters'
+moving average (``ema.py``). ``RankState`` is what differs per rank: python
 ``random``, numpy, torch CPU RNG and the CUDA RNG of this rank's own device (``devices.py``: keyed
 by the device the rank uses, not by index over the visible devices); it goes to a small per-rank
 file beside the shards, saved as plain tensors and numbers and loaded with
@@ -33,11 +34,12 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from train_ref.data import mix_seed
 from train_ref.devices import cuda_rng_record, cuda_rng_to_restore, current_cuda_device
+from train_ref.ema import EMA
 from train_ref.progress_io import naming
 from train_ref.resume import split_by_size
 from train_ref.sampler import ResumableBatchSampler
 
-SHARED_ITEMS = ("optimizer", "scheduler", "sampler")
+SHARED_ITEMS = ("optimizer", "scheduler", "sampler", "ema")
 RANK_ITEMS = ("python_rng", "numpy_rng", "torch_rng")
 ABLATABLE = SHARED_ITEMS + RANK_ITEMS
 USER_ITEMS = "user"  # the per-rank file's entry for a trainer's own per-rank items
@@ -66,6 +68,7 @@ class TrainState(Stateful):
         self.losses: deque[float] = deque(maxlen=loss_window)
         self.ablate = ablate
         self.replicated = replicated
+        self.ema: EMA | None = None  # the trainer's, where it keeps one
 
     def saving(self, rank: int, world_size: int) -> Stateful:
         """What this rank hands DCP to save. Replicated parameters and their optimizer state are
@@ -93,6 +96,7 @@ class TrainState(Stateful):
                 list(self.losses) + [float("nan")] * (self.loss_window - len(self.losses)),
                 dtype=torch.float64,
             ),
+            "ema": self.ema.state_dict() if self.ema else None,
         }
         return {k: v for k, v in sd.items() if v is not None and _item_of(k) not in self.ablate}
 
@@ -109,6 +113,8 @@ class TrainState(Stateful):
             self.scaler.load_state_dict(sd["scaler"])
         if "sampler" in sd:
             self.sampler.load_state_dict(sd["sampler"])
+        if self.ema and "ema" in sd:
+            self.ema.load_state_dict(sd["ema"])
         self.step = int(sd["step"])
         window = sd["loss_window"]
         self.losses.clear()
@@ -126,8 +132,9 @@ def _nbytes(v: Any) -> int:
 def replica_share(sd: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     """``sd`` (a TrainState dict of replicated model and optimizer) with only the parameters, and
     their optimizer state, that ``rank`` writes: parameters split by bytes (``split_by_size``, the
-    same split on every rank, no message). The small items (scheduler, sampler, step, param
-    groups...) stay on every rank; DCP keeps one copy of each."""
+    same split on every rank, no message); the moving averages (``ema``) split the same way among
+    themselves. The small items (scheduler, sampler, step, param groups...) stay on every rank;
+    DCP keeps one copy of each."""
     model, optim = sd["model"], sd.get("optim")
     moments = optim["state"] if optim else {}
     sizes = {k: _nbytes(v) + sum(_nbytes(m) for m in moments.get(k, {}).values()) for k, v in model.items()}
@@ -135,6 +142,9 @@ def replica_share(sd: dict[str, Any], rank: int, world_size: int) -> dict[str, A
     out = dict(sd, model={k: v for k, v in model.items() if k in mine})
     if optim:
         out["optim"] = dict(optim, state={k: v for k, v in moments.items() if k in mine})
+    if ema := sd.get("ema"):
+        share = set(split_by_size({k: _nbytes(v) for k, v in ema.items()}, world_size)[rank])
+        out["ema"] = {k: v for k, v in ema.items() if k in share}
     return out
 
 

@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node=N -m train_ref.train --ckpt-root DIR --steps S --save-every K --seed X
         [--parallel ddp|fsdp] [--async-save|--sync-save] [--keep K] [--num-workers W]
-        [--config tiny|bench] [--allow-config-change] [--allow-data-change] [--corpus FILE]
+        [--config tiny|bench] [--ema-decay D] [--allow-config-change] [--allow-data-change] [--corpus FILE]
         [--log-samples] [--verify quick|deep] [--io-retry S] [--allow-fresh-start]
         [--max-failed-saves N] [--max-unsaved-s S] [--signing-key env:NAME|FILE]
         [--remote URL [--remote-endpoint URL] [--remote-keep N] [--milestone-every M]
@@ -55,6 +55,7 @@ from train_ref.appender import LineAppender
 from train_ref.config import CONFIGS, TrainConfig, get_config
 from train_ref.data import Corpus, WindowDataset, collate
 from train_ref.devices import ENV_VISIBLE, DeviceError, device_index
+from train_ref.ema import EMA
 from train_ref.hold import HoldGate
 from train_ref.model import GPT
 from train_ref.parallel import MODES, build, full_tensor, sync_grads
@@ -111,6 +112,12 @@ class TrainerOptions:
     )
     deterministic: bool = option(
         "torch.use_deterministic_algorithms(True): needed for a bit-exact resume on GPUs", False
+    )
+    ema_decay: float = option(
+        "keep a moving average of the parameters (the shadow model) with this decay, e.g. 0.999; "
+        "saved and resumed with the rest, its digest in final.json (0: none)",
+        0.0,
+        check=lambda v: "" if v == 0 or 0 < v < 1 else "must be between 0 and 1 (0: none)",
     )
     saves: Saves = nested(Saves)
     resume: ResumeOptions = nested(ResumeOptions)
@@ -196,6 +203,8 @@ def identity(opts: TrainerOptions, cfg: TrainConfig, corpus: Corpus) -> Identity
     optimizer, schedule length, augmentation), the precision mode and the seed (data order,
     initial weights, every RNG); the data by its fingerprint."""
     fields = {"amp": opts.amp, **_flat(asdict(cfg))}
+    if opts.ema_decay:  # only when kept: runs without one keep their config hash
+        fields["ema_decay"] = opts.ema_decay
     return Identity(
         fields,
         data=corpus.fingerprint,
@@ -240,6 +249,10 @@ class Reference(Resumable):
 
     def save_meta(self) -> dict[str, Any]:
         return {**super().save_meta(), "sampler": self.trainer.sampler.state_dict()}
+
+    def final_fields(self) -> dict[str, Any]:
+        ema = self.trainer.state.ema
+        return {"ema_sha256": ema.digest()} if ema else {}
 
     def load(self, choice: Choice) -> bool:
         """Test-only ``--ablate ITEM``: skip restoring that item, to prove it matters."""
@@ -308,6 +321,8 @@ class Trainer:
             cfg.loss_window,
             replicated=opts.parallel == "ddp",
         )
+        if opts.ema_decay:
+            self.state.ema = EMA(self.model, opts.ema_decay)
         self.r = Reference(self, opts)
         self.ckpt = self.r.ckpt
         self.samples_file: LineAppender | None = None
@@ -391,6 +406,8 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         self.scaler.step(self.optimizer)  # the Resumable's pre-step hook waits for staging first
         self.scaler.update()
+        if self.state.ema:
+            self.state.ema.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         # The loss all-reduce also carries the step boundary's flags (preemption, save in flight).
@@ -469,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     trainer = Trainer(opts, d, cfg, corpus)
     trainer.r.resume()
+    if trainer.state.ema and trainer.state.step == 0:  # nothing restored it: a new run (--init-from too)
+        trainer.state.ema.reset()
     trainer.hold = HoldGate.from_env(d.rank, trainer.r.launch)  # None unless TRAIN_REF_HOLD_FILE is set
     trainer.check_schedule()
     # What is built by now (imports, model, loaded state: ~300,000 objects in the bench config)
