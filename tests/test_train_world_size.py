@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import pytest
 from trainer_helpers import (
+    EMA,
     SAVE_EVERY,
     STEPS,
+    final,
     losses_by_step,
     read_jsonl,
     rewind,
@@ -44,12 +46,14 @@ def ids_by_step(root) -> dict[int, list[int]]:
     return {s: by[max(by, key=order.index)] for s, by in out.items()}
 
 
-@pytest.mark.parametrize(("before", "after"), [(4, 2), (2, 4)])
-def test_world_size_change_keeps_the_data_stream(goldens, tmp_path, before, after):
-    golden = goldens.get("fsdp", before)
+# 2 -> 4 keeps a moving average of the parameters (EMA): its 2 shards are resharded onto 4 ranks.
+@pytest.mark.parametrize(("before", "after", "extra"), [(4, 2, ()), (2, 4, EMA)])
+def test_world_size_change_keeps_the_data_stream(goldens, tmp_path, before, after, extra):
+    golden = goldens.get("fsdp", before, *extra)
     root = rewind(golden, tmp_path / "run", RESUME_AT)  # the golden run's own checkpoint
-    r = run_ok(root, after, *train_args("fsdp", "--log-samples"))
+    r = run_ok(root, after, *train_args("fsdp", "--log-samples", *extra))
     assert f"world size {before} -> {after}" in r.output
+    assert ("ema_sha256" in final(root)) == bool(extra)
 
     got, want = ids_by_step(root), ids_by_step(golden)
     assert sorted(got) == list(range(1, STEPS + 1))
