@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from commands import REPO, supervisor_cmd
 from security_helpers import RunsCommand, evil_pickle, tamper
 from trainer_helpers import (
+    EMA,
     digest,
     heartbeat_exit_codes,
     metrics,
@@ -42,11 +43,13 @@ METADATA = ".metadata"
 
 @pytest.fixture(scope="module")
 def real_runs(goldens, tmp_path_factory) -> dict[str, Path]:
-    """Run directories of the reference trainer: DDP and FSDP2 on 2 ranks (the shared goldens),
-    and the FSDP2 one resumed on 1 rank from step 20, which reshards and saves step 30 again."""
-    resharded = rewind(goldens.get("fsdp", 2), tmp_path_factory.mktemp("resharded") / "run", 20)
-    run_ok(resharded, 1, *train_args("fsdp"))
-    return {"ddp": goldens.get("ddp", 2), "fsdp": goldens.get("fsdp", 2), "resharded": resharded}
+    """Run directories of the reference trainer: DDP and FSDP2 on 2 ranks (the shared goldens;
+    the FSDP2 one keeps a moving average of its parameters, EMA), and the FSDP2 one resumed on 1
+    rank from step 20, which reshards and saves step 30 again."""
+    fsdp = goldens.get("fsdp", 2, *EMA)
+    resharded = rewind(fsdp, tmp_path_factory.mktemp("resharded") / "run", 20)
+    run_ok(resharded, 1, *train_args("fsdp", *EMA))
+    return {"ddp": goldens.get("ddp", 2), "fsdp": fsdp, "resharded": resharded}
 
 
 def metadata_files(runs: dict[str, Path]) -> list[Path]:
