@@ -84,6 +84,23 @@ def test_faithful_resume_passes():
     assert [(r.ckpt_step, r.reached, r.redone) for r in v.resumes] == [(10, 17, 7)]
 
 
+def test_a_moving_average_that_did_not_resume_fails_the_digest_naming_both_parts():
+    """The trainer keeps an EMA: the run's digest is "<params> ema <average>". Parameters equal
+    and the average not (it was not restored) is a failed digest, and the line shows the parts."""
+    params, ema, other = "a" * 64, "b" * 64, "c" * 64
+    run = ScenarioRun(
+        "kill9",
+        Path("r"),
+        injected=[Fault(Kind.KILL9, 17, 1)],
+        records=faithful_run(),
+        digest=f"{params} ema {other}",
+    )
+    v = judge(Case("kill9", [Fault(Kind.KILL9, 17, 1)], run, GOLDEN, f"{params} ema {ema}", STEPS, EVERY))
+    (check,) = [c for c in v.checks if c.name == "final digest equals golden"]
+    assert not check.ok
+    assert check.detail == f"{params[:16]} ema {other[:16]} vs golden {params[:16]} ema {ema[:16]}"
+
+
 def test_find_resumes_per_launch():
     recs = curve("a", range(1, 13)) + curve("b", range(11, 25)) + curve("c", range(25, 31))
     assert [(r.launch, r.ckpt_step, r.reached) for r in find_resumes(recs)] == [("b", 10, 12), ("c", 24, 24)]

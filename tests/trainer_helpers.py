@@ -17,6 +17,7 @@ from pathlib import Path
 from commands import REPO
 from waiting import PATIENCE_S
 
+from supervisor.drill.runner import read_digest
 from supervisor.format.heartbeat import Heartbeat, Phase
 from supervisor.format.layout import RunDir
 from supervisor.format.manifest import read_manifest
@@ -128,8 +129,9 @@ def final(root: Path) -> dict:
 
 def digest(root: Path) -> str:
     """The final parameters' digest, and the moving average's where the run kept one (``EMA``)."""
-    f = final(root)
-    return f["params_sha256"] + (f" ema {f['ema_sha256']}" if "ema_sha256" in f else "")
+    d = read_digest(root)
+    assert d is not None, f"no final digest in {root}"
+    return d
 
 
 def worker_pid(root: Path, rank: int, launched_after: float) -> int:

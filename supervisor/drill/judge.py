@@ -263,10 +263,19 @@ def completed(case: Case) -> list[Check]:
     return [Check("run completed", last == case.steps, f"last step {last} of {case.steps}")]
 
 
+def short_digest(digest: str) -> str:
+    """A digest for a verdict line: 16 hex digits of each part ("<params> ema <average>")."""
+    return " ".join(part[:16] for part in digest.split())
+
+
 def digest_equal(case: Case) -> list[Check]:
     got, want = case.run.digest, case.golden_digest
     return [
-        Check("final digest equals golden", got == want, f"{(got or 'missing')[:16]} vs golden {want[:16]}")
+        Check(
+            "final digest equals golden",
+            got == want,
+            f"{short_digest(got or 'missing')} vs golden {short_digest(want)}",
+        )
     ]
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.display import table
-from supervisor.drill.judge import StepRecord, Verdict, fault_windows
+from supervisor.drill.judge import StepRecord, Verdict, fault_windows, short_digest
 from supervisor.drill.runner import ScenarioRun
 from supervisor.format.eventnames import EventName
 from supervisor.format.layout import step_dirname
@@ -177,7 +177,7 @@ def write_report(
         "",
         f"**Verdict: {verdict}** ({counts})",
         "",
-        f"Settings: {settings}. Golden digest `{golden_digest[:16]}`.",
+        f"Settings: {settings}. Golden digest `{short_digest(golden_digest)}`.",
         "",
         "## Verdicts",
         "",

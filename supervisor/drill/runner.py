@@ -65,7 +65,8 @@ class DrillConfig:
     )
 
     def trainer_cmd(self, root: Path, extra: Sequence[str] = ()) -> list[str]:
-        own = ("--config", "tiny", "--parallel", self.parallel)
+        # The reference trainer keeps a moving average of its parameters: its resume is proven too.
+        own = ("--config", "tiny", "--parallel", self.parallel, "--ema-decay", "0.99")
         return [
             self.python, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={self.ranks}",
@@ -202,9 +203,13 @@ class ScenarioRun:
 
 
 def read_digest(root: Path) -> str | None:
+    """The run's final parameter digest, and its moving average's where it kept one (the
+    reference trainer's ``--ema-decay``): "<params> ema <average>"; None without ``final.json``."""
     try:
-        return str(json.loads(RunDir.of(root).final.read_text())["params_sha256"])
-    except (OSError, ValueError, KeyError, TypeError):
+        final = json.loads(RunDir.of(root).final.read_text())
+        ema = final.get("ema_sha256")
+        return str(final["params_sha256"]) + (f" ema {ema}" if ema else "")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
