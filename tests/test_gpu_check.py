@@ -51,7 +51,7 @@ def test_one_gpu_runs_everything_on_one_rank_and_says_why_nccl_is_skipped():
     assert kinds.count("kill9") == 2 and "preempt" in kinds and "staging" in kinds and "remap" in kinds
     (skip,) = [s for s in specs if s.kind == "skip"]
     assert "NCCL" in skip.name and "one GPU" in skip.why
-    assert {s.args for s in specs} >= {(), ("--amp", "bf16"), ("--amp", "fp16")}
+    assert {s.args for s in specs} >= {(), ("--amp", "bf16", "--ema-decay", "0.99"), ("--amp", "fp16")}
 
 
 @pytest.mark.parametrize("n", [2, 8])

@@ -24,7 +24,6 @@ the exit code) are tested on CPU; the run itself is owed to a machine with a GPU
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import runpy
 import shutil
@@ -40,6 +39,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from supervisor.drill.runner import read_digest
 from supervisor.format.exitcodes import Exit
 from supervisor.format.layout import FINAL
 from supervisor.format.nodesummary import read_run_heartbeats
@@ -83,7 +83,7 @@ def plan(n_gpus: int) -> list[Spec]:
     pair = min(n_gpus, 2)
     specs = [
         Spec("kill -9 + resume, fp32 (CUDA RNG)", "kill9"),
-        Spec("kill -9 + resume, bf16 autocast", "kill9", args=("--amp", "bf16")),
+        Spec("kill -9 + resume, bf16 autocast, EMA", "kill9", args=("--amp", "bf16", "--ema-decay", "0.99")),
         Spec("preemption + resume, fp16 + GradScaler", "preempt", args=("--amp", "fp16")),
         Spec("async staging from pinned memory, no tearing", "staging"),
         Spec(
@@ -253,10 +253,10 @@ def kill_group(proc: subprocess.Popen[str]) -> None:
 
 
 def digest_of(root: Path, out: str) -> str:
-    try:
-        return json.loads((root / FINAL).read_text())["params_sha256"]
-    except (OSError, ValueError, KeyError) as e:
-        raise CheckFailed(f"no digest in {root / FINAL} ({e})\n{out[-1500:]}") from None
+    digest = read_digest(root)  # the parameters', and the moving average's where kept
+    if digest is None:
+        raise CheckFailed(f"no digest in {root / FINAL}\n{out[-1500:]}")
+    return digest
 
 
 # ------------------------------------------------------------ the checks
