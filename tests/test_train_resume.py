@@ -66,7 +66,11 @@ def _tree(root: Path) -> dict[str, tuple[int, int]]:
 CASES = [("ddp", 2, 0, ()), ("ddp", 4, 2, ()), ("fsdp", 2, 2, EMA), ("fsdp", 4, 0, ())]
 
 
-@pytest.mark.parametrize(("parallel", "nproc", "workers", "extra"), CASES)
+@pytest.mark.parametrize(
+    ("parallel", "nproc", "workers", "extra"),
+    CASES,
+    ids=[f"{p}-{n}-{w}{'-ema' * bool(e)}" for p, n, w, e in CASES],
+)
 def test_kill9_one_worker_then_relaunch_is_bit_exact(goldens, tmp_path, parallel, nproc, workers, extra):
     golden = goldens.get(parallel, nproc, *extra)
     rng = random.Random(f"{parallel}-{nproc}-{workers}")

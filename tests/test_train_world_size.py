@@ -47,7 +47,9 @@ def ids_by_step(root) -> dict[int, list[int]]:
 
 
 # 2 -> 4 keeps a moving average of the parameters (EMA): its 2 shards are resharded onto 4 ranks.
-@pytest.mark.parametrize(("before", "after", "extra"), [(4, 2, ()), (2, 4, EMA)])
+@pytest.mark.parametrize(
+    ("before", "after", "extra"), [(4, 2, ()), (2, 4, EMA)], ids=["4-to-2", "2-to-4-ema"]
+)
 def test_world_size_change_keeps_the_data_stream(goldens, tmp_path, before, after, extra):
     golden = goldens.get("fsdp", before, *extra)
     root = rewind(golden, tmp_path / "run", RESUME_AT)  # the golden run's own checkpoint
