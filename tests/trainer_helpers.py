@@ -36,7 +36,11 @@ EMA = ("--ema-decay", "0.9")  # the trainer keeps a moving average of its parame
 def trainer_env(hold_file: Path | None = None, **extra: str) -> dict[str, str]:
     """The trainer's environment; with ``hold_file``, its hold gate on (train_ref/hold.py)."""
     env = dict(os.environ)
-    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # torchrun restarts with gloo (torch-cpu.md)
+    # torchrun's own store for the ranks, as torch does by default: its agent binds it and keeps it.
+    # With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 the agent picks a free port, closes it, and rank 0
+    # binds it later: two torchruns starting at once on one host (two test workers) lost that race
+    # (EADDRINUSE). The watchdog still sets it for its children (torchrun restarts with gloo need it).
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("SUPERVISOR_LAUNCH_ID", None)
     env.pop(hold.ENV_HOLD_FILE, None)

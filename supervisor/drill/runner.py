@@ -95,9 +95,10 @@ class DrillConfig:
         ]  # fmt: skip
 
     def env(self) -> dict[str, str]:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-        return env
+        # No TORCH_DISABLE_SHARE_RDZV_TCP_STORE here: the watchdog sets it for its children, and the
+        # golden run under plain torchrun keeps torch's own store, free of the port race the setting
+        # brings (the agent picks a port, closes it, rank 0 binds it later).
+        return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
 class MetricsTail:
