@@ -32,7 +32,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from supervisor import store
 from supervisor.format.atomic import atomic_write_json
 from supervisor.format.exitcodes import Exit
-from supervisor.format.heartbeat import HeartbeatWriter, Phase, stack_dump_path
+from supervisor.format.heartbeat import HeartbeatWriter, Phase, Progress, stack_dump_path
 from supervisor.format.layout import FINAL, RunDir
 from supervisor.format.manifest import CheckpointInfo
 from supervisor.format.metrics import MetricsRecord
@@ -711,17 +711,22 @@ class Resumable:
             time.sleep(min(left, self.hb.interval_s / 2))
 
     def final_fields(self) -> dict[str, Any]:
-        """Entries a trainer adds to ``final.json`` (the reference trainer: its EMA's digest).
-        Called on every rank: it may gather."""
+        """Entries a trainer adds to ``final.json`` (the reference trainer: its EMA's digest,
+        hashed with a ``digest_tracker``). Called on every rank: it may gather."""
         return {}
+
+    def digest_tracker(self, tensors: Iterable[torch.Tensor]) -> Progress:
+        """Phase DIGEST's progress, in bytes of ``tensors`` hashed: a large model's digest is a
+        long phase of its own, and a silent one would be judged hung."""
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        return self.hb.tracker(Phase.DIGEST, self.state.step, total)
 
     def _final_record(self) -> str:
         """The digest (phase DIGEST, progress in bytes hashed) and ``final.json``, retried on a
         storage error for io_retry_s: the checkpoint is committed by now, so a report that cannot
         be written is a warning, not a failed run."""
         model: torch.nn.Module = getattr(self.state, "model")  # noqa: B009 - both Saveables have one
-        n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        digest = params_digest(model, self.hb.tracker(Phase.DIGEST, self.state.step, n_bytes))
+        digest = params_digest(model, self.digest_tracker(model.parameters()))
         extra = self.final_fields()
         if self.rank != 0:
             return digest

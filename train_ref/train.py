@@ -252,7 +252,7 @@ class Reference(Resumable):
 
     def final_fields(self) -> dict[str, Any]:
         ema = self.trainer.state.ema
-        return {"ema_sha256": ema.digest()} if ema else {}
+        return {"ema_sha256": ema.digest(self.digest_tracker(ema.shadow.values()))} if ema else {}
 
     def load(self, choice: Choice) -> bool:
         """Test-only ``--ablate ITEM``: skip restoring that item, to prove it matters."""
