@@ -46,7 +46,6 @@ import contextlib
 import logging
 import os
 import pickle
-import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -506,7 +505,7 @@ class Checkpointer:
             try:
                 mine = store.begin(self.root, step)
             except OSError as e:
-                mine = self._failed(step, [save_error(e, 0, self.root)], None)
+                mine = self._failed(step, [save_error(e, 0, self.root)])
         # cast: mypy solves broadcast's T for a union as their join (object)
         got = cast(
             "Path | SaveOutcome",
@@ -589,10 +588,10 @@ class Checkpointer:
             outcome = self._decide(step, tmp, meta, gathered, progress)
         outcome = agree.broadcast(outcome, self.dcp_group, lambda: progress(0))
         if outcome.tmp_left:
-            self._remove_own_files(tmp)
+            self._remove_own_files(tmp, progress)
         return outcome
 
-    def _remove_own_files(self, tmp: Path) -> None:
+    def _remove_own_files(self, tmp: Path, progress: Tracker) -> None:
         """Rank 0 could not remove the tmp dir of a failed save: a file it cannot see is in it
         (a rank's view that differs: the case IncompleteCommit refuses). Every rank removes the
         files it wrote, in its own view; then rank 0 tries again (and again before the next
@@ -604,7 +603,7 @@ class Checkpointer:
                         os.unlink(tmp / name)
         dist.barrier(group=self.dcp_group)
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            store.remove_tree(tmp, progress)
             if not os.path.lexists(tmp):
                 self.leftovers.remove(tmp)
 
@@ -624,7 +623,7 @@ class Checkpointer:
         """Rank 0: commit when every rank's part is there; else remove the tmp dir."""
         errors = [g for g in gathered if isinstance(g, SaveError)]
         if errors:
-            return self._failed(step, errors, tmp)
+            return self._failed(step, errors, self._discard(tmp, progress))
         entries = [g for g in gathered if not isinstance(g, SaveError)]
         rel = os.path.relpath(tmp, self.root)
 
@@ -650,7 +649,7 @@ class Checkpointer:
         except (OSError, store.IncompleteCommit) as e:
             final = self.root / step_dirname(step)
             if os.path.lexists(tmp) or not os.path.isdir(final):
-                return self._failed(step, [save_error(e, 0, self.root)], tmp)
+                return self._failed(step, [save_error(e, 0, self.root)], self._discard(tmp, progress))
             # Renamed: committed. What failed after the rename (``latest``, an fsync) is repaired
             # by the next pick, which never trusts ``latest`` alone.
             log.warning("committed %s, but after the rename: %s", final.name, e)
@@ -679,14 +678,18 @@ class Checkpointer:
         if pruned:
             log.info("pruned %s (after committing %s)", ", ".join(pruned), ref.name)
 
-    def _failed(self, step: int, errors: list[SaveError], tmp: Path | None) -> SaveOutcome:
-        """Rank 0: nothing is committed; the tmp dir goes (a full disk gets that space back)."""
-        left = False
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if os.path.lexists(tmp):
-                self.leftovers.append(tmp)
-                left = True
+    def _discard(self, tmp: Path, progress: Tracker) -> bool:
+        """Rank 0: a failed save's tmp dir goes (a full disk gets that space back), a beat per
+        file removed (a large one on a slow file system is a long phase). True when some of it
+        is left; it is kept in ``leftovers`` and tried again before the next save."""
+        store.remove_tree(tmp, progress)
+        if os.path.lexists(tmp):
+            self.leftovers.append(tmp)
+            return True
+        return False
+
+    def _failed(self, step: int, errors: list[SaveError], left: bool = False) -> SaveOutcome:
+        """Rank 0: nothing is committed; ``left``: the tmp dir could not all be removed."""
         self.failures += 1
         unsaved = time.monotonic() - self.last_durable
         first = min(errors, key=lambda e: e.rank)

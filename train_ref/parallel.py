@@ -108,9 +108,9 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def params_digest(model: nn.Module, progress: Callable[[int], None] | None = None) -> str:
     """sha256 over (name, dtype, shape, bytes) of every parameter, sorted by name; identical for
-    any sharding. Every rank must call it (gathering shards is a collective). ``progress`` hears
-    of each parameter's local bytes once hashed (a heartbeat tracker: a large model's digest is
-    a long phase of its own)."""
+    any sharding. Every rank must call it (gathering shards is a collective), and hashes every
+    whole parameter. ``progress`` hears of each parameter's bytes once hashed, the whole
+    tensor's (a heartbeat tracker: a large model's digest is a long phase of its own)."""
     return tensors_digest(model.named_parameters(), progress)
 
 
