@@ -1,7 +1,8 @@
 """Run under torchrun by test_agree.py: the commit's gather reaches rank 0 only, in rank order, for
 objects of different sizes; the step-boundary flags riding on a reduction reach every rank alike,
 and so do those of a loop that does not piggyback (step_boundary's own all-reduce); an async
-save's commit, started at a step boundary, runs in the background."""
+save's commit, started at a step boundary, runs in the background; a load whose part failed on one
+rank fails on every rank alike, with nothing applied anywhere."""
 
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from supervisor import store
 from supervisor.format.heartbeat import HeartbeatWriter
 from supervisor.format.layout import DCP_METADATA, dcp_shard_filename, rank_state_filename, step_dirname
 from supervisor.format.manifest import CheckpointInfo
-from train_ref import agree
+from train_ref import agree, safe_load
 from train_ref.checkpointer import Checkpointer, CommitInfo
 
 
@@ -40,6 +42,50 @@ class _Tiny:
         self.w = state_dict["w"]
 
 
+class _Applied:
+    """A Stateful that remembers whether a load applied its state."""
+
+    def __init__(self, sd: dict[str, Any]):
+        self.sd, self.applied = sd, False
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.applied = True
+
+
+def _loads(root: Path, rank: int, group: dist.ProcessGroup) -> list[list[Any]]:
+    """Loads of a checkpoint where each rank's item is its own (in its own shard file): clean;
+    rank 1's record made a foreign pickle (junk over its zip header); rank 1's record broken (junk
+    over its zip's end); the last rank asking for an item the checkpoint lacks. Per load: the
+    exception's type on this rank, its line, whether any state was applied, the values read."""
+    ckpt = root / "load"
+    dcp.save({"app": {f"r{rank}": torch.full((4,), float(rank))}}, checkpoint_id=ckpt, process_group=group)
+    dist.barrier(group)
+    shard = ckpt / dcp_shard_filename(1)
+    saved = shard.read_bytes()
+    broken = {"untrusted": 0, "corrupt": len(saved) - 22}  # the end of central directory record
+    out = []
+    for case in ("clean", "untrusted", "corrupt", "missing"):
+        if rank == 1:
+            shard.write_bytes(saved)
+            if case in broken:
+                with open(shard, "r+b") as f:
+                    f.seek(broken[case])
+                    f.write(b"JUNK")
+        dist.barrier(group)
+        key = "r99" if case == "missing" and rank == dist.get_world_size() - 1 else f"r{rank}"
+        target = _Applied({key: torch.zeros(4)})
+        try:
+            safe_load.load_dcp(ckpt, {"app": target}, group)
+            got = [None, "", target.applied, target.sd[key].tolist()]
+        except Exception as e:
+            got = [type(e).__name__, str(e), target.applied, target.sd[key].tolist()]
+        out.append(got)
+    return out
+
+
 def _checkpointer(root: Path, hb: HeartbeatWriter, async_save: bool) -> Checkpointer:
     return Checkpointer(
         root,
@@ -56,6 +102,12 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     hb = HeartbeatWriter(root, rank=rank, local_rank=rank, world_size=world)
     ckpt = _checkpointer(root, hb, async_save=False)
+    # None of the ranks has a problem; then ranks 1 and 2 have one: rank 1's reaches everyone.
+    failures = [
+        agree.first_failure(None, ckpt.ctl_group, lambda: 0),
+        agree.first_failure(f"rank {rank}'s problem" if rank >= 1 else None, ckpt.ctl_group, lambda: 0),
+    ]
+    loads = _loads(root, rank, ckpt.dcp_group)
     # Rank r sends r+1 file names: sizes differ, so the padding and lengths are exercised.
     gathered = agree.gather_to_root(
         {f"__{rank}_{i}.distcp": i for i in range(rank + 1)}, ckpt.ctl_group, lambda: 0
@@ -99,6 +151,8 @@ def main() -> int:
         "total": total.tolist(),
         "flags": [piggybacked, own, quiet],
         "async": committed,
+        "failures": failures,
+        "loads": loads,
     }
     (root / f"result_{rank}.json").write_text(json.dumps(result))
     ckpt.close()

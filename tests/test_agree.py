@@ -36,6 +36,22 @@ def test_gather_reaches_rank_0_only_flags_reach_every_rank_and_an_async_commit_r
         assert a["early"] and set(a["early"]) == {None}, a
         assert a["before_taken"] == "step_00000005" and a["taken"], a
     for rank, d in results.items():
+        assert d["failures"] == [None, [1, "rank 1's problem"]]
+        clean, untrusted, corrupt, missing = d["loads"]
+        assert clean == [None, "", True, [float(rank)] * 4]
+        # rank 1's record refused, then found broken: the same one line on every rank, naming
+        # its file; nothing applied anywhere, though the other ranks read their parts
+        for case, kind in ((untrusted, "UnsafePickle"), (corrupt, "CorruptRecord")):
+            assert case[0] == kind and "__1_0.distcp (item app.r1)" in case[1] and not case[2], case
+            assert case[3] == ([float(rank)] * 4 if rank != 1 else [0.0] * 4)
+        # an item the last rank lacks: its own error there, PeerLoadFailed naming it elsewhere
+        kind, line, applied, _ = missing
+        last = nproc - 1
+        assert not applied and (kind != "PeerLoadFailed") == (rank == last), missing
+        assert rank == last or line.startswith(f"rank {last} could not load its part: "), line
+    for case in (1, 2):
+        assert len({d["loads"][case][1] for d in results.values()}) == 1
+    for rank, d in results.items():
         # counted for a loop that waits on it: the upload's writes (DCP's index is rank 0's),
         # then the checksums of its files, then rank 0's commit steps; never over 100%
         sizes = d["async"]["sizes"]

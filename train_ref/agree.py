@@ -90,3 +90,22 @@ def broadcast(obj: T | None, group: dist.ProcessGroup | None, beat: Callable[[],
     with beating(beat):
         dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
+
+
+def first_failure(
+    mine: T | None, group: dist.ProcessGroup | None, beat: Callable[[], object]
+) -> tuple[int, T] | None:
+    """The lowest rank whose ``mine`` is not None (what went wrong there), with its ``mine``, on
+    every rank; None when no rank has one. When none has, the cost is one all-reduce of a single
+    number (logarithmic in the world size); the object is sent, by a broadcast from that rank,
+    only when one has."""
+    world = dist.get_world_size(group)
+    first = torch.tensor([dist.get_rank(group) if mine is not None else world], dtype=torch.int64)
+    with beating(beat):
+        dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
+        rank = int(first.item())
+        if rank == world:
+            return None
+        box: list[Any] = [mine]
+        dist.broadcast_object_list(box, group=group, group_src=rank)
+    return rank, box[0]

@@ -40,7 +40,6 @@ from typing import Any, NoReturn, cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -69,7 +68,7 @@ from train_ref.optim_state import prime_for_load
 from train_ref.parallel import params_digest
 from train_ref.progress_io import ProgressFileSystem, kept_alive
 from train_ref.resume import RETRY_LATER, Choice, Request, choose_checkpoint, describe_diff, identity_diff
-from train_ref.safe_load import load_dcp, refusal_line
+from train_ref.safe_load import load_dcp, one_line, refusal_line
 from train_ref.save_policy import DEFAULT_MAX_FAILED_SAVES, SavePolicy
 from train_ref.signals import PreemptionFlag, register_stack_dump
 from train_ref.state import seed_rank_rng
@@ -288,14 +287,6 @@ class _Weights(Stateful):
             )
 
 
-def _first_cause(e: BaseException) -> str:
-    """One line of what went wrong (DCP wraps each rank's exception into a CheckpointException)."""
-    if isinstance(e, CheckpointException) and e.failures:
-        e = min(e.failures.items())[1][0]
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
 def init_source(spec: str) -> Path | str:
     """Rank 0, ``--init-from DIR[:STEP]``: the checkpoint to start from (checked deep, read only:
     nothing in the other run is moved), or why not (one line)."""
@@ -487,8 +478,8 @@ class Resumable:
                 )
         except UnsafePickle as e:
             self.stop(Exit.UNTRUSTED, Phase.LOAD, refusal_line(e, src.parent, src))
-        except (Exception, CheckpointException) as e:  # another model's: one line, not a traceback
-            first = _first_cause(e)
+        except Exception as e:  # another model's: one line, not a traceback
+            first = one_line(e)
             self.stop(
                 Exit.BAD_CONFIG,
                 Phase.LOAD,

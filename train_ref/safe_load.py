@@ -25,6 +25,7 @@ import io
 import os
 import pickle
 import re
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -48,10 +49,12 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.futures import Future
 
 from supervisor.format.layout import parse_committed
 from supervisor.safepickle import WHY, UnsafePickle, load_restricted
+from train_ref import agree
 from train_ref.tensor_record import plain_tensor, read_in_place
 
 # torch's weights_only refusal names the global: "Unsupported global: GLOBAL posix.system was not ..."
@@ -254,24 +257,84 @@ def load_dcp(
 ) -> None:
     """``dcp.load`` through the safe reader and planner; UnsafePickle (one line) on a refusal.
     ``fs``: the file system the reader opens files with (the trainer's counts the bytes it reads,
-    train_ref/progress_io.py)."""
+    train_ref/progress_io.py).
+
+    Each rank plans and reads alone (DCP's ``no_dist``): DCP's global load plan is the identity
+    (``create_default_global_load_plan``), yet with a process group it gathers every rank's local
+    plan to rank 0, unpickled there, and scatters them back, pickled again: 15 ms of rank 0's CPU
+    per rank for the bench model's 817 items, a minute at 4,096 ranks, while every rank waits
+    (bench/load_plan_scale.py). Then one agreement: when no rank failed, a single all-reduce of
+    a number; when one did, every rank raises its error (the same UnsafePickle or CorruptRecord
+    line; another error as ``PeerLoadFailed`` on the others, the rank's own exception on that
+    rank), and nothing is applied on any rank, as DCP's own exchange of read errors guaranteed. Only then does each Stateful take its state. The caller
+    keeps the heartbeat alive meanwhile (``kept_alive``): a rank done first waits there for the
+    slowest."""
     reader = SafeFileSystemReader(ckpt)
     if fs is not None:
         reader.fs = fs
-    try:
-        with no_gc():
-            dcp.load(
-                state_dict,
-                storage_reader=reader,
-                planner=SafeLoadPlanner(reader),
-                process_group=process_group,
-            )
-    except (Exception, CheckpointException):  # DCP's CheckpointException is a BaseException
-        if reader.refused is not None:
-            raise reader.refused from None
-        if reader.corrupt is not None:
-            raise reader.corrupt from None
-        raise
+    with no_gc():
+        # read in place into each Stateful's state dict (DCP's own first step, done here so that
+        # the state is applied only once every rank read its part)
+        loaded = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
+        error: BaseException | None = None
+        try:
+            with warnings.catch_warnings():  # no_dist's "assuming the intent is to load in a single process"
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(loaded, storage_reader=reader, planner=SafeLoadPlanner(reader), no_dist=True)
+        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+            error = _unwrapped(e)
+        ours = reader.refused or reader.corrupt  # one line of ours, for what DCP raised
+        if process_group is not None or dist.is_initialized():
+            first = agree.first_failure(_failure(ours or error), process_group, lambda: None)
+            if error is None and first is not None:
+                raise _peer_error(*first)
+        if ours is not None:
+            raise ours from None
+        if error is not None:
+            raise error
+        for key, value in state_dict.items():
+            if isinstance(value, Stateful):
+                value.load_state_dict(loaded[key])
+            else:  # as dcp.load: a non-tensor value at the top is replaced, not filled in
+                state_dict[key] = loaded[key]
+
+
+class PeerLoadFailed(RuntimeError):
+    """This rank's part of a load was read, another rank's failed: nothing is applied."""
+
+
+def one_line(e: BaseException) -> str:
+    """The first line of what ``e`` says, or its type's name."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _unwrapped(e: BaseException) -> BaseException:
+    """The exception itself: DCP without a process group wraps it in a CheckpointException that
+    says "RANK 0" whatever this rank is."""
+    if isinstance(e, CheckpointException) and e.failures:
+        return min(e.failures.items())[1][0]
+    return e
+
+
+def _failure(error: BaseException | None) -> tuple[str, str] | None:
+    """What a peer needs of this rank's failed load: its kind and one line."""
+    if error is None:
+        return None
+    if isinstance(error, UnsafePickle):
+        return "untrusted", one_line(error)
+    return "corrupt" if isinstance(error, CorruptRecord) else "", one_line(error)
+
+
+def _peer_error(rank: int, failure: tuple[str, str]) -> Exception:
+    """A failed rank's error as its peers raise it: a refusal or a corrupt record alike on every
+    rank (one line, one exit), anything else as PeerLoadFailed naming that rank."""
+    kind, line = failure
+    if kind == "untrusted":
+        return UnsafePickle(line)
+    if kind == "corrupt":
+        return CorruptRecord(line)
+    return PeerLoadFailed(f"rank {rank} could not load its part: {line}")
 
 
 @contextmanager
