@@ -1,4 +1,5 @@
-"""A checkpoint from W ranks resumes on W' ranks: same global batches, close losses.
+"""A checkpoint from W ranks resumes on W' ranks: same global batches, close losses. And one saved
+under DDP resumes under FSDP, or back, on the same ranks: bit-exact.
 
 The sampler's position is global (epoch, batch) and the global batch is constant, so the resumed
 run must consume exactly the sample ids the uninterrupted run consumed, step by step. The losses
@@ -13,6 +14,7 @@ from trainer_helpers import (
     EMA,
     SAVE_EVERY,
     STEPS,
+    digest,
     final,
     losses_by_step,
     read_jsonl,
@@ -73,3 +75,20 @@ def test_world_size_change_keeps_the_data_stream(goldens, tmp_path, before, afte
     print(f"world size {before}->{after}: mean |loss - golden| {dev:.4f} ({rel:.2%} of the golden loss), "
           f"max {max(abs(mine[s] - ref[s]) for s in resumed):.4f}")  # fmt: skip
     assert rel < LOSS_BOUND
+
+
+@pytest.mark.parametrize(
+    ("before", "after"), [("ddp", "fsdp"), ("fsdp", "ddp")], ids=["ddp-to-fsdp", "fsdp-to-ddp"]
+)
+def test_a_resume_may_change_the_parallel_layout_and_stays_bit_exact(goldens, tmp_path, before, after):
+    """The layout is not part of the run's identity (docs/trainer.md): DDP's checkpoint (whole
+    tensors, each rank saving a share of them) loads into FSDP's shards and back, DCP resharding
+    them. On the same ranks every rank's RNG streams are restored too, and the two layouts compute
+    the same steps bit for bit, so the run ends where both uninterrupted runs end."""
+    want = digest(goldens.get(after, 2))
+    assert digest(goldens.get(before, 2)) == want  # the premise: the layouts agree bit for bit
+    root = rewind(goldens.get(before, 2), tmp_path / "run", RESUME_AT)
+    r = run_ok(root, 2, *train_args(after))
+    assert f"resumed from step_{RESUME_AT:08d}, next step {RESUME_AT + 1}" in r.output
+    assert final(root)["parallel"] == after
+    assert digest(root) == want
