@@ -14,8 +14,9 @@ every rank run any code at the next resume through either. So a load goes throug
   unpickled, train_ref/tensor_record.py), else ``torch.load(weights_only=True)`` as DCP does.
 
 A refusal is one line naming the file (``UnsafePickle``), raised by ``load_dcp`` on every rank
-(each reads the index itself), before anything from the file has run. A record that cannot be
-read (a truncated file, a broken zip) is ``CorruptRecord``, one line naming the file and item.
+(a record only one rank reads reaches the others through the load's agreement), before anything
+from the file has run. A record that cannot be read (a truncated file, a broken zip) is
+``CorruptRecord``, one line naming the file and item, on every rank alike.
 """
 
 from __future__ import annotations
