@@ -188,6 +188,8 @@ def test_resumable_in_two_ranks_hooks_the_staging_wait_agrees_saves_and_declares
     m = read_manifest(run / "step_00000004")
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert m.metrics["loss"] == next(x["loss"] for x in lines if x["step"] == 4)
+    # the losses the resume's sanity step compares with: those reported up to the saved step
+    assert m.meta["recent_losses"] == [x["loss"] for x in lines if x["step"] <= 4]
     assert m.meta["identity"] == {"seed": 3}
     # A second launch resumes at the final step and has nothing left to do.
     res2 = _two_ranks(tmp_path)

@@ -42,6 +42,8 @@ def test_load_step_resumes_from_that_step_and_moves_the_newer_ones_aside(goldens
     root = copy_run(golden, tmp_path / "run")
     r = run_ok(root, 2, *train_args("ddp", "--load-step", "10"))
     assert "resumed from step_00000010, next step 11" in r.output
+    # the sanity step: the first losses against those reported before the checkpoint
+    assert "resume sanity: first losses" in r.output and "resume sanity: LR" not in r.output
     moved = sorted(p.name.split("-")[0] for p in (root / "quarantine").iterdir())
     assert moved == ["step_00000020", "step_00000030"]
     assert digest(root) == digest(golden)

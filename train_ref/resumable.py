@@ -28,10 +28,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -52,8 +54,8 @@ from supervisor import store
 from supervisor.format.atomic import atomic_write_json
 from supervisor.format.exitcodes import Exit
 from supervisor.format.heartbeat import HeartbeatWriter, Phase, Progress, stack_dump_path
-from supervisor.format.layout import FINAL, RunDir
-from supervisor.format.manifest import CheckpointInfo
+from supervisor.format.layout import FINAL, RunDir, step_dirname
+from supervisor.format.manifest import META_RECENT_LOSSES, CheckpointInfo, Manifest
 from supervisor.format.metrics import MetricsRecord
 from supervisor.ioerrors import backoff_s, retry_transient
 from supervisor.options import nested, option
@@ -69,6 +71,7 @@ from train_ref.parallel import params_digest
 from train_ref.progress_io import ProgressFileSystem, kept_alive
 from train_ref.resume import RETRY_LATER, Choice, Request, choose_checkpoint, describe_diff, identity_diff
 from train_ref.safe_load import load_dcp, one_line, refusal_line
+from train_ref.sanity import LOSS_WINDOW, ResumeSanity
 from train_ref.save_policy import DEFAULT_MAX_FAILED_SAVES, SavePolicy
 from train_ref.signals import PreemptionFlag, register_stack_dump
 from train_ref.state import seed_rank_rng
@@ -333,11 +336,14 @@ class Resumable:
         saves: Saves | None = None,
         options: ResumeOptions | None = None,
         rank_items: Stateful | None = None,
+        loss_window: int = LOSS_WINDOW,
     ):
         """``state``: a mapping name -> object (``model`` and ``optimizer`` required; anything
         else with ``state_dict``/``load_state_dict``), or a ready Saveable (``TrainState``).
         ``steps``: where the run ends, in total. ``rank_items``: the trainer's own per-rank state
-        (tensors, numbers, strings), saved beside the RNG streams in the per-rank file."""
+        (tensors, numbers, strings), saved beside the RNG streams in the per-rank file.
+        ``loss_window``: how many of the last losses reported to ``step_end`` each manifest
+        records, for the resume's sanity step (train_ref/sanity.py)."""
         self.root = Path(root)
         self.state: Saveable = Objects(state) if isinstance(state, Mapping) else state
         self.steps = steps
@@ -384,6 +390,8 @@ class Resumable:
         self.init_source = ""
         self.start = 0  # the step this launch resumed at
         self.metrics: dict[str, float] = {}  # the last step's, saved into the manifest
+        self.recent_losses: deque[float] = deque(maxlen=loss_window)  # saved into the manifest too
+        self.sanity: ResumeSanity | None = None  # rank 0, the first steps after a resume
         self.metrics_file: LineAppender | None = None
         self.drill = DrillFaults(None, self.rank, "")
         self._last_save = time.monotonic()
@@ -427,12 +435,27 @@ class Resumable:
         if diff:
             self.apply_config_change(diff)
         self.start = self.state.step
+        if choice.ckpt is not None and choice.manifest is not None:
+            self._resumed(choice.manifest, config_changed=bool(diff))
         launch_marks.loaded(self.hb)
         if self.rank == 0:
             self.metrics_file = LineAppender(RunDir.of(self.root).metrics)
         self.hb.beat(self.start, Phase.TRAIN, force=True)
         self._last_save, self._t_end = time.monotonic(), time.perf_counter()
         return self.start
+
+    def _resumed(self, manifest: Manifest, config_changed: bool) -> None:
+        """The losses reported before the checkpoint continue the window; rank 0 says where the
+        run resumed and judges the first steps after it (the sanity step; not their LR against
+        the saved one when an ``allow_config_change`` was applied: it may have changed it)."""
+        saved = manifest.meta.get(META_RECENT_LOSSES)
+        window = [float(x) for x in saved if isinstance(x, int | float)] if isinstance(saved, list) else []
+        self.recent_losses.extend(window)
+        if self.rank != 0:
+            return
+        log.info("resumed from %s, next step %d", step_dirname(self.start), self.start + 1)
+        lr = None if config_changed else manifest.metrics.get("lr")
+        self.sanity = ResumeSanity(window, lr, self.steps - self.start)
 
     def state_optimizer(self) -> torch.optim.Optimizer:
         opt = getattr(self.state, "optimizer", None)
@@ -563,6 +586,12 @@ class Resumable:
         dt = float((metrics or {}).get("step_time", time.perf_counter() - self._t_end))
         self.state.step = step
         self.metrics = {**dict(metrics or {}), "step_time": round(dt, 6)}
+        loss = self.metrics.get("loss")
+        if loss is not None and math.isfinite(loss):
+            self.recent_losses.append(float(loss))
+        if self.sanity is not None:
+            self.sanity.observe(step, self.metrics)
+            self.sanity = None if self.sanity.done else self.sanity
         if self.metrics_file is not None:
             rec = MetricsRecord.of(step, self.metrics, self.hb.restart_count, self.launch)
             self.metrics_file.append(rec.to_line())
@@ -628,6 +657,7 @@ class Resumable:
             "launch": self.launch,
             "loss": self.metrics.get("loss"),
             "identity": self.identity.all_fields,
+            META_RECENT_LOSSES: list(self.recent_losses),
             **({"init_from": self.init_source} if self.init_source else {}),
             "metrics": {k: float(v) for k, v in self.metrics.items()},
         }

@@ -18,7 +18,6 @@ import io
 import logging
 import os
 import random
-from collections import deque
 from pathlib import Path
 from typing import IO, Any
 
@@ -55,7 +54,6 @@ class TrainState(Stateful):
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         scaler: torch.amp.GradScaler,
         sampler: ResumableBatchSampler,
-        loss_window: int,
         ablate: frozenset[str] = frozenset(),
         replicated: bool = False,
     ):
@@ -64,8 +62,6 @@ class TrainState(Stateful):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.scaler, self.sampler = scaler, sampler
         self.step = 0  # steps completed
-        self.loss_window = loss_window
-        self.losses: deque[float] = deque(maxlen=loss_window)
         self.ablate = ablate
         self.replicated = replicated
         self.ema: EMA | None = None  # the trainer's, where it keeps one
@@ -92,10 +88,6 @@ class TrainState(Stateful):
             "scaler": self.scaler.state_dict(),
             "sampler": self.sampler.state_dict(),
             "step": self.step,
-            "loss_window": torch.tensor(
-                list(self.losses) + [float("nan")] * (self.loss_window - len(self.losses)),
-                dtype=torch.float64,
-            ),
             "ema": self.ema.state_dict() if self.ema else None,
         }
         return {k: v for k, v in sd.items() if v is not None and _item_of(k) not in self.ablate}
@@ -116,9 +108,6 @@ class TrainState(Stateful):
         if self.ema and "ema" in sd:
             self.ema.load_state_dict(sd["ema"])
         self.step = int(sd["step"])
-        window = sd["loss_window"]
-        self.losses.clear()
-        self.losses.extend(float(v) for v in window.tolist() if v == v)
 
 
 def _item_of(key: str) -> str:

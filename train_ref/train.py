@@ -45,7 +45,7 @@ from supervisor import options, store
 from supervisor.format.atomic import restrict_umask
 from supervisor.format.exitcodes import Exit
 from supervisor.format.heartbeat import HeartbeatWriter, Phase
-from supervisor.format.layout import RunDir, step_dirname
+from supervisor.format.layout import RunDir
 from supervisor.options import nested, option
 from supervisor.redact import redact_log_handlers
 from supervisor.retention_policy import add_retention_args, policy_from_args
@@ -75,12 +75,6 @@ from train_ref.schedule import WarmupCosine
 from train_ref.state import ABLATABLE, RANK_ITEMS, TrainState
 
 log = logging.getLogger("train_ref")
-
-# Resume sanity: warn when the first losses after a resume leave the saved window's range by more
-# than this many standard deviations (plus a small absolute slack for flat windows).
-LOSS_JUMP_SIGMAS = 4.0
-LOSS_JUMP_SLACK = 0.05
-SANITY_STEPS = 3
 
 
 def _override(what: str) -> Any:
@@ -245,6 +239,7 @@ class Reference(Resumable):
             identity=identity(opts, trainer.cfg, trainer.corpus),
             saves=opts.saves,
             options=opts.resume,
+            loss_window=trainer.cfg.loss_window,
         )
 
     def save_meta(self) -> dict[str, Any]:
@@ -318,7 +313,6 @@ class Trainer:
             self.scheduler,
             self.scaler,
             self.sampler,
-            cfg.loss_window,
             replicated=opts.parallel == "ddp",
         )
         if opts.ema_decay:
@@ -336,7 +330,6 @@ class Trainer:
         want = self.cfg.lr * self.schedule(step)
         if self.d.rank != 0 or step == 0:
             return
-        log.info("resumed from %s, next step %d", step_dirname(step), step + 1)
         if self.scheduler.last_epoch != step or not math.isclose(lr, want, rel_tol=1e-9):
             log.warning(
                 "resume sanity: LR %.6g (scheduler at step %d) but the schedule says %.6g at step %d",
@@ -344,30 +337,6 @@ class Trainer:
                 self.scheduler.last_epoch,
                 want,
                 step,
-            )
-
-    def check_losses(self, first: list[float]) -> None:
-        window = list(self.state.losses)[: -len(first) or None]
-        if self.d.rank != 0 or len(window) < 2:
-            return
-        mean = sum(window) / len(window)
-        std = math.sqrt(sum((x - mean) ** 2 for x in window) / (len(window) - 1))
-        limit = LOSS_JUMP_SIGMAS * std + LOSS_JUMP_SLACK
-        worst = max(first, key=lambda x: abs(x - mean))
-        if abs(worst - mean) > limit:
-            log.warning(
-                "resume sanity: loss %.4f after resume vs saved window mean %.4f (std %.4f, limit ±%.4f)",
-                worst,
-                mean,
-                std,
-                limit,
-            )
-        else:
-            log.info(
-                "resume sanity: first losses %s within ±%.4f of the saved window mean %.4f",
-                ", ".join(f"{x:.4f}" for x in first),
-                limit,
-                mean,
             )
 
     # ------------------------------------------------------------ loop
@@ -426,22 +395,15 @@ class Trainer:
 
     def loop(self) -> None:
         opts, st = self.opts, self.state
-        start = st.step
         batches = iter(self.loader())
-        first_losses: list[float] = []
         while st.step < opts.steps:
             t0 = time.perf_counter()
             x, y, ids = next(batches)
             loss, norm, lr = self.train_step(x, y)
             self.sampler.advance()
-            st.losses.append(loss)
             step = st.step + 1
             if self.samples_file:
                 self.samples_file.append(json.dumps({"launch": self.r.launch, "step": step, "ids": ids}))
-            if start > 0 and len(first_losses) < SANITY_STEPS:
-                first_losses.append(loss)
-                if len(first_losses) == min(SANITY_STEPS, opts.steps - start):
-                    self.check_losses(first_losses)
             step_s = round(time.perf_counter() - t0, 6)
             self.r.step_end(step, {"loss": loss, "lr": lr, "grad_norm": norm, "step_time": step_s})
             if self.hold is not None:
