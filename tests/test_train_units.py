@@ -12,7 +12,7 @@ import torch
 
 from train_ref.config import config_hash, get_config
 from train_ref.data import Corpus, SampleKey, WindowDataset, collate
-from train_ref.sampler import ResumableBatchSampler
+from train_ref.sampler import ByIndex, ResumableBatchSampler
 from train_ref.schedule import WarmupCosine
 from train_ref.signals import PREEMPT_SIGNALS, PreemptionFlag
 from train_ref.state import RankState, seed_rank_rng
@@ -48,6 +48,41 @@ def test_epoch_has_no_repeats_and_sampler_refuses_uneven_split():
     assert (pos["epoch"], pos["batch"]) == (1, 0)
     with pytest.raises(ValueError, match="does not split"):
         ResumableBatchSampler(100, 8, 0, 3, seed=3)
+
+
+def test_a_plain_dataset_resumes_mid_epoch_through_a_prefetching_dataloader():
+    """DistributedSampler's replacement for a dataset indexed by int: the DataLoader's workers
+    run ahead of training (prefetch), yet the position saved is what the loop consumed
+    (``advance``), so a fresh loader from that state yields exactly the rest of the epoch."""
+    data = [10 * i for i in range(40)]  # any map-style dataset of 40 samples
+    world, global_batch = 2, 8
+
+    def loaders(state: dict | None) -> list[tuple[ResumableBatchSampler, object]]:
+        out = []
+        for rank in range(world):
+            sampler = ResumableBatchSampler(len(data), global_batch, rank, world, seed=7)
+            if state:
+                sampler.load_state_dict(state)
+            loader = torch.utils.data.DataLoader(
+                ByIndex(data), batch_sampler=sampler, num_workers=1, prefetch_factor=4
+            )
+            out.append((sampler, iter(loader)))
+        return out
+
+    def take(pairs, n_batches: int) -> list[int]:
+        seen = []
+        for _ in range(n_batches):
+            for sampler, it in pairs:
+                seen += next(it).tolist()
+                sampler.advance()
+        return seen
+
+    first = loaders(None)
+    before = take(first, 3)  # 3 of the epoch's 5 global batches; the workers fetched more
+    state = first[0][0].state_dict()
+    after = take(loaders(state), 2)
+    assert (state["epoch"], state["batch"]) == (0, 3)
+    assert sorted(before + after) == data  # the whole epoch, each sample once
 
 
 def test_augmentation_depends_only_on_the_key():

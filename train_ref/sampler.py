@@ -11,12 +11,14 @@ position; nothing is replayed.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import Dataset, Sampler
 
 from train_ref.data import SampleKey, mix_seed
+
+T_co = TypeVar("T_co", covariant=True)
 
 
 def epoch_permutation(num_samples: int, seed: int, epoch: int) -> list[int]:
@@ -78,3 +80,17 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
             self.epoch, self.batch = int(sd["epoch"]) + 1, 0
             return
         self.epoch, self.batch = int(sd["epoch"]), int(sd["batch"])
+
+
+class ByIndex(Dataset[T_co], Generic[T_co]):
+    """A dataset indexed by sample number, as most are (``dataset[i]``), read through
+    ``ResumableBatchSampler``'s keys: ``DataLoader(ByIndex(ds), batch_sampler=sampler)`` is the
+    resumable replacement of ``DataLoader(ds, sampler=DistributedSampler(ds), batch_size=b)``
+    (docs/adopting.md). A dataset that draws augmentation noise can read the whole key instead
+    (epoch, batch, sample) and seed from it, as the reference trainer's ``WindowDataset`` does."""
+
+    def __init__(self, dataset: Dataset[T_co]):
+        self.dataset = dataset
+
+    def __getitem__(self, key: SampleKey) -> T_co:
+        return self.dataset[key.sample]
