@@ -3,10 +3,11 @@
 A resume that restored the wrong thing often still runs: a scheduler that was not saved starts its
 warmup again, a model loaded from an older checkpoint than the optimizer shows a loss jump. Both
 show in the first steps after a resume, against what the run reported just before its checkpoint.
-So each manifest records the last ``LOSS_WINDOW`` losses the loop reported (``META_RECENT_LOSSES``)
-beside the last step's metrics (its ``lr``), and after a resume rank 0 compares the first
-``SANITY_STEPS`` losses with them, and each of those steps' learning rate with the step's before. A warning, never a stop: a loss may
-legitimately move (a new data shard), a schedule may step (a step decay at exactly that step).
+So each manifest records the last ``LOSS_WINDOW`` losses the loop reported
+(``META_RECENT_LOSSES``) beside the last step's metrics (its ``lr``), and after a resume rank 0
+compares the first ``SANITY_STEPS`` losses with them, and each of those steps' learning rate with
+the step's before. A warning, never a stop: a loss may legitimately move (a new data shard), a
+schedule may step (a step decay at exactly that step).
 
 Pure functions for the verdicts; ``ResumeSanity`` feeds them from the metrics the loop reports.
 """
