@@ -207,7 +207,7 @@ class SafeFileSystemReader(FileSystemReader):
             self.refused = self.refused or weights_only_refusal(label, e)
             raise self.refused from None
         except RuntimeError as e:  # torch's zip reader: "PytorchStreamReader failed reading ..."
-            raise self._corrupt(f"{label}: not a readable tensor record ({str(e).splitlines()[0]})") from None
+            raise self._corrupt(f"{label}: not a readable tensor record ({one_line(e)})") from None
 
     def _corrupt(self, what: str) -> CorruptRecord:
         self.corrupt = self.corrupt or CorruptRecord(
@@ -262,14 +262,14 @@ def load_dcp(
 
     Each rank plans and reads alone (DCP's ``no_dist``): DCP's global load plan is the identity
     (``create_default_global_load_plan``), yet with a process group it gathers every rank's local
-    plan to rank 0, unpickled there, and scatters them back, pickled again: 15 ms of rank 0's CPU
-    per rank for the bench model's 817 items, a minute at 4,096 ranks, while every rank waits
+    plan to rank 0, unpickled there, and scatters them back, pickled again: 23 ms of rank 0's CPU
+    per rank for the bench model's 801 items, 93 s at 4,096 ranks, while every rank waits
     (bench/load_plan_scale.py). Then one agreement: when no rank failed, a single all-reduce of
     a number; when one did, every rank raises its error (the same UnsafePickle or CorruptRecord
     line; another error as ``PeerLoadFailed`` on the others, the rank's own exception on that
-    rank), and nothing is applied on any rank, as DCP's own exchange of read errors guaranteed. Only then does each Stateful take its state. The caller
-    keeps the heartbeat alive meanwhile (``kept_alive``): a rank done first waits there for the
-    slowest."""
+    rank), and nothing is applied on any rank, as DCP's own exchange of read errors guaranteed.
+    Only then does each Stateful take its state. The caller keeps the heartbeat alive meanwhile
+    (``kept_alive``): a rank done first waits there for the slowest."""
     reader = SafeFileSystemReader(ckpt)
     if fs is not None:
         reader.fs = fs
