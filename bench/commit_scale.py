@@ -1,8 +1,8 @@
 """What one commit costs as the world grows: 16, 256 and 4,096 simulated ranks, side by side.
 
 No processes: each simulated rank's report is what a real rank sends at the commit (its files:
-``__R_0.distcp`` and its per-rank state file, rank 0 also DCP's ``.metadata``, each with size and
-xxh3-128), and its files exist, small and already synced (as DCP leaves its shards), in a real tmp
+``__R_0.distcp``, its own DCP index ``__R.metadata`` (FSDP's sharded state: one per rank,
+train_ref/dcp_index.py) and its per-rank state file, each with size and xxh3-128), and its files exist, small and already synced (as DCP leaves its shards), in a real tmp
 dir. Per world size N:
 - the gather: bytes received per rank and over the job, and the time to decode the reports, for
   the old all-gather (every rank received and unpickled all N reports: O(N^2) over the job) and
@@ -33,11 +33,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from supervisor.format.layout import DCP_METADATA, rank_state_filename  # noqa: E402  after the path
+from supervisor.format.layout import dcp_index_filename, dcp_shard_filename, rank_state_filename  # noqa: E402  after the path
 from supervisor.format.manifest import CheckpointInfo, FileEntry  # noqa: E402
 
 SHARD_BYTES = 4096  # on disk; the size recorded is what matters to the manifest, not the bytes
 STATE_BYTES = 1024
+INDEX_BYTES = 512
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,9 +53,11 @@ def reports(world: int) -> list[dict[str, FileEntry]]:
     """What each simulated rank sends rank 0: its files with size and checksum."""
     out = []
     for r in range(world):
-        files = {f"__{r}_0.distcp": SHARD_BYTES, rank_state_filename(r): STATE_BYTES}
-        if r == 0:
-            files[DCP_METADATA] = 64 * world  # DCP's index grows with the shards it lists
+        files = {
+            dcp_shard_filename(r): SHARD_BYTES,
+            dcp_index_filename(r): INDEX_BYTES,
+            rank_state_filename(r): STATE_BYTES,
+        }
         out.append({n: FileEntry(size, f"{r:016x}{size:016x}") for n, size in files.items()})
     return out
 

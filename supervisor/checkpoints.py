@@ -25,6 +25,7 @@ from supervisor.format.layout import (
     REASON,
     SIGNATURE,
     RunDir,
+    is_dcp_index,
     parse_committed,
     quarantined_dirname,
 )
@@ -330,7 +331,7 @@ def _pickles_problem(ref: CheckpointRef, names: Sequence[str]) -> str | OSError:
     from supervisor import safepickle
 
     for name in names:
-        if safepickle.is_dcp_metadata(name):
+        if is_dcp_index(name):
             try:
                 data = (ref.path / name).read_bytes()
             except OSError as e:

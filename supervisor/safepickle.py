@@ -23,11 +23,7 @@ from __future__ import annotations
 
 import io
 import pickle
-import re
 from typing import IO, Any
-
-# DCP's global index, and the per-rank index it writes when saving without collectives.
-_METADATA_NAME = re.compile(r"(?:__[0-9]+)?\.metadata")
 
 _DCP = "torch.distributed.checkpoint"
 _TORCH_DTYPES = (  # every torch.dtype of torch 2.13, as it pickles: ("torch", "<name>")
@@ -65,11 +61,6 @@ WHY = "a tampered or foreign file, refused without running any of it"
 class UnsafePickle(ValueError):
     """A pickle names something DCP's metadata is not made of; ``str(e)`` is one line naming the
     file, the name and the fix. Nothing of the file was run."""
-
-
-def is_dcp_metadata(name: str) -> bool:
-    """``name`` (relative to the checkpoint) is one of DCP's pickled indexes."""
-    return _METADATA_NAME.fullmatch(name) is not None
 
 
 def refusal(label: str, module: str, name: str) -> UnsafePickle:

@@ -1,8 +1,10 @@
 """Run under torchrun by test_train_parallel.py: an fsdp model large enough that its records are read
 in place (64 KiB and more per shard), its AdamW state allocated for the load, both loaded back into
-a fresh model and optimizer bit for bit.
+a fresh model and optimizer bit for bit; then the same saved with an index per rank (each rank
+alone, train_ref/dcp_index.py) and loaded back, each rank reading only its own index.
 
-Rank 0 prints a line per rank: ``rank R in_place N primed P equal E``."""
+Rank 0 prints a line per rank: ``rank R in_place N primed P equal E per_rank_equal E read NAMES``
+(the indexes that rank read in the second load)."""
 
 from __future__ import annotations
 
@@ -51,6 +53,13 @@ def snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.T
     return out
 
 
+def same(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
+    return len(got) == len(want) and all(
+        a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        for a, b in zip(got, want, strict=True)
+    )
+
+
 def main() -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -61,6 +70,13 @@ def main() -> int:
     dist.broadcast_object_list(got_root, src=0)
     ckpt = Path(str(got_root[0])) / "step_00000002"
     dcp.save({"app": Objects({"model": model, "optimizer": opt})}, storage_writer=_writer(ckpt, ckpt.parent))
+
+    alone = ckpt.parent / "step_00000003"  # each rank's own index: no plan exchange
+    dcp.save(
+        {"app": Objects({"model": model, "optimizer": opt})},
+        storage_writer=_writer(alone, ckpt.parent),
+        use_collectives=False,
+    )
 
     fresh, fresh_opt = trained(seed=9, steps=0)  # other weights, no optimizer state
     counted = {"in_place": 0}
@@ -74,12 +90,24 @@ def main() -> int:
     safe_load.read_in_place = counting  # type: ignore[assignment]
     primed = prime_for_load(fresh_opt)
     safe_load.load_dcp(ckpt, {"app": Objects({"model": fresh, "optimizer": fresh_opt})}, None)
-    got = snapshot(fresh, fresh_opt)
-    equal = len(got) == len(want) and all(
-        a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-        for a, b in zip(got, want, strict=True)
+    equal = same(snapshot(fresh, fresh_opt), want)
+
+    again, again_opt = trained(seed=11, steps=0)
+    prime_for_load(again_opt)
+    read: list[str] = []
+    real_index = safe_load.SafeFileSystemReader._read_index
+
+    def reading(self: safe_load.SafeFileSystemReader, path: Path) -> object:
+        read.append(path.name)
+        return real_index(self, path)
+
+    safe_load.SafeFileSystemReader._read_index = reading  # type: ignore[assignment, method-assign]
+    safe_load.load_dcp(alone, {"app": Objects({"model": again, "optimizer": again_opt})}, None)
+    per_rank_equal = same(snapshot(again, again_opt), want)
+    mine = (
+        f"rank {rank} in_place {counted['in_place']} primed {primed} equal {equal} "
+        f"per_rank_equal {per_rank_equal} read {','.join(read)}"
     )
-    mine = f"rank {rank} in_place {counted['in_place']} primed {primed} equal {equal}"
     lines: list[str] | None = [""] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(mine, lines)  # one writer: ranks printing at once interleave on the pipe
     if rank == 0:

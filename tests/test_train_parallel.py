@@ -1,5 +1,6 @@
 """fsdp's meta-device build: the same initial parameters as a whole build, on any world size; and
-an fsdp checkpoint's records read in place, its AdamW state allocated, loaded back bit for bit."""
+an fsdp checkpoint's records read in place, its AdamW state allocated, loaded back bit for bit,
+from DCP's one index and from an index per rank."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import pytest
 from commands import REPO
 from trainer_helpers import trainer_env
 from waiting import PATIENCE_S
+
+from supervisor.format.layout import dcp_index_filename
 
 pytestmark = pytest.mark.slow
 
@@ -36,5 +39,11 @@ def test_fsdp_records_read_in_place_and_allocated_adamw_state_load_bit_exact(npr
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     lines = sorted(ln.split() for ln in r.stdout.splitlines() if ln.startswith("rank "))
     assert [ln[1] for ln in lines] == [str(i) for i in range(nproc)], r.stdout[-3000:]
-    for _, rank, _, in_place, _, primed, _, equal in lines:
+    for _, rank, _, in_place, _, primed, _, equal, _, per_rank_equal, _, read in lines:
         assert int(in_place) > 0 and primed == "True" and equal == "True", (rank, in_place, primed, equal)
+        # an index per rank: each rank read its own alone, and loaded the same state from it
+        assert per_rank_equal == "True" and read == dcp_index_filename(int(rank)), (
+            rank,
+            per_rank_equal,
+            read,
+        )

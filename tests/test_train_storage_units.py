@@ -331,8 +331,10 @@ def test_the_progress_reader_counts_what_dcp_reads_a_chunk_at_a_time(tmp_path, t
     shard = os.path.getsize(ckpt / "__0_0.distcp")
     assert sum(tracker.units) >= shard  # every byte of the shard went through the counter
     assert max(tracker.units) <= PROGRESS_CHUNK and len(tracker.units) >= shard // PROGRESS_CHUNK
-    # each file named while it is read, cleared after (between files)
-    assert tracker.paths == ["step_00000001/.metadata", "", "step_00000001/__0_0.distcp", ""]
+    # each file named while it is looked for or read, cleared after (between files): DCP's one
+    # index is looked for first (else each rank reads its own, dcp_index.py)
+    index = "step_00000001/.metadata"
+    assert tracker.paths == [index, "", index, "", "step_00000001/__0_0.distcp", ""]
 
 
 def test_the_progress_writer_counts_what_dcp_writes_a_chunk_at_a_time(tmp_path, tracker):

@@ -9,6 +9,8 @@ streams are re-derived for the new world size. See ``LOSS_BOUND`` for the bound.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from trainer_helpers import (
     EMA,
@@ -23,6 +25,8 @@ from trainer_helpers import (
     train_args,
 )
 
+from supervisor import store
+from supervisor.format.layout import dcp_index_filename, is_dcp_index, step_dirname
 from train_ref.config import CONFIGS
 
 pytestmark = pytest.mark.slow
@@ -58,6 +62,8 @@ def test_world_size_change_keeps_the_data_stream(goldens, tmp_path, before, afte
     r = run_ok(root, after, *train_args("fsdp", "--log-samples", *extra))
     assert f"world size {before} -> {after}" in r.output
     assert ("ema_sha256" in final(root)) == bool(extra)
+    # the saved ranks' own indexes, merged, loaded; each new rank then saved its own
+    assert indexes(store.list_checkpoints(root)[0].path) == [dcp_index_filename(r) for r in range(after)]
 
     got, want = ids_by_step(root), ids_by_step(golden)
     assert sorted(got) == list(range(1, STEPS + 1))
@@ -88,7 +94,18 @@ def test_a_resume_may_change_the_parallel_layout_and_stays_bit_exact(goldens, tm
     want = digest(goldens.get(after, 2))
     assert digest(goldens.get(before, 2)) == want  # the premise: the layouts agree bit for bit
     root = rewind(goldens.get(before, 2), tmp_path / "run", RESUME_AT)
+    # FSDP's shards each rank indexes alone; DDP's shares need DCP's one index (dcp_index.py)
+    assert indexes(root / step_dirname(RESUME_AT)) == INDEXES[before]
     r = run_ok(root, 2, *train_args(after))
     assert f"resumed from step_{RESUME_AT:08d}, next step {RESUME_AT + 1}" in r.output
     assert final(root)["parallel"] == after
     assert digest(root) == want
+    assert indexes(store.list_checkpoints(root)[0].path) == INDEXES[after]
+
+
+INDEXES = {"ddp": [dcp_index_filename()], "fsdp": [dcp_index_filename(0), dcp_index_filename(1)]}
+
+
+def indexes(ckpt: Path) -> list[str]:
+    """The names of DCP's indexes in ``ckpt``, sorted."""
+    return sorted(p.name for p in ckpt.iterdir() if is_dcp_index(p.name))

@@ -68,7 +68,7 @@ from torch.futures import Future as TorchFuture
 from supervisor import store
 from supervisor.format.heartbeat import HeartbeatWriter, Phase, Progress, Tracker
 from supervisor.format.layout import (
-    DCP_METADATA,
+    dcp_index_filename,
     dcp_shard_filename,
     dcp_shard_prefix,
     rank_state_filename,
@@ -76,6 +76,7 @@ from supervisor.format.layout import (
 )
 from supervisor.format.manifest import META_SAVE_S, CheckpointInfo, FileEntry, checksum_file
 from train_ref import agree
+from train_ref.dcp_index import per_rank_index, tensor_bytes
 from train_ref.optim_state import prime_for_load
 from train_ref.progress_io import (
     PROGRESS_CHUNK,
@@ -298,6 +299,7 @@ class Checkpointer:
         self._worker: ThreadPoolExecutor | None = None
         self._pruning: _Pruning | None = None
         self._agreed: list[bool] | None = None  # flags agreed by reduce_with_control this step
+        self._per_rank: bool | None = None  # saves write an index per rank (decided at the first)
         self.last_blocking_s = 0.0  # time the training loop was blocked by the last save call
         self.last_staging_wait_s = 0.0  # ... and then waiting for its staging before a step
         self.last_finish_s = 0.0  # ... and then its commit (after a wait, if its writes were not done)
@@ -320,6 +322,8 @@ class Checkpointer:
         if isinstance(tmp, SaveOutcome):
             return tmp
         rank_file = tmp / rank_state_filename(self.rank)
+        app = {"app": state.saving(self.rank, self.world_size).state_dict()}
+        alone = self._index_per_rank(app)
         if self.async_save and not blocking:
             rank_state = RankState.serialize(
                 self.rank_extra
@@ -327,10 +331,11 @@ class Checkpointer:
             # counts the upload's writes (beating between files), then the checksums and the commit
             uploading = Keepalive(Relay())
             resp = dcp.async_save(
-                {"app": state.saving(self.rank, self.world_size)},
+                app,
                 storage_writer=_writer(tmp, self.root, uploading),
                 process_group=self.dcp_group,
                 async_stager=self.stager,
+                use_collectives=not alone,
             )
             staging, upload = (
                 (resp.staging_completion, resp.upload_completion)
@@ -351,15 +356,26 @@ class Checkpointer:
         try:
             with kept_alive(self.hb.tracker(Phase.SAVE, state.step)) as saving:
                 dcp.save(
-                    {"app": state.saving(self.rank, self.world_size)},
+                    app,
                     storage_writer=_writer(tmp, self.root, saving),
                     process_group=self.dcp_group,
+                    use_collectives=not alone,
                 )
         except (OSError, CheckpointException) as e:
             error = error or self._storage_error(e)
         outcome = self._commit(state.step, tmp, meta, error, t0)
         self.last_blocking_s = time.monotonic() - t0
         return outcome
+
+    def _index_per_rank(self, app: dict[str, Any]) -> bool:
+        """Whether saves write an index per rank, each rank saving alone, or DCP's one index
+        after its plan exchange (train_ref/dcp_index.py): decided at the first save from what is
+        sharded, agreed by every rank (one all-reduce), the same for every save after."""
+        if self._per_rank is None:
+            mine = torch.tensor([int(per_rank_index(*tensor_bytes(app), self.world_size))])
+            dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=self.dcp_group)
+            self._per_rank = bool(mine.item())
+        return self._per_rank
 
     def before_optimizer_step(self) -> None:
         """Wait until the in-flight save has staged its copy; parameters may change after this."""
@@ -608,9 +624,13 @@ class Checkpointer:
                 self.leftovers.remove(tmp)
 
     def _is_own(self, name: str) -> bool:
-        """A file this rank writes into a checkpoint (DCP's ``.metadata``: its coordinator, rank 0)."""
-        own = {rank_state_filename(self.rank)} | ({DCP_METADATA} if self.rank == 0 else set())
-        return name.startswith(dcp_shard_prefix(self.rank)) or name in own
+        """A file this rank writes into a checkpoint: its shards, its state file, and its own
+        index where each rank writes one (else DCP's one index is rank 0's, its coordinator's)."""
+        if name.startswith(dcp_shard_prefix(self.rank)) or name == rank_state_filename(self.rank):
+            return True
+        if self._per_rank:
+            return name == dcp_index_filename(self.rank)
+        return self.rank == 0 and name == dcp_index_filename()
 
     def _decide(
         self,
@@ -730,8 +750,8 @@ class Checkpointer:
             )
 
     def _local_entries(self, tmp: Path, progress: Progress | Relay) -> dict[str, FileEntry]:
-        """Checksums of the files this rank wrote, so rank 0 does not re-read every shard. DCP's
-        ``.metadata`` is written by its coordinator, rank 0. ``progress`` counts the bytes hashed."""
+        """Checksums of the files this rank wrote (``_is_own``), so rank 0 does not re-read every
+        shard. ``progress`` counts the bytes hashed."""
         mine = [n for n in sorted(os.listdir(tmp)) if self._is_own(n)]
         sizes = {n: (tmp / n).stat().st_size for n in mine}
         # bytes counted with no total (an async save's relay: the upload's writes) are done out
@@ -766,7 +786,10 @@ class Checkpointer:
         cache behind it (train_ref/readahead.py)."""
         same_world = saved_world_size == self.world_size
         path = ckpt / rank_state_filename(self.rank)
-        first = [ckpt / DCP_METADATA] + ([ckpt / dcp_shard_filename(self.rank), path] if same_world else [])
+        index = ckpt / dcp_index_filename()
+        if not index.exists():  # one per rank: this rank's own, when the world is the same
+            index = ckpt / dcp_index_filename(self.rank)
+        first = [index] + ([ckpt / dcp_shard_filename(self.rank), path] if same_world else [])
         with readahead(first), kept_alive(progress) as loading:
             prime_for_load(getattr(state, "optimizer", None))
             fs = ProgressFileSystem(self.root, loading)

@@ -53,9 +53,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.futures import Future
 
-from supervisor.format.layout import parse_committed
+from supervisor.format.layout import dcp_index_filename, parse_committed, parse_dcp_index
 from supervisor.safepickle import WHY, UnsafePickle, load_restricted
 from train_ref import agree
+from train_ref.dcp_index import merged, uncovered
 from train_ref.tensor_record import plain_tensor, read_in_place
 
 # torch's weights_only refusal names the global: "Unsupported global: GLOBAL posix.system was not ..."
@@ -88,8 +89,13 @@ class SafeFileSystemReader(FileSystemReader):
     ``torch.load`` (``plain_tensor``), which was most of a load's CPU (bench/checkpoint.py has
     the load against a raw read; docs/trainer.md the numbers)."""
 
-    def __init__(self, path: str | os.PathLike[str]):
+    def __init__(self, path: str | os.PathLike[str], rank: int | None = None, merge: bool = False):
+        """``rank``: this rank, whose own index it reads when the checkpoint has one per rank
+        (train_ref/dcp_index.py); ``merge``: all of them, merged, instead."""
         super().__init__(path)
+        self.own_rank, self.merge = rank, merge
+        self.index = Path(path) / dcp_index_filename()  # the index read, for a line naming it
+        self.own_index = False  # ... is this rank's own, which holds only what it wrote
         # The first refusal: DCP catches a read_metadata error and tries the per-rank index, then
         # wraps what it got; the load site re-raises this one line instead.
         self.refused: UnsafePickle | None = None
@@ -97,21 +103,49 @@ class SafeFileSystemReader(FileSystemReader):
         self.tensors: dict[str, Any] = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """torch 2.13's ``FileSystemReader.read_metadata`` with ``pickle.load`` restricted."""
+        """torch 2.13's ``FileSystemReader.read_metadata`` with ``pickle.load`` restricted: the
+        checkpoint's index; where each rank wrote its own, this rank's (``rank``), or all of
+        them merged (``merge``, no ``rank``, or none of this rank's: the world grew)."""
         if self.refused is not None:
             raise self.refused
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            try:
-                # torch types the stream as IOBase; it is the binary file opened "rb" above
-                metadata = load_restricted(cast(IO[bytes], f), str(path))
-            except UnsafePickle as e:
-                self.refused = e
-                raise
-        if getattr(metadata, "storage_meta", None) is None:
+        path = Path(self.path)
+        if self.fs.exists(path / dcp_index_filename()):
+            metadata = self._read_index(path / dcp_index_filename())
+        elif (
+            not self.merge
+            and self.own_rank is not None
+            and self.fs.exists(path / dcp_index_filename(self.own_rank))
+        ):
+            self.index, self.own_index = path / dcp_index_filename(self.own_rank), True
+            metadata = self._read_index(self.index)
+        else:
+            metadata = self._merged(path)
+        if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def _read_index(self, path: Path) -> Metadata:
+        with self.fs.create_stream(path, "rb") as f:
+            try:
+                # torch types the stream as IOBase; it is the binary file opened "rb" above
+                return cast(Metadata, load_restricted(cast(IO[bytes], f), str(path)))
+            except UnsafePickle as e:
+                self.refused = e
+                raise
+
+    def _merged(self, path: Path) -> Metadata:
+        """Every rank's index, merged (``dcp_index.merged``): ranks 0 to N-1, none missing."""
+        ranks = sorted(r for n in os.listdir(path) if (r := parse_dcp_index(n)) is not None)
+        self.index = path  # every rank's own index, merged
+        if not ranks or ranks != list(range(len(ranks))):
+            have = ", ".join(map(str, ranks)) or "none"
+            raise self._corrupt(f"{path}: no {dcp_index_filename()}, and the ranks' own indexes are "
+                                f"not ranks 0 to N-1 (found: {have})")  # fmt: skip
+        try:
+            return merged([self._read_index(path / dcp_index_filename(r)) for r in ranks])
+        except ValueError as e:
+            raise self._corrupt(f"{path}: its ranks' indexes disagree ({e})") from None
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -232,6 +266,22 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         super().__init__()
         self.reader = reader
 
+    def create_local_plan(self) -> LoadPlan:
+        """DCP's local plan, checked to read every element this rank holds (``uncovered``): a
+        part no chunk covers would keep what it held before. Short of it, a rank's own index
+        means another layout than the save's (``OwnIndexShort``: read them all); any other
+        index is corrupt."""
+        md = cast(Metadata, self.metadata)
+        if self.reader.own_index and any(k not in md.state_dict_metadata for k in self.state_dict):
+            raise OwnIndexShort()
+        plan = super().create_local_plan()
+        short = uncovered(plan, self.state_dict)
+        if short is not None:
+            if self.reader.own_index:
+                raise OwnIndexShort()
+            raise self.reader._corrupt(f"{self.reader.index}: reads only {short} this rank holds")
+        return plan
+
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         """torch 2.13's ``DefaultLoadPlanner.load_bytes`` with ``weights_only=True``."""
         fqn = read_item.dest_index.fqn
@@ -270,20 +320,14 @@ def load_dcp(
     rank), and nothing is applied on any rank, as DCP's own exchange of read errors guaranteed.
     Only then does each Stateful take its state. The caller keeps the heartbeat alive meanwhile
     (``kept_alive``): a rank done first waits there for the slowest."""
-    reader = SafeFileSystemReader(ckpt)
-    if fs is not None:
-        reader.fs = fs
+    rank = dist.get_rank(process_group) if dist.is_initialized() else None
     with no_gc():
         # read in place into each Stateful's state dict (DCP's own first step, done here so that
         # the state is applied only once every rank read its part)
         loaded = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
-        error: BaseException | None = None
-        try:
-            with warnings.catch_warnings():  # no_dist's "assuming the intent is to load in a single process"
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(loaded, storage_reader=reader, planner=SafeLoadPlanner(reader), no_dist=True)
-        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-            error = _unwrapped(e)
+        reader, error = _read(ckpt, loaded, rank, False, fs)
+        if isinstance(error, OwnIndexShort):  # saved in another layout: read every rank's index
+            reader, error = _read(ckpt, loaded, rank, True, fs)
         ours = reader.refused or reader.corrupt  # one line of ours, for what DCP raised
         if process_group is not None or dist.is_initialized():
             first = agree.first_failure(_failure(ours or error), process_group, lambda: None)
@@ -298,6 +342,27 @@ def load_dcp(
                 value.load_state_dict(loaded[key])
             else:  # as dcp.load: a non-tensor value at the top is replaced, not filled in
                 state_dict[key] = loaded[key]
+
+
+def _read(
+    ckpt: Path, loaded: dict[str, Any], rank: int | None, merge: bool, fs: FileSystem | None
+) -> tuple[SafeFileSystemReader, BaseException | None]:
+    """``dcp.load`` of this rank's part into ``loaded``, alone; the reader and what it raised."""
+    reader = SafeFileSystemReader(ckpt, rank, merge)
+    if fs is not None:
+        reader.fs = fs
+    try:
+        with warnings.catch_warnings():  # no_dist's "assuming the intent is to load in a single process"
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(loaded, storage_reader=reader, planner=SafeLoadPlanner(reader), no_dist=True)
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        return reader, _unwrapped(e)
+    return reader, None
+
+
+class OwnIndexShort(Exception):
+    """This rank's own index does not hold all it loads: the checkpoint was saved in another
+    layout. Raised while planning, before anything is read."""
 
 
 class PeerLoadFailed(RuntimeError):

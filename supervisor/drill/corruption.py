@@ -10,13 +10,13 @@ import os
 from enum import Enum
 from pathlib import Path
 
-from supervisor.format.layout import DCP_METADATA, MANIFEST
+from supervisor.format.layout import DCP_METADATA, MANIFEST, dcp_index_filename
 
 
 class Corruption(str, Enum):
     TRUNCATE = "truncate"  # the largest shard cut to half its size
     BITFLIP = "bitflip"  # one bit flipped in the middle of the largest shard: same size
-    DELETE_METADATA = "delete-metadata"  # DCP's .metadata gone
+    DELETE_METADATA = "delete-metadata"  # DCP's index gone (rank 0's, where each rank has one)
     DELETE_SHARD = "delete-shard"  # the largest shard gone
     GARBAGE_MANIFEST = "garbage-manifest"  # manifest.json not JSON
     OTHER_STEP_MANIFEST = "other-step-manifest"  # manifest.json of another step
@@ -34,9 +34,10 @@ def corrupt(ckpt: Path, how: Corruption | str) -> str:
     """Damage the checkpoint directory ``ckpt`` in place; returns what was done, for a report."""
     how = Corruption(how)
     name = ckpt.name
-    if how == Corruption.DELETE_METADATA:
-        (ckpt / DCP_METADATA).unlink()
-        return f"deleted {name}/{DCP_METADATA}"
+    if how == Corruption.DELETE_METADATA:  # the one index, or rank 0's where each rank has its own
+        index = DCP_METADATA if (ckpt / DCP_METADATA).exists() else dcp_index_filename(0)
+        (ckpt / index).unlink()
+        return f"deleted {name}/{index}"
     if how in (Corruption.GARBAGE_MANIFEST, Corruption.OTHER_STEP_MANIFEST, Corruption.DELETE_MANIFEST):
         return _manifest(ckpt, how)
     if how == Corruption.STRAY_FILE:

@@ -1,7 +1,8 @@
 """The run directory: names and paths, the one truth shared by the watchdog and the trainer.
 
     ROOT/
-      step_00000050/                 committed checkpoint: DCP shards and .metadata, per-rank
+      step_00000050/                 committed checkpoint: DCP shards and their index (.metadata,
+                                     or one __3.metadata per rank for sharded state), per-rank
                                      rank_00003.state.pt, manifest.json (and manifest.sig when the
                                      run signs its checkpoints)
       step_00000100.tmp.<pid>.<host>/ a checkpoint being written; never listed as a checkpoint
@@ -58,7 +59,8 @@ SIGNATURE = "manifest.sig"
 REASON = "reason.txt"
 # A quarantined entry being removed by retention (hidden: never listed as quarantined).
 QUARANTINE_DELETING_PREFIX = ".deleting."
-# In a checkpoint: DCP's pickled index (its coordinator, rank 0, writes it) and each rank's own state.
+# In a checkpoint: DCP's pickled index, one for all (its coordinator, rank 0, writes it), or one per
+# rank, ``dcp_index_filename`` (a save without DCP's plan exchange, train_ref/dcp_index.py).
 DCP_METADATA = ".metadata"
 # The trainer's outputs in the root: per-step metrics (rank 0, appended across launches), final
 # digest, and with --log-samples one file of sample ids per rank under SAMPLES.
@@ -94,6 +96,7 @@ NODE_DIR_ENV = "SUPERVISOR_NODE_DIR"
 HEARTBEAT_DIR_ENV = "SUPERVISOR_HEARTBEAT_DIR"
 SHM = "/dev/shm"
 
+_DCP_INDEX_RE = re.compile(r"(?:__([0-9]+))?" + re.escape(DCP_METADATA))
 # ASCII digits only and a full match: "step_00000050\n" or non-ASCII digits are not checkpoints.
 _COMMITTED_RE = re.compile(rf"{STEP_PREFIX}([0-9]{{{STEP_DIGITS}}})")
 _MARKED_RE = r"{prefix}([0-9]{{{digits}}}){mark}([0-9]+)\.([A-Za-z0-9_-]+)"
@@ -290,6 +293,23 @@ def dcp_shard_filename(rank: int, index: int = 0) -> str:
     """The ``index``-th shard file rank ``rank`` writes, as DCP names them (``dcp_shard_prefix``,
     then a file count; the trainer's writer, one thread, writes one: index 0)."""
     return f"{dcp_shard_prefix(rank)}{index}.distcp"
+
+
+def dcp_index_filename(rank: int | None = None) -> str:
+    """DCP's pickled index: the checkpoint's one (``rank`` None), or the one ``rank`` writes when
+    every rank saves alone (torch 2.13 ``FileSystemWriter`` with ``use_collectives=False``)."""
+    return DCP_METADATA if rank is None else f"__{rank}{DCP_METADATA}"
+
+
+def is_dcp_index(name: str) -> bool:
+    """``name`` (relative to the checkpoint) is one of DCP's pickled indexes."""
+    return _DCP_INDEX_RE.fullmatch(name) is not None
+
+
+def parse_dcp_index(name: str) -> int | None:
+    """The rank whose own index ``name`` is; None for any other name (the one index too)."""
+    m = _DCP_INDEX_RE.fullmatch(name)
+    return int(m.group(1)) if m and m.group(1) is not None else None
 
 
 def rank_state_filename(rank: int) -> str:

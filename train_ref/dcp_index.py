@@ -1,0 +1,132 @@
+"""DCP's index of a checkpoint: one ``.metadata`` for all ranks, or one per rank, and which a save writes.
+
+With one index, DCP's save gathers every rank's save plan to rank 0, which builds the global plan
+and the index from them, scatters the plans back, and then gathers every rank's write results
+(torch 2.13 ``_save_state_dict``): rank 0's CPU grows with the ranks, in the async save's thread
+beside the loop. And at every resume each rank reads and unpickles that whole index, which holds
+a chunk per rank of every sharded tensor: the job's work grows with ranks x ranks
+(bench/index_scale.py has both).
+
+When the state is sharded (FSDP: the tensors are DTensors split over the ranks), each rank saves
+alone (``use_collectives=False``): its shards and its own index, ``__<rank>.metadata``, nothing
+exchanged. A resume on the same layout reads its own index: what a rank loads is what it wrote
+(``uncovered`` checks that, element for element). On another layout (a world-size change, FSDP to
+DDP) it reads them all, ``merged``. Replicated state (DDP, HSDP's replicas) keeps the one index:
+with one per rank, every rank would write what the others write (or, split into the trainer's
+replica shares, would need every rank's index to load).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    STORAGE_TYPES,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
+from torch.distributed.tensor import DTensor, Shard
+
+__all__ = ["REPLICATED_MAX", "merged", "per_rank_index", "tensor_bytes", "uncovered"]
+
+# With an index per rank, every rank writes its own copy of what is replicated: allowed while all
+# the copies together stay within this share of the checkpoint (the sharded bytes).
+REPLICATED_MAX = 0.01
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from _tensors(v)
+
+
+def tensor_bytes(state_dict: Mapping[str, Any]) -> tuple[int, int]:
+    """(replicated, sharded) bytes of the tensors in a nested state dict: a DTensor split along
+    every dim of its mesh counts its whole size as sharded; any other tensor (a plain one, or a
+    DTensor replicated along some mesh dim) as replicated, by what this rank holds."""
+    replicated = sharded = 0
+    for t in _tensors(state_dict):
+        if isinstance(t, DTensor) and all(isinstance(p, Shard) for p in t.placements):
+            sharded += t.numel() * t.element_size()
+        else:
+            local = t.to_local() if isinstance(t, DTensor) else t
+            replicated += local.numel() * local.element_size()
+    return replicated, sharded
+
+
+def per_rank_index(replicated: int, sharded: int, world_size: int) -> bool:
+    """Whether a save writes an index per rank: the state is sharded, and the copies of what is
+    replicated, one per rank, cost at most ``REPLICATED_MAX`` of the sharded bytes."""
+    return sharded > 0 and replicated * world_size <= REPLICATED_MAX * sharded
+
+
+def merged(indexes: Sequence[Metadata]) -> Metadata:
+    """The per-rank indexes (in rank order) as one, as DCP's global plan would have built it:
+    every tensor's chunks from every rank, an item every rank wrote alike (a replicated tensor, a
+    non-tensor value) once, from the lowest rank. ValueError when two ranks disagree on an item."""
+    items: dict[str, STORAGE_TYPES] = {}
+    storage: dict[MetadataIndex, Any] = {}
+    planner_data: dict[str, Any] = {}
+    for md in indexes:
+        for fqn, item in md.state_dict_metadata.items():
+            have = items.get(fqn)
+            if have is None:
+                items[fqn] = (
+                    TensorStorageMetadata(item.properties, item.size, list(item.chunks))
+                    if isinstance(item, TensorStorageMetadata)
+                    else item
+                )
+            elif isinstance(have, TensorStorageMetadata) and isinstance(item, TensorStorageMetadata):
+                if have.size != item.size or have.properties.dtype != item.properties.dtype:
+                    raise ValueError(f"{fqn}: {tuple(item.size)} {item.properties.dtype} in one index, "
+                                     f"{tuple(have.size)} {have.properties.dtype} in another")  # fmt: skip
+                _add_chunks(fqn, have.chunks, item.chunks)
+            elif isinstance(have, TensorStorageMetadata) or isinstance(item, TensorStorageMetadata):
+                raise ValueError(f"{fqn}: a tensor in one index, a value in another")
+        for index, info in md.storage_data.items():
+            storage.setdefault(MetadataIndex(index.fqn, index.offset), info)
+        if isinstance(md.planner_data, Mapping):
+            for k, v in md.planner_data.items():
+                planner_data.setdefault(k, v)
+    first = indexes[0]
+    return Metadata(items, planner_data or first.planner_data, storage, first.storage_meta, first.version)
+
+
+def _add_chunks(fqn: str, have: list[ChunkStorageMetadata], more: Sequence[ChunkStorageMetadata]) -> None:
+    at = {tuple(c.offsets): c for c in have}
+    for c in more:
+        same = at.get(tuple(c.offsets))
+        if same is None:
+            have.append(c)
+            at[tuple(c.offsets)] = c
+        elif tuple(same.sizes) != tuple(c.sizes):
+            raise ValueError(f"{fqn}: a chunk at {tuple(c.offsets)} of {tuple(c.sizes)} in one index, "
+                             f"of {tuple(same.sizes)} in another")  # fmt: skip
+
+
+def uncovered(plan: LoadPlan, state_dict: Mapping[str, Any]) -> str | None:
+    """The first tensor of the (flattened) ``state_dict`` that ``plan`` does not read in full, as
+    "fqn: N of M elements"; None when every element of every tensor is read. DCP plans the reads
+    from the index's chunks that overlap what a rank holds, and reads nothing for a part no chunk
+    covers: that part would keep whatever the tensor held before the load."""
+    read: dict[str, int] = {}
+    for item in plan.items:
+        if item.type == LoadItemType.TENSOR:
+            read[item.dest_index.fqn] = read.get(item.dest_index.fqn, 0) + math.prod(item.lengths)
+    for fqn, value in state_dict.items():
+        if isinstance(value, torch.Tensor):
+            need = (value.to_local() if isinstance(value, DTensor) else value).numel()
+            if read.get(fqn, 0) < need:
+                return f"{fqn}: {read.get(fqn, 0)} of {need} elements"
+    return None
