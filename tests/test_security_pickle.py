@@ -34,7 +34,7 @@ from trainer_helpers import (
 
 from supervisor import safepickle
 from supervisor.format.exitcodes import Exit
-from supervisor.format.layout import REASON, RunDir
+from supervisor.format.layout import REASON, RunDir, dcp_index_filename, is_dcp_index
 from train_ref.safe_load import load_dcp, weights_only_refusal
 from train_ref.state import RankState
 
@@ -53,7 +53,7 @@ def real_runs(goldens, tmp_path_factory) -> dict[str, Path]:
 
 
 def metadata_files(runs: dict[str, Path]) -> list[Path]:
-    files = sorted(p for root in runs.values() for p in root.glob(f"step_*/{METADATA}"))
+    files = sorted(p for root in runs.values() for p in root.glob("step_*/*") if is_dcp_index(p.name))
     assert len(files) >= 7, files
     return files
 
@@ -166,10 +166,10 @@ def test_a_tampered_rank_state_file_is_refused(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- real runs
 
 
-def tampered_copy(src: Path, dst: Path, step: int, marker: Path) -> Path:
-    """A copy of a finished run as of ``step``, whose newest ``.metadata`` runs a command."""
+def tampered_copy(src: Path, dst: Path, step: int, marker: Path, index: str = METADATA) -> Path:
+    """A copy of a finished run as of ``step``, whose newest DCP ``index`` runs a command."""
     root = rewind(src, dst, step)
-    tamper(root / f"step_{step:08d}", METADATA, evil_pickle(marker))
+    tamper(root / f"step_{step:08d}", index, evil_pickle(marker))
     return root
 
 
@@ -193,18 +193,20 @@ def test_ckpt_verify_deep_refuses_a_tampered_metadata(goldens, tmp_path: Path) -
 
 
 @pytest.mark.slow
-def test_the_trainer_refuses_a_tampered_metadata_at_load(goldens, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("parallel", "index"), [("ddp", METADATA), ("fsdp", dcp_index_filename(1))])
+def test_the_trainer_refuses_a_tampered_metadata_at_load(goldens, tmp_path: Path, parallel, index) -> None:
     """--verify quick, so the store's deep check does not catch it first: the load itself does.
-    Every rank refuses with 77 (not retryable), the line names the file, nothing of it ran."""
+    Every rank refuses with 77 (not retryable), the line names the file, nothing of it ran. Under
+    FSDP each rank reads its own index: rank 1 refuses its own, rank 0 the same line from it."""
     marker = tmp_path / "MARKER"
-    golden = goldens.get("ddp", 2)
-    root = tampered_copy(golden, tmp_path / "run", 20, marker)
+    golden = goldens.get(parallel, 2)
+    root = tampered_copy(golden, tmp_path / "run", 20, marker, index)
     steps_before = len(metrics(root))
-    r = run(root, 2, *train_args("ddp", "--verify", "quick"))
+    r = run(root, 2, *train_args(parallel, "--verify", "quick"))
     assert r.rc != 0
     assert set(heartbeat_exit_codes(root).values()) == {Exit.UNTRUSTED}
     (line,) = {ln.split("train_ref: ", 1)[1] for ln in r.output.splitlines() if "train_ref: refused:" in ln}
-    assert f"{root / 'step_00000020' / METADATA}: refers to posix.system" in line
+    assert f"{root / 'step_00000020' / index}: refers to posix.system" in line
     assert f"ckpt quarantine --ckpt-root {root} 20" in line
     assert not marker.exists()
     assert len(metrics(root)) == steps_before and not (root / "final.json").exists()

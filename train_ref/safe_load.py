@@ -136,7 +136,8 @@ class SafeFileSystemReader(FileSystemReader):
 
     def _merged(self, path: Path) -> Metadata:
         """Every rank's index, merged (``dcp_index.merged``): ranks 0 to N-1, none missing."""
-        ranks = sorted(r for n in os.listdir(path) if (r := parse_dcp_index(n)) is not None)
+        names = (Path(p).name for p in self.fs.ls(path))  # named in the heartbeat while it lists
+        ranks = sorted(r for n in names if (r := parse_dcp_index(n)) is not None)
         self.index = path  # every rank's own index, merged
         if not ranks or ranks != list(range(len(ranks))):
             have = ", ".join(map(str, ranks)) or "none"
@@ -319,7 +320,11 @@ def load_dcp(
     line; another error as ``PeerLoadFailed`` on the others, the rank's own exception on that
     rank), and nothing is applied on any rank, as DCP's own exchange of read errors guaranteed.
     Only then does each Stateful take its state. The caller keeps the heartbeat alive meanwhile
-    (``kept_alive``): a rank done first waits there for the slowest."""
+    (``kept_alive``): a rank done first waits there for the slowest.
+
+    Where each rank saved its own index (sharded state, train_ref/dcp_index.py), a rank reads its
+    own; when that does not hold all this rank loads (another world size or layout), every
+    rank's, merged. Every plan is checked to read each element a rank holds."""
     rank = dist.get_rank(process_group) if dist.is_initialized() else None
     with no_gc():
         # read in place into each Stateful's state dict (DCP's own first step, done here so that
