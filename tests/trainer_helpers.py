@@ -39,7 +39,8 @@ def trainer_env(hold_file: Path | None = None, **extra: str) -> dict[str, str]:
     # torchrun's own store for the ranks, as torch does by default: its agent binds it and keeps it.
     # With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 the agent picks a free port, closes it, and rank 0
     # binds it later: two torchruns starting at once on one host (two test workers) lost that race
-    # (EADDRINUSE). The watchdog still sets it for its children (torchrun restarts with gloo need it).
+    # (EADDRINUSE). The watchdog sets it only where torchrun may restart its ranks itself (more than
+    # one node, or --max-restarts > 0; supervisor/watch/torchrun_cmd.py): not for these single-node runs.
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("SUPERVISOR_LAUNCH_ID", None)

@@ -95,9 +95,9 @@ class DrillConfig:
         ]  # fmt: skip
 
     def env(self) -> dict[str, str]:
-        # No TORCH_DISABLE_SHARE_RDZV_TCP_STORE here: the watchdog sets it for its children, and the
-        # golden run under plain torchrun keeps torch's own store, free of the port race the setting
-        # brings (the agent picks a port, closes it, rank 0 binds it later).
+        # No TORCH_DISABLE_SHARE_RDZV_TCP_STORE here: the drill's single-node torchruns, under the
+        # watchdog or not, keep torch's own store, free of the port race the setting brings (the
+        # agent picks a port, closes it, rank 0 binds it later; supervisor/watch/torchrun_cmd.py).
         return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 

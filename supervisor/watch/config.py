@@ -145,7 +145,10 @@ class WatchConfig:
         env="SLURM_NODEID",
     )
     share_store_fix: bool = option(
-        f"do not set {SHARE_STORE_ENV}=1 in the child's environment", True, flag="--no-share-store-fix"
+        f"do not set {SHARE_STORE_ENV}=1 in the child's environment (set where torchrun may restart its "
+        "ranks itself: more than one node, or --max-restarts above 0)",
+        True,
+        flag="--no-share-store-fix",
     )
     remote: str | None = option(  # URL of the remote tier (docs/tiers.md); None: local only
         "shared directory or s3://bucket/prefix to resume from after node loss", None, group=REMOTE

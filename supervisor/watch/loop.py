@@ -61,6 +61,7 @@ from supervisor.watch import (
 from supervisor.watch.config import ELASTIC_ERROR_FILE_ENV, ELASTIC_LOG_DIR_ENV, SHARE_STORE_ENV, WatchConfig
 from supervisor.watch.detectors import Hang
 from supervisor.watch.recovery import Moment
+from supervisor.watch.torchrun_cmd import restarts_inside
 
 T = TypeVar("T")
 
@@ -528,7 +529,8 @@ class Watchdog:
             )
 
     def _launch_env(self, launch_id: str, number: int) -> dict[str, str]:
-        """The command's environment: the launch's id and count, the TCPStore fix, and, when the
+        """The command's environment: the launch's id and count, the TCPStore fix where torchrun
+        may restart its ranks itself (``torchrun_cmd.restarts_inside``), and, when the
         launch's own directory can be made (best effort, like the event log: a run directory the
         watchdog cannot write must not stop the training), torchelastic's error file and
         torchrun's log dir in it (the root cause is read from them)."""
@@ -536,7 +538,7 @@ class Watchdog:
         env[ENV_LAUNCH_ID] = launch_id
         env[ENV_RESTART_COUNT] = str(number - 1)
         env[HEARTBEAT_DIR_ENV] = str(self.hb_dir)
-        if self.cfg.share_store_fix:
+        if self.cfg.share_store_fix and restarts_inside(self.cfg.command):
             env.setdefault(SHARE_STORE_ENV, "1")
         run = RunDir.of(self.cfg.root)
         try:
