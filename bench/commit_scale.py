@@ -1,7 +1,7 @@
 """What one commit costs as the world grows: 16, 256 and 4,096 simulated ranks, side by side.
 
 No processes: each simulated rank's report is what a real rank sends at the commit (its files:
-``__R_0.distcp``, its own DCP index ``__R.metadata`` (FSDP's sharded state: one per rank,
+``__R_0.distcp``, its own DCP index ``__R_index.metadata`` (FSDP's sharded state: one per rank,
 train_ref/dcp_index.py) and its per-rank state file, each with size and xxh3-128), and its files exist, small and already synced (as DCP leaves its shards), in a real tmp
 dir. Per world size N:
 - the gather: bytes received per rank and over the job, and the time to decode the reports, for

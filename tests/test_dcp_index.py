@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
@@ -26,15 +27,17 @@ from torch.distributed.checkpoint.metadata import (
 
 from supervisor import safepickle
 from supervisor.format.layout import dcp_index_filename, is_dcp_index, parse_dcp_index
+from train_ref.checkpointer import _writer
 from train_ref.dcp_index import merged, per_rank_index, tensor_bytes, uncovered
 from train_ref.safe_load import CorruptRecord, load_dcp
 
 
 def test_names_of_the_indexes() -> None:
-    assert dcp_index_filename() == ".metadata" and dcp_index_filename(12) == "__12.metadata"
-    assert is_dcp_index(".metadata") and is_dcp_index("__3.metadata")
+    assert dcp_index_filename() == ".metadata" and dcp_index_filename(12) == "__12_index.metadata"
+    assert is_dcp_index(".metadata") and is_dcp_index("__3_index.metadata")
     assert not is_dcp_index("__3_0.distcp") and not is_dcp_index("x.metadata")
-    assert parse_dcp_index("__3.metadata") == 3 and parse_dcp_index(".metadata") is None
+    assert not is_dcp_index("__3.metadata")  # DCP's own name for it, which torch's load reads unchecked
+    assert parse_dcp_index("__3_index.metadata") == 3 and parse_dcp_index(".metadata") is None
 
 
 def test_an_index_per_rank_only_for_sharded_state_with_little_replicated() -> None:
@@ -100,9 +103,10 @@ def test_uncovered_names_the_first_tensor_a_plan_reads_only_in_part() -> None:
 
 
 def _save(path: Path, state: dict[str, object], per_rank: bool) -> None:
+    """Saved by the trainer's writer (an index per rank under this toolkit's name for it)."""
     with warnings.catch_warnings():  # no_dist's "assuming the intent is to save in a single process"
         warnings.simplefilter("ignore")
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(path), no_dist=True, use_collectives=not per_rank)
+        dcp.save(state, storage_writer=_writer(path, path.parent), no_dist=True, use_collectives=not per_rank)
 
 
 def test_a_checkpoint_with_an_index_per_rank_loads_without_a_process_group(tmp_path: Path) -> None:
@@ -147,3 +151,14 @@ def test_a_tampered_per_rank_index_is_refused_before_it_runs(tmp_path: Path) -> 
     with pytest.raises(safepickle.UnsafePickle) as e:
         load_dcp(ckpt, {"w": torch.zeros(4)}, None)
     assert str(e.value).startswith(f"{ckpt / dcp_index_filename(0)}: refers to posix.system")
+
+
+def test_torchs_own_load_finds_no_index_where_each_rank_has_its_own(tmp_path: Path) -> None:
+    """Under DCP's own per-rank name, torch's ``dcp.load`` (and this toolkit's versions before
+    these indexes) would read one rank's index unchecked: on another layout, part of a tensor.
+    Under ours it finds none and fails loudly."""
+    ckpt = tmp_path / "ours"
+    _save(ckpt, {"w": torch.arange(4.0)}, per_rank=True)
+    with warnings.catch_warnings(), pytest.raises(CheckpointException, match="metadata is None"):
+        warnings.simplefilter("ignore")
+        dcp.load({"w": torch.zeros(4)}, checkpoint_id=ckpt, no_dist=True)

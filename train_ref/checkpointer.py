@@ -248,6 +248,11 @@ class _ShardWriter(FileSystemWriter):
         super().__init__(path)
         self.delay_s = delay_s
 
+    def _get_metadata_path(self, rank: int | None = None) -> os.PathLike[str]:
+        """Where DCP's ``finish`` puts the index: a rank's own under this toolkit's name for it
+        (``dcp_index_filename``: not DCP's, which torch's own load reads unchecked)."""
+        return cast(Path, self.fs.concat_path(self.path, dcp_index_filename(rank)))
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
         if self.delay_s > 0:
             time.sleep(self.delay_s)

@@ -8,7 +8,7 @@ a chunk per rank of every sharded tensor: the job's work grows with ranks x rank
 (bench/index_scale.py has both).
 
 When the state is sharded (FSDP: the tensors are DTensors split over the ranks), each rank saves
-alone (``use_collectives=False``): its shards and its own index, ``__<rank>.metadata``, nothing
+alone (``use_collectives=False``): its shards and its own index, ``__<rank>_index.metadata``, nothing
 exchanged. A resume on the same layout reads its own index: what a rank loads is what it wrote
 (``uncovered`` checks that, element for element). On another layout (a world-size change, FSDP to
 DDP) it reads them all, ``merged``. Replicated state (DDP, HSDP's replicas) keeps the one index:

@@ -2,7 +2,7 @@
 
     ROOT/
       step_00000050/                 committed checkpoint: DCP shards and their index (.metadata,
-                                     or one __3.metadata per rank for sharded state), per-rank
+                                     or one __3_index.metadata per rank for sharded state), per-rank
                                      rank_00003.state.pt, manifest.json (and manifest.sig when the
                                      run signs its checkpoints)
       step_00000100.tmp.<pid>.<host>/ a checkpoint being written; never listed as a checkpoint
@@ -96,7 +96,7 @@ NODE_DIR_ENV = "SUPERVISOR_NODE_DIR"
 HEARTBEAT_DIR_ENV = "SUPERVISOR_HEARTBEAT_DIR"
 SHM = "/dev/shm"
 
-_DCP_INDEX_RE = re.compile(r"(?:__([0-9]+))?" + re.escape(DCP_METADATA))
+_DCP_INDEX_RE = re.compile(r"(?:__([0-9]+)_index)?" + re.escape(DCP_METADATA))
 # ASCII digits only and a full match: "step_00000050\n" or non-ASCII digits are not checkpoints.
 _COMMITTED_RE = re.compile(rf"{STEP_PREFIX}([0-9]{{{STEP_DIGITS}}})")
 _MARKED_RE = r"{prefix}([0-9]{{{digits}}}){mark}([0-9]+)\.([A-Za-z0-9_-]+)"
@@ -297,8 +297,13 @@ def dcp_shard_filename(rank: int, index: int = 0) -> str:
 
 def dcp_index_filename(rank: int | None = None) -> str:
     """DCP's pickled index: the checkpoint's one (``rank`` None), or the one ``rank`` writes when
-    every rank saves alone (torch 2.13 ``FileSystemWriter`` with ``use_collectives=False``)."""
-    return DCP_METADATA if rank is None else f"__{rank}{DCP_METADATA}"
+    every rank saves alone (torch 2.13 ``FileSystemWriter`` with ``use_collectives=False``).
+
+    Not DCP's own name for it, ``__3.metadata``: without a ``.metadata``, torch's ``dcp.load``
+    (and this toolkit before it wrote these) falls back to a rank's own index without checking
+    that it holds what the rank loads, which on another layout loads part of a tensor and says
+    nothing (measured: docs/trainer.md). Under this name they find no index and fail loudly."""
+    return DCP_METADATA if rank is None else f"__{rank}_index{DCP_METADATA}"
 
 
 def is_dcp_index(name: str) -> bool:
