@@ -174,9 +174,10 @@ def tampered_copy(src: Path, dst: Path, step: int, marker: Path, index: str = ME
 
 
 @pytest.mark.slow
-def test_ckpt_verify_deep_refuses_a_tampered_metadata(goldens, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("parallel", "index"), [("ddp", METADATA), ("fsdp", dcp_index_filename(1))])
+def test_ckpt_verify_deep_refuses_a_tampered_metadata(goldens, tmp_path: Path, parallel, index) -> None:
     marker = tmp_path / "MARKER"
-    root = tampered_copy(goldens.get("ddp", 2), tmp_path / "run", 20, marker)
+    root = tampered_copy(goldens.get(parallel, 2), tmp_path / "run", 20, marker, index)
     quick = subprocess.run(
         supervisor_cmd("ckpt", "verify", "--ckpt-root", str(root)),
         cwd=REPO, capture_output=True, text=True, timeout=60,
@@ -188,7 +189,7 @@ def test_ckpt_verify_deep_refuses_a_tampered_metadata(goldens, tmp_path: Path) -
     )  # fmt: skip
     assert p.returncode == Exit.FOUND_PROBLEM, p.stdout + p.stderr
     (row,) = [line for line in p.stdout.splitlines() if "INVALID" in line]
-    assert "20" in row and ".metadata: refers to posix.system" in row
+    assert "20" in row and f"{index}: refers to posix.system" in row
     assert not marker.exists()
 
 
