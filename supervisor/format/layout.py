@@ -96,6 +96,7 @@ NODE_DIR_ENV = "SUPERVISOR_NODE_DIR"
 HEARTBEAT_DIR_ENV = "SUPERVISOR_HEARTBEAT_DIR"
 SHM = "/dev/shm"
 
+# DCP's one index, or a rank's own (dcp_index_filename), with the rank.
 _DCP_INDEX_RE = re.compile(r"(?:__([0-9]+)_index)?" + re.escape(DCP_METADATA))
 # ASCII digits only and a full match: "step_00000050\n" or non-ASCII digits are not checkpoints.
 _COMMITTED_RE = re.compile(rf"{STEP_PREFIX}([0-9]{{{STEP_DIGITS}}})")
