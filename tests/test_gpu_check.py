@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from commands import REPO
 from trainer_helpers import trainer_env
 
@@ -30,6 +29,7 @@ from train_ref.gpu_check import (
     slug,
     table,
 )
+from train_ref.safe_load import load_dcp
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the check would run")
@@ -84,9 +84,9 @@ def test_the_table_has_a_row_per_check_and_any_fail_makes_it_fail():
 
 
 def scaler_state(ckpt: Path) -> dict:
-    """The GradScaler's saved state (a trusted test checkpoint: plain dcp.load)."""
+    """The GradScaler's saved state (an FSDP checkpoint: every rank's index, merged)."""
     sd = {"app": {"scaler": {"scale": 0.0, "_growth_tracker": 0}}}
-    dcp.load(sd, checkpoint_id=str(ckpt), no_dist=True)
+    load_dcp(ckpt, sd, None)
     return sd["app"]["scaler"]
 
 
