@@ -36,9 +36,12 @@ EIO_READS = 3
 # Faults that strike a running job wait for this many committed checkpoints: one to resume from,
 # one to fall back to.
 MIN_COMMITTED = 2
-# slow-storage: the throttle lets the newest checkpoint be read once in this many seconds (the
-# resume reads it about three times: the watchdog's deep pick, the trainer's verify and its load)...
-SLOW_READ_S = 6.0
+# slow-storage: the throttle lets the newest checkpoint be read once in this many seconds. The
+# resume reads it about three times (the watchdog's deep pick, the trainer's verify and its load);
+# the verify and the load alone must take judge.SLOW_FACTOR (3) timeouts, so 2 reads of this many
+# seconds leave a third to spare (at 6 s they took 13.6 s against 12 s once each rank loaded from
+# its own index and no longer read part of another's shard)...
+SLOW_READ_S = 8.0
 # ... against these phase timeouts for the watchdog (--verify-timeout, --load-timeout): above a
 # rank's heartbeat gap (a beat per second, a 64 KiB chunk at its share of the throttle, the
 # watchdog's 0.5 s poll), well below the phases themselves.
