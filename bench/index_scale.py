@@ -1,5 +1,6 @@
 """DCP's one index vs an index per rank as the world grows: the save's plan exchange on rank 0, and
-the index every rank reads at a resume, for 16, 256 and 1,024 simulated FSDP ranks.
+the index every rank reads at a resume, for 16, 256 and 1,024 simulated FSDP ranks; then a resume
+on half as many ranks, which needs every rank's index merged.
 
 With one index (DCP's default), a save gathers every rank's save plan to rank 0 (``gather_object``:
 N unpickles), builds the global plan and the index from them (``create_global_plan``), scatters
@@ -8,7 +9,15 @@ are: they hold the same items) and pickles the index; at a resume every rank rea
 that whole index (``load_restricted``, as the trainer does), which holds a chunk per rank of every
 sharded tensor. With an index per rank (train_ref/dcp_index.py, the trainer's choice for sharded
 state), a rank pickles its own index and reads it back at a resume on the same layout: the same
-work whatever the world size.
+work whatever the world size. Each index holds where every item went (its shard file, offset and
+length), as DCP's ``finish`` fills it in from the write results.
+
+A world-size change (N saved ranks resumed on W = N/2) needs every rank's index, merged. Read by
+every rank, that is N files on each (N x W over the job, all served by the shared filesystem);
+``safe_load.every_index`` reads each once over the job: rank r reads indexes r, r+W, ... and
+merges them, and every rank merges the all-gathered parts. Both run here on real index files in
+a temporary directory (the collective left out: the parts are pickled and unpickled as they
+travel), the files opened counted.
 
 No processes: one real local save plan of the ``bench`` model and its AdamW state (one process:
 the same items as one FSDP rank's plan) is copied for N simulated ranks, each copy's chunks moved
@@ -23,10 +32,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import io
+import math
+import os
 import pickle
 import sys
+import tempfile
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -85,8 +99,9 @@ def as_rank(plan: Any, rank: int, world: int) -> Any:
     return dataclasses.replace(plan, items=items)
 
 
-def one_index(plans: list[Any]) -> tuple[float, bytes]:
-    """Rank 0's CPU in DCP's save exchange for these plans, and the pickled index it writes."""
+def one_index(plans: list[Any], first_rank: int = 0) -> tuple[float, bytes]:
+    """Rank 0's CPU in DCP's save exchange for these plans (of ranks ``first_rank``, ... in
+    order), and the pickled index it writes."""
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     sent = [pickle.dumps(p) for p in plans]  # each rank's own pickling: not rank 0's time
@@ -97,8 +112,27 @@ def one_index(plans: list[Any]) -> tuple[float, bytes]:
         pickle.dumps(p)
     for s in sent:  # the write results gathered (as many items as the plans)
         pickle.loads(s)
+    metadata.storage_data = stored(plans, first_rank)
     blob = pickle.dumps(metadata)
     return time.perf_counter() - t0, blob
+
+
+def stored(plans: list[Any], first_rank: int) -> dict[Any, Any]:
+    """Where each item of ``plans`` went, as DCP's writer reports it: one record after another in
+    its rank's shard file."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    from supervisor.format.layout import dcp_shard_filename
+
+    where = {}
+    for rank, plan in enumerate(plans, first_rank):
+        offset = 0
+        for item in plan.items:
+            td = item.tensor_data
+            length = 100 if td is None else math.prod(td.chunk.sizes) * td.properties.dtype.itemsize
+            where[item.index] = _StorageInfo(dcp_shard_filename(rank), offset, length)
+            offset += length
+    return where
 
 
 def read_s(blob: bytes) -> float:
@@ -111,6 +145,53 @@ def read_s(blob: bytes) -> float:
         t0 = time.perf_counter()
         load_restricted(io.BytesIO(blob), "index")
         return time.perf_counter() - t0
+
+
+def world_change(plan: Any, n: int, tmp: Path) -> dict[str, float]:
+    """N saved ranks' own indexes, loaded on W = N/2: every rank reading every index vs
+    ``every_index``'s shares (CPU on the busiest rank, files each rank opens)."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from supervisor.format.layout import dcp_index_filename
+    from train_ref.dcp_index import merged
+    from train_ref.safe_load import _assembled, _index_part, no_gc, read_index
+
+    class Counted(FileSystem):
+        """DCP's local file system, counting the files it opens."""
+
+        opened = 0
+
+        @contextmanager
+        def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+            self.opened += 1
+            with super().create_stream(path, mode) as stream:
+                yield stream
+
+    w = n // 2
+    ckpt = tmp / f"saved_by_{n}"
+    ckpt.mkdir()
+    for r in range(n):
+        (ckpt / dcp_index_filename(r)).write_bytes(one_index([as_rank(plan, r, n)], first_rank=r)[1])
+    with no_gc():
+        fs = Counted()
+        t0 = time.perf_counter()
+        every = merged([read_index(fs, ckpt / dcp_index_filename(r)) for r in range(n)])
+        all_s, all_opened = time.perf_counter() - t0, fs.opened
+        parts, part_s, part_opened = [], 0.0, 0
+        for me in range(w):  # each new rank's share, one after another here
+            fs = Counted()
+            t0 = time.perf_counter()
+            parts.append(pickle.dumps(_index_part(ckpt, fs, me, w)))
+            part_s, part_opened = max(part_s, time.perf_counter() - t0), max(part_opened, fs.opened)
+        t0 = time.perf_counter()  # on every rank: the parts all-gathered, merged and checked
+        md = _assembled(ckpt, [pickle.loads(b) for b in parts])
+        merge_s = time.perf_counter() - t0
+    assert isinstance(md, Metadata) and md.state_dict_metadata.keys() == every.state_dict_metadata.keys()
+    index_mib = sum((ckpt / dcp_index_filename(r)).stat().st_size for r in range(n)) / (1 << 20)
+    return {"w": w, "all_s": all_s, "all_opened": all_opened, "all_mib": index_mib,
+            "part_opened": part_opened, "cpu_s": part_s + merge_s,
+            "gathered_mib": sum(len(b) for b in parts) / (1 << 20)}  # fmt: skip
 
 
 def main() -> int:
@@ -132,10 +213,20 @@ def main() -> int:
               f"{mine_s:>24.3f} {len(mine) / (1 << 20):>10.2f} {rows[n][3]:>21.3f}")  # fmt: skip
         del plans, blob
     small, big = min(rows), max(rows)
-    x = big / small
-    print(f"{small} -> {big} ranks (x{x:g}): one index: rank 0's save x{rows[big][0] / rows[small][0]:.1f}, "
-          f"each rank's read x{rows[big][1] / rows[small][1]:.1f} (the job's reads x{x * rows[big][1] / rows[small][1]:,.0f}); "
+    print(f"{small} -> {big} ranks (x{big / small:g}): one index: rank 0's save x{rows[big][0] / rows[small][0]:.1f}, "
+          f"each rank's read x{rows[big][1] / rows[small][1]:.1f} (the job's reads x{big / small * rows[big][1] / rows[small][1]:,.0f}); "
           f"per rank: x{rows[big][2] / rows[small][2]:.1f} and x{rows[big][3] / rows[small][3]:.1f}")  # fmt: skip
+    print("\na world-size change: N ranks' own indexes merged on W = N/2 new ranks; CPU of each new rank")
+    print(f"{'N -> W':>12} | {'every rank reads all: files a rank':>34} {'over the job':>12} {'MiB a rank':>10} "
+          f"{'CPU, s':>7} | {'shares: files a rank':>20} {'over the job':>12} {'MiB a rank, gathered':>20} "
+          f"{'CPU, s':>7}")  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in args.ranks:
+            c = world_change(plan, n, Path(tmp))
+            w = int(c["w"])
+            print(f"{f'{n} -> {w}':>12} | {c['all_opened']:>34,.0f} {c['all_opened'] * w:>12,.0f} "
+                  f"{c['all_mib']:>10.1f} {c['all_s']:>7.2f} | {c['part_opened']:>20,.0f} {n:>12,} "
+                  f"{c['gathered_mib']:>20.1f} {c['cpu_s']:>7.2f}")  # fmt: skip
     return 0
 
 

@@ -2,13 +2,17 @@
 objects of different sizes; the step-boundary flags riding on a reduction reach every rank alike,
 and so do those of a loop that does not piggyback (step_boundary's own all-reduce); an async
 save's commit, started at a step boundary, runs in the background; a load whose part failed on one
-rank fails on every rank alike, with nothing applied anywhere."""
+rank fails on every rank alike, with nothing applied anywhere; a load of a checkpoint with an index
+per rank on another layout reads each index once over the ranks."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,13 +20,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from supervisor import store
 from supervisor.format.heartbeat import HeartbeatWriter
-from supervisor.format.layout import DCP_METADATA, dcp_shard_filename, rank_state_filename, step_dirname
+from supervisor.format.layout import (
+    DCP_METADATA,
+    dcp_index_filename,
+    dcp_shard_filename,
+    is_dcp_index,
+    rank_state_filename,
+    step_dirname,
+)
 from supervisor.format.manifest import CheckpointInfo
 from train_ref import agree, safe_load
-from train_ref.checkpointer import Checkpointer, CommitInfo
+from train_ref.checkpointer import Checkpointer, CommitInfo, _writer
 
 
 @dataclass
@@ -86,6 +98,54 @@ def _loads(root: Path, rank: int, group: dist.ProcessGroup) -> list[list[Any]]:
     return out
 
 
+class _CountingFS(FileSystem):
+    """DCP's file system, remembering the names of the files it opens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.opened: list[str] = []
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+        self.opened.append(Path(path).name)
+        with super().create_stream(path, mode) as stream:
+            yield stream
+
+
+def _per_rank_loads(root: Path, rank: int, group: dist.ProcessGroup) -> list[list[Any]]:
+    """Loads of a checkpoint where each rank saved alone, with its own index: each rank's own
+    item; the next rank's (another layout: every index, merged); the same with rank 1's index
+    gone (a gap in the ranks), then with the last rank's made a foreign pickle. Per load: the
+    exception's type, its line, whether any state was applied, the values read, and the DCP
+    indexes this rank opened."""
+    ckpt = root / "per_rank"
+    world = dist.get_world_size(group)
+    state = {f"r{rank}": torch.full((4,), float(rank)), "step": 7}
+    dcp.save({"app": state}, storage_writer=_writer(ckpt, root), process_group=group, use_collectives=False)
+    dist.barrier(group)
+    gone, last = ckpt / dcp_index_filename(1), ckpt / dcp_index_filename(world - 1)
+    kept = last.read_bytes()
+    out = []
+    for case in ("own", "another", "gap", "untrusted"):
+        if rank == 0 and case == "gap":
+            gone.rename(ckpt / "aside")
+        if rank == 0 and case == "untrusted":
+            (ckpt / "aside").rename(gone)
+            last.write_bytes(b"cposix\nsystem\n(S'touch /nonexistent/x'\ntR.")
+        dist.barrier(group)
+        key = f"r{rank if case == 'own' else (rank + 1) % world}"
+        target, fs = _Applied({key: torch.zeros(4), "step": 0}), _CountingFS()
+        try:
+            safe_load.load_dcp(ckpt, {"app": target}, group, fs=fs)
+            got = [None, "", target.applied, target.sd[key].tolist()]
+        except Exception as e:
+            got = [type(e).__name__, str(e), target.applied, target.sd[key].tolist()]
+        out.append([*got, [n for n in fs.opened if is_dcp_index(n)]])
+    if rank == 0:
+        last.write_bytes(kept)
+    return out
+
+
 def _checkpointer(root: Path, hb: HeartbeatWriter, async_save: bool) -> Checkpointer:
     return Checkpointer(
         root,
@@ -108,6 +168,7 @@ def main() -> int:
         agree.first_failure(f"rank {rank}'s problem" if rank >= 1 else None, ckpt.ctl_group, lambda: 0),
     ]
     loads = _loads(root, rank, ckpt.dcp_group)
+    per_rank = _per_rank_loads(root, rank, ckpt.dcp_group)
     # Rank r sends r+1 file names: sizes differ, so the padding and lengths are exercised.
     gathered = agree.gather_to_root(
         {f"__{rank}_{i}.distcp": i for i in range(rank + 1)}, ckpt.ctl_group, lambda: 0
@@ -153,6 +214,7 @@ def main() -> int:
         "async": committed,
         "failures": failures,
         "loads": loads,
+        "per_rank_loads": per_rank,
     }
     (root / f"result_{rank}.json").write_text(json.dumps(result))
     ckpt.close()

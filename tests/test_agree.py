@@ -51,6 +51,23 @@ def test_gather_reaches_rank_0_only_flags_reach_every_rank_and_an_async_commit_r
         assert rank == last or line.startswith(f"rank {last} could not load its part: "), line
     for case in (1, 2):
         assert len({d["loads"][case][1] for d in results.values()}) == 1
+    last = f"__{nproc - 1}_index.metadata"
+    for rank, d in results.items():
+        own, another, gap, untrusted = d["per_rank_loads"]
+        mine = f"__{rank}_index.metadata"
+        assert own == [None, "", True, [float(rank)] * 4, [mine]], own
+        # each rank's own index first (it lacks the next rank's item), then every index merged:
+        # rank r read index r, the only one of its share of 3; not all 3 on every rank
+        assert another == [None, "", True, [float((rank + 1) % nproc)] * 4, [mine, mine]], another
+        # rank 1's index gone: every rank says so alike (its own first, where it has one)
+        assert gap[:4] == ["CorruptRecord", gap[1], False, [0.0] * 4], gap
+        assert "per_rank: no __1_index.metadata, yet rank 2's is there" in gap[1] and "ckpt verify" in gap[1]
+        assert gap[4] == ([] if rank == 1 else [mine, mine])
+        # the last rank's index a foreign pickle: refused where it is read, on every rank alike
+        assert untrusted[:3] == ["UnsafePickle", untrusted[1], False] and last in untrusted[1], untrusted
+        assert untrusted[4] == [mine, mine], untrusted
+    for case in (2, 3):
+        assert len({d["per_rank_loads"][case][1] for d in results.values()}) == 1
     for rank, d in results.items():
         # counted for a loop that waits on it: the upload's writes (DCP's index is rank 0's),
         # then the checksums of its files, then rank 0's commit steps; never over 100%

@@ -52,19 +52,37 @@ def gather_to_root(obj: T, group: dist.ProcessGroup | None, beat: Callable[[], o
     file lists to each of 4,096 ranks). Not ``dist.gather_object``: it all-gathers every rank's
     size first (N sizes to each rank); here one MAX all-reduce of a single size is enough, as each
     buffer carries its own length (``_pack``)."""
-    payload = _pack(obj)
-    size = torch.tensor([payload.numel()], dtype=torch.int64)
     world = dist.get_world_size(group)
     with beating(beat):
-        dist.all_reduce(size, op=dist.ReduceOp.MAX, group=group)
-        width = int(size.item())
-        padded = torch.zeros(width, dtype=torch.uint8)
-        padded[: payload.numel()] = payload
+        padded = _padded(obj, group)
+        width = padded.numel()
         received = torch.empty(world * width, dtype=torch.uint8) if dist.get_rank(group) == 0 else None
         dist.gather(
             padded, None if received is None else list(received.split(width)), group=group, group_dst=0
         )
     return None if received is None else unpack_all(received, world)
+
+
+def all_gather(obj: T, group: dist.ProcessGroup | None, beat: Callable[[], object]) -> list[T]:
+    """Every rank's ``obj``, by rank, on every rank: N objects to each of N ranks, for the rare
+    exchange where each rank needs them all (a load on another layout merges every rank's share of
+    the indexes, safe_load.every_index). Sizes as ``gather_to_root``'s."""
+    world = dist.get_world_size(group)
+    with beating(beat):
+        padded = _padded(obj, group)
+        received = torch.empty(world * padded.numel(), dtype=torch.uint8)
+        dist.all_gather(list(received.split(padded.numel())), padded, group=group)
+    return unpack_all(received, world)
+
+
+def _padded(obj: object, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``obj`` packed (``_pack``) and padded to the widest rank's: one MAX all-reduce of a size."""
+    payload = _pack(obj)
+    size = torch.tensor([payload.numel()], dtype=torch.int64)
+    dist.all_reduce(size, op=dist.ReduceOp.MAX, group=group)
+    padded = torch.zeros(int(size.item()), dtype=torch.uint8)
+    padded[: payload.numel()] = payload
+    return padded
 
 
 def _pack(obj: object) -> torch.Tensor:

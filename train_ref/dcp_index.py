@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -74,24 +74,27 @@ def per_rank_index(replicated: int, sharded: int, world_size: int) -> bool:
 def merged(indexes: Sequence[Metadata]) -> Metadata:
     """The per-rank indexes (in rank order) as one, as DCP's global plan would have built it:
     every tensor's chunks from every rank, an item every rank wrote alike (a replicated tensor, a
-    non-tensor value) once, from the lowest rank. ValueError when two ranks disagree on an item."""
+    non-tensor value) once, from the lowest rank. ValueError when two ranks disagree on an item.
+    Linear in the chunks: a world-size change at thousands of ranks merges millions."""
     items: dict[str, STORAGE_TYPES] = {}
+    chunks: dict[str, dict[tuple[int, ...], ChunkStorageMetadata]] = {}  # each tensor's, by offsets
     storage: dict[MetadataIndex, Any] = {}
     planner_data: dict[str, Any] = {}
     for md in indexes:
         for fqn, item in md.state_dict_metadata.items():
             have = items.get(fqn)
             if have is None:
-                items[fqn] = (
-                    TensorStorageMetadata(item.properties, item.size, list(item.chunks))
-                    if isinstance(item, TensorStorageMetadata)
-                    else item
-                )
+                if isinstance(item, TensorStorageMetadata):
+                    items[fqn] = TensorStorageMetadata(item.properties, item.size, [])
+                    chunks[fqn] = {}
+                    _add_chunks(fqn, chunks[fqn], item.chunks)
+                else:
+                    items[fqn] = item
             elif isinstance(have, TensorStorageMetadata) and isinstance(item, TensorStorageMetadata):
                 if have.size != item.size or have.properties.dtype != item.properties.dtype:
                     raise ValueError(f"{fqn}: {tuple(item.size)} {item.properties.dtype} in one index, "
                                      f"{tuple(have.size)} {have.properties.dtype} in another")  # fmt: skip
-                _add_chunks(fqn, have.chunks, item.chunks)
+                _add_chunks(fqn, chunks[fqn], item.chunks)
             elif isinstance(have, TensorStorageMetadata) or isinstance(item, TensorStorageMetadata):
                 raise ValueError(f"{fqn}: a tensor in one index, a value in another")
         for index, info in md.storage_data.items():
@@ -99,18 +102,18 @@ def merged(indexes: Sequence[Metadata]) -> Metadata:
         if isinstance(md.planner_data, Mapping):
             for k, v in md.planner_data.items():
                 planner_data.setdefault(k, v)
+    for fqn, at in chunks.items():
+        cast(TensorStorageMetadata, items[fqn]).chunks = list(at.values())
     first = indexes[0]
     return Metadata(items, planner_data or first.planner_data, storage, first.storage_meta, first.version)
 
 
-def _add_chunks(fqn: str, have: list[ChunkStorageMetadata], more: Sequence[ChunkStorageMetadata]) -> None:
-    at = {tuple(c.offsets): c for c in have}
+def _add_chunks(
+    fqn: str, at: dict[tuple[int, ...], ChunkStorageMetadata], more: Sequence[ChunkStorageMetadata]
+) -> None:
     for c in more:
-        same = at.get(tuple(c.offsets))
-        if same is None:
-            have.append(c)
-            at[tuple(c.offsets)] = c
-        elif tuple(same.sizes) != tuple(c.sizes):
+        same = at.setdefault(tuple(c.offsets), c)
+        if same is not c and tuple(same.sizes) != tuple(c.sizes):
             raise ValueError(f"{fqn}: a chunk at {tuple(c.offsets)} of {tuple(c.sizes)} in one index, "
                              f"of {tuple(same.sizes)} in another")  # fmt: skip
 

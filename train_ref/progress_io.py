@@ -175,10 +175,6 @@ class ProgressFileSystem(FileSystem):
         with self._on(path):
             super().rm_file(path)
 
-    def ls(self, path: str | os.PathLike[str]) -> list[str]:
-        with self._on(path):
-            return super().ls(path)
-
     @contextmanager
     def _on(self, path: str | os.PathLike[str]) -> Iterator[None]:
         with naming(path):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import io
+import itertools
 import os
 import pickle
 import re
@@ -31,7 +32,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import IO, Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -53,7 +54,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.futures import Future
 
-from supervisor.format.layout import dcp_index_filename, parse_committed, parse_dcp_index
+from supervisor.format.layout import dcp_index_filename, parse_committed
 from supervisor.safepickle import WHY, UnsafePickle, load_restricted
 from train_ref import agree
 from train_ref.dcp_index import merged, uncovered
@@ -64,6 +65,8 @@ _GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 # Records from this size up are read in place, into the tensor they load into (three reads: head,
 # tail, data); smaller ones in one read into a buffer, whose copy costs less than two more reads.
 IN_PLACE_MIN = 64 << 10
+_SHORT = "short"  # the failure kind of a rank whose own index does not hold all it loads
+_Failed = tuple[int, tuple[str, str]]  # a failed rank and what failed there (``_failure``)
 
 
 class CorruptRecord(ValueError):
@@ -89,11 +92,11 @@ class SafeFileSystemReader(FileSystemReader):
     ``torch.load`` (``plain_tensor``), which was most of a load's CPU (bench/checkpoint.py has
     the load against a raw read; docs/trainer.md the numbers)."""
 
-    def __init__(self, path: str | os.PathLike[str], rank: int | None = None, merge: bool = False):
+    def __init__(self, path: str | os.PathLike[str], rank: int | None = None, index: Metadata | None = None):
         """``rank``: this rank, whose own index it reads when the checkpoint has one per rank
-        (train_ref/dcp_index.py); ``merge``: all of them, merged, instead."""
+        (train_ref/dcp_index.py); ``index``: every rank's, merged (``every_index``), instead."""
         super().__init__(path)
-        self.own_rank, self.merge = rank, merge
+        self.own_rank, self.merged_index = rank, index
         self.index = Path(path) / dcp_index_filename()  # the index read, for a line naming it
         self.own_index = False  # ... is this rank's own, which holds only what it wrote
         # The first refusal: DCP catches a read_metadata error and tries the per-rank index, then
@@ -102,51 +105,37 @@ class SafeFileSystemReader(FileSystemReader):
         self.corrupt: CorruptRecord | None = None  # the same for a record that cannot be read
         self.tensors: dict[str, Any] = {}
 
+    def choose_index(self) -> bool:
+        """Which index ``read_metadata`` reads: every rank's merged (``index``), else DCP's one
+        ``.metadata``, else this rank's own (``rank``). False when none of these is there: the
+        checkpoint has an index per rank and this rank wrote none (the world grew) or has no
+        ``rank``; every rank's must be merged."""
+        path = Path(self.path)
+        if self.merged_index is not None:
+            self.index = path  # every rank's own index, merged
+        elif not self.fs.exists(path / dcp_index_filename()):
+            if self.own_rank is None or not self.fs.exists(path / dcp_index_filename(self.own_rank)):
+                return False
+            self.index, self.own_index = path / dcp_index_filename(self.own_rank), True
+        return True
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """torch 2.13's ``FileSystemReader.read_metadata`` with ``pickle.load`` restricted: the
-        checkpoint's index; where each rank wrote its own, this rank's (``rank``), or all of
-        them merged (``merge``, no ``rank``, or none of this rank's: the world grew)."""
+        index ``choose_index`` chose."""
         if self.refused is not None:
             raise self.refused
-        path = Path(self.path)
-        if self.fs.exists(path / dcp_index_filename()):
-            metadata = self._read_index(path / dcp_index_filename())
-        elif (
-            not self.merge
-            and self.own_rank is not None
-            and self.fs.exists(path / dcp_index_filename(self.own_rank))
-        ):
-            self.index, self.own_index = path / dcp_index_filename(self.own_rank), True
-            metadata = self._read_index(self.index)
-        else:
-            metadata = self._merged(path)
+        metadata = self.merged_index or self._read_index(self.index)
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
     def _read_index(self, path: Path) -> Metadata:
-        with self.fs.create_stream(path, "rb") as f:
-            try:
-                # torch types the stream as IOBase; it is the binary file opened "rb" above
-                return cast(Metadata, load_restricted(cast(IO[bytes], f), str(path)))
-            except UnsafePickle as e:
-                self.refused = e
-                raise
-
-    def _merged(self, path: Path) -> Metadata:
-        """Every rank's index, merged (``dcp_index.merged``): ranks 0 to N-1, none missing."""
-        names = (Path(p).name for p in self.fs.ls(path))  # named in the heartbeat while it lists
-        ranks = sorted(r for n in names if (r := parse_dcp_index(n)) is not None)
-        self.index = path  # every rank's own index, merged
-        if not ranks or ranks != list(range(len(ranks))):
-            have = ", ".join(map(str, ranks)) or "none"
-            raise self._corrupt(f"{path}: no {dcp_index_filename()}, and the ranks' own indexes are "
-                                f"not ranks 0 to N-1 (found: {have})")  # fmt: skip
         try:
-            return merged([self._read_index(path / dcp_index_filename(r)) for r in ranks])
-        except ValueError as e:
-            raise self._corrupt(f"{path}: its ranks' indexes disagree ({e})") from None
+            return read_index(self.fs, path)
+        except UnsafePickle as e:
+            self.refused = e
+            raise
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -245,11 +234,23 @@ class SafeFileSystemReader(FileSystemReader):
             raise self._corrupt(f"{label}: not a readable tensor record ({one_line(e)})") from None
 
     def _corrupt(self, what: str) -> CorruptRecord:
-        self.corrupt = self.corrupt or CorruptRecord(
-            f"{what}: the checkpoint is corrupt or was changed after its checks; verify it with "
-            f"`python -m supervisor ckpt verify --deep` and quarantine it (the next launch resumes from the one before)"
-        )
+        self.corrupt = self.corrupt or corrupt(what)
         return self.corrupt
+
+
+def corrupt(what: str) -> CorruptRecord:
+    """``what`` is wrong with a checkpoint, as one line that says what to do about it."""
+    return CorruptRecord(
+        f"{what}: the checkpoint is corrupt or was changed after its checks; verify it with "
+        f"`python -m supervisor ckpt verify --deep` and quarantine it (the next launch resumes from the one before)"
+    )
+
+
+def read_index(fs: FileSystem, path: Path) -> Metadata:
+    """One DCP index, unpickled through the allowlist (``UnsafePickle`` names ``path``)."""
+    with fs.create_stream(path, "rb") as f:
+        # torch types the stream as IOBase; it is the binary file opened "rb" above
+        return cast(Metadata, load_restricted(cast(IO[bytes], f), str(path)))
 
 
 def _chunk(md: TensorStorageMetadata, index: MetadataIndex) -> ChunkStorageMetadata | None:
@@ -323,21 +324,27 @@ def load_dcp(
     (``kept_alive``): a rank done first waits there for the slowest.
 
     Where each rank saved its own index (sharded state, train_ref/dcp_index.py), a rank reads its
-    own; when that does not hold all this rank loads (another world size or layout), every
-    rank's, merged. Every plan is checked to read each element a rank holds."""
+    own; when that does not hold all some rank loads (another world size or layout), the
+    agreement says so and every rank's index is merged (``every_index``: each file read once
+    over the job), and the ranks short of their own read again from it. Every plan is checked to
+    read each element a rank holds."""
+    together = process_group is not None or dist.is_initialized()
     rank = dist.get_rank(process_group) if dist.is_initialized() else None
     with no_gc():
         # read in place into each Stateful's state dict (DCP's own first step, done here so that
         # the state is applied only once every rank read its part)
         loaded = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
-        reader, error = _read(ckpt, loaded, rank, False, fs)
-        if isinstance(error, OwnIndexShort):  # saved in another layout: read every rank's index
-            reader, error = _read(ckpt, loaded, rank, True, fs)
+        reader, error = _read(ckpt, loaded, rank, None, fs)
+        first = _agreed(reader, error, process_group) if together else None
+        short = first[1][0] == _SHORT if first is not None else isinstance(error, OwnIndexShort)
+        if short:  # saved in another layout: every rank's index, merged
+            index = every_index(ckpt, fs or FileSystem(), process_group if together else None)
+            if error is not None:  # a rank whose own index held all it loads keeps what it read
+                reader, error = _read(ckpt, loaded, rank, index, fs)
+            first = _agreed(reader, error, process_group) if together else None
         ours = reader.refused or reader.corrupt  # one line of ours, for what DCP raised
-        if process_group is not None or dist.is_initialized():
-            first = agree.first_failure(_failure(ours or error), process_group, lambda: None)
-            if error is None and first is not None:
-                raise _peer_error(*first)
+        if error is None and first is not None:
+            raise _peer_error(*first)
         if ours is not None:
             raise ours from None
         if error is not None:
@@ -350,13 +357,16 @@ def load_dcp(
 
 
 def _read(
-    ckpt: Path, loaded: dict[str, Any], rank: int | None, merge: bool, fs: FileSystem | None
+    ckpt: Path, loaded: dict[str, Any], rank: int | None, index: Metadata | None, fs: FileSystem | None
 ) -> tuple[SafeFileSystemReader, BaseException | None]:
-    """``dcp.load`` of this rank's part into ``loaded``, alone; the reader and what it raised."""
-    reader = SafeFileSystemReader(ckpt, rank, merge)
+    """``dcp.load`` of this rank's part into ``loaded``, alone; the reader and what it raised
+    (OwnIndexShort, before anything is read, when every rank's index is needed merged)."""
+    reader = SafeFileSystemReader(ckpt, rank, index)
     if fs is not None:
         reader.fs = fs
     try:
+        if not reader.choose_index():
+            return reader, OwnIndexShort()
         with warnings.catch_warnings():  # no_dist's "assuming the intent is to load in a single process"
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(loaded, storage_reader=reader, planner=SafeLoadPlanner(reader), no_dist=True)
@@ -365,9 +375,88 @@ def _read(
     return reader, None
 
 
+def _agreed(
+    reader: SafeFileSystemReader, error: BaseException | None, group: dist.ProcessGroup | None
+) -> _Failed | None:
+    """The lowest rank whose read failed and its failure, on every rank (``agree.first_failure``)."""
+    return agree.first_failure(_failure(reader.refused or reader.corrupt or error), group, lambda: None)
+
+
+def every_index(ckpt: Path, fs: FileSystem, group: dist.ProcessGroup | None) -> Metadata:
+    """Every rank's own index in ``ckpt``, merged (``dcp_index.merged``), on every rank of
+    ``group`` (None: this process alone), each index file read once over the job.
+
+    Were every rank to read every index, a world-size change would open N files on each of the
+    new ranks: N x N over the job, and as many index reads served by the shared filesystem
+    (bench/index_scale.py). Here rank r of W reads indexes r, r+W, r+2W, ... up to the first one
+    missing (no directory listing, itself a read of N names per rank) and merges them, and the
+    parts are all-gathered (from the job's own ranks, unpickled as ``all_gather_object`` does):
+    each rank merges them and checks them (ranks 0 to N-1, none missing; none disagreeing), alike
+    on every rank. So every rank raises the same error: a refusal or a corrupt index as one line;
+    another error (EIO) as the rank's own exception there and ``PeerLoadFailed`` on the others."""
+    together = group is not None or dist.is_initialized()
+    world, me = (dist.get_world_size(group), dist.get_rank(group)) if together else (1, 0)
+    mine: BaseException | None = None
+    try:
+        part = _index_part(ckpt, fs, me, world)
+    except (OSError, UnsafePickle, CorruptRecord) as e:
+        mine, part = e, _Part([], None, _failure(e))
+    outcome = _assembled(ckpt, [part] if world == 1 else agree.all_gather(part, group, lambda: None))
+    if isinstance(outcome, Metadata):
+        return outcome
+    rank, failure = outcome
+    raise mine if rank == me and mine is not None else _peer_error(rank, failure)
+
+
+class _Part(NamedTuple):
+    """A rank's share of ``every_index``: the ranks whose index it read, merged; or its failure."""
+
+    ranks: list[int]
+    metadata: Metadata | None
+    failure: tuple[str, str] | None
+
+
+def _index_part(ckpt: Path, fs: FileSystem, me: int, world: int) -> _Part:
+    """Rank ``me`` of ``world``'s share: indexes me, me + world, ... up to the first missing."""
+    ranks, indexes = [], []
+    for r in itertools.count(me, world):
+        path = ckpt / dcp_index_filename(r)
+        if not fs.exists(path):
+            break
+        ranks.append(r)
+        indexes.append(read_index(fs, path))
+    try:
+        return _Part(ranks, merged(indexes) if indexes else None, None)
+    except ValueError as e:
+        raise corrupt(f"{ckpt}: its ranks' indexes disagree ({e})") from None
+
+
+def _assembled(ckpt: Path, parts: list[_Part]) -> Metadata | _Failed:
+    """The parts merged, or the lowest failing rank and its failure: a part's, or one every rank
+    finds alike in the parts (an index missing, two that disagree), named as rank 0's."""
+    failed = next(((r, p.failure) for r, p in enumerate(parts) if p.failure is not None), None)
+    if failed is not None:
+        return failed
+    found = sorted(r for p in parts for r in p.ranks)
+    missing = next((want for r, want in zip(found, range(len(found)), strict=True) if r != want), None)
+    if not found:
+        return 0, _corrupt_line(f"{ckpt}: no {dcp_index_filename()} and no {dcp_index_filename(0)}")
+    if missing is not None:
+        return 0, _corrupt_line(f"{ckpt}: no {dcp_index_filename(missing)}, yet rank {found[-1]}'s is there")
+    try:
+        return merged([p.metadata for p in parts if p.metadata is not None])
+    except ValueError as e:
+        return 0, _corrupt_line(f"{ckpt}: its ranks' indexes disagree ({e})")
+
+
+def _corrupt_line(what: str) -> tuple[str, str]:
+    """``_failure`` of ``corrupt(what)``."""
+    return "corrupt", one_line(corrupt(what))
+
+
 class OwnIndexShort(Exception):
-    """This rank's own index does not hold all it loads: the checkpoint was saved in another
-    layout. Raised while planning, before anything is read."""
+    """This rank's own index does not hold all it loads, or it has none: the checkpoint was saved
+    in another layout. Raised before anything is read (while planning)."""
 
 
 class PeerLoadFailed(RuntimeError):
@@ -392,6 +481,8 @@ def _failure(error: BaseException | None) -> tuple[str, str] | None:
     """What a peer needs of this rank's failed load: its kind and one line."""
     if error is None:
         return None
+    if isinstance(error, OwnIndexShort):
+        return _SHORT, ""
     if isinstance(error, UnsafePickle):
         return "untrusted", one_line(error)
     return "corrupt" if isinstance(error, CorruptRecord) else "", one_line(error)

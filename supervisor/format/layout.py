@@ -312,12 +312,6 @@ def is_dcp_index(name: str) -> bool:
     return _DCP_INDEX_RE.fullmatch(name) is not None
 
 
-def parse_dcp_index(name: str) -> int | None:
-    """The rank whose own index ``name`` is; None for any other name (the one index too)."""
-    m = _DCP_INDEX_RE.fullmatch(name)
-    return int(m.group(1)) if m and m.group(1) is not None else None
-
-
 def rank_state_filename(rank: int) -> str:
     """The file in a checkpoint that holds one rank's own state (its RNGs)."""
     return f"{_rank_name(rank)}.state.pt"
