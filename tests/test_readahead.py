@@ -81,17 +81,20 @@ def test_where_nothing_is_kept_it_stops_after_the_first_probe(faultfs: FaultFS) 
     assert faultfs.hits(never) == 0, "nothing after the probe is read"
 
 
-def test_an_error_stops_it_quietly(faultfs: FaultFS, tmp_path: Path) -> None:
-    """EIO, or a file not there, is the load's to report: the read-ahead gives up, raises nothing."""
+def test_an_error_stops_it_quietly_and_a_file_not_there_is_skipped(faultfs: FaultFS, tmp_path: Path) -> None:
+    """EIO is the load's to report: the read-ahead gives up, raises nothing. A file not there is
+    one of two candidates (DCP's one index or the rank's own): the next is read."""
     m = faultfs.mountpoint
-    broken, after = m / "broken", m / "after"
-    broken.write_bytes(b"x" * PROBE)
-    after.write_bytes(b"y" * PROBE)
+    broken, after, next_one = m / "broken", m / "after", m / "next"
+    for f in (broken, after, next_one):
+        f.write_bytes(b"x" * PROBE)
     eio = faultfs.fail("/broken", "EIO", ops=["read"])
     never = faultfs.fail("/after", "EIO", ops=["read"])
     _read_ahead([broken, after], LIMIT, threading.Event())
-    _read_ahead([tmp_path / "missing", after], LIMIT, threading.Event())
     assert faultfs.hits(eio) >= 1 and faultfs.hits(never) == 0
+    counted = faultfs.delay("/next", 0.001, ops=["read"])  # counts the reads
+    _read_ahead([tmp_path / "missing", next_one], LIMIT, threading.Event())
+    assert faultfs.hits(counted) >= 1
 
 
 def test_a_stalled_read_ahead_does_not_hold_up_the_load(faultfs: FaultFS) -> None:

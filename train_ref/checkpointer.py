@@ -791,10 +791,10 @@ class Checkpointer:
         cache behind it (train_ref/readahead.py)."""
         same_world = saved_world_size == self.world_size
         path = ckpt / rank_state_filename(self.rank)
-        index = ckpt / dcp_index_filename()
-        if not index.exists():  # one per rank: this rank's own, when the world is the same
-            index = ckpt / dcp_index_filename(self.rank)
-        first = [index] + ([ckpt / dcp_shard_filename(self.rank), path] if same_world else [])
+        # DCP's one index, or this rank's own where each rank wrote one (the read-ahead skips the
+        # one that is not there)
+        first = [ckpt / dcp_index_filename(), ckpt / dcp_index_filename(self.rank)]
+        first += [ckpt / dcp_shard_filename(self.rank), path] if same_world else []
         with readahead(first), kept_alive(progress) as loading:
             prime_for_load(getattr(state, "optimizer", None))
             fs = ProgressFileSystem(self.root, loading)

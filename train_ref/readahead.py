@@ -17,7 +17,9 @@ or cannot say (FUSE with ``direct_io``, as the fault filesystem mounts: EOPNOTSU
 would read every byte twice, so it stops.
 
 Advisory only: any error (a file system without ``sendfile``, EIO) stops it silently, and the
-load's own read meets the error and names it. At most ``LIMIT`` bytes per rank are read ahead, so a
+load's own read meets the error and names it. A file that is not there is skipped: the caller
+names both candidates for the index (DCP's one, or this rank's own) and the read-ahead, not the
+load's first line, finds out which the checkpoint has. At most ``LIMIT`` bytes per rank are read ahead, so a
 shard larger than the page cache can hold is not read twice.
 """
 
@@ -66,7 +68,10 @@ def _read_ahead(paths: Sequence[Path], limit: int, stop: threading.Event) -> Non
         for path in paths:
             if stop.is_set() or limit <= 0:
                 return
-            limit -= _into_cache(path, limit, sink, stop)
+            try:
+                limit -= _into_cache(path, limit, sink, stop)
+            except FileNotFoundError:
+                continue
     except (OSError, _NotKept):
         return  # advice only: the load's own read meets an error and names it
     finally:
