@@ -8,6 +8,7 @@ blocked, and a real full disk on a small tmpfs.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 from waiting import EVENT_TIMEOUT_S
 
+from supervisor.drill import faultctl
 from supervisor.drill.faultctl import FaultFS
 from supervisor.drill.faultfs import Faults, proc_lineage
 from supervisor.drill.faultrules import SIZED_OPS, RuleError, RuleState, parse_rule, throttle
@@ -613,3 +615,60 @@ def test_small_tmpfs_unmounts_even_when_busy(tmp_path: Path, need_mount: None) -
     fs.unmount()
     assert not is_mounted(fs.path)
     held.close()
+
+
+class _FreshMachine:
+    """``fuse_unavailable``'s view of a machine without fuse3, as root with apt-get: ``which``
+    finds fusermount3 from the ``found_at``-th look on (another installer finished meanwhile),
+    and each apt-get call is recorded with whether this project's install lock was held."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, lock: Path, found_at: int) -> None:
+        self.lock, self.found_at, self.looks = lock, found_at, 0
+        self.calls: list[tuple[str, bool]] = []
+        monkeypatch.setattr(faultctl, "APT_INSTALL_LOCK", lock)
+        monkeypatch.setattr(faultctl.os.path, "exists", lambda p: p == "/dev/fuse" or os.path.lexists(p))
+        monkeypatch.setattr(faultctl.os, "access", lambda p, mode: True)
+        monkeypatch.setattr(faultctl.os, "geteuid", lambda: 0)
+        monkeypatch.setattr(faultctl.shutil, "which", self.which)
+        monkeypatch.setattr(faultctl.subprocess, "run", self.run)
+
+    def which(self, name: str) -> str | None:
+        if name != "fusermount3":
+            return f"/usr/bin/{name}"
+        self.looks += 1
+        return "/usr/bin/fusermount3" if self.looks >= self.found_at else None
+
+    def run(self, cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        self.calls.append((cmd[3], self.held()))
+        if cmd[3] == "install":
+            self.found_at = self.looks + 1
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    def held(self) -> bool:
+        """Whether the lock is held (by another open file: flock locks exclude each other)."""
+        with open(self.lock, "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(f, fcntl.LOCK_UN)
+            return False
+
+
+def test_fuse3_is_installed_under_the_projects_apt_lock(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Two test workers on a fresh machine: one installs, holding the lock tests/slurm/cluster.sh
+    takes too; apt-get never runs twice at once (the loser skipped its tests)."""
+    machine = _FreshMachine(monkeypatch, tmp_path / "apt.lock", found_at=99)
+    assert faultctl.fuse_unavailable() is None
+    assert machine.calls == [("update", True), ("install", True)]
+    assert not machine.held()
+
+
+def test_fuse3_installed_while_waiting_for_the_lock_is_not_installed_again(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    machine = _FreshMachine(monkeypatch, tmp_path / "apt.lock", found_at=2)  # found once locked
+    assert faultctl.fuse_unavailable() is None
+    assert machine.calls == []

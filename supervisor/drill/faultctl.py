@@ -41,6 +41,10 @@ STOP_GRACE_S = 10.0  # after a lazy unmount: for files still open to be closed, 
 KILL_WAIT_S = 10.0
 CALL_MARGIN_S = 10.0  # a control call may take this much longer than the wait it asks for
 APT_LOCK_TIMEOUT_S = 300  # other jobs on the machine may hold dpkg's lock
+# Held while this project installs a package (fuse3 here, SLURM in tests/slurm/cluster.sh, which
+# names the same file): two test workers starting on a fresh machine would otherwise run apt-get
+# at once, and the one refused apt's lists lock skipped every test that needed the package.
+APT_INSTALL_LOCK = Path(tempfile.gettempdir()) / "resumable-training-apt.lock"
 REPO = Path(__file__).resolve().parents[2]  # for the filesystem process, also when not installed
 
 
@@ -317,16 +321,21 @@ def fuse_unavailable() -> str | None:
         return "fusermount3 missing and not root, so apt-get cannot install fuse3"
     if not shutil.which("apt-get"):
         return "fusermount3 missing and no apt-get on this machine to install fuse3"
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    lock = f"DPkg::Lock::Timeout={APT_LOCK_TIMEOUT_S}"
-    for cmd in (
-        ["apt-get", "-o", lock, "update", "-q"],
-        ["apt-get", "-o", lock, "install", "-y", "-q", "--no-install-recommends", "fuse3"],
-    ):
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)
-        if r.returncode != 0:
-            last = (r.stderr.strip() or r.stdout.strip()).splitlines()[-1:] or ["no output"]
-            return f"apt-get could not install fuse3 ({' '.join(cmd[3:5])}: {last[0]})"
+    from filelock import FileLock  # here: only a machine without fuse3 pays its import
+
+    with FileLock(APT_INSTALL_LOCK):
+        if shutil.which("fusermount3"):  # installed by whoever held the lock before
+            return None
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        lock = f"DPkg::Lock::Timeout={APT_LOCK_TIMEOUT_S}"
+        for cmd in (
+            ["apt-get", "-o", lock, "update", "-q"],
+            ["apt-get", "-o", lock, "install", "-y", "-q", "--no-install-recommends", "fuse3"],
+        ):
+            r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)
+            if r.returncode != 0:
+                last = (r.stderr.strip() or r.stdout.strip()).splitlines()[-1:] or ["no output"]
+                return f"apt-get could not install fuse3 ({' '.join(cmd[3:5])}: {last[0]})"
     return None if shutil.which("fusermount3") else "apt-get installed fuse3 but fusermount3 is not on PATH"
 
 

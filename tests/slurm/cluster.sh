@@ -65,17 +65,24 @@ ensure_installed() {
     log "unavailable: SLURM commands missing ($missing) and no apt-get on this machine"
     exit "$EXIT_UNAVAILABLE"
   fi
+  # One apt-get at a time among this project's installers (supervisor/drill/faultctl.py's
+  # APT_INSTALL_LOCK: a test worker may be installing fuse3 right now), then look again.
+  exec 9>"${TMPDIR:-/tmp}/resumable-training-apt.lock"
+  flock 9
+  missing=$(missing_commands)
+  [ -z "$missing" ] && { exec 9>&-; return 0; }
   log "installing ${PACKAGES[*]} (missing: $missing)"
   local out
   out=$(mktemp)
-  if ! { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
-    --no-install-recommends "${PACKAGES[@]}"; } >"$out" 2>&1; then
+  if ! { apt-get -o DPkg::Lock::Timeout=300 update -q && DEBIAN_FRONTEND=noninteractive apt-get \
+    -o DPkg::Lock::Timeout=300 install -y -q --no-install-recommends "${PACKAGES[@]}"; } >"$out" 2>&1; then
     tail -n 20 "$out" >&2
     rm -f "$out"
     log "unavailable: apt-get could not install ${PACKAGES[*]} (output above)"
     exit "$EXIT_UNAVAILABLE"
   fi
   rm -f "$out"
+  exec 9>&-
 }
 
 free_port() {
