@@ -11,16 +11,17 @@ When the state is sharded (FSDP: the tensors are DTensors split over the ranks),
 alone (``use_collectives=False``): its shards and its own index, ``__<rank>_index.metadata``, nothing
 exchanged. A resume on the same layout reads its own index: what a rank loads is what it wrote
 (``uncovered`` checks that, element for element). On another layout (a world-size change, FSDP to
-DDP) it reads them all, ``merged``. Replicated state (DDP, HSDP's replicas) keeps the one index:
-with one per rank, every rank would write what the others write (or, split into the trainer's
-replica shares, would need every rank's index to load).
+DDP) it needs them all, ``merged``, each read once over the job (safe_load.every_index).
+Replicated state (DDP, HSDP's replicas) keeps the one index: with one per rank, every rank would
+write what the others write (or, split into the trainer's replica shares, would need every
+rank's index to load).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -77,7 +78,7 @@ def merged(indexes: Sequence[Metadata]) -> Metadata:
     non-tensor value) once, from the lowest rank. ValueError when two ranks disagree on an item.
     Linear in the chunks: a world-size change at thousands of ranks merges millions."""
     items: dict[str, STORAGE_TYPES] = {}
-    chunks: dict[str, dict[tuple[int, ...], ChunkStorageMetadata]] = {}  # each tensor's, by offsets
+    tensors: dict[str, tuple[TensorStorageMetadata, _Chunks]] = {}  # each tensor, its chunks by offsets
     storage: dict[MetadataIndex, Any] = {}
     planner_data: dict[str, Any] = {}
     for md in indexes:
@@ -85,16 +86,16 @@ def merged(indexes: Sequence[Metadata]) -> Metadata:
             have = items.get(fqn)
             if have is None:
                 if isinstance(item, TensorStorageMetadata):
-                    items[fqn] = TensorStorageMetadata(item.properties, item.size, [])
-                    chunks[fqn] = {}
-                    _add_chunks(fqn, chunks[fqn], item.chunks)
+                    tensor = TensorStorageMetadata(item.properties, item.size, [])
+                    items[fqn], tensors[fqn] = tensor, (tensor, {})
+                    _add_chunks(fqn, tensors[fqn][1], item.chunks)
                 else:
                     items[fqn] = item
             elif isinstance(have, TensorStorageMetadata) and isinstance(item, TensorStorageMetadata):
                 if have.size != item.size or have.properties.dtype != item.properties.dtype:
                     raise ValueError(f"{fqn}: {tuple(item.size)} {item.properties.dtype} in one index, "
                                      f"{tuple(have.size)} {have.properties.dtype} in another")  # fmt: skip
-                _add_chunks(fqn, chunks[fqn], item.chunks)
+                _add_chunks(fqn, tensors[fqn][1], item.chunks)
             elif isinstance(have, TensorStorageMetadata) or isinstance(item, TensorStorageMetadata):
                 raise ValueError(f"{fqn}: a tensor in one index, a value in another")
         for index, info in md.storage_data.items():
@@ -102,15 +103,16 @@ def merged(indexes: Sequence[Metadata]) -> Metadata:
         if isinstance(md.planner_data, Mapping):
             for k, v in md.planner_data.items():
                 planner_data.setdefault(k, v)
-    for fqn, at in chunks.items():
-        cast(TensorStorageMetadata, items[fqn]).chunks = list(at.values())
+    for tensor, at in tensors.values():
+        tensor.chunks = list(at.values())
     first = indexes[0]
     return Metadata(items, planner_data or first.planner_data, storage, first.storage_meta, first.version)
 
 
-def _add_chunks(
-    fqn: str, at: dict[tuple[int, ...], ChunkStorageMetadata], more: Sequence[ChunkStorageMetadata]
-) -> None:
+_Chunks = dict[tuple[int, ...], ChunkStorageMetadata]  # a tensor's chunks, by their offsets
+
+
+def _add_chunks(fqn: str, at: _Chunks, more: Sequence[ChunkStorageMetadata]) -> None:
     for c in more:
         same = at.setdefault(tuple(c.offsets), c)
         if same is not c and tuple(same.sizes) != tuple(c.sizes):
