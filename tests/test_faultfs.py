@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -617,6 +617,14 @@ def test_small_tmpfs_unmounts_even_when_busy(tmp_path: Path, need_mount: None) -
     held.close()
 
 
+@pytest.fixture
+def uncached() -> Iterator[None]:
+    """``fuse_unavailable`` asked afresh (it answers once per process), and afresh again after."""
+    faultctl.fuse_unavailable.cache_clear()
+    yield
+    faultctl.fuse_unavailable.cache_clear()
+
+
 class _FreshMachine:
     """``fuse_unavailable``'s view of a machine without fuse3, as root with apt-get: ``which``
     finds fusermount3 from the ``found_at``-th look on (another installer finished meanwhile),
@@ -656,10 +664,11 @@ class _FreshMachine:
 
 
 def test_fuse3_is_installed_under_the_projects_apt_lock(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, uncached: None
 ) -> None:
     """Two test workers on a fresh machine: one installs, holding the lock tests/slurm/cluster.sh
-    takes too; apt-get never runs twice at once (the loser skipped its tests)."""
+    takes too; apt-get never runs twice at once (the one refused apt's lock would have kept that
+    answer for the rest of its run, and skipped every FUSE test it met)."""
     machine = _FreshMachine(monkeypatch, tmp_path / "apt.lock", found_at=99)
     assert faultctl.fuse_unavailable() is None
     assert machine.calls == [("update", True), ("install", True)]
@@ -667,7 +676,7 @@ def test_fuse3_is_installed_under_the_projects_apt_lock(
 
 
 def test_fuse3_installed_while_waiting_for_the_lock_is_not_installed_again(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, uncached: None
 ) -> None:
     machine = _FreshMachine(monkeypatch, tmp_path / "apt.lock", found_at=2)  # found once locked
     assert faultctl.fuse_unavailable() is None
