@@ -19,8 +19,8 @@ would read every byte twice, so it stops.
 Advisory only: any error (a file system without ``sendfile``, EIO) stops it silently, and the
 load's own read meets the error and names it. A file that is not there is skipped: the caller
 names both candidates for the index (DCP's one, or this rank's own) and the read-ahead, not the
-load's first line, finds out which the checkpoint has. At most ``LIMIT`` bytes per rank are read ahead, so a
-shard larger than the page cache can hold is not read twice.
+load's first line, finds out which the checkpoint has. At most ``LIMIT`` bytes per rank are read
+ahead, so a shard larger than the page cache can hold is not read twice.
 """
 
 from __future__ import annotations
