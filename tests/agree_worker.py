@@ -3,7 +3,8 @@ objects of different sizes; the step-boundary flags riding on a reduction reach 
 and so do those of a loop that does not piggyback (step_boundary's own all-reduce); an async
 save's commit, started at a step boundary, runs in the background; a load whose part failed on one
 rank fails on every rank alike, with nothing applied anywhere; a load of a checkpoint with an index
-per rank on another layout reads each index once over the ranks."""
+per rank on another layout reads each index once over the ranks; a save's commit reads back only
+the files DCP did not write, and its manifest holds what is on disk."""
 
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ from supervisor.format.layout import (
     rank_state_filename,
     step_dirname,
 )
-from supervisor.format.manifest import CheckpointInfo
-from train_ref import agree, safe_load
+from supervisor.format.manifest import CheckpointInfo, checksum_file, read_manifest
+from train_ref import agree, checkpointer, safe_load
 from train_ref.checkpointer import Checkpointer, CommitInfo, _writer
 
 
@@ -143,6 +144,32 @@ def _per_rank_loads(root: Path, rank: int, group: dist.ProcessGroup) -> list[lis
     return out
 
 
+@contextmanager
+def _read_back() -> Iterator[list[str]]:
+    """The names of the files a commit reads back to checksum them, while the block runs."""
+    names: list[str] = []
+    hash_file = checkpointer.checksum_file
+
+    def recorded(path: str | Path, *args: Any) -> str:
+        names.append(Path(path).name)
+        return hash_file(path, *args)
+
+    checkpointer.checksum_file = recorded
+    try:
+        yield names
+    finally:
+        checkpointer.checksum_file = hash_file
+
+
+def _as_on_disk(ckpt: Path) -> bool:
+    """Whether the manifest's size and checksum of every file are the file's."""
+    files = read_manifest(ckpt).files
+    return bool(files) and all(
+        os.path.getsize(ckpt / n) == e.size and checksum_file(ckpt / n) == e.checksum
+        for n, e in files.items()
+    )
+
+
 def _checkpointer(root: Path, hb: HeartbeatWriter, async_save: bool) -> Checkpointer:
     return Checkpointer(
         root,
@@ -175,19 +202,23 @@ def main() -> int:
     piggybacked = ckpt.step_boundary(preempt_requested=False)  # this call's argument comes too late
     own = ckpt.step_boundary(preempt_requested=rank == world - 1)  # nothing carried: its own all-reduce
     quiet = ckpt.step_boundary(preempt_requested=False)
+    with _read_back() as sync_read_back:
+        ckpt.save(_Tiny(3, torch.full((4,), float(rank))), {}, blocking=True)
+    sync_save = {"read_back": sync_read_back, "as_on_disk": _as_on_disk(root / step_dirname(3))}
     # An async save's commit starts at the boundary that agrees its writes are done and runs in
     # the background; a later boundary takes the outcome.
     async_root = root / "async"
     async_root.mkdir(exist_ok=True)
     asy = _checkpointer(async_root, hb, async_save=True)
-    asy.save(_Tiny(5, torch.full((4,), float(rank))), {})
-    f = asy.in_flight
-    assert f is not None
-    early = []
-    while f.committed is None:  # every rank's writes done: started at the same boundary
-        early.append(store.read_latest(async_root))  # nothing has started the commit yet
-        asy.step_boundary(preempt_requested=False)
-    f.committed.result()  # done in the background: no boundary in between
+    with _read_back() as async_read_back:
+        asy.save(_Tiny(5, torch.full((4,), float(rank))), {})
+        f = asy.in_flight
+        assert f is not None
+        early = []
+        while f.committed is None:  # every rank's writes done: started at the same boundary
+            early.append(store.read_latest(async_root))  # nothing has started the commit yet
+            asy.step_boundary(preempt_requested=False)
+        f.committed.result()  # done in the background: no boundary in between
     before_taken = store.read_latest(async_root)
     asy.step_boundary(preempt_requested=False)  # takes the outcome
     committed = {
@@ -197,6 +228,8 @@ def main() -> int:
         # what a loop waiting on it would show: bytes written, then hashed, then commit steps,
         # never over 100%
         "counted": (f.work.done, f.work.total),
+        "read_back": async_read_back,
+        "as_on_disk": _as_on_disk(async_root / step_dirname(5)),
         "sizes": {
             n: os.path.getsize(async_root / step_dirname(5) / n)
             for n in (dcp_shard_filename(rank), rank_state_filename(rank), DCP_METADATA)
@@ -209,6 +242,7 @@ def main() -> int:
         "total": total.tolist(),
         "flags": [piggybacked, own, quiet],
         "async": committed,
+        "sync": sync_save,
         "failures": failures,
         "loads": loads,
         "per_rank_loads": per_rank,

@@ -10,6 +10,7 @@ import pytest
 from trainer_helpers import REPO, trainer_env
 from waiting import PATIENCE_S
 
+from supervisor.format.layout import rank_state_filename
 from train_ref.checkpointer import COMMIT_STEPS
 
 pytestmark = pytest.mark.slow
@@ -69,11 +70,17 @@ def test_gather_reaches_rank_0_only_flags_reach_every_rank_and_an_async_commit_r
     for case in (2, 3):
         assert len({d["per_rank_loads"][case][1] for d in results.values()}) == 1
     for rank, d in results.items():
+        # DCP's files hashed as they were written: a commit reads back only the rank's state
+        # file, sync or async, and the manifest holds what is on disk
+        for save in ("sync", "async"):
+            assert d[save]["read_back"] == [rank_state_filename(rank)] and d[save]["as_on_disk"], (
+                rank,
+                d[save],
+            )
         # counted for a loop that waits on it: the upload's writes (DCP's index is rank 0's),
-        # then the checksums of its files, then rank 0's commit steps; never over 100%
+        # then the state file read back to hash it, then rank 0's commit steps; never over 100%
         sizes = d["async"]["sizes"]
         shard, rank_file, index = sizes.values()
         written = shard + (index if rank == 0 else 0)
-        hashed = written + rank_file
         steps = len(COMMIT_STEPS) if rank == 0 else 0
-        assert d["async"]["counted"] == [written + hashed + steps] * 2, (rank, d["async"])
+        assert d["async"]["counted"] == [written + rank_file + steps] * 2, (rank, d["async"])

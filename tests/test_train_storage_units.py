@@ -22,7 +22,7 @@ from waiting import PATIENCE_S
 
 from supervisor import store
 from supervisor.format.layout import dcp_shard_filename, rank_state_filename
-from supervisor.format.manifest import FileEntry, Manifest
+from supervisor.format.manifest import FileEntry, Manifest, checksum_file
 from supervisor.ioerrors import Evidence
 from train_ref.appender import LineAppender
 from train_ref.checkpointer import _writer
@@ -36,6 +36,7 @@ from train_ref.progress_io import (
     Relay,
     next_write_chunk,
     wait_forwarding,
+    written_key,
 )
 from train_ref.resume import ShareVerdict, combine, split_by_size, verify_shares
 from train_ref.safe_load import load_dcp
@@ -352,6 +353,37 @@ def test_the_progress_writer_counts_what_dcp_writes_a_chunk_at_a_time(tmp_path, 
     loaded = {"w": torch.zeros(1_000_000), "b": torch.zeros(10, dtype=torch.int64)}
     load_dcp(ckpt, loaded, None, fs=ProgressFileSystem(tmp_path))
     assert torch.equal(loaded["w"], saved["w"]) and torch.equal(loaded["b"], saved["b"])
+
+
+def test_what_dcp_writes_is_hashed_as_it_is_written_under_the_name_it_ends_with(tmp_path, tracker):
+    """A commit takes DCP's files' checksums from the writes (no read back): each is the file's,
+    the index under the name it was renamed to."""
+    ckpt = tmp_path / "step_00000001"
+    writer = _writer(ckpt, tmp_path, tracker)
+    dcp.save({"w": torch.randn(1_000_000), "b": torch.arange(10)}, storage_writer=writer)
+    on_disk = {
+        written_key(ckpt / n): FileEntry(os.path.getsize(ckpt / n), checksum_file(ckpt / n))
+        for n in ("__0_0.distcp", ".metadata")
+    }
+    assert writer.written == on_disk
+
+
+def test_a_file_written_out_of_order_or_not_to_its_end_is_not_hashed_as_written(tmp_path, tracker):
+    fs = ProgressFileSystem(tmp_path, tracker)
+    with fs.create_stream(tmp_path / "a", "wb") as f:
+        f.write(b"x" * 10)
+        f.seek(0)
+        f.write(b"y")  # a write back into what was written: only a read back knows the file
+    with pytest.raises(OSError), fs.create_stream(tmp_path / "b", "wb") as f:
+        f.write(b"x" * 10)
+        raise OSError(errno.EIO, "failed mid-file")
+    with fs.create_stream(tmp_path / "c", "wb") as f:
+        f.write(b"z" * 10)
+    assert list(fs.written) == [written_key(tmp_path / "c")]
+    fs.rename(tmp_path / "c", tmp_path / "d")
+    assert fs.written == {written_key(tmp_path / "d"): FileEntry(10, checksum_file(tmp_path / "d"))}
+    fs.rm_file(tmp_path / "d")
+    assert fs.written == {}
 
 
 def test_writes_are_sized_to_the_rate_they_run_at_within_bounds():

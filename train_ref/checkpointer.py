@@ -85,6 +85,7 @@ from train_ref.progress_io import (
     Relay,
     kept_alive,
     wait_forwarding,
+    written_key,
 )
 from train_ref.readahead import readahead
 from train_ref.safe_load import load_dcp, weights_only_refusal
@@ -244,9 +245,10 @@ class _ShardWriter(FileSystemWriter):
     while this writer writes (at most one save writes at a time), so a ``torch.save`` elsewhere in
     the process during an async save's write also goes without it, and loads all the same."""
 
-    def __init__(self, path: Path, delay_s: float = 0.0):
+    def __init__(self, path: Path, fs: ProgressFileSystem, delay_s: float = 0.0):
         super().__init__(path)
-        self.delay_s = delay_s
+        self.fs, self.delay_s = fs, delay_s
+        self.written = fs.written  # each file's size and checksum, as written (no read back)
 
     def _get_metadata_path(self, rank: int | None = None) -> os.PathLike[str]:
         """Where DCP's ``finish`` puts the index: a rank's own under this toolkit's name for it
@@ -264,12 +266,12 @@ class _ShardWriter(FileSystemWriter):
             torch.serialization.set_crc32_options(crc)
 
 
-def _writer(path: Path, root: Path, progress: Tracker | None = None) -> FileSystemWriter:
+def _writer(path: Path, root: Path, progress: Tracker | None = None) -> _ShardWriter:
     """DCP's writer into ``path``: a failed write names its file; with ``progress``, bytes written
-    are counted into it, a chunk at a time, naming the file."""
-    w = _ShardWriter(path, float(os.environ.get(ENV_SAVE_DELAY, "0") or 0))
-    w.fs = ProgressFileSystem(root, progress)
-    return w
+    are counted into it, a chunk at a time, naming the file, and hashed (``written``)."""
+    return _ShardWriter(
+        path, ProgressFileSystem(root, progress), float(os.environ.get(ENV_SAVE_DELAY, "0") or 0)
+    )
 
 
 class Checkpointer:
@@ -335,9 +337,10 @@ class Checkpointer:
             )  # the streams as of this step; written off the loop
             # counts the upload's writes (beating between files), then the checksums and the commit
             uploading = Keepalive(Relay())
+            writer = _writer(tmp, self.root, uploading)
             resp = dcp.async_save(
                 app,
-                storage_writer=_writer(tmp, self.root, uploading),
+                storage_writer=writer,
                 process_group=self.dcp_group,
                 async_stager=self.stager,
                 use_collectives=not alone,
@@ -348,7 +351,7 @@ class Checkpointer:
                 else (None, resp)
             )
             written = self._background().submit(
-                self._write_and_hash, tmp, upload, rank_file, rank_state, uploading
+                self._write_and_hash, tmp, upload, rank_file, rank_state, uploading, writer.written
             )
             self.in_flight = _InFlight(state.step, tmp, meta, staging, written, uploading.inner, started=t0)
             self.last_blocking_s = time.monotonic() - t0
@@ -358,17 +361,15 @@ class Checkpointer:
             RankState.save(rank_file, self.rank_extra)
         except OSError as e:
             error = save_error(e, self.rank, self.root)
+        hashed: dict[str, FileEntry] = {}  # DCP's files, hashed as they were written
         try:
             with kept_alive(self.hb.tracker(Phase.SAVE, state.step)) as saving:
-                dcp.save(
-                    app,
-                    storage_writer=_writer(tmp, self.root, saving),
-                    process_group=self.dcp_group,
-                    use_collectives=not alone,
-                )
+                writer = _writer(tmp, self.root, saving)
+                hashed = writer.written
+                dcp.save(app, storage_writer=writer, process_group=self.dcp_group, use_collectives=not alone)
         except (OSError, CheckpointException) as e:
             error = error or self._storage_error(e)
-        outcome = self._commit(state.step, tmp, meta, error, t0)
+        outcome = self._commit(state.step, tmp, meta, error, t0, hashed)
         self.last_blocking_s = time.monotonic() - t0
         return outcome
 
@@ -481,19 +482,25 @@ class Checkpointer:
         return self._worker
 
     def _write_and_hash(
-        self, tmp: Path, upload: Future[None], rank_file: Path, rank_state: bytes, uploading: Keepalive[Relay]
+        self,
+        tmp: Path,
+        upload: Future[None],
+        rank_file: Path,
+        rank_state: bytes,
+        uploading: Keepalive[Relay],
+        written: dict[str, FileEntry],
     ) -> dict[str, FileEntry]:
         """Background, while training goes on: write (and fsync) this rank's state file, wait for
-        DCP's upload (beating for it between its files), then checksum this rank's files, so the
-        commit only exchanges them (the files are still in the page cache). Raises the OSError of
-        the state file, a read, or what the upload raised, never before the upload is over: a
-        failed commit removes the tmp dir."""
+        DCP's upload (beating for it between its files), then this rank's files' checksums (those
+        hashed as DCP wrote them, ``written``; the others read back), so the commit only exchanges
+        them. Raises the OSError of the state file, a read, or what the upload raised, never
+        before the upload is over: a failed commit removes the tmp dir."""
         try:
             RankState.write(rank_file, rank_state)
         finally:
             with agree.beating(uploading.beat):
                 upload.result()
-        return self._local_entries(tmp, uploading.inner)
+        return self._local_entries(tmp, uploading.inner, written)
 
     def _commit_written(self, f: _InFlight) -> SaveOutcome:
         """Background: ``_agree`` on what ``f``'s writes left, on DCP's group (every rank starts
@@ -571,11 +578,17 @@ class Checkpointer:
                 log.warning("prune before retrying a save failed: %s", e)
 
     def _commit(
-        self, step: int, tmp: Path, meta: dict[str, Any], error: SaveError | None, started: float
+        self,
+        step: int,
+        tmp: Path,
+        meta: dict[str, Any],
+        error: SaveError | None,
+        started: float,
+        written: dict[str, FileEntry],
     ) -> SaveOutcome:
         """A sync save's commit, on the loop: ``_agree`` beating the heartbeat, then ``_apply``."""
         progress = self.hb.tracker(Phase.COMMIT, step)
-        outcome = self._agree(step, tmp, meta, error, started, progress)
+        outcome = self._agree(step, tmp, meta, error, started, progress, written=written)
         self._apply(outcome, progress)
         return outcome
 
@@ -588,9 +601,11 @@ class Checkpointer:
         started: float,
         progress: Progress | Relay,
         entries: dict[str, FileEntry] | None = None,
+        written: dict[str, FileEntry] | None = None,
     ) -> SaveOutcome:
         """Every rank's writes are done: rank 0 commits with the checksums each rank computed
-        (``entries``, or now), unless a rank failed; every rank learns the outcome. The manifest
+        (``entries``, or now: those ``written`` hashed as they were written, the others read back),
+        unless a rank failed; every rank learns the outcome. The manifest
         records how long the save took since ``started`` (META_SAVE_S: what a preemption notice
         must leave time for)."""
         # added to what it counts already (an async save's relay: the bytes it hashed before)
@@ -598,7 +613,7 @@ class Checkpointer:
         mine: dict[str, FileEntry] | SaveError | None = error or entries
         if mine is None:
             try:
-                mine = self._local_entries(tmp, progress)
+                mine = self._local_entries(tmp, progress, written or {})
             except OSError as e:
                 mine = save_error(e, self.rank, self.root)
         progress.set_path("")  # waiting for the peers, not in a read
@@ -754,19 +769,24 @@ class Checkpointer:
                 f"committed checkpoints are intact (newest: {outcome.latest or 'none'}); exit 74, retryable"
             )
 
-    def _local_entries(self, tmp: Path, progress: Progress | Relay) -> dict[str, FileEntry]:
+    def _local_entries(
+        self, tmp: Path, progress: Progress | Relay, written: dict[str, FileEntry]
+    ) -> dict[str, FileEntry]:
         """Checksums of the files this rank wrote (``_is_own``), so rank 0 does not re-read every
-        shard. ``progress`` counts the bytes hashed."""
+        shard: those hashed as they were written (``written``) when the file still has the size
+        they were written to, the others read back. ``progress`` counts the bytes read."""
         mine = [n for n in sorted(os.listdir(tmp)) if self._is_own(n)]
         sizes = {n: (tmp / n).stat().st_size for n in mine}
+        hashed = {n: written.get(written_key(tmp / n)) for n in mine}
+        out = {n: e for n, e in hashed.items() if e is not None and e.size == sizes[n]}
+        todo = [n for n in mine if n not in out]
         # bytes counted with no total (an async save's relay: the upload's writes) are done out
         # of themselves, so done never passes total
-        progress.total = max(progress.total, progress.done) + sum(sizes.values())
-        out = {}
-        for name in mine:
+        progress.total = max(progress.total, progress.done) + sum(sizes[n] for n in todo)
+        for name in todo:
             progress.set_path(os.path.relpath(tmp / name, self.root))
             out[name] = FileEntry(sizes[name], checksum_file(tmp / name, progress, PROGRESS_CHUNK))
-        return out
+        return dict(sorted(out.items()))
 
     # ------------------------------------------------------------ loading
 

@@ -15,6 +15,13 @@ upload thread, which must not write the heartbeat, into the save's ``Relay``, wh
 waits on the save forwards (``wait_forwarding``). So a slow write is no hang either, and a stuck
 one names its file. An OSError of either direction gets the file's path when it has none (a
 failed write(2) names no file), so a failed save's warning can name it.
+
+A file written through it is hashed as it is written (the manifest's xxh3-128): ``written`` holds
+each file written start to end in one pass, so a save's commit records its checksums without
+reading its files back. At a checkpoint of hundreds of GB a rank's shard no longer fits the page
+cache once written, and reading it back read every byte from the disk or shared filesystem twice.
+A write anywhere but at the end (a seek, a truncate) drops the running hash, and the file is read
+back as before.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from supervisor.format.heartbeat import Progress, Tracker
+from supervisor.format.manifest import FileEntry, checksum_hasher
 from train_ref import agree
 from train_ref.save_policy import storage_cause
 
@@ -95,13 +103,21 @@ def wait_forwarding(done: Future[Any], work: Relay, progress: Progress, interval
 class ProgressFile(io.FileIO):
     """A file opened for reading (``mode`` "rb") or writing ("wb") whose reads or writes are counted
     into ``progress``, a chunk at a time: ``chunk`` bytes per read; writes start at ``chunk`` and
-    follow the rate (``next_write_chunk``)."""
+    follow the rate (``next_write_chunk``). A file written is hashed as it is written
+    (``hashed``)."""
 
     def __init__(
         self, path: str | os.PathLike[str], progress: Tracker, chunk: int = PROGRESS_CHUNK, mode: str = "rb"
     ):
         super().__init__(path, mode)
         self.progress, self.chunk = progress, chunk
+        self.size = 0  # bytes written
+        self.hash: Any = checksum_hasher() if mode == "wb" else None  # ... all in order, from 0
+
+    def hashed(self) -> FileEntry | None:
+        """The size and checksum of all this file was written, when it was written in one pass
+        from its start (no seek or truncate since)."""
+        return FileEntry(self.size, self.hash.hexdigest()) if self.hash is not None else None
 
     def readinto(self, b: WriteableBuffer) -> int:
         n = super().readinto(memoryview(b).cast("B")[: self.chunk])
@@ -114,9 +130,22 @@ class ProgressFile(io.FileIO):
         start = time.monotonic()
         n = super().write(view) or 0
         if n:
+            if self.hash is not None:
+                self.hash.update(view[:n])
+            self.size += n
             self.chunk = next_write_chunk(n, time.monotonic() - start)
             self.progress(n)
         return n
+
+    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
+        at = super().seek(pos, whence)
+        if at != self.size:
+            self.hash = None  # the next write lands elsewhere than the end: read the file back
+        return at
+
+    def truncate(self, size: int | None = None) -> int:
+        self.hash = None
+        return super().truncate(size)
 
     def read(self, size: int | None = -1) -> bytes:
         if size is None or size < 0:
@@ -131,6 +160,11 @@ class ProgressFile(io.FileIO):
         return bytes(out)
 
 
+def written_key(path: str | os.PathLike[str]) -> str:
+    """How ``ProgressFileSystem.written`` names a file: its path, normalized."""
+    return os.path.normpath(path)
+
+
 def _named(path: str | os.PathLike[str], root: Path) -> str:
     rel = os.path.relpath(path, root)
     return os.fspath(path) if rel.startswith("..") else rel
@@ -140,21 +174,28 @@ class ProgressFileSystem(FileSystem):
     """DCP's local file system with counted reads and writes (when given a tracker) and named
     errors. With a tracker, every operation names its file while it runs and clears it after: a
     rank stuck in one is named, and one between files (waiting on its peers) is known to be
-    (``Keepalive``)."""
+    (``Keepalive``). With a tracker, ``written`` holds each file written through it in one pass
+    from its start, and not removed since: its size and checksum, by path (``written_key``)."""
 
     def __init__(self, root: Path, progress: Tracker | None = None) -> None:
         super().__init__()
         self.root, self.progress = root, progress
+        self.written: dict[str, FileEntry] = {}
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
         with self._on(path):
             if self.progress is not None and mode in ("rb", "wb"):
                 first = PROGRESS_CHUNK if mode == "rb" else MIN_WRITE_CHUNK
+                if mode == "wb":
+                    self.written.pop(written_key(path), None)
                 raw = ProgressFile(path, self.progress, first, mode)
                 buffered = io.BufferedReader(raw) if mode == "rb" else io.BufferedWriter(raw)
                 with buffered as stream:
                     yield stream
+                # closed (flushed) without an error: all its bytes went through ``raw``
+                if (entry := raw.hashed()) is not None:
+                    self.written[written_key(path)] = entry
             else:
                 with super().create_stream(path, mode) as stream:
                     yield stream
@@ -162,6 +203,8 @@ class ProgressFileSystem(FileSystem):
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
         with self._on(path):
             super().rename(path, new_path)
+        if (entry := self.written.pop(written_key(path), None)) is not None:
+            self.written[written_key(new_path)] = entry
 
     def mkdir(self, path: str | os.PathLike[str]) -> None:
         with self._on(path):
@@ -172,6 +215,7 @@ class ProgressFileSystem(FileSystem):
             return super().exists(path)
 
     def rm_file(self, path: str | os.PathLike[str]) -> None:
+        self.written.pop(written_key(path), None)
         with self._on(path):
             super().rm_file(path)
 

@@ -267,6 +267,12 @@ def _hasher(algo: str) -> Any:
     return hashlib.new(algo)
 
 
+def checksum_hasher() -> Any:
+    """A fresh hash object of the manifest's checksum (``CHECKSUM_ALGO``), for bytes as they are
+    written."""
+    return _hasher(CHECKSUM_ALGO)
+
+
 def hash_file(
     path: str | Path, algos: Sequence[str], progress: ProgressFn | None = None, chunk: int = READ_CHUNK
 ) -> list[str]:
