@@ -1,7 +1,9 @@
-"""DCP tensor records read off their bytes (train_ref/tensor_record.py) and the reader around it
-(train_ref/safe_load.py): the plain layout decodes bit-exact to what ``torch.load`` gives, any
-other layout goes through ``torch.load(weights_only=True)``, and a truncated, broken or tampered
-record is one line naming the file and the item."""
+"""DCP tensor records read off their bytes and written without ``torch.save``
+(train_ref/tensor_record.py), and the reader and writer around them (train_ref/safe_load.py,
+checkpointer._ShardWriter): the plain layout decodes bit-exact to what ``torch.load`` gives and is
+written byte for byte as ``torch.save`` writes it, any other layout goes through
+``torch.load(weights_only=True)`` or ``torch.save``, and a truncated, broken or tampered record is
+one line naming the file and the item."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import errno
 import io
 import os
 import pickle
+import re
 import struct
 import zipfile
 from pathlib import Path
@@ -18,12 +21,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from security_helpers import RunsCommand, evil_pickle
+from torch.distributed.checkpoint import FileSystemWriter
 
 from supervisor.safepickle import UnsafePickle
 from train_ref import safe_load
 from train_ref.checkpointer import _writer
 from train_ref.safe_load import CorruptRecord, load_dcp
-from train_ref.tensor_record import plain_tensor, read_in_place
+from train_ref.tensor_record import plain_tensor, read_in_place, write_plain
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int8, torch.uint8]
 DTYPES += [torch.bool, torch.complex64]
@@ -40,6 +44,14 @@ def record(t: torch.Tensor, crc: bool = True) -> bytearray:
     finally:
         torch.serialization.set_crc32_options(before)
     return bytearray(buf.getvalue())
+
+
+def masked(data: bytes) -> bytes:
+    """``data`` with every record's ``.data/serialization_id`` zeros: an id torch.save makes up
+    per record and nothing reads back; ``write_plain`` writes zeros."""
+    return re.sub(
+        rb"(archive/\.data/serialization_idFB..Z*)[0-9]{40}", rb"\g<1>" + b"0" * 40, data, flags=re.S
+    )
 
 
 def sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -146,6 +158,50 @@ def saved(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
     ckpt = tmp_path / "step_00000001"
     dcp.save(state, storage_writer=_writer(ckpt, tmp_path))
     return ckpt, state
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_plain_records_are_written_byte_for_byte_as_torch_save_writes_them(dtype: torch.dtype) -> None:
+    """So torch.load, DCP's own load and the readers here read them as they read torch.save's."""
+    for shape in SHAPES:
+        t = sample(dtype, shape)
+        buf = io.BytesIO()
+        n = write_plain(buf.write, t)
+        if t.numel() == 0:  # torch.save writes no data/0 for an empty storage: left to it
+            assert n is None and not buf.getvalue(), shape
+            continue
+        assert n == len(buf.getvalue()) and buf.getvalue() == masked(bytes(record(t, crc=False))), shape
+        assert torch.equal(torch.load(io.BytesIO(buf.getvalue()), weights_only=True), t)
+
+
+def test_what_is_not_plain_is_left_to_torch_save_with_nothing_written() -> None:
+    base = sample(torch.float32, (6, 9))
+    for t in (
+        base.t(),  # strided
+        base[2:],  # a view: its storage holds more than its elements
+        base.clone().requires_grad_(),
+        torch.nn.Parameter(base.clone()),  # a subclass: torch.save pickles its class
+        torch.zeros(3, dtype=torch.int32).to(torch.uint16),  # a dtype outside torch.save's storages
+    ):
+        buf = io.BytesIO()
+        assert write_plain(buf.write, t) is None and not buf.getvalue()
+
+
+def test_the_trainer_writes_the_shard_dcp_writes(tmp_path: Path) -> None:
+    """The same file, records and index as DCP's own writer (the CRC off, as the trainer's)."""
+    _, state = saved(tmp_path / "ours")
+    theirs = tmp_path / "theirs"
+    torch.serialization.set_crc32_options(False)
+    try:
+        dcp.save(state, storage_writer=FileSystemWriter(theirs))
+    finally:
+        torch.serialization.set_crc32_options(True)
+    ours = tmp_path / "ours" / "step_00000001"
+    assert sorted(os.listdir(ours)) == sorted(os.listdir(theirs))
+    shard = "__0_0.distcp"
+    assert masked((ours / shard).read_bytes()) == masked((theirs / shard).read_bytes())
+    index = dcp.FileSystemReader(ours).read_metadata()
+    assert index.storage_data == dcp.FileSystemReader(theirs).read_metadata().storage_data
 
 
 def blank(state: dict[str, Any]) -> dict[str, Any]:

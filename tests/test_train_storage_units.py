@@ -25,7 +25,7 @@ from supervisor.format.layout import dcp_shard_filename, rank_state_filename
 from supervisor.format.manifest import FileEntry, Manifest, checksum_file
 from supervisor.ioerrors import Evidence
 from train_ref.appender import LineAppender
-from train_ref.checkpointer import _writer
+from train_ref.checkpointer import CPU_STAGING, OrderedStager, _writer
 from train_ref.progress_io import (
     MAX_WRITE_CHUNK,
     MIN_WRITE_CHUNK,
@@ -384,6 +384,21 @@ def test_a_file_written_out_of_order_or_not_to_its_end_is_not_hashed_as_written(
     assert fs.written == {written_key(tmp_path / "d"): FileEntry(10, checksum_file(tmp_path / "d"))}
     fs.rm_file(tmp_path / "d")
     assert fs.written == {}
+
+
+def test_staging_copies_start_only_once_the_save_call_releases_them():
+    """Started at once, the copies took the GIL from the rest of the save call; they wait for its
+    end (``release``), so what the state holds then is what they copy."""
+    stager = OrderedStager(CPU_STAGING)
+    try:
+        state = {"w": torch.arange(4.0)}
+        staged = stager.stage(state)
+        state["w"].add_(1)  # before the release: not copied yet
+        assert not staged.done()
+        stager.release()
+        assert torch.equal(staged.result()["w"], torch.arange(4.0) + 1)
+    finally:
+        stager.close()
 
 
 def test_writes_are_sized_to_the_rate_they_run_at_within_bounds():
