@@ -460,7 +460,13 @@ class Checkpointer:
                 dcp.save(app, storage_writer=writer, process_group=self.dcp_group, use_collectives=not alone)
         except (OSError, CheckpointException) as e:
             error = error or self._storage_error(e)
-        outcome = self._commit(state.step, tmp, meta, error, t0, hashed)
+        progress = self.hb.tracker(Phase.COMMIT, state.step)  # the commit, on the loop
+        try:  # this rank's part: its error, or its files' checksums
+            mine = error or self._local_entries(tmp, progress, hashed)
+        except OSError as e:
+            mine = save_error(e, self.rank, self.root)
+        outcome = self._agree(state.step, tmp, meta, mine, t0, progress)
+        self._apply(outcome, progress)
         self.last_blocking_s = time.monotonic() - t0
         return outcome
 
@@ -598,12 +604,11 @@ class Checkpointer:
         it at the same step boundary). It never touches the heartbeat, which the loop owns: its
         progress goes to ``f.work``. An error that is not a storage failure (a bug) is raised
         at ``finish``."""
-        error, entries = None, None
         try:
-            entries = f.written.result()
+            mine: dict[str, FileEntry] | SaveError = f.written.result()
         except (OSError, CheckpointException) as e:
-            error = self._storage_error(e)
-        return self._agree(f.step, f.tmp, f.meta, error, f.started, f.work, entries)
+            mine = self._storage_error(e)
+        return self._agree(f.step, f.tmp, f.meta, mine, f.started, f.work)
 
     def _storage_error(self, e: BaseException) -> SaveError:
         """This rank's storage failure, or ``e`` raised again when it is not one (a bug crashes).
@@ -668,45 +673,21 @@ class Checkpointer:
             except (OSError, store.StoreError) as e:
                 log.warning("prune before retrying a save failed: %s", e)
 
-    def _commit(
-        self,
-        step: int,
-        tmp: Path,
-        meta: dict[str, Any],
-        error: SaveError | None,
-        started: float,
-        written: dict[str, FileEntry],
-    ) -> SaveOutcome:
-        """A sync save's commit, on the loop: ``_agree`` beating the heartbeat, then ``_apply``."""
-        progress = self.hb.tracker(Phase.COMMIT, step)
-        outcome = self._agree(step, tmp, meta, error, started, progress, written=written)
-        self._apply(outcome, progress)
-        return outcome
-
     def _agree(
         self,
         step: int,
         tmp: Path,
         meta: dict[str, Any],
-        error: SaveError | None,
+        mine: dict[str, FileEntry] | SaveError,
         started: float,
         progress: Progress | Relay,
-        entries: dict[str, FileEntry] | None = None,
-        written: dict[str, FileEntry] | None = None,
     ) -> SaveOutcome:
-        """Every rank's writes are done: rank 0 commits with the checksums each rank computed
-        (``entries``, or now: those ``written`` hashed as they were written, the others read back),
-        unless a rank failed; every rank learns the outcome. The manifest
-        records how long the save took since ``started`` (META_SAVE_S: what a preemption notice
-        must leave time for)."""
-        # added to what it counts already (an async save's relay: the bytes it hashed before)
-        progress.total += len(COMMIT_STEPS) if self.rank == 0 else 0  # + bytes hashed now
-        mine: dict[str, FileEntry] | SaveError | None = error or entries
-        if mine is None:
-            try:
-                mine = self._local_entries(tmp, progress, written or {})
-            except OSError as e:
-                mine = save_error(e, self.rank, self.root)
+        """Every rank's writes are done: rank 0 commits with the checksums of each rank's files
+        (``mine``: ``_local_entries``), unless a rank failed (``mine``: its error); every rank learns
+        the outcome. The manifest records how long the save took since ``started``
+        (META_SAVE_S: what a preemption notice must leave time for)."""
+        # added to what it counts already (bytes written and hashed)
+        progress.total += len(COMMIT_STEPS) if self.rank == 0 else 0
         progress.set_path("")  # waiting for the peers, not in a read
         gathered = agree.gather_to_root(mine, self.dcp_group, lambda: progress(0))
         outcome = None
