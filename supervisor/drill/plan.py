@@ -59,7 +59,7 @@ class Fault:
             Kind.DURING_SAVE: f"kill -9 rank {self.rank} while an async save is in flight",
             Kind.CORRUPT_LATEST: f"stop the job, {self.corruption and self.corruption.value} the newest checkpoint, start again",
             Kind.PREEMPT: "SIGUSR1 (preemption notice) to the watchdog",
-            Kind.IO_ERROR: f"EIO on the next reads of checkpoint files, then kill -9 rank {self.rank}",
+            Kind.IO_ERROR: f"EIO on the next reads of shard files, then kill -9 rank {self.rank}",
             Kind.DISK_FULL: f"ENOSPC on every checkpoint write until {DISK_FULL_FAILURES} saves have failed",
             Kind.SLOW_STORAGE: f"throttle checkpoint reads and writes, then kill -9 rank {self.rank}",
         }[self.kind]

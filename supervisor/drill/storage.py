@@ -23,15 +23,17 @@ from supervisor.drill.plan import DISK_FULL_FAILURES, STORAGE, Fault, Kind
 from supervisor.format.eventnames import EventName
 from supervisor.format.events import events_path, read_events
 from supervisor.format.heartbeat import Phase
-from supervisor.format.layout import COMMITTED_GLOB, STEP_PREFIX, TMP_GLOB
+from supervisor.format.layout import COMMITTED_GLOB, DCP_SHARD_GLOB, STEP_PREFIX, TMP_GLOB
 from supervisor.format.nodesummary import read_run_heartbeats
 from supervisor.store import list_checkpoints, list_quarantined, list_tmp
 
 if TYPE_CHECKING:
     from supervisor.drill.runner import DrillConfig, Scene
 
-# io-error: this many reads of committed checkpoint files fail (a count, not a time window: they
-# land on the resume whenever it comes, and the count shows they did).
+# io-error: this many reads of committed checkpoints' shard files fail (a count, not a time window:
+# they land on the resume whenever it comes, and the count shows they did). Shards, because a
+# running job reads none of them: its prune's quick checks read manifests, and once the commit got
+# faster that prune began to land between the arming and the kill, and took the EIOs itself.
 EIO_READS = 3
 # Faults that strike a running job wait for this many committed checkpoints: one to resume from,
 # one to fall back to.
@@ -92,7 +94,7 @@ def kill_under(scene: Scene, fault: Fault, launch: str, rule: str, what: str) ->
 
 
 class IoError(Driver):
-    """EIO on the next reads of committed checkpoint files, then kill -9 a rank: the resume's pick
+    """EIO on the next reads of committed shard files, then kill -9 a rank: the resume's pick
     (the watchdog's, then the trainer's) meets the errors and must retry, not quarantine."""
 
     kinds = frozenset({Kind.IO_ERROR})
@@ -102,9 +104,9 @@ class IoError(Driver):
         launch = scene.reach(fault, MIN_COMMITTED)
         if launch is None:
             return None
-        rule = scene.fs.fail(f"/{COMMITTED_GLOB}/*", "EIO", ops=["read"], count=EIO_READS)
+        rule = scene.fs.fail(f"/{COMMITTED_GLOB}/{DCP_SHARD_GLOB}", "EIO", ops=["read"], count=EIO_READS)
         what = (
-            f"EIO set on the next {EIO_READS} reads of committed checkpoint files "
+            f"EIO set on the next {EIO_READS} reads of committed shard files "
             f"(committed: steps {', '.join(map(str, committed_steps(scene.root)))})"
         )
         if not kill_under(scene, fault, launch, rule, what):

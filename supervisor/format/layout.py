@@ -111,6 +111,7 @@ _RESERVED = frozenset({LATEST, QUARANTINE, HEARTBEATS, SUPERVISOR, LOCK, DOWNLOA
 # fnmatch globs of the same names (the fault filesystem's rules match paths with them).
 COMMITTED_GLOB = STEP_PREFIX + "[0-9]" * STEP_DIGITS
 TMP_GLOB = f"{STEP_PREFIX}*{TMP_MARK}*"
+DCP_SHARD_GLOB = "__*_*.distcp"  # every rank's shard files (``dcp_shard_filename``)
 
 
 def step_dirname(step: int) -> str:
