@@ -33,7 +33,7 @@ from supervisor.format.layout import (
     rank_state_filename,
     step_dirname,
 )
-from supervisor.format.manifest import CheckpointInfo, checksum_file, read_manifest
+from supervisor.format.manifest import CheckpointInfo
 from train_ref import agree, checkpointer, safe_load
 from train_ref.checkpointer import Checkpointer, CommitInfo, _writer
 
@@ -161,13 +161,10 @@ def _read_back() -> Iterator[list[str]]:
         checkpointer.checksum_file = hash_file
 
 
-def _as_on_disk(ckpt: Path) -> bool:
-    """Whether the manifest's size and checksum of every file are the file's."""
-    files = read_manifest(ckpt).files
-    return bool(files) and all(
-        os.path.getsize(ckpt / n) == e.size and checksum_file(ckpt / n) == e.checksum
-        for n, e in files.items()
-    )
+def _as_on_disk(ckpt: Path, step: int) -> bool:
+    """Whether the committed checkpoint passes a deep check: every file at the manifest's size and
+    checksum."""
+    return store.validate(store.CheckpointRef(step, ckpt), deep=True).ok
 
 
 def _checkpointer(root: Path, hb: HeartbeatWriter, async_save: bool) -> Checkpointer:
@@ -204,7 +201,7 @@ def main() -> int:
     quiet = ckpt.step_boundary(preempt_requested=False)
     with _read_back() as sync_read_back:
         ckpt.save(_Tiny(3, torch.full((4,), float(rank))), {}, blocking=True)
-    sync_save = {"read_back": sync_read_back, "as_on_disk": _as_on_disk(root / step_dirname(3))}
+    sync_save = {"read_back": sync_read_back, "as_on_disk": _as_on_disk(root / step_dirname(3), 3)}
     # An async save's commit starts at the boundary that agrees its writes are done and runs in
     # the background; a later boundary takes the outcome.
     async_root = root / "async"
@@ -229,7 +226,7 @@ def main() -> int:
         # never over 100%
         "counted": (f.work.done, f.work.total),
         "read_back": async_read_back,
-        "as_on_disk": _as_on_disk(async_root / step_dirname(5)),
+        "as_on_disk": _as_on_disk(async_root / step_dirname(5), 5),
         "sizes": {
             n: os.path.getsize(async_root / step_dirname(5) / n)
             for n in (dcp_shard_filename(rank), rank_state_filename(rank), DCP_METADATA)
