@@ -244,19 +244,22 @@ def plain_data_start(rec: _Known, dtype: torch.dtype, sizes: tuple[int, ...]) ->
     return data
 
 
+def _bytes_as_shown(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory holds its elements, in order, as it shows them: on the CPU,
+    contiguous, not empty, and not a lazy view (conjugate, negative) whose memory holds other
+    values than it shows. Such a tensor's bytes can be read into or written out as they are."""
+    return (
+        t.device.type == "cpu" and t.is_contiguous() and t.numel() > 0 and not t.is_conj() and not t.is_neg()
+    )
+
+
 def read_in_place(stream: io.BufferedIOBase, offset: int, length: int, target: torch.Tensor) -> bool | str:
     """Read the plain record at ``offset`` (``length`` bytes) of ``stream`` straight into
     ``target``'s memory: its head and tail first (the zip's headers), then the chunk's bytes,
     with no buffer and no copy between. False, with nothing of ``target`` written, when the
     record or the target is not one this reads (the caller reads the record whole); a string
     saying how the file fell short when it ends inside the record."""
-    if (
-        target.device.type != "cpu"
-        or not target.is_contiguous()
-        or target.numel() == 0
-        or target.is_conj()  # a lazy view: its memory holds other values than it shows
-        or target.is_neg()
-    ):
+    if not _bytes_as_shown(target):
         return False
     head_n = min(length, IN_PLACE_HEAD)
     tail_n = min(length - head_n, IN_PLACE_TAIL)
@@ -299,14 +302,11 @@ def write_plain(write: Callable[[Any], object], tensor: torch.Tensor) -> int | N
     if (
         pickled is None
         or sys.byteorder != "little"
-        or tensor.device.type != "cpu"
+        or not _bytes_as_shown(tensor)
         or tensor.requires_grad
-        or not tensor.is_contiguous()
         or tensor.storage_offset()
         or tensor.untyped_storage().nbytes() != tensor.nbytes
-        or not 0 < tensor.nbytes < _ZIP64_FROM
-        or tensor.is_conj()
-        or tensor.is_neg()
+        or tensor.nbytes >= _ZIP64_FROM
     ):
         return None
     data = tensor.view(-1).view(torch.uint8).numpy().data
