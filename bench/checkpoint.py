@@ -20,7 +20,9 @@ On 2 ranks (torchrun, gloo on CPU), with the ~50M-parameter ``bench`` model and 
    buffer that stays in the CPU's cache, a load leaves every byte in a tensor), and the same load
    as before issue 12 point 3 (every tensor record through ``torch.load``, GC on), and without the
    kernel reading the rank's shard ahead while DCP plans (train_ref/readahead.py);
-4. end-to-end overhead of saving every ``--interval`` steps (the trainer's default ``--save-every``):
+4. the sync save again with a signing key, against the same without (no target: signing is
+   opt-in; this says its price at a save);
+5. end-to-end overhead of saving every ``--interval`` steps (the trainer's default ``--save-every``):
    ``--window`` steps with one async save in the middle vs the same steps without, interleaved;
    the extra time of that one save, divided by ``--interval`` steps of training. (A CPU step of
    the bench model takes seconds, so timing whole 50-step intervals would take an hour.)
@@ -47,11 +49,13 @@ import tempfile
 import time
 import unittest.mock
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+SIGNING_KEY = bytes(range(32))  # the signed sync save's (a key is never read from the run dir)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -192,7 +196,7 @@ def worker(args: argparse.Namespace) -> None:
         """Every part of an async save that blocks the loop: the call, the wait for staging
         before the next optimizer step, and taking the outcome at the step boundary that finds
         the save over on every rank (steps run until one does). The commit ran in the
-        background; the steps it ran beside are part 4's overhead."""
+        background; the steps it ran beside are part 5's overhead."""
         st.step += 1
         dist.barrier()
         t.ckpt.save(st, {}, blocking=False)
@@ -211,6 +215,20 @@ def worker(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         t.ckpt.wait_pruned()
         return time.perf_counter() - t0
+
+    def signed_sync_save() -> float:
+        """The same sync save with a signing key (each rank takes its files' SHA-256 as it
+        writes them; rank 0 signs), then its prune waited out, apart."""
+        unsigned = t.ckpt.info
+        t.ckpt.info = replace(unsigned, sign_key=SIGNING_KEY)
+        st.step += 1
+        dist.barrier()
+        try:
+            t.ckpt.save(st, {}, blocking=True)
+        finally:
+            t.ckpt.info = unsigned
+        t.ckpt.wait_pruned()
+        return t.ckpt.last_blocking_s
 
     def rank0_torch_save() -> float:
         dist.barrier()
@@ -320,6 +338,7 @@ def worker(args: argparse.Namespace) -> None:
         t.ckpt.save(st, {}, blocking=True)
         got["sync_blocking_s"].append(t.ckpt.last_blocking_s)
         got["prune_wait_s"].append(prune_wait())
+        got["signed_sync_blocking_s"].append(signed_sync_save())
         parts = async_blocked()
         got["async_blocking_s"].append(sum(parts))
         for key, part in zip(("async_call_s", "async_staging_s", "async_outcome_s"), parts, strict=True):
@@ -357,6 +376,7 @@ def worker(args: argparse.Namespace) -> None:
 
 KEYS = (
     "sync_blocking_s",
+    "signed_sync_blocking_s",
     "async_blocking_s",
     "async_call_s",
     "async_staging_s",
@@ -429,6 +449,7 @@ def report(
             f"  every tensor through torch.load, GC on (before)  {read / before:8.3f}   {gb / before:.2f} GB/s"
         )
     print(f"rank-0 torch.save / sync save                     {m['rank0_torch_save_s'] / sync:8.3f}")
+    print(f"sync save with --signing-key / without            {m['signed_sync_blocking_s'] / sync:8.3f}")
     print(
         f"one save costs {extra:.2f} s of training ({args.window}-step window, {med(base) / args.window:.2f} s/step)"
     )

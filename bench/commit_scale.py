@@ -29,12 +29,16 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from supervisor.format.layout import dcp_index_filename, dcp_shard_filename, rank_state_filename  # noqa: E402  after the path
 from supervisor.format.manifest import CheckpointInfo, FileEntry  # noqa: E402
+
+if TYPE_CHECKING:
+    from train_ref.checkpointer import RankFiles
 
 SHARD_BYTES = 4096  # on disk; the size recorded is what matters to the manifest, not the bytes
 STATE_BYTES = 1024
@@ -49,8 +53,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def reports(world: int) -> list[dict[str, FileEntry]]:
+def reports(world: int) -> list[RankFiles]:
     """What each simulated rank sends rank 0: its files with size and checksum."""
+    from train_ref.checkpointer import RankFiles
+
     out = []
     for r in range(world):
         files = {
@@ -58,14 +64,14 @@ def reports(world: int) -> list[dict[str, FileEntry]]:
             dcp_index_filename(r): INDEX_BYTES,
             rank_state_filename(r): STATE_BYTES,
         }
-        out.append({n: FileEntry(size, f"{r:016x}{size:016x}") for n, size in files.items()})
+        out.append(RankFiles({n: FileEntry(size, f"{r:016x}{size:016x}") for n, size in files.items()}))
     return out
 
 
-def write_files(tmp: Path, reps: list[dict[str, FileEntry]]) -> None:
+def write_files(tmp: Path, reps: list[RankFiles]) -> None:
     tmp.mkdir()
     for rep in reps:
-        for name, e in rep.items():
+        for name, e in rep.entries.items():
             with open(tmp / name, "wb") as f:
                 f.write(b"\0" * e.size)
     os.sync()  # each writer synced its own files before reporting (DCP's sync_files)

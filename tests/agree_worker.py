@@ -12,7 +12,7 @@ import io
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from supervisor import store
+from supervisor import signing, store
 from supervisor.format.heartbeat import HeartbeatWriter
 from supervisor.format.layout import (
     DCP_METADATA,
@@ -36,6 +36,8 @@ from supervisor.format.layout import (
 from supervisor.format.manifest import CheckpointInfo
 from train_ref import agree, checkpointer, safe_load
 from train_ref.checkpointer import Checkpointer, CommitInfo, _writer
+
+SIGNING_KEY = bytes(range(32))  # the commit's key in the signed save
 
 
 @dataclass
@@ -146,33 +148,41 @@ def _per_rank_loads(root: Path, rank: int, group: dist.ProcessGroup) -> list[lis
 
 @contextmanager
 def _read_back() -> Iterator[list[str]]:
-    """The names of the files a commit reads back to checksum them, while the block runs."""
+    """The names of the files a commit reads back to hash them, while the block runs: a rank's
+    read back of its own files, and rank 0's of every file to sign them."""
     names: list[str] = []
-    hash_file = checkpointer.checksum_file
+    hash_file, digest_files = checkpointer.hash_file, signing.digest_files
 
-    def recorded(path: str | Path, *args: Any) -> str:
+    def recorded(path: str | Path, *args: Any) -> list[str]:
         names.append(Path(path).name)
         return hash_file(path, *args)
 
-    checkpointer.checksum_file = recorded
+    def digested(ckpt_dir: Path, files: Iterable[str]) -> dict[str, str]:
+        files = sorted(files)
+        names.extend(files)
+        return digest_files(ckpt_dir, files)
+
+    checkpointer.hash_file, signing.digest_files = recorded, digested
     try:
         yield names
     finally:
-        checkpointer.checksum_file = hash_file
+        checkpointer.hash_file, signing.digest_files = hash_file, digest_files
 
 
-def _as_on_disk(ckpt: Path, step: int) -> bool:
+def _as_on_disk(ckpt: Path, step: int, key: bytes | None = None) -> bool:
     """Whether the committed checkpoint passes a deep check: every file at the manifest's size and
-    checksum."""
-    return store.validate(store.CheckpointRef(step, ckpt), deep=True).ok
+    checksum (with ``key``: and signed with it, every file at its signed SHA-256)."""
+    return store.validate(store.CheckpointRef(step, ckpt), deep=True, key=key).ok
 
 
-def _checkpointer(root: Path, hb: HeartbeatWriter, async_save: bool) -> Checkpointer:
+def _checkpointer(
+    root: Path, hb: HeartbeatWriter, async_save: bool, key: bytes | None = None
+) -> Checkpointer:
     return Checkpointer(
         root,
         async_save=async_save,
         retention=store.RetentionPolicy(keep=2),
-        info=CommitInfo(CheckpointInfo(0, dist.get_world_size())),
+        info=CommitInfo(CheckpointInfo(0, dist.get_world_size()), sign_key=key),
         hb=hb,
     )
 
@@ -202,6 +212,17 @@ def main() -> int:
     with _read_back() as sync_read_back:
         ckpt.save(_Tiny(3, torch.full((4,), float(rank))), {}, blocking=True)
     sync_save = {"read_back": sync_read_back, "as_on_disk": _as_on_disk(root / step_dirname(3), 3)}
+    # Signed: every rank takes its files' SHA-256 as it writes them, and rank 0 signs those
+    signed_root = root / "signed"
+    signed_root.mkdir(exist_ok=True)
+    signer = _checkpointer(signed_root, hb, async_save=False, key=SIGNING_KEY)
+    with _read_back() as signed_read_back:
+        signer.save(_Tiny(4, torch.full((4,), float(rank))), {}, blocking=True)
+    signed = {
+        "read_back": signed_read_back,
+        "as_on_disk": _as_on_disk(signed_root / step_dirname(4), 4, SIGNING_KEY),
+    }
+    signer.close()
     # An async save's commit starts at the boundary that agrees its writes are done and runs in
     # the background; a later boundary takes the outcome.
     async_root = root / "async"
@@ -240,6 +261,7 @@ def main() -> int:
         "flags": [piggybacked, own, quiet],
         "async": committed,
         "sync": sync_save,
+        "signed": signed,
         "failures": failures,
         "loads": loads,
         "per_rank_loads": per_rank,

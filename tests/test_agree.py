@@ -72,7 +72,8 @@ def test_gather_reaches_rank_0_only_flags_reach_every_rank_and_an_async_commit_r
     for rank, d in results.items():
         # DCP's files hashed as they were written: a commit reads back only the rank's state
         # file, sync or async, and the manifest holds what is on disk
-        for save in ("sync", "async"):
+        # signed too: every file's SHA-256 taken as it was written, none read back by rank 0
+        for save in ("sync", "async", "signed"):
             assert d[save]["read_back"] == [rank_state_filename(rank)] and d[save]["as_on_disk"], (
                 rank,
                 d[save],

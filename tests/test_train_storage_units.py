@@ -5,6 +5,7 @@ verify, and the reader that counts the bytes DCP reads."""
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import pickle
@@ -31,6 +32,7 @@ from train_ref.progress_io import (
     MIN_WRITE_CHUNK,
     PROGRESS_CHUNK,
     WRITE_CHUNK_S,
+    Hashed,
     Keepalive,
     ProgressFileSystem,
     Relay,
@@ -355,14 +357,18 @@ def test_the_progress_writer_counts_what_dcp_writes_a_chunk_at_a_time(tmp_path, 
     assert torch.equal(loaded["w"], saved["w"]) and torch.equal(loaded["b"], saved["b"])
 
 
-def test_what_dcp_writes_is_hashed_as_it_is_written_under_the_name_it_ends_with(tmp_path, tracker):
+@pytest.mark.parametrize("digest", [False, True], ids=["checksums", "and-sha256"])
+def test_what_dcp_writes_is_hashed_as_it_is_written_under_the_name_it_ends_with(tmp_path, tracker, digest):
     """A commit takes DCP's files' checksums from the writes (no read back): each is the file's,
-    the index under the name it was renamed to."""
+    the index under the name it was renamed to; with a signing key (``digest``) their SHA-256 too."""
     ckpt = tmp_path / "step_00000001"
-    writer = _writer(ckpt, tmp_path, tracker)
+    writer = _writer(ckpt, tmp_path, tracker, digest)
     dcp.save({"w": torch.randn(1_000_000), "b": torch.arange(10)}, storage_writer=writer)
     on_disk = {
-        written_key(ckpt / n): FileEntry(os.path.getsize(ckpt / n), checksum_file(ckpt / n))
+        written_key(ckpt / n): Hashed(
+            FileEntry(os.path.getsize(ckpt / n), checksum_file(ckpt / n)),
+            hashlib.sha256((ckpt / n).read_bytes()).hexdigest() if digest else None,
+        )
         for n in ("__0_0.distcp", ".metadata")
     }
     assert writer.written == on_disk
@@ -381,7 +387,7 @@ def test_a_file_written_out_of_order_or_not_to_its_end_is_not_hashed_as_written(
         f.write(b"z" * 10)
     assert list(fs.written) == [written_key(tmp_path / "c")]
     fs.rename(tmp_path / "c", tmp_path / "d")
-    assert fs.written == {written_key(tmp_path / "d"): FileEntry(10, checksum_file(tmp_path / "d"))}
+    assert fs.written == {written_key(tmp_path / "d"): Hashed(FileEntry(10, checksum_file(tmp_path / "d")))}
     fs.rm_file(tmp_path / "d")
     assert fs.written == {}
 

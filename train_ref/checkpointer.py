@@ -82,12 +82,14 @@ from supervisor.format.layout import (
     rank_state_filename,
     step_dirname,
 )
-from supervisor.format.manifest import META_SAVE_S, CheckpointInfo, FileEntry, checksum_file
+from supervisor.format.manifest import CHECKSUM_ALGO, META_SAVE_S, CheckpointInfo, FileEntry, hash_file
+from supervisor.signing import DIGEST_ALGO
 from train_ref import agree
 from train_ref.dcp_index import per_rank_index, tensor_bytes
 from train_ref.optim_state import prime_for_load
 from train_ref.progress_io import (
     PROGRESS_CHUNK,
+    Hashed,
     Keepalive,
     ProgressFileSystem,
     Relay,
@@ -203,27 +205,37 @@ class SaveOutcome:
 KEEP_ALL = store.RetentionPolicy(keep_all=True)
 
 
+@dataclass(frozen=True)
+class RankFiles:
+    """One rank's part of a commit: the size and checksum of each file it wrote and, with a
+    signing key, each one's SHA-256 (``digests``), so that rank 0 reads none of them back."""
+
+    entries: Mapping[str, FileEntry]
+    digests: Mapping[str, str] = field(default_factory=dict)
+
+
 def commit_reports(
     root: Path,
     tmp: Path,
     info: CheckpointInfo,
-    reports: Sequence[Mapping[str, FileEntry]],
+    reports: Sequence[RankFiles],
     on_phase: Callable[[str], None] | None = None,
     sign_key: bytes | None = None,
 ) -> store.CheckpointRef:
-    """Rank 0: commit ``tmp`` with every rank's report (file -> size and checksum, by rank) as
-    ``store.commit``'s ``known`` and ``writers``: every rank's files must be in rank 0's view, else
-    nothing is committed. Each rank synced its own files (DCP, ``RankState.save``), so the commit
-    syncs directory entries only. Linear in the number of files."""
+    """Rank 0: commit ``tmp`` with every rank's report (by rank) as ``store.commit``'s ``known``,
+    ``writers`` and ``digests``: every rank's files must be in rank 0's view, else nothing is
+    committed. Each rank synced its own files (DCP, ``RankState.save``), so the commit syncs
+    directory entries only. Linear in the number of files."""
     return store.commit(
         root,
         tmp,
         info,
-        known={name: entry for report in reports for name, entry in report.items()},
-        writers={rank: sorted(report) for rank, report in enumerate(reports)},
+        known={name: entry for report in reports for name, entry in report.entries.items()},
+        writers={rank: sorted(report.entries) for rank, report in enumerate(reports)},
         files_synced=True,
         on_phase=on_phase,
         sign_key=sign_key,
+        digests={name: d for report in reports for name, d in report.digests.items()},
     )
 
 
@@ -243,7 +255,7 @@ class _InFlight:
     tmp: Path
     meta: dict[str, Any]
     staging: Future[None] | None
-    written: Future[dict[str, FileEntry]]
+    written: Future[RankFiles]
     work: Relay
     started: float = field(default_factory=time.monotonic)
     committed: Future[SaveOutcome] | None = None
@@ -278,7 +290,7 @@ class _ShardWriter(FileSystemWriter):
     def __init__(self, path: Path, fs: ProgressFileSystem, delay_s: float = 0.0):
         super().__init__(path)
         self.fs, self.delay_s = fs, delay_s
-        self.written = fs.written  # each file's size and checksum, as written (no read back)
+        self.written = fs.written  # each file's size and hashes, as written (no read back)
 
     def _get_metadata_path(self, rank: int | None = None) -> os.PathLike[str]:
         """Where DCP's ``finish`` puts the index: a rank's own under this toolkit's name for it
@@ -351,11 +363,12 @@ def _result(item: WriteItem, name: str, offset: int, length: int) -> WriteResult
     )
 
 
-def _writer(path: Path, root: Path, progress: Tracker | None = None) -> _ShardWriter:
+def _writer(path: Path, root: Path, progress: Tracker | None = None, digest: bool = False) -> _ShardWriter:
     """DCP's writer into ``path``: a failed write names its file; with ``progress``, bytes written
-    are counted into it, a chunk at a time, naming the file, and hashed (``written``)."""
+    are counted into it, a chunk at a time, naming the file, and hashed (``written``; ``digest``:
+    SHA-256 too)."""
     return _ShardWriter(
-        path, ProgressFileSystem(root, progress), float(os.environ.get(ENV_SAVE_DELAY, "0") or 0)
+        path, ProgressFileSystem(root, progress, digest), float(os.environ.get(ENV_SAVE_DELAY, "0") or 0)
     )
 
 
@@ -422,7 +435,7 @@ class Checkpointer:
             )  # the streams as of this step; written off the loop
             # counts the upload's writes (beating between files), then the checksums and the commit
             uploading = Keepalive(Relay())
-            writer = _writer(tmp, self.root, uploading)
+            writer = _writer(tmp, self.root, uploading, self._signing)
             try:
                 resp = dcp.async_save(
                     app,
@@ -452,10 +465,10 @@ class Checkpointer:
             RankState.save(rank_file, self.rank_extra)
         except OSError as e:
             error = save_error(e, self.rank, self.root)
-        hashed: dict[str, FileEntry] = {}  # DCP's files, hashed as they were written
+        hashed: dict[str, Hashed] = {}  # DCP's files, hashed as they were written
         try:
             with kept_alive(self.hb.tracker(Phase.SAVE, state.step)) as saving:
-                writer = _writer(tmp, self.root, saving)
+                writer = _writer(tmp, self.root, saving, self._signing)
                 hashed = writer.written
                 dcp.save(app, storage_writer=writer, process_group=self.dcp_group, use_collectives=not alone)
         except (OSError, CheckpointException) as e:
@@ -585,8 +598,8 @@ class Checkpointer:
         rank_file: Path,
         rank_state: bytes,
         uploading: Keepalive[Relay],
-        written: dict[str, FileEntry],
-    ) -> dict[str, FileEntry]:
+        written: dict[str, Hashed],
+    ) -> RankFiles:
         """Background, while training goes on: write (and fsync) this rank's state file, wait for
         DCP's upload (beating for it between its files), then this rank's files' checksums (those
         hashed as DCP wrote them, ``written``; the others read back), so the commit only exchanges
@@ -605,7 +618,7 @@ class Checkpointer:
         progress goes to ``f.work``. An error that is not a storage failure (a bug) is raised
         at ``finish``."""
         try:
-            mine: dict[str, FileEntry] | SaveError = f.written.result()
+            mine: RankFiles | SaveError = f.written.result()
         except (OSError, CheckpointException) as e:
             mine = self._storage_error(e)
         return self._agree(f.step, f.tmp, f.meta, mine, f.started, f.work)
@@ -678,7 +691,7 @@ class Checkpointer:
         step: int,
         tmp: Path,
         meta: dict[str, Any],
-        mine: dict[str, FileEntry] | SaveError,
+        mine: RankFiles | SaveError,
         started: float,
         progress: Progress | Relay,
     ) -> SaveOutcome:
@@ -729,7 +742,7 @@ class Checkpointer:
         step: int,
         tmp: Path,
         meta: dict[str, Any],
-        gathered: list[dict[str, FileEntry] | SaveError],
+        gathered: list[RankFiles | SaveError],
         progress: Progress | Relay,
     ) -> SaveOutcome:
         """Rank 0: commit when every rank's part is there; else remove the tmp dir."""
@@ -841,24 +854,36 @@ class Checkpointer:
                 f"committed checkpoints are intact (newest: {outcome.latest or 'none'}); exit 74, retryable"
             )
 
-    def _local_entries(
-        self, tmp: Path, progress: Progress | Relay, written: dict[str, FileEntry]
-    ) -> dict[str, FileEntry]:
-        """Checksums of the files this rank wrote (``_is_own``), so rank 0 does not re-read every
+    @property
+    def _signing(self) -> bool:
+        """Commits are signed: each rank takes its files' SHA-256 too, as it writes them."""
+        return self.info.sign_key is not None
+
+    def _local_entries(self, tmp: Path, progress: Progress | Relay, written: dict[str, Hashed]) -> RankFiles:
+        """The hashes of the files this rank wrote (``_is_own``), so rank 0 does not re-read every
         shard: those hashed as they were written (``written``) when the file still has the size
         they were written to, the others read back. ``progress`` counts the bytes read."""
         mine = [n for n in sorted(os.listdir(tmp)) if self._is_own(n)]
         sizes = {n: (tmp / n).stat().st_size for n in mine}
-        hashed = {n: written.get(written_key(tmp / n)) for n in mine}
-        out = {n: e for n, e in hashed.items() if e is not None and e.size == sizes[n]}
-        todo = [n for n in mine if n not in out]
+        kept = {n: written.get(written_key(tmp / n)) for n in mine}
+        hashed = {
+            n: h
+            for n, h in kept.items()
+            if h is not None and h.entry.size == sizes[n] and (h.digest is not None or not self._signing)
+        }
+        todo = [n for n in mine if n not in hashed]
         # bytes counted with no total (an async save's relay: the upload's writes) are done out
         # of themselves, so done never passes total
         progress.total = max(progress.total, progress.done) + sum(sizes[n] for n in todo)
+        algos = (CHECKSUM_ALGO, DIGEST_ALGO) if self._signing else (CHECKSUM_ALGO,)
         for name in todo:
             progress.set_path(os.path.relpath(tmp / name, self.root))
-            out[name] = FileEntry(sizes[name], checksum_file(tmp / name, progress, PROGRESS_CHUNK))
-        return dict(sorted(out.items()))
+            sums = hash_file(tmp / name, algos, progress, PROGRESS_CHUNK)
+            hashed[name] = Hashed(FileEntry(sizes[name], sums[0]), sums[1] if self._signing else None)
+        return RankFiles(
+            {n: hashed[n].entry for n in sorted(hashed)},
+            {n: d for n in sorted(hashed) if (d := hashed[n].digest) is not None},
+        )
 
     # ------------------------------------------------------------ loading
 

@@ -21,12 +21,15 @@ each file written start to end in one pass, so a save's commit records its check
 reading its files back. At a checkpoint of hundreds of GB a rank's shard no longer fits the page
 cache once written, and reading it back read every byte from the disk or shared filesystem twice.
 A write anywhere but at the end (a seek, a truncate) drops the running hash, and the file is read
-back as before.
+back as before. Asked for ``digest``, it also keeps each file's SHA-256 as written, which a
+signing key signs (supervisor/signing.py): rank 0 then reads no rank's files back to sign them.
+
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import io
 import os
 import threading
@@ -34,6 +37,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future, wait
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -41,6 +45,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from supervisor.format.heartbeat import Progress, Tracker
 from supervisor.format.manifest import FileEntry, checksum_hasher
+from supervisor.signing import DIGEST_ALGO
 from train_ref import agree
 from train_ref.save_policy import storage_cause
 
@@ -100,24 +105,44 @@ def wait_forwarding(done: Future[Any], work: Relay, progress: Progress, interval
             progress(work.done - progress.done)
 
 
+@dataclass(frozen=True)
+class Hashed:
+    """A file as written in one pass from its start: its manifest entry, and its SHA-256 when
+    the file system was asked for digests."""
+
+    entry: FileEntry
+    digest: str | None = None
+
+
 class ProgressFile(io.FileIO):
     """A file opened for reading (``mode`` "rb") or writing ("wb") whose reads or writes are counted
     into ``progress``, a chunk at a time: ``chunk`` bytes per read; writes start at ``chunk`` and
     follow the rate (``next_write_chunk``). A file written is hashed as it is written
-    (``hashed``)."""
+    (``hashed``; ``digest``: its SHA-256 too)."""
 
     def __init__(
-        self, path: str | os.PathLike[str], progress: Tracker, chunk: int = PROGRESS_CHUNK, mode: str = "rb"
+        self,
+        path: str | os.PathLike[str],
+        progress: Tracker,
+        chunk: int = PROGRESS_CHUNK,
+        mode: str = "rb",
+        digest: bool = False,
     ):
         super().__init__(path, mode)
         self.progress, self.chunk = progress, chunk
         self.size = 0  # bytes written
-        self.hash: Any = checksum_hasher() if mode == "wb" else None  # ... all in order, from 0
+        # ... all in order, from 0: the checksum, and the digest when asked for
+        self.hashes: list[Any] = [checksum_hasher()] if mode == "wb" else []
+        if self.hashes and digest:
+            self.hashes.append(hashlib.new(DIGEST_ALGO))
 
-    def hashed(self) -> FileEntry | None:
-        """The size and checksum of all this file was written, when it was written in one pass
+    def hashed(self) -> Hashed | None:
+        """The size and hashes of all this file was written, when it was written in one pass
         from its start (no seek or truncate since)."""
-        return FileEntry(self.size, self.hash.hexdigest()) if self.hash is not None else None
+        if not self.hashes:
+            return None
+        sums = [h.hexdigest() for h in self.hashes]
+        return Hashed(FileEntry(self.size, sums[0]), sums[1] if len(sums) > 1 else None)
 
     def readinto(self, b: WriteableBuffer) -> int:
         n = super().readinto(memoryview(b).cast("B")[: self.chunk])
@@ -130,8 +155,8 @@ class ProgressFile(io.FileIO):
         start = time.monotonic()
         n = super().write(view) or 0
         if n:
-            if self.hash is not None:
-                self.hash.update(view[:n])
+            for h in self.hashes:
+                h.update(view[:n])
             self.size += n
             self.chunk = next_write_chunk(n, time.monotonic() - start)
             self.progress(n)
@@ -140,11 +165,11 @@ class ProgressFile(io.FileIO):
     def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
         at = super().seek(pos, whence)
         if at != self.size:
-            self.hash = None  # the next write lands elsewhere than the end: read the file back
+            self.hashes = []  # the next write lands elsewhere than the end: read the file back
         return at
 
     def truncate(self, size: int | None = None) -> int:
-        self.hash = None
+        self.hashes = []
         return super().truncate(size)
 
     def read(self, size: int | None = -1) -> bytes:
@@ -175,12 +200,13 @@ class ProgressFileSystem(FileSystem):
     errors. With a tracker, every operation names its file while it runs and clears it after: a
     rank stuck in one is named, and one between files (waiting on its peers) is known to be
     (``Keepalive``). With a tracker, ``written`` holds each file written through it in one pass
-    from its start, and not removed since: its size and checksum, by path (``written_key``)."""
+    from its start, and not removed since: its size and checksum (``digest``: and SHA-256), by
+    path (``written_key``)."""
 
-    def __init__(self, root: Path, progress: Tracker | None = None) -> None:
+    def __init__(self, root: Path, progress: Tracker | None = None, digest: bool = False) -> None:
         super().__init__()
-        self.root, self.progress = root, progress
-        self.written: dict[str, FileEntry] = {}
+        self.root, self.progress, self.digest = root, progress, digest
+        self.written: dict[str, Hashed] = {}
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
@@ -189,7 +215,7 @@ class ProgressFileSystem(FileSystem):
                 first = PROGRESS_CHUNK if mode == "rb" else MIN_WRITE_CHUNK
                 if mode == "wb":
                     self.written.pop(written_key(path), None)
-                raw = ProgressFile(path, self.progress, first, mode)
+                raw = ProgressFile(path, self.progress, first, mode, self.digest)
                 buffered = io.BufferedReader(raw) if mode == "rb" else io.BufferedWriter(raw)
                 with buffered as stream:
                     yield stream
