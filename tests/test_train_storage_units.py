@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import itertools
 import json
 import os
 import pickle
@@ -25,6 +26,7 @@ from supervisor import store
 from supervisor.format.layout import dcp_shard_filename, rank_state_filename
 from supervisor.format.manifest import FileEntry, Manifest, checksum_file
 from supervisor.ioerrors import Evidence
+from train_ref import progress_io
 from train_ref.appender import LineAppender
 from train_ref.checkpointer import CPU_STAGING, OrderedStager, _writer
 from train_ref.progress_io import (
@@ -32,11 +34,13 @@ from train_ref.progress_io import (
     MIN_WRITE_CHUNK,
     PROGRESS_CHUNK,
     WRITE_CHUNK_S,
+    WRITEBACK_CHUNK,
     Hashed,
     Keepalive,
     ProgressFileSystem,
     Relay,
     next_write_chunk,
+    start_writeback,
     wait_forwarding,
     written_key,
 )
@@ -390,6 +394,39 @@ def test_a_file_written_out_of_order_or_not_to_its_end_is_not_hashed_as_written(
     assert fs.written == {written_key(tmp_path / "d"): Hashed(FileEntry(10, checksum_file(tmp_path / "d")))}
     fs.rm_file(tmp_path / "d")
     assert fs.written == {}
+
+
+def test_a_file_written_starts_its_writeback_as_it_goes_and_the_tail_is_the_fsyncs(
+    tmp_path, tracker, monkeypatch
+):
+    """Every byte but the last partial chunk has its writeback started, in order, once each."""
+    started: list[tuple[int, int]] = []
+    monkeypatch.setattr(progress_io, "start_writeback", lambda _fd, at, n: started.append((at, n)))
+    size = 3 * WRITEBACK_CHUNK + 12345
+    fs = ProgressFileSystem(tmp_path, tracker)
+    with fs.create_stream(tmp_path / "shard", "wb") as f:
+        for at in range(0, size, 1 << 20):
+            f.write(b"x" * min(1 << 20, size - at))
+    assert started and started[0][0] == 0
+    assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(started))
+    assert all(n >= WRITEBACK_CHUNK for _, n in started)
+    assert 0 <= size - sum(n for _, n in started) < WRITEBACK_CHUNK
+
+
+def test_writeback_is_left_to_the_fsync_where_it_does_not_apply_and_other_errors_are_raised(tmp_path):
+    with open(tmp_path / "f", "wb") as f:
+        f.write(b"x" * 8192)
+        f.flush()
+        start_writeback(f.fileno(), 0, 8192)  # a file on a disk: started, nothing to say
+    r, w = os.pipe()
+    try:
+        start_writeback(w, 0, 1)  # ESPIPE: not a file it applies to
+    finally:
+        os.close(r)
+        os.close(w)
+    with pytest.raises(OSError) as e:
+        start_writeback(w, 0, 1)  # closed: EBADF
+    assert e.value.errno == errno.EBADF
 
 
 def test_staging_copies_start_only_once_the_save_call_releases_them():

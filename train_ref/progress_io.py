@@ -24,11 +24,17 @@ A write anywhere but at the end (a seek, a truncate) drops the running hash, and
 back as before. Asked for ``digest``, it also keeps each file's SHA-256 as written, which a
 signing key signs (supervisor/signing.py): rank 0 then reads no rank's files back to sign them.
 
+A file written starts the disk writing what it holds every ``WRITEBACK_CHUNK`` bytes
+(``start_writeback``), as it goes. Left to the save's fsync, the disk sat idle while a rank
+pickled and copied its ~800 records, then wrote all of it at once: fsync took ~0.3 of a 0.6 s
+sync save here; with the writeback started as the bytes come, 0.02-0.08 s (bench/checkpoint.py).
 """
 
 from __future__ import annotations
 
 import copy
+import ctypes
+import errno
 import hashlib
 import io
 import os
@@ -64,6 +70,39 @@ WRITE_CHUNK_S = 0.05
 MIN_WRITE_CHUNK = 16 << 10
 MAX_WRITE_CHUNK = 8 << 20
 _PAGE = 4096
+# A file written starts its writeback every WRITEBACK_CHUNK bytes (``start_writeback``), so the disk
+# writes while the save still pickles and copies, and the save's fsync waits only for the tail.
+WRITEBACK_CHUNK = 8 << 20
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, do not wait
+
+
+def _libc_sync_file_range() -> Any:
+    """libc's ``sync_file_range`` (Linux), or None where there is none."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _libc_sync_file_range()
+# What sync_file_range(2) returns on a file that it does not apply to (a pipe, some network and
+# FUSE file systems): the save's fsync does all of it instead.
+_NOT_SUPPORTED = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ESPIPE})
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing ``nbytes`` at ``offset`` of ``fd`` to the disk, without
+    waiting for it (``SYNC_FILE_RANGE_WRITE`` alone neither waits nor takes a write error from the
+    fsync that follows). A file system without it is left to the fsync; any other error is
+    raised, naming no file (``naming`` adds it), as a failed write is."""
+    if _sync_file_range is None or _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) == 0:
+        return
+    err = ctypes.get_errno()
+    if err not in _NOT_SUPPORTED:
+        raise OSError(err, os.strerror(err))
 
 
 def next_write_chunk(n: int, seconds: float) -> int:
@@ -131,6 +170,7 @@ class ProgressFile(io.FileIO):
         super().__init__(path, mode)
         self.progress, self.chunk = progress, chunk
         self.size = 0  # bytes written
+        self.written_back = 0  # ... whose writeback was started
         # ... all in order, from 0: the checksum, and the digest when asked for
         self.hashes: list[Any] = [checksum_hasher()] if mode == "wb" else []
         if self.hashes and digest:
@@ -158,6 +198,9 @@ class ProgressFile(io.FileIO):
             for h in self.hashes:
                 h.update(view[:n])
             self.size += n
+            if self.size - self.written_back >= WRITEBACK_CHUNK:
+                start_writeback(self.fileno(), self.written_back, self.size - self.written_back)
+                self.written_back = self.size
             self.chunk = next_write_chunk(n, time.monotonic() - start)
             self.progress(n)
         return n
