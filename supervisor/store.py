@@ -173,7 +173,13 @@ class PickResult:
 
 
 def begin(root: str | Path, step: int) -> Path:
-    """Create and return the tmp dir the writer fills for ``step``."""
+    """Create and return the tmp dir the writer fills for ``step``.
+
+    Nothing is synced here: a tmp dir lost in a crash loses only a save that was not committed,
+    and ``commit`` syncs the tmp dir before renaming it and the root after. A sync here sat in
+    the training loop's path (an async save's call) and, on ext4, waits for the journal to commit
+    the data of every file written since the last one, any file: 31 ms median with 64 MB left
+    unsynced beside it, 0.3 ms without."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / tmp_dirname(step, os.getpid(), hostname())
@@ -182,7 +188,6 @@ def begin(root: str | Path, step: int) -> Path:
 
         shutil.rmtree(tmp)
     tmp.mkdir()
-    fsync_dir(root)
     return tmp
 
 

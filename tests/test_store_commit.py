@@ -150,3 +150,23 @@ def test_files_their_writers_synced_are_not_fsynced_again(tmp_path: Path, monkey
     data_files = {n for names in WRITERS.values() for n in names}
     assert (set(synced) == data_files) is not files_synced
     assert not set(synced) - data_files
+
+
+def test_opening_a_save_syncs_nothing_and_its_commit_syncs_the_tmp_dir_and_the_root(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """``begin`` runs in an async save's call, in the training loop: on ext4 a directory fsync
+    there waited for the journal to take every unsynced file's data. The commit syncs what the
+    rename needs durable: the tmp dir's entries before it, the root's after."""
+    from supervisor import store as store_module
+
+    synced: list[Path] = []
+    real = store_module.fsync_dir
+    monkeypatch.setattr(store_module, "fsync_dir", lambda p: (synced.append(Path(p)), real(p)))
+    monkeypatch.setattr(store_module, "fsync_tree", lambda p, files=True: synced.append(Path(p)))
+    tmp = store.begin(tmp_path, 10)
+    assert synced == []
+    (tmp / SHARD).write_bytes(b"x" * 10)
+    ref = store.commit(tmp_path, tmp, CheckpointInfo(10, 1))
+    assert synced[0] == tmp and tmp_path in synced[synced.index(tmp) + 1 :], synced
+    assert store.validate(ref).ok
