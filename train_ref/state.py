@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from train_ref.canonical_names import CanonicalNames
 from train_ref.data import mix_seed
 from train_ref.devices import cuda_rng_record, cuda_rng_to_restore, current_cuda_device
 from train_ref.ema import EMA
@@ -65,6 +66,7 @@ class TrainState(Stateful):
         self.ablate = ablate
         self.replicated = replicated
         self.ema: EMA | None = None  # the trainer's, where it keeps one
+        self.names = CanonicalNames(model)  # wrapped before it got here: its names stay
 
     def saving(self, rank: int, world_size: int) -> Stateful:
         """What this rank hands DCP to save. Replicated parameters and their optimizer state are
@@ -77,10 +79,11 @@ class TrainState(Stateful):
         return _Share(self, rank, world_size)
 
     def state_dict(self) -> dict[str, Any]:
-        if "optimizer" in self.ablate:
-            model_sd, optim_sd = get_model_state_dict(self.model), None
-        else:
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        with self.names.kept():
+            if "optimizer" in self.ablate:
+                model_sd, optim_sd = get_model_state_dict(self.model), None
+            else:
+                model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         sd: dict[str, Any] = {
             "model": model_sd,
             "optim": optim_sd,
@@ -93,12 +96,13 @@ class TrainState(Stateful):
         return {k: v for k, v in sd.items() if v is not None and _item_of(k) not in self.ablate}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        if "optim" in sd:
-            set_state_dict(
-                self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
-            )
-        else:
-            set_model_state_dict(self.model, sd["model"])
+        with self.names.kept():
+            if "optim" in sd:
+                set_state_dict(
+                    self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
+                )
+            else:
+                set_model_state_dict(self.model, sd["model"])
         if "scheduler" in sd:
             self.scheduler.load_state_dict(sd["scheduler"])
         if sd["scaler"]:
