@@ -1,6 +1,7 @@
 """Checkpoint cost of the reference trainer, measured side by side in one run (bench config, FSDP).
 
-On 2 ranks (torchrun, gloo on CPU), with the ~50M-parameter ``bench`` model and its AdamW state:
+On 2 ranks (torchrun, gloo on CPU), with the ~50M-parameter ``bench`` model and its AdamW state
+(``--config wide``: about as many bytes in a tenth as many tensors):
 1. time the training loop is blocked per save: async (the call, the wait for staging before the
    next optimizer step, and taking the outcome at the step boundary where every rank agrees the
    save is over: all of it; its writes, checksums, commit and prune run in the background) vs
@@ -31,7 +32,7 @@ Ranks write their heartbeats where ranks under ``supervisor watch`` do, a node-l
 commit beats three times; on a disk each beat is an fsync'd write); ``--heartbeats-in-run-dir``
 measures a trainer alone.
 
-    .venv/bin/python bench/checkpoint.py [--repeats 3] [--interval 50] [--window 6] [--dir /tmp]
+    .venv/bin/python bench/checkpoint.py [--repeats 3] [--interval 50] [--window 6] [--dir /tmp] [--config wide]
 """
 
 from __future__ import annotations
@@ -66,6 +67,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument(
+        "--config",
+        default="bench",
+        choices=("bench", "wide"),
+        help="bench: 50.5M parameters in ~200 tensors; wide: about as many in ~30 large ones "
+        "(train_ref/config.py), to tell a cost per tensor from a cost per byte",
+    )
+    p.add_argument(
         "--heartbeats-in-run-dir",
         action="store_true",
         help="ranks write heartbeats into the run dir, as a trainer alone does (default: in a "
@@ -85,7 +93,7 @@ def launch(args: argparse.Namespace) -> int:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
         __file__, "--worker", "--dir", str(work), "--repeats", str(args.repeats), "--interval", str(args.interval),
-        "--window", str(args.window),
+        "--window", str(args.window), "--config", args.config,
     ]  # fmt: skip
     print("$", " ".join(cmd), flush=True)
     try:
@@ -165,7 +173,7 @@ def worker(args: argparse.Namespace) -> None:
     from train_ref.resume import split_by_size
 
     root = Path(args.dir) / "ckpt"
-    t = make_trainer(root, "bench")
+    t = make_trainer(root, args.config)
     gc.freeze()  # as train.main does before its loop (bench/gc_pause.py)
     d = t.d
     rank0 = d.rank == 0

@@ -75,6 +75,11 @@ CONFIGS: dict[str, TrainConfig] = {
         noise_prob=0.02,
     ),
 }
+# As many bytes as "bench" in few large tensors (12 * 2 * 1536^2 = 56.6M parameters in 2 layers), as
+# a large model's layers are: bench/checkpoint.py --config wide tells a cost per tensor from one per byte.
+CONFIGS["wide"] = replace(
+    CONFIGS["bench"], name="wide", model=replace(CONFIGS["bench"].model, n_layer=2, n_head=12, n_embd=1536)
+)
 
 
 def get_config(name: str, vocab_size: int) -> TrainConfig:

@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node=N -m train_ref.train --ckpt-root DIR --steps S --save-every K --seed X
         [--parallel ddp|fsdp] [--async-save|--sync-save] [--keep K] [--num-workers W]
-        [--config tiny|bench] [--ema-decay D] [--allow-config-change] [--allow-data-change] [--corpus FILE]
+        [--config tiny|bench|wide] [--ema-decay D] [--allow-config-change] [--allow-data-change] [--corpus FILE]
         [--log-samples] [--verify quick|deep] [--io-retry S] [--allow-fresh-start]
         [--max-failed-saves N] [--max-unsaved-s S] [--signing-key env:NAME|FILE]
         [--remote URL [--remote-endpoint URL] [--remote-keep N] [--milestone-every M]
