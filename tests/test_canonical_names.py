@@ -79,3 +79,11 @@ def test_another_models_names_go_through_and_torch_is_left_as_it_was(walks) -> N
     with pytest.raises(RuntimeError), names.kept():
         raise RuntimeError("a failed call")
     assert torch_state_dict._get_fqns is counted
+
+
+def test_a_torch_without_the_walk_is_left_alone(monkeypatch) -> None:
+    monkeypatch.delattr(torch_state_dict, "_get_fqns")
+    model, _ = _model_and_optimizer(0)
+    with CanonicalNames(model).kept():
+        pass
+    assert not hasattr(torch_state_dict, "_get_fqns")

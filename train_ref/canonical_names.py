@@ -9,7 +9,8 @@ call (bench/checkpoint.py: the call against 0.05 of a sync save).
 
 An answer depends only on how the model is wrapped, which the trainer does before it builds its
 ``TrainState`` and never after; so ``CanonicalNames`` keeps the answers for its own model while the
-model lives (torch kept them the same way, with ``functools.lru_cache``, in earlier releases). A
+model lives (torch's own code still copies each answer "as _get_fqns is lru_cached": it was
+cached in earlier releases). A
 walk for any other model goes through as it would.
 """
 
@@ -33,8 +34,13 @@ class CanonicalNames:
     @contextmanager
     def kept(self) -> Iterator[None]:
         """torch's state-dict calls inside the block find ``model``'s names here after the first
-        walk of each. Not for a block that runs alongside another thread's state-dict calls."""
-        real = torch_state_dict._get_fqns
+        walk of each. Not for a block that runs alongside another thread's state-dict calls. A
+        torch without ``_get_fqns`` (the trainer accepts torch>=2.9; tested on 2.13) walks as
+        it would."""
+        real = getattr(torch_state_dict, "_get_fqns", None)
+        if real is None:
+            yield
+            return
 
         def fqns(model: torch.nn.Module, name: str, *args: Any, **kwargs: Any) -> set[str]:
             if model is not self.model:
