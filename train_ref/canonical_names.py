@@ -10,8 +10,7 @@ call (bench/checkpoint.py: the call against 0.05 of a sync save).
 An answer depends only on how the model is wrapped, which the trainer does before it builds its
 ``TrainState`` and never after; so ``CanonicalNames`` keeps the answers for its own model while the
 model lives (torch's own code still copies each answer "as _get_fqns is lru_cached": it was
-cached in earlier releases). A
-walk for any other model goes through as it would.
+cached in earlier releases). A walk for any other model goes through as it would.
 """
 
 from __future__ import annotations
