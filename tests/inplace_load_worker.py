@@ -1,10 +1,12 @@
 """Run under torchrun by test_train_parallel.py: an fsdp model large enough that its records are read
 in place (64 KiB and more per shard), its AdamW state allocated for the load, both loaded back into
 a fresh model and optimizer bit for bit; then the same saved with an index per rank (each rank
-alone, train_ref/dcp_index.py) and loaded back, each rank reading only its own index.
+alone, train_ref/dcp_index.py) and loaded back, each rank reading only its own index, straight
+into its tensors (train_ref/direct_read.py: each tensor one whole chunk there).
 
-Rank 0 prints a line per rank: ``rank R in_place N primed P equal E per_rank_equal E read NAMES``
-(the indexes that rank read in the second load)."""
+Rank 0 prints a line per rank: ``rank R in_place N primed P equal E per_rank_equal E read NAMES
+direct D`` (the indexes that rank read in the second load; D: which of the two loads read
+directly, ``01``: the second alone; DCP's one index holds a chunk of each rank per tensor)."""
 
 from __future__ import annotations
 
@@ -88,6 +90,15 @@ def main() -> int:
         return done
 
     safe_load.read_in_place = counting  # type: ignore[assignment]
+    direct: list[bool] = []  # per load: whether every item was one to read directly
+    real_plan = safe_load.direct_read.plan
+
+    def planning(*args: object) -> object:
+        got = real_plan(*args)  # type: ignore[arg-type]
+        direct.append(got is not None)
+        return got
+
+    safe_load.direct_read.plan = planning  # type: ignore[assignment]
     primed = prime_for_load(fresh_opt)
     safe_load.load_dcp(ckpt, {"app": Objects({"model": fresh, "optimizer": fresh_opt})}, None)
     equal = same(snapshot(fresh, fresh_opt), want)
@@ -106,7 +117,7 @@ def main() -> int:
     per_rank_equal = same(snapshot(again, again_opt), want)
     mine = (
         f"rank {rank} in_place {counted['in_place']} primed {primed} equal {equal} "
-        f"per_rank_equal {per_rank_equal} read {','.join(read)}"
+        f"per_rank_equal {per_rank_equal} read {','.join(read)} direct {''.join(str(int(d)) for d in direct)}"
     )
     lines: list[str] | None = [""] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(mine, lines)  # one writer: ranks printing at once interleave on the pipe

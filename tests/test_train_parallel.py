@@ -39,7 +39,7 @@ def test_fsdp_records_read_in_place_and_allocated_adamw_state_load_bit_exact(npr
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     lines = sorted(ln.split() for ln in r.stdout.splitlines() if ln.startswith("rank "))
     assert [ln[1] for ln in lines] == [str(i) for i in range(nproc)], r.stdout[-3000:]
-    for _, rank, _, in_place, _, primed, _, equal, _, per_rank_equal, _, read in lines:
+    for _, rank, _, in_place, _, primed, _, equal, _, per_rank_equal, _, read, _, direct in lines:
         assert int(in_place) > 0 and primed == "True" and equal == "True", (rank, in_place, primed, equal)
         # an index per rank: each rank read its own alone, and loaded the same state from it
         assert per_rank_equal == "True" and read == dcp_index_filename(int(rank)), (
@@ -47,3 +47,6 @@ def test_fsdp_records_read_in_place_and_allocated_adamw_state_load_bit_exact(npr
             per_rank_equal,
             read,
         )
+        # ... read straight into its tensors (direct_read.py), where DCP's one index (a chunk of
+        # every rank per tensor) went through DCP's plan
+        assert direct == "01", (rank, direct)

@@ -40,7 +40,7 @@ import io
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -106,7 +106,8 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
 
 
 def next_write_chunk(n: int, seconds: float) -> int:
-    """Bytes for the next counted write, after one of ``n`` bytes took ``seconds``."""
+    """Bytes for the next counted write (or direct read, train_ref/direct_read.py), after one of
+    ``n`` bytes took ``seconds``."""
     fit = n / seconds * WRITE_CHUNK_S if seconds > 0 else MAX_WRITE_CHUNK
     return max(MIN_WRITE_CHUNK, min(MAX_WRITE_CHUNK, int(fit) // _PAGE * _PAGE))
 
@@ -226,6 +227,16 @@ class ProgressFile(io.FileIO):
         while part := self.read(self.chunk):
             out += part
         return bytes(out)
+
+
+def read_at(stream: io.IOBase, buffers: Sequence[memoryview], offset: int) -> int:
+    """One ``preadv`` into ``buffers`` from ``offset`` of ``stream``'s file (its position left
+    as it was), counted when the stream is a ``ProgressFile``'s (``ProgressFileSystem``)."""
+    raw = getattr(stream, "raw", stream)
+    n = os.preadv(raw.fileno(), buffers, offset)
+    if n and isinstance(raw, ProgressFile):
+        raw.progress(n)
+    return n
 
 
 def written_key(path: str | os.PathLike[str]) -> str:

@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -56,7 +57,7 @@ from torch.futures import Future
 
 from supervisor.format.layout import dcp_index_filename, parse_committed
 from supervisor.safepickle import WHY, UnsafePickle, load_restricted
-from train_ref import agree
+from train_ref import agree, direct_read
 from train_ref.dcp_index import merged, uncovered
 from train_ref.tensor_record import plain_tensor, read_in_place
 
@@ -104,6 +105,7 @@ class SafeFileSystemReader(FileSystemReader):
         self.refused: UnsafePickle | None = None
         self.corrupt: CorruptRecord | None = None  # the same for a record that cannot be read
         self.tensors: dict[str, Any] = {}
+        self.index_read: Metadata | None = None
 
     def choose_index(self) -> bool:
         """Which index ``read_metadata`` reads: every rank's merged (``index``), else DCP's one
@@ -124,7 +126,9 @@ class SafeFileSystemReader(FileSystemReader):
         index ``choose_index`` chose."""
         if self.refused is not None:
             raise self.refused
-        metadata = self.merged_index or self._read_index(self.index)
+        if self.index_read is None:  # read once: the direct read's plan, then DCP's when it falls back
+            self.index_read = self.merged_index or self._read_index(self.index)
+        metadata = self.index_read
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -237,6 +241,15 @@ class SafeFileSystemReader(FileSystemReader):
         self.corrupt = self.corrupt or corrupt(what)
         return self.corrupt
 
+    def load_object(self, value: IO[bytes], label: str) -> Any:
+        """A non-tensor item, unpickled with ``weights_only=True``; a refusal is one line naming
+        ``label`` (the file and item)."""
+        try:
+            return torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            self.refused = self.refused or weights_only_refusal(label, e)
+            raise self.refused from None
+
 
 def corrupt(what: str) -> CorruptRecord:
     """``what`` is wrong with a checkpoint, as one line that says what to do about it."""
@@ -287,15 +300,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         """torch 2.13's ``DefaultLoadPlanner.load_bytes`` with ``weights_only=True``."""
         fqn = read_item.dest_index.fqn
-        try:
-            obj = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as e:
-            info = self.reader.storage_data.get(read_item.storage_index)
-            where = (
-                Path(self.reader.path) / info.relative_path if info is not None else Path(self.reader.path)
-            )
-            self.reader.refused = self.reader.refused or weights_only_refusal(f"{where} (item {fqn})", e)
-            raise self.reader.refused from None
+        info = self.reader.storage_data.get(read_item.storage_index)
+        where = Path(self.reader.path) / info.relative_path if info is not None else Path(self.reader.path)
+        obj = self.reader.load_object(value, f"{where} (item {fqn})")
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
@@ -367,12 +374,31 @@ def _read(
     try:
         if not reader.choose_index():
             return reader, OwnIndexShort()
+        if _read_direct(reader, loaded):
+            return reader, None
         with warnings.catch_warnings():  # no_dist's "assuming the intent is to load in a single process"
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(loaded, storage_reader=reader, planner=SafeLoadPlanner(reader), no_dist=True)
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         return reader, _unwrapped(e)
     return reader, None
+
+
+def _read_direct(reader: SafeFileSystemReader, loaded: dict[str, Any]) -> bool:
+    """Read ``loaded`` in place without DCP's plan when every item is one whole record on this
+    rank's layout (train_ref/direct_read.py); False, to load through DCP, when one is not."""
+    flat, mappings = flatten_state_dict(loaded)
+    records = direct_read.plan(flat, reader.read_metadata())
+    if records is None:
+        return False
+    items = direct_read.read(records, reader.fs, Path(reader.path), reader._corrupt)
+    if items is None:
+        return False
+    files = {r.fqn: r.file for r in records}
+    for fqn, raw in items.items():
+        label = f"{Path(reader.path) / files[fqn]} (item {fqn})"
+        set_element(loaded, mappings[fqn], reader.load_object(io.BytesIO(raw), label))
+    return True
 
 
 def _agreed(

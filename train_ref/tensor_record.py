@@ -244,7 +244,7 @@ def plain_data_start(rec: _Known, dtype: torch.dtype, sizes: tuple[int, ...]) ->
     return data
 
 
-def _bytes_as_shown(t: torch.Tensor) -> bool:
+def bytes_as_shown(t: torch.Tensor) -> bool:
     """Whether ``t``'s memory holds its elements, in order, as it shows them: on the CPU,
     contiguous, not empty, and not a lazy view (conjugate, negative) whose memory holds other
     values than it shows. Such a tensor's bytes can be read into or written out as they are."""
@@ -259,7 +259,7 @@ def read_in_place(stream: io.BufferedIOBase, offset: int, length: int, target: t
     with no buffer and no copy between. False, with nothing of ``target`` written, when the
     record or the target is not one this reads (the caller reads the record whole); a string
     saying how the file fell short when it ends inside the record."""
-    if not _bytes_as_shown(target):
+    if not bytes_as_shown(target):
         return False
     head_n = min(length, IN_PLACE_HEAD)
     tail_n = min(length - head_n, IN_PLACE_TAIL)
@@ -294,28 +294,23 @@ def plain_tensor(rec: bytearray, dtype: torch.dtype, sizes: tuple[int, ...]) -> 
     return torch.frombuffer(rec, dtype=dtype, count=numel, offset=data).view(sizes)
 
 
-def write_plain(write: Callable[[Any], object], tensor: torch.Tensor) -> int | None:
-    """Write ``tensor``'s plain record (module docstring) through ``write`` in three calls: the
-    headers before its bytes, its bytes (from its own memory: no copy), the rest. Returns the
-    record's length; None, with nothing written, for a tensor this does not write."""
-    pickled = contiguous_pickle(tensor.dtype, tuple(tensor.size())) if type(tensor) is torch.Tensor else None
-    if (
-        pickled is None
-        or sys.byteorder != "little"
-        or not _bytes_as_shown(tensor)
-        or tensor.requires_grad
-        or tensor.storage_offset()
-        or tensor.untyped_storage().nbytes() != tensor.nbytes
-        or tensor.nbytes >= _ZIP64_FROM
-    ):
+@functools.lru_cache(maxsize=4096)
+def plain_frame(dtype: torch.dtype, sizes: tuple[int, ...]) -> tuple[bytes, bytes] | None:
+    """The bytes of a plain record of a contiguous ``dtype`` tensor of ``sizes`` around its
+    data: all before (the zip's headers, ``data.pkl``, up to ``data/0``'s bytes) and all after
+    (the rest of the entries and the central directory). They depend on nothing else, so a save
+    writes them and a load checks them (train_ref/direct_read.py) by one comparison each. None
+    for a dtype outside ``_STORAGE``, no elements, 4 GiB or more, or a big-endian machine."""
+    pickled = contiguous_pickle(dtype, sizes)
+    nbytes = math.prod(sizes) * dtype.itemsize
+    if pickled is None or sys.byteorder != "little" or not nbytes or nbytes >= _ZIP64_FROM:
         return None
-    data = tensor.view(-1).view(torch.uint8).numpy().data
     before: list[bytes] = []  # the headers up to data/0's bytes, then the rest
     after: list[bytes] = []
     parts, central, at = before, [], 0
     for name, body in (("data.pkl", pickled), *_AFTER_PICKLE):
         encoded = (_ARCHIVE + name).encode()
-        size = data.nbytes if body is None else len(body)
+        size = nbytes if body is None else len(body)
         pad = -(at + _LOCAL.size + len(encoded) + 4) % _ALIGN
         head = _LOCAL.pack(_LOCAL_SIG, 0, _FLAGS, 0, 0, 0, 0, 0, 0, len(encoded), pad + 4)
         parts += [head, encoded, b"FB", struct.pack("<H", pad), b"Z" * pad]
@@ -338,7 +333,25 @@ def write_plain(write: Callable[[Any], object], tensor: torch.Tensor) -> int | N
         _Z64_LOCATOR.pack(_Z64_LOCATOR_SIG, 0, at + len(cd), 1),
         _EOCD.pack(_EOCD_SIG, 0, 0, n, n, len(cd), at, 0),
     ]
-    write(b"".join(before))
-    write(data)
-    write(b"".join(after))
-    return at + len(cd) + _Z64_EOCD.size + _Z64_LOCATOR.size + _EOCD.size
+    return b"".join(before), b"".join(after)
+
+
+def write_plain(write: Callable[[Any], object], tensor: torch.Tensor) -> int | None:
+    """Write ``tensor``'s plain record (module docstring) through ``write`` in three calls: the
+    headers before its bytes (``plain_frame``), its bytes (from its own memory: no copy), the
+    rest. Returns the record's length; None, with nothing written, for a tensor this does not
+    write."""
+    frame = plain_frame(tensor.dtype, tuple(tensor.size())) if type(tensor) is torch.Tensor else None
+    if (
+        frame is None
+        or not bytes_as_shown(tensor)
+        or tensor.requires_grad
+        or tensor.storage_offset()
+        or tensor.untyped_storage().nbytes() != tensor.nbytes
+    ):
+        return None
+    before, after = frame
+    write(before)
+    write(tensor.view(-1).view(torch.uint8).numpy().data)
+    write(after)
+    return len(before) + tensor.nbytes + len(after)
