@@ -14,12 +14,14 @@ On 2 ranks (torchrun, gloo on CPU), with the ~50M-parameter ``bench`` model and 
    the second of two runs. On this VM, memory left untouched for seconds is handed back to the
    host, and a write into it first faults it back in (~0.4 GB/s): a ``dd`` of zeros took
    0.36-1.7 s for the same 0.6 GB by that alone;
-3. the trainer's load (``Checkpointer.load``: DCP through the safe reader with counted reads, then
+3. the trainer's load (``Checkpointer.load``: on the saved layout each record read straight into
+   its tensor, train_ref/direct_read.py, else DCP through the safe reader; counted reads; then
    the per-rank file) vs a raw read of the same files, each rank reading its share at once, with
    the page cache hot, and cold (``posix_fadvise(DONTNEED)`` on every file first); beside it the
    same share read into memory that keeps it (a load's floor: the raw read streams through one
-   buffer that stays in the CPU's cache, a load leaves every byte in a tensor), and the same load
-   as before issue 12 point 3 (every tensor record through ``torch.load``, GC on), and without the
+   buffer that stays in the CPU's cache, a load leaves every byte in a tensor), the same load
+   through DCP's plan (no direct read), as before issue 12 point 3 (DCP's plan, every tensor
+   record through ``torch.load``, GC on), and without the
    kernel reading the rank's shard ahead while DCP plans (train_ref/readahead.py);
 4. the sync save again with a signing key, against the same without (no target: signing is
    opt-in; this says its price at a save);
@@ -312,13 +314,18 @@ def worker(args: argparse.Namespace) -> None:
             cold,
         )
 
+    def load_through_dcp(ckpt: Path, files: list[Path], cold: bool) -> float:
+        """The same load through DCP's plan and the safe reader, as before the direct read."""
+        with unittest.mock.patch.object(safe_load, "_read_direct", lambda *_: False):
+            return load(ckpt, files, cold)
+
     def load_via_torch_load(ckpt: Path, files: list[Path], cold: bool) -> float:
-        """The same load as the reader did before issue 12 point 3: every tensor record through
-        ``torch.load``, the cycle collector on."""
+        """The same load as the reader did before issue 12 point 3: through DCP's plan, every
+        tensor record through ``torch.load``, the cycle collector on."""
         fast, no_gc = safe_load.plain_tensor, safe_load.no_gc
         safe_load.plain_tensor, safe_load.no_gc = (lambda *_: None), contextlib.nullcontext
         try:
-            return load(ckpt, files, cold)
+            return load_through_dcp(ckpt, files, cold)
         finally:
             safe_load.plain_tensor, safe_load.no_gc = fast, no_gc
 
@@ -362,6 +369,7 @@ def worker(args: argparse.Namespace) -> None:
             ("raw_read", read_share, ()),
             ("raw_read_kept", read_share_kept, ()),
             ("load", load, (newest,)),
+            ("load_dcp_plan", load_through_dcp, (newest,)),
             ("load_torch_load", load_via_torch_load, (newest,)),
             ("load_no_readahead", load_without_readahead, (newest,)),
         ]
@@ -400,6 +408,8 @@ KEYS = (
     "raw_read_kept_hot_s",
     "raw_read_kept_cold_s",
     "load_cold_s",
+    "load_dcp_plan_hot_s",
+    "load_dcp_plan_cold_s",
     "load_torch_load_hot_s",
     "load_torch_load_cold_s",
     "load_no_readahead_hot_s",
@@ -450,6 +460,10 @@ def report(
               f"   {gb / load:.2f} vs {gb / read:.2f} GB/s")  # fmt: skip
         kept = m[f"raw_read_kept_{kind}_s"]
         print(f"  / raw read into memory kept (a load's floor)   {kept / load:8.3f}   {gb / kept:.2f} GB/s")
+        planned = m[f"load_dcp_plan_{kind}_s"]
+        print(
+            f"  through DCP's plan (no direct read)            {read / planned:8.3f}   {gb / planned:.2f} GB/s"
+        )
         plain = m[f"load_no_readahead_{kind}_s"]
         print(f"  without the read-ahead (train_ref/readahead.py){read / plain:8.3f}   {gb / plain:.2f} GB/s")
         before = m[f"load_torch_load_{kind}_s"]

@@ -57,12 +57,27 @@ def test_it_reads_the_files_into_the_page_cache(tmp_path: Path) -> None:
 def test_it_reads_at_most_the_limit_and_nothing_once_stopped(tmp_path: Path) -> None:
     sink = os.open(os.devnull, os.O_WRONLY)
     try:
-        f = cold_file(tmp_path / "shard", 8 * MIB)
+        # larger than what the kernel reads ahead of 3 MiB (its window: 8 MiB here), so its end
+        # stays cold and the second call reads it all
+        f = cold_file(tmp_path / "shard", 64 * MIB)
         assert _into_cache(f, 3 * MIB, sink, threading.Event()) == 3 * MIB
-        assert _into_cache(f, LIMIT, sink, threading.Event()) == 8 * MIB
+        assert _into_cache(f, LIMIT, sink, threading.Event()) == 64 * MIB
         stopped = threading.Event()
         stopped.set()
-        assert _into_cache(f, LIMIT, sink, stopped) == 0
+        assert _into_cache(cold_file(tmp_path / "other", 8 * MIB), LIMIT, sink, stopped) == 0
+    finally:
+        os.close(sink)
+
+
+def test_a_file_cached_at_both_ends_is_skipped_and_one_cold_at_its_end_is_read(tmp_path: Path) -> None:
+    sink = os.open(os.devnull, os.O_WRONLY)
+    try:
+        f = cold_file(tmp_path / "shard", 64 * MIB)  # its end out of the kernel's reach, as above
+        if resident(f):
+            pytest.skip(f"{tmp_path}'s file system keeps a file's pages after POSIX_FADV_DONTNEED (tmpfs?)")
+        assert _into_cache(f, 3 * MIB, sink, threading.Event()) == 3 * MIB  # its start alone
+        assert _into_cache(f, LIMIT, sink, threading.Event()) == 64 * MIB  # read on: its end was cold
+        assert _into_cache(f, LIMIT, sink, threading.Event()) == 0  # hot: nothing to do
     finally:
         os.close(sink)
 
