@@ -65,8 +65,8 @@ def plan(flat: Mapping[str, Any], index: Metadata) -> list[Record] | None:
     """Every item of ``flat`` (a flattened state dict) as one record to read in place, or None
     when one is not (the caller loads through DCP): an item the index lacks or holds as another
     type, a tensor whose dtype or size differs, or that is not one whole chunk there at this
-    rank's offsets, or not in memory as it shows (a view, a GPU tensor), or a record of another
-    length than its plain layout."""
+    rank's offsets, or not in memory as it shows (a strided view; a GPU tensor: CUDA state loads
+    through DCP), or a record of another length than its plain layout."""
     records, shards = [], _Shards()
     for fqn, value in flat.items():
         meta = index.state_dict_metadata.get(fqn)
@@ -103,7 +103,7 @@ def plan(flat: Mapping[str, Any], index: Metadata) -> list[Record] | None:
             or info.length != len(frame[0]) + local.nbytes + len(frame[1])
         ):
             return None
-        target = local.view(-1).view(torch.uint8).numpy().data
+        target = local.detach().view(-1).view(torch.uint8).numpy().data  # its own memory
         records.append(Record(fqn, info.relative_path, info.offset, info.length, target, frame))
     return records
 
