@@ -13,10 +13,11 @@ first: Linux reads at most the device's readahead window per call (8 MiB here), 
 
 It runs only where it helps. A file whose first and last bytes are in the page cache is taken as
 hot and skipped (sendfile over 305 MB of cached pages still cost 4 ms of a core that the load on
-the same node needs: 8 ms of a 0.1 s hot load in bench/checkpoint.py). After the first ``PROBE``
-bytes of each file it checks that the file system kept them (the first byte reads back without I/O: ``preadv(RWF_NOWAIT)``). Where it did not,
-or cannot say (FUSE with ``direct_io``, as the fault filesystem mounts: EOPNOTSUPP), reading ahead
-would read every byte twice, so it stops.
+the same node needs: 8 ms of a 0.1 s hot load in bench/checkpoint.py). After the first
+``PROBE`` bytes of each file it checks that the file system kept them (the first byte reads back
+without I/O: ``preadv(RWF_NOWAIT)``). Where it did not, or cannot say (FUSE with ``direct_io``,
+as the fault filesystem mounts: EOPNOTSUPP), reading ahead would read every byte twice, so it
+stops.
 
 Advisory only: any error (a file system without ``sendfile``, EIO) stops it silently, and the
 load's own read meets the error and names it. A file that is not there is skipped: the caller

@@ -10,8 +10,10 @@ every rank run any code at the next resume through either. So a load goes throug
   (the real classes, nothing else), inside DCP's own read: no window between a check and the read;
 - ``SafeLoadPlanner``: ``load_bytes`` with ``torch.load(weights_only=True)``, as the per-rank
   state files are loaded;
-- tensors: read off their bytes when the record is the plain layout DCP writes (nothing
-  unpickled, train_ref/tensor_record.py), else ``torch.load(weights_only=True)`` as DCP does.
+- tensors: on the layout of the save, read straight into their tensors before DCP plans
+  anything (train_ref/direct_read.py: each record's frame compared byte for byte); else, through
+  DCP, read off their bytes when the record is the plain layout DCP writes (nothing unpickled,
+  train_ref/tensor_record.py), else ``torch.load(weights_only=True)`` as DCP does.
 
 A refusal is one line naming the file (``UnsafePickle``), raised by ``load_dcp`` on every rank
 (a record only one rank reads reaches the others through the load's agreement), before anything

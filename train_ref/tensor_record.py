@@ -27,7 +27,9 @@ took ~65 us (its pickler class built anew per call, its zip writer's per-call se
 of a rank's save of the bench model's ~800 records. It is checked byte for byte against
 ``torch.save`` (tests/test_tensor_record.py), so ``torch.load``, DCP's own load and the readers
 above read it as before. Any other tensor (a view, a strided or empty one, a dtype outside
-``_STORAGE``, 4 GiB or more, big-endian) goes through ``torch.save``.
+``_STORAGE``, 4 GiB or more, big-endian) goes through ``torch.save``. All it writes around the
+tensor's bytes depends on the dtype and sizes alone (``plain_frame``, kept per shape), so a load
+on the saved layout checks a record by comparing those bytes (train_ref/direct_read.py).
 """
 
 from __future__ import annotations
