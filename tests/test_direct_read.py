@@ -14,9 +14,10 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from supervisor.format.layout import dcp_index_filename, dcp_shard_filename
+from supervisor.safepickle import UnsafePickle
 from train_ref import direct_read, safe_load
 from train_ref.checkpointer import _writer
-from train_ref.progress_io import PROGRESS_CHUNK
+from train_ref.progress_io import PROGRESS_CHUNK, ProgressFileSystem
 from train_ref.safe_load import CorruptRecord, load_dcp, read_index
 
 
@@ -107,15 +108,29 @@ def test_dcp_loads_what_the_direct_read_leaves_to_it(ckpt, spied):
     assert torch.equal(loaded["w"], _saved()["w"].double())  # type: ignore[union-attr]
 
 
-def test_records_another_writer_wrote_are_read_again_by_dcp(tmp_path, spied):
-    """torch.save's own records differ from the plain frame (a serialization id): the direct
-    read finds it after reading, says None, and DCP reads every item again."""
+def test_a_file_another_writer_wrote_is_left_to_dcp_whole_and_read_once(tmp_path, spied, tracker):
+    """torch.save's own records differ from the plain frame (a serialization id): the file's
+    first record tells, before anything of it is read in place, and DCP reads it, once."""
     ckpt = tmp_path / "stock"
     dcp.save(_saved(), storage_writer=FileSystemWriter(ckpt))
     loaded = _fresh()
-    load_dcp(ckpt, loaded, None)
+    load_dcp(ckpt, loaded, None, fs=ProgressFileSystem(tmp_path, tracker))
     assert spied["plan"][0] is not None and spied["read"] == [None] and spied["dcp"] == [1]
     assert _equal(loaded, _saved())
+    shard = (ckpt / dcp_shard_filename(0)).stat().st_size
+    assert shard <= sum(tracker.units) < shard * 1.2  # the index and a frame besides, not it twice
+
+
+def test_a_damaged_first_tensor_record_leaves_every_tensor_as_it_was(ckpt):
+    index = read_index(FileSystem(), ckpt / dcp_index_filename())
+    first = min(i.offset for k, i in index.storage_data.items() if k.offset is not None)  # a tensor's
+    with open(ckpt / dcp_shard_filename(0), "r+b") as f:
+        f.seek(first)
+        f.write(b"JUNK")  # over its zip header
+    loaded = _fresh()
+    with pytest.raises((CorruptRecord, UnsafePickle)):
+        load_dcp(ckpt, loaded, None)
+    assert not any(t.any() for t in (loaded["w"], loaded["b"], loaded["h"]))  # type: ignore[union-attr]
 
 
 def test_a_shard_cut_short_is_one_line_naming_the_file_and_the_item(ckpt):

@@ -137,7 +137,9 @@ def read(
     """Read ``records`` (``plan``'s) from ``ckpt`` through ``fs``: each tensor's bytes into its
     target; the non-tensor items' bytes returned by name. None when a tensor record's head or
     tail is not its plain frame (another writer's: the caller loads through DCP, which reads
-    every item again). ``corrupt(what)``: the error for a file that ends inside a record."""
+    every item again). A file's first tensor record is checked before the file is read
+    (``_framed``); the rest after, against the bytes read with them. ``corrupt(what)``: the
+    error for a file that ends inside a record."""
     by_file: dict[str, list[Record]] = {}
     for r in sorted(records, key=lambda r: (r.file, r.offset)):
         by_file.setdefault(r.file, []).append(r)
@@ -153,6 +155,9 @@ def read(
                     f"{path} (item {short.fqn}): the file ends {size - short.offset} of {short.length} bytes "
                     f"into the record at offset {short.offset}"
                 )
+            first = next(((r, r.frame) for r in recs if r.frame is not None), None)
+            if first is not None and not _framed(stream, *first):
+                return None  # another writer's file (or a damaged one): nothing of it read in place
             run: list[memoryview] = []
             start = end = recs[0].offset
             for r in recs:
@@ -171,6 +176,18 @@ def read(
     if any(head != frame[0] or tail != frame[1] for head, tail, frame in frames):
         return None
     return items
+
+
+def _framed(stream: io.IOBase, record: Record, frame: tuple[bytes, bytes]) -> bool:
+    """Whether ``record``'s head and tail are ``frame`` (its plain frame): checked on a file's
+    first tensor record before any of the file is read into a tensor, so that a file another
+    writer wrote (stock DCP's records carry a serialization id) is left to DCP whole rather than
+    read twice, and a record damaged there leaves its tensor as it was."""
+    head, tail = frame
+    got = [bytearray(len(head)), bytearray(len(tail))]
+    read_at(stream, [memoryview(got[0])], record.offset)
+    read_at(stream, [memoryview(got[1])], record.offset + record.length - len(tail))
+    return got[0] == head and got[1] == tail
 
 
 def _read_run(
