@@ -12,7 +12,8 @@ index the load reads (dtype, global size, one chunk whose offsets and sizes are 
 shard, a plain record of the length those give): a pure decision, nothing read. Then ``read``
 reads each file's records front to back with ``preadv``: the record's head and tail into small
 buffers, its data straight into the tensor's memory, in calls sized as counted writes are (each
-counted, so a long load beats), and compares every head and tail with the expected bytes. A
+counted, so a long load beats), and compares every head and tail with the expected bytes (a
+file's first record before anything of the file goes into a tensor). A
 non-tensor item (the step, the scheduler, param groups) is read into a buffer for the caller to
 unpickle safely. Anything else (another layout, an index with several chunks for a tensor, a
 record another writer wrote) falls back to DCP's own load, which reads every item again.
