@@ -95,9 +95,9 @@ def test_anything_but_one_whole_plain_chunk_per_tensor_is_left_to_dcp(ckpt, chan
     into a view, or refuses as before."""
     loaded = _fresh()
     change(loaded)
-    flat, _ = flatten_state_dict(loaded)
-    assert direct_read.plan(flat, read_index(FileSystem(), ckpt / dcp_index_filename())) is None
-    assert direct_read.plan(flatten_state_dict(_fresh())[0], read_index(FileSystem(), ckpt / ".metadata"))
+    index = read_index(FileSystem(), ckpt / dcp_index_filename())
+    assert direct_read.plan(flatten_state_dict(loaded)[0], index) is None
+    assert direct_read.plan(flatten_state_dict(_fresh())[0], index)  # unchanged, it plans
 
 
 def test_dcp_loads_what_the_direct_read_leaves_to_it(ckpt, spied):
