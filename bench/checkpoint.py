@@ -29,7 +29,8 @@ On 2 ranks (torchrun, gloo on CPU), with the ~50M-parameter ``bench`` model and 
    ``--window`` steps with one async save in the middle vs the same steps without, interleaved;
    the extra time of that one save, divided by ``--interval`` steps of training. (A CPU step of
    the bench model takes seconds, so timing whole 50-step intervals would take an hour.)
-Targets: async blocked <= 5% of sync; sync >= 80% of dd; load >= 80% of a raw read; overhead <= 3%.
+Targets: async blocked <= 5% of sync; sync >= 80% of dd; load >= 80% of a raw read from the disk
+(cold; hot, the raw read is a copy from memory, printed beside the copy alone); overhead <= 3%.
 Ranks write their heartbeats where ranks under ``supervisor watch`` do, a node-local folder (a
 commit beats three times; on a disk each beat is an fsync'd write); ``--heartbeats-in-run-dir``
 measures a trainer alone.
@@ -417,6 +418,12 @@ KEYS = (
 )
 
 
+# Point 3 of issue 12 asks for a load "near the disk's speed": the budget is the read from the disk
+# (cold). From the page cache the raw read is a memory copy into one buffer the CPU keeps cached,
+# which a load that leaves every byte in a tensor cannot match (the copy alone: the line below it).
+LOAD_TARGET = {"cold": "target >= 0.80: the disk's speed", "hot": "judged cold: this reads memory"}
+
+
 def report(
     args: argparse.Namespace,
     m: dict[str, float],
@@ -456,10 +463,14 @@ def report(
     )
     for kind in ("cold", "hot"):
         read, load = m[f"raw_read_{kind}_s"], m[f"load_{kind}_s"]
-        print(f"load throughput / raw read, {kind:<4} page cache        {read / load:8.3f}   (target >= 0.80)"
+        print(f"load throughput / raw read, {kind:<4} page cache        {read / load:8.3f}   ({LOAD_TARGET[kind]})"
               f"   {gb / load:.2f} vs {gb / read:.2f} GB/s")  # fmt: skip
         kept = m[f"raw_read_kept_{kind}_s"]
         print(f"  / raw read into memory kept (a load's floor)   {kept / load:8.3f}   {gb / kept:.2f} GB/s")
+        if kind == "hot":
+            print(
+                f"  the copy alone: raw read kept / raw read       {read / kept:8.3f}   (a load's ceiling here)"
+            )
         planned = m[f"load_dcp_plan_{kind}_s"]
         print(
             f"  through DCP's plan (no direct read)            {read / planned:8.3f}   {gb / planned:.2f} GB/s"

@@ -252,6 +252,16 @@ def test_descendants_walks_the_tree_and_skips_zombies():
     assert sorted(descendants(10, table)) == [11, 12, 14]
 
 
+def test_libc_function_calls_libc_and_says_none_for_a_missing_one():
+    import ctypes
+
+    from supervisor.libc import libc_function
+
+    getpid = libc_function("getpid", [])
+    assert getpid is not None and getpid() == os.getpid()
+    assert libc_function("no_such_libc_function_xyz", [ctypes.c_int]) is None
+
+
 def test_state_round_trip_and_garbage(tmp_path):
     from supervisor.format.events import RunState, parse_state, write_state
     from supervisor.format.launches import LaunchRecord, Outcome

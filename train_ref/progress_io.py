@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from supervisor.format.heartbeat import Progress, Tracker
 from supervisor.format.manifest import FileEntry, checksum_hasher
+from supervisor.libc import libc_function
 from supervisor.signing import DIGEST_ALGO
 from train_ref import agree
 from train_ref.save_policy import storage_cause
@@ -76,18 +77,9 @@ WRITEBACK_CHUNK = 8 << 20
 _SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, do not wait
 
 
-def _libc_sync_file_range() -> Any:
-    """libc's ``sync_file_range`` (Linux), or None where there is none."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_sync_file_range = _libc_sync_file_range()
+_sync_file_range = libc_function(
+    "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+)
 # What sync_file_range(2) returns on a file that it does not apply to (a pipe, some network and
 # FUSE file systems): the save's fsync does all of it instead.
 _NOT_SUPPORTED = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ESPIPE})

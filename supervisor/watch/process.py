@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from supervisor.libc import libc_function
 from supervisor.watch.blocked import blocked_io
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -37,11 +38,10 @@ class ProcInfo:
 
 def become_subreaper() -> bool:
     """Adopt orphaned descendants (Linux); False where the call is unavailable."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
+    prctl = libc_function(
+        "prctl", [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    )
+    return prctl is not None and prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
 
 
 def read_proc(pid: int) -> ProcInfo | None:
