@@ -22,7 +22,8 @@ On 2 ranks (torchrun, gloo on CPU), with the ~50M-parameter ``bench`` model and 
    buffer that stays in the CPU's cache, a load leaves every byte in a tensor), the same load
    through DCP's plan (no direct read), as before issue 12 point 3 (DCP's plan, every tensor
    record through ``torch.load``, GC on), and without the
-   kernel reading the rank's shard ahead while DCP plans (train_ref/readahead.py);
+   kernel reading the rank's shard ahead while DCP plans (train_ref/readahead.py). The variants
+   run in turn, after one untimed load: the first load after a save is slower hot, whichever;
 4. the sync save again with a signing key, against the same without (no target: signing is
    opt-in; this says its price at a save);
 5. end-to-end overhead of saving every ``--interval`` steps (the trainer's default ``--save-every``):
@@ -374,6 +375,8 @@ def worker(args: argparse.Namespace) -> None:
             ("load_torch_load", load_via_torch_load, (newest,)),
             ("load_no_readahead", load_without_readahead, (newest,)),
         ]
+        # Untimed: the first load after a save runs ~20 ms slower hot, whichever variant it is.
+        load(newest, files, False)
         for cold in (False, True):
             for key, read, ckpt in reads[:: -1 if i % 2 else 1]:  # each order in turn: drift hits all alike
                 got[f"{key}_{'cold' if cold else 'hot'}_s"].append(read(*ckpt, files, cold))
