@@ -23,7 +23,7 @@ On 2 ranks (torchrun, gloo on CPU), with the ~50M-parameter ``bench`` model and 
    through DCP's plan (no direct read), as before issue 12 point 3 (DCP's plan, every tensor
    record through ``torch.load``, GC on), and without the
    kernel reading the rank's shard ahead while DCP plans (train_ref/readahead.py). The variants
-   run in turn, after one untimed load: the first load after a save is slower hot, whichever;
+   take turns after one untimed load (the first load after a save runs slower hot, whichever);
 4. the sync save again with a signing key, against the same without (no target: signing is
    opt-in; this says its price at a save);
 5. end-to-end overhead of saving every ``--interval`` steps (the trainer's default ``--save-every``):
