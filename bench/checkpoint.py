@@ -423,7 +423,7 @@ KEYS = (
 
 # Point 3 of issue 12 asks for a load "near the disk's speed": the budget is the read from the disk
 # (cold). From the page cache the raw read is a memory copy into one buffer the CPU keeps cached,
-# which a load that leaves every byte in a tensor cannot match (the copy alone: the line below it).
+# which a load that leaves every byte in a tensor cannot match (the copy alone, printed under it).
 LOAD_TARGET = {"cold": "target >= 0.80: the disk's speed", "hot": "judged cold: this reads memory"}
 
 
