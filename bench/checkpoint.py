@@ -15,14 +15,14 @@ On 2 ranks (torchrun, gloo on CPU), with the ~50M-parameter ``bench`` model and 
    host, and a write into it first faults it back in (~0.4 GB/s): a ``dd`` of zeros took
    0.36-1.7 s for the same 0.6 GB by that alone;
 3. the trainer's load (``Checkpointer.load``: on the saved layout each record read straight into
-   its tensor, train_ref/direct_read.py, else DCP through the safe reader; counted reads; then
+   its tensor, supervisor/resumable/_direct_read.py, else DCP through the safe reader; counted reads; then
    the per-rank file) vs a raw read of the same files, each rank reading its share at once, with
    the page cache hot, and cold (``posix_fadvise(DONTNEED)`` on every file first); beside it the
    same share read into memory that keeps it (a load's floor: the raw read streams through one
    buffer that stays in the CPU's cache, a load leaves every byte in a tensor), the same load
    through DCP's plan (no direct read), as before issue 12 point 3 (DCP's plan, every tensor
    record through ``torch.load``, GC on), and without the
-   kernel reading the rank's shard ahead while DCP plans (train_ref/readahead.py). The variants
+   kernel reading the rank's shard ahead while DCP plans (supervisor/resumable/_readahead.py). The variants
    take turns after one untimed load (the first load after a save runs slower hot, whichever);
 4. the sync save again with a signing key, against the same without (no target: signing is
    opt-in; this says its price at a save);
@@ -122,10 +122,10 @@ def make_trainer(root: Path, config: str, extra: list[str] | None = None) -> Any
     """A reference ``train.Trainer`` on this torchrun rank (FSDP, ``config``), at step 0, with
     its rank RNG seeded: what the benches drive step by step."""
 
+    from supervisor.resumable._train_state import seed_rank_rng
     from train_ref import train
     from train_ref.config import get_config
     from train_ref.data import Corpus
-    from train_ref.state import seed_rank_rng
 
     targs = train.parse_args(
         ["--ckpt-root", str(root), "--steps", "0", "--config", config, "--parallel", "fsdp", *(extra or [])]
@@ -140,10 +140,10 @@ def make_trainer(root: Path, config: str, extra: list[str] | None = None) -> Any
 
 
 def readahead_off() -> contextlib.AbstractContextManager[object]:
-    """``Checkpointer.load`` without its read-ahead (train_ref/readahead.py), for the side by side."""
-    from train_ref import checkpointer
+    """``Checkpointer.load`` without its read-ahead (supervisor/resumable/_readahead.py), for the side by side."""
+    from supervisor.resumable import _checkpointer
 
-    return unittest.mock.patch.object(checkpointer, "readahead", lambda _paths: contextlib.nullcontext())
+    return unittest.mock.patch.object(_checkpointer, "readahead", lambda _paths: contextlib.nullcontext())
 
 
 def timed_all(fn: Callable[[], object], files: list[Path], cold: bool) -> float:
@@ -172,9 +172,9 @@ def worker(args: argparse.Namespace) -> None:
     from supervisor.format.heartbeat import Phase
     from supervisor.format.layout import node_local_base
     from supervisor.format.manifest import READ_CHUNK, list_files
+    from supervisor.resumable import _safe_load
+    from supervisor.resumable._resume import split_by_size
     from supervisor.store import list_checkpoints
-    from train_ref import safe_load
-    from train_ref.resume import split_by_size
 
     root = Path(args.dir) / "ckpt"
     t = make_trainer(root, args.config)
@@ -192,11 +192,11 @@ def worker(args: argparse.Namespace) -> None:
             t.train_step(x, y)
             t.sampler.advance()
             st.step += 1
-            t.ckpt.step_boundary(False)
+            t.r._ckpt.step_boundary(False)
             if save_at is not None and i + 1 == save_at:
-                t.ckpt.save(st, {}, blocking=False)
+                t.r._ckpt.save(st, {}, blocking=False)
         if drain:
-            t.ckpt.finish()
+            t.r._ckpt.finish()
         dist.barrier()
         return time.perf_counter() - t0
 
@@ -211,36 +211,36 @@ def worker(args: argparse.Namespace) -> None:
         background; the steps it ran beside are part 5's overhead."""
         st.step += 1
         dist.barrier()
-        t.ckpt.save(st, {}, blocking=False)
+        t.r._ckpt.save(st, {}, blocking=False)
         staging = 0.0
-        t.ckpt.last_staging_wait_s = t.ckpt.last_finish_s = 0.0
-        while t.ckpt.in_flight is not None:
+        t.r._ckpt.last_staging_wait_s = t.r._ckpt.last_finish_s = 0.0
+        while t.r._ckpt.in_flight is not None:
             steps(1, drain=False)
-            staging += t.ckpt.last_staging_wait_s
-            t.ckpt.last_staging_wait_s = 0.0
-        return t.ckpt.last_blocking_s, staging, t.ckpt.last_finish_s
+            staging += t.r._ckpt.last_staging_wait_s
+            t.r._ckpt.last_staging_wait_s = 0.0
+        return t.r._ckpt.last_blocking_s, staging, t.r._ckpt.last_finish_s
 
     def prune_wait() -> float:
         """The sync save just before left rank 0's prune running in the background. A save
         first waits for the prune before it; saves ``--interval`` steps apart find it long done,
         so it is waited out before the async save, and timed apart."""
         t0 = time.perf_counter()
-        t.ckpt.wait_pruned()
+        t.r._ckpt.wait_pruned()
         return time.perf_counter() - t0
 
     def signed_sync_save() -> float:
         """The same sync save with a signing key (each rank takes its files' SHA-256 as it
         writes them; rank 0 signs), then its prune waited out, apart."""
-        unsigned = t.ckpt.info
-        t.ckpt.info = replace(unsigned, sign_key=SIGNING_KEY)
+        unsigned = t.r._ckpt.info
+        t.r._ckpt.info = replace(unsigned, sign_key=SIGNING_KEY)
         st.step += 1
         dist.barrier()
         try:
-            t.ckpt.save(st, {}, blocking=True)
+            t.r._ckpt.save(st, {}, blocking=True)
         finally:
-            t.ckpt.info = unsigned
-        t.ckpt.wait_pruned()
-        return t.ckpt.last_blocking_s
+            t.r._ckpt.info = unsigned
+        t.r._ckpt.wait_pruned()
+        return t.r._ckpt.last_blocking_s
 
     def rank0_torch_save() -> float:
         dist.barrier()
@@ -309,27 +309,29 @@ def worker(args: argparse.Namespace) -> None:
 
     def load(ckpt: Path, files: list[Path], cold: bool) -> float:
         """The trainer's own load: DCP (safe reader, counted reads) and the per-rank file."""
-        tracker = t.r.hb.tracker(Phase.LOAD, st.step)
+        tracker = t.r._hb.tracker(Phase.LOAD, st.step)
         return timed_all(
-            lambda: t.ckpt.load(ckpt, st, saved_world_size=d.world_size, skip=frozenset(), progress=tracker),
+            lambda: t.r._ckpt.load(
+                ckpt, st, saved_world_size=d.world_size, skip=frozenset(), progress=tracker
+            ),
             files,
             cold,
         )
 
     def load_through_dcp(ckpt: Path, files: list[Path], cold: bool) -> float:
         """The same load through DCP's plan and the safe reader, as before the direct read."""
-        with unittest.mock.patch.object(safe_load, "_read_direct", lambda *_: False):
+        with unittest.mock.patch.object(_safe_load, "_read_direct", lambda *_: False):
             return load(ckpt, files, cold)
 
     def load_via_torch_load(ckpt: Path, files: list[Path], cold: bool) -> float:
         """The same load as the reader did before issue 12 point 3: through DCP's plan, every
         tensor record through ``torch.load``, the cycle collector on."""
-        fast, no_gc = safe_load.plain_tensor, safe_load.no_gc
-        safe_load.plain_tensor, safe_load.no_gc = (lambda *_: None), contextlib.nullcontext
+        fast, no_gc = _safe_load.plain_tensor, _safe_load.no_gc
+        _safe_load.plain_tensor, _safe_load.no_gc = (lambda *_: None), contextlib.nullcontext
         try:
             return load_through_dcp(ckpt, files, cold)
         finally:
-            safe_load.plain_tensor, safe_load.no_gc = fast, no_gc
+            _safe_load.plain_tensor, _safe_load.no_gc = fast, no_gc
 
     def load_without_readahead(ckpt: Path, files: list[Path], cold: bool) -> float:
         """The same load without the kernel reading the rank's shard ahead while DCP plans."""
@@ -344,7 +346,7 @@ def worker(args: argparse.Namespace) -> None:
     for i in range(args.repeats):
         dist.barrier()
         t0 = time.perf_counter()
-        dcp.save({"app": st}, checkpoint_id=Path(args.dir) / f"bare_{i}", process_group=t.ckpt.dcp_group)
+        dcp.save({"app": st}, checkpoint_id=Path(args.dir) / f"bare_{i}", process_group=t.r._ckpt.dcp_group)
         dist.barrier()
         got["bare_dcp_save_s"].append(time.perf_counter() - t0)
         if rank0:
@@ -352,8 +354,8 @@ def worker(args: argparse.Namespace) -> None:
 
         st.step += 1
         dist.barrier()
-        t.ckpt.save(st, {}, blocking=True)
-        got["sync_blocking_s"].append(t.ckpt.last_blocking_s)
+        t.r._ckpt.save(st, {}, blocking=True)
+        got["sync_blocking_s"].append(t.r._ckpt.last_blocking_s)
         got["prune_wait_s"].append(prune_wait())
         got["signed_sync_blocking_s"].append(signed_sync_save())
         parts = async_blocked()
@@ -385,7 +387,7 @@ def worker(args: argparse.Namespace) -> None:
     for _ in range(2):  # interleaved so drift of the machine hits both alike
         base.append(steps(args.window))
         saving.append(steps(args.window, save_at=args.window // 2))
-    t.ckpt.close()
+    t.r._ckpt.close()
 
     if rank0:
         report(
@@ -479,7 +481,9 @@ def report(
             f"  through DCP's plan (no direct read)            {read / planned:8.3f}   {gb / planned:.2f} GB/s"
         )
         plain = m[f"load_no_readahead_{kind}_s"]
-        print(f"  without the read-ahead (train_ref/readahead.py){read / plain:8.3f}   {gb / plain:.2f} GB/s")
+        print(
+            f"  without the read-ahead (supervisor/resumable/_readahead.py){read / plain:8.3f}   {gb / plain:.2f} GB/s"
+        )
         before = m[f"load_torch_load_{kind}_s"]
         print(
             f"  every tensor through torch.load, GC on (before)  {read / before:8.3f}   {gb / before:.2f} GB/s"

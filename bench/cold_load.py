@@ -1,4 +1,4 @@
-"""A cold load with and without its first files read ahead (train_ref/readahead.py), alternated.
+"""A cold load with and without its first files read ahead (supervisor/resumable/_readahead.py), alternated.
 
 ``bench/checkpoint.py`` runs each load variant once per repeat, between saves whose writeback and
 prunes still move the disk; this bench asks one question on a quiet disk. The ``bench`` config

@@ -2,11 +2,11 @@
 
 No processes: each simulated rank's report is what a real rank sends at the commit (its files:
 ``__R_0.distcp``, its own DCP index ``__R_index.metadata`` (FSDP's sharded state: one per rank,
-train_ref/dcp_index.py) and its per-rank state file, each with size and xxh3-128), and its files exist, small and already synced (as DCP leaves its shards), in a real tmp
+supervisor/resumable/_dcp_index.py) and its per-rank state file, each with size and xxh3-128), and its files exist, small and already synced (as DCP leaves its shards), in a real tmp
 dir. Per world size N:
 - the gather: bytes received per rank and over the job, and the time to decode the reports, for
   the old all-gather (every rank received and unpickled all N reports: O(N^2) over the job) and
-  for ``agree.gather_to_root`` (rank 0 receives N length-prefixed buffers padded to the largest,
+  for ``_agree.gather_to_root`` (rank 0 receives N length-prefixed buffers padded to the largest,
   the others receive nothing: O(N)); its decode is timed with the real ``_pack``/``unpack_all``;
 - the manifest: rank 0's ``checkpointer.commit_reports`` (``supervisor.store.commit`` with every
   rank's report: the directory fsyncs (each rank fsynced its own files), the writers check, the
@@ -38,7 +38,7 @@ from supervisor.format.layout import dcp_index_filename, dcp_shard_filename, ran
 from supervisor.format.manifest import CheckpointInfo, FileEntry  # noqa: E402
 
 if TYPE_CHECKING:
-    from train_ref.checkpointer import RankFiles
+    from supervisor.resumable._checkpointer import RankFiles
 
 SHARD_BYTES = 4096  # on disk; the size recorded is what matters to the manifest, not the bytes
 STATE_BYTES = 1024
@@ -55,7 +55,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def reports(world: int) -> list[RankFiles]:
     """What each simulated rank sends rank 0: its files with size and checksum."""
-    from train_ref.checkpointer import RankFiles
+    from supervisor.resumable._checkpointer import RankFiles
 
     out = []
     for r in range(world):
@@ -89,17 +89,17 @@ def timed(fn: Callable[[], object], rounds: int) -> float:
 def one_size(world: int, work: Path, rounds: int) -> dict[str, float]:
     import torch
 
-    from train_ref import agree
-    from train_ref.checkpointer import commit_reports
+    from supervisor.resumable import _agree
+    from supervisor.resumable._checkpointer import commit_reports
 
     reps = reports(world)
     pickled = [pickle.dumps(r) for r in reps]
-    packed = [agree._pack(r) for r in reps]
+    packed = [_agree._pack(r) for r in reps]
     widest = max(p.numel() for p in packed)
     received = torch.cat([torch.nn.functional.pad(p, (0, widest - p.numel())) for p in packed])
     old_decode = timed(lambda: [pickle.loads(b) for b in pickled], rounds)
-    new_decode = timed(lambda: agree.unpack_all(received, world), rounds)
-    assert agree.unpack_all(received, world) == reps
+    new_decode = timed(lambda: _agree.unpack_all(received, world), rounds)
+    assert _agree.unpack_all(received, world) == reps
 
     info = CheckpointInfo(step=0, world_size=world)
     commits = []

@@ -2,7 +2,7 @@
 
 A resume loads into a fresh optimizer. torch 2.13 gives an optimizer without state its state by
 one ``step()`` over zero gradients before DCP can load into it; the trainer instead allocates an
-Adam(W)'s state for the load to fill (train_ref/optim_state.py). This bench saves one checkpoint
+Adam(W)'s state for the load to fill (supervisor/resumable/_optim_state.py). This bench saves one checkpoint
 of the ``bench`` config (FSDP, 2 ranks, gloo), then launches ``--trials`` fresh torchruns of each
 kind, alternated, each timing ``Checkpointer.load`` from a barrier to a barrier, and prints the
 medians side by side.
@@ -32,7 +32,7 @@ KINDS = ("torch", "allocated")
 def worker(work: Path, kind: str) -> None:
     import torch.distributed as dist
 
-    import train_ref.checkpointer as checkpointer
+    import supervisor.resumable._checkpointer as checkpointer
     from supervisor.format.heartbeat import Phase
     from supervisor.store import list_checkpoints
 

@@ -7,7 +7,7 @@ N unpickles), builds the global plan and the index from them (``create_global_pl
 the plans back (N pickles), gathers the write results (N more unpickles, counted here as the plans
 are: they hold the same items) and pickles the index; at a resume every rank reads and unpickles
 that whole index (``load_restricted``, as the trainer does), which holds a chunk per rank of every
-sharded tensor. With an index per rank (train_ref/dcp_index.py, the trainer's choice for sharded
+sharded tensor. With an index per rank (supervisor/resumable/_dcp_index.py, the trainer's choice for sharded
 state), a rank pickles its own index and reads it back at a resume on the same layout: the same
 work whatever the world size. Each index holds where every item went (its shard file, offset and
 length), as DCP's ``finish`` fills it in from the write results.
@@ -59,11 +59,11 @@ def local_plan() -> Any:
     import torch
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+    from supervisor.resumable._optim_state import prime_for_load
+    from supervisor.resumable._resumable import Objects
     from train_ref.config import get_config
     from train_ref.data import Corpus
     from train_ref.model import GPT
-    from train_ref.optim_state import prime_for_load
-    from train_ref.resumable import Objects
 
     cfg = get_config("bench", Corpus.load(None).tokenizer.vocab_size)
     model = GPT(cfg.model)
@@ -138,8 +138,8 @@ def stored(plans: list[Any], first_rank: int) -> dict[Any, Any]:
 def read_s(blob: bytes) -> float:
     """A rank's CPU to unpickle an index through the allowlist, as every rank does at a resume
     (``load_dcp``: the cycle collector off)."""
+    from supervisor.resumable._safe_load import no_gc
     from supervisor.safepickle import load_restricted
-    from train_ref.safe_load import no_gc
 
     with no_gc():
         t0 = time.perf_counter()
@@ -154,8 +154,8 @@ def world_change(plan: Any, n: int, tmp: Path) -> dict[str, float]:
     from torch.distributed.checkpoint.metadata import Metadata
 
     from supervisor.format.layout import dcp_index_filename
-    from train_ref.dcp_index import merged
-    from train_ref.safe_load import _assembled, _index_part, no_gc, read_index
+    from supervisor.resumable._dcp_index import merged
+    from supervisor.resumable._safe_load import _assembled, _index_part, no_gc, read_index
 
     class Counted(FileSystem):
         """DCP's local file system, counting the files it opens."""

@@ -42,12 +42,12 @@ def local_plan(work: Path) -> tuple[object, float]:
     import torch
     import torch.distributed.checkpoint as dcp
 
+    from supervisor.resumable._optim_state import prime_for_load
+    from supervisor.resumable._resumable import Objects
+    from supervisor.resumable._safe_load import SafeFileSystemReader, SafeLoadPlanner
     from train_ref.config import get_config
     from train_ref.data import Corpus
     from train_ref.model import GPT
-    from train_ref.optim_state import prime_for_load
-    from train_ref.resumable import Objects
-    from train_ref.safe_load import SafeFileSystemReader, SafeLoadPlanner
 
     cfg = get_config("bench", Corpus.load(None).tokenizer.vocab_size)
     model = GPT(cfg.model)

@@ -3,7 +3,7 @@
 On the world size that saved a checkpoint, rank r loads the files it wrote (its DCP shard, its RNG
 file; every rank DCP's index). A verify that checks files by size alone gives rank r other ranks'
 shards: on a node of its own, its load then reads its shard cold, a second read of the
-checkpoint's bytes. ``train_ref.resume.verify_shares`` gives each rank what it wrote. This counts
+checkpoint's bytes. ``supervisor.resumable._resume.verify_shares`` gives each rank what it wrote. This counts
 bytes, side by side for both splits, on a real checkpoint (made here by the reference trainer,
 ``tiny`` config, FSDP, ``--ranks`` ranks, unless ``--ckpt`` names one); no clock.
 
@@ -23,8 +23,8 @@ sys.path.insert(0, str(REPO))
 
 from bench.checkpoint import torchrun_env  # noqa: E402 - after the path is set
 from supervisor.format.manifest import Manifest, read_manifest  # noqa: E402
+from supervisor.resumable._resume import split_by_size, verify_shares  # noqa: E402
 from supervisor.store import list_checkpoints  # noqa: E402
-from train_ref.resume import split_by_size, verify_shares  # noqa: E402
 
 
 def report(m: Manifest) -> None:

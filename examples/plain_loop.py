@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from train_ref import Identity, Resumable, Saves  # resumable
+from supervisor.resumable import Identity, Resumable, Saves  # resumable
 
 
 def batch(seed: int, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,8 +34,9 @@ from supervisor.format.layout import (
     step_dirname,
 )
 from supervisor.format.manifest import CheckpointInfo
-from train_ref import agree, checkpointer, safe_load
-from train_ref.checkpointer import Checkpointer, CommitInfo, _writer
+from supervisor.resumable import _agree, _safe_load
+from supervisor.resumable import _checkpointer as checkpointer
+from supervisor.resumable._checkpointer import Checkpointer, CommitInfo, _writer
 
 SIGNING_KEY = bytes(range(32))  # the commit's key in the signed save
 
@@ -93,7 +94,7 @@ def _loads(root: Path, rank: int, group: dist.ProcessGroup) -> list[list[Any]]:
         key = "r99" if case == "missing" and rank == dist.get_world_size() - 1 else f"r{rank}"
         target = _Applied({key: torch.zeros(4)})
         try:
-            safe_load.load_dcp(ckpt, {"app": target}, group)
+            _safe_load.load_dcp(ckpt, {"app": target}, group)
             got = [None, "", target.applied, target.sd[key].tolist()]
         except Exception as e:
             got = [type(e).__name__, str(e), target.applied, target.sd[key].tolist()]
@@ -138,7 +139,7 @@ def _per_rank_loads(root: Path, rank: int, group: dist.ProcessGroup) -> list[lis
         key = f"r{rank if case == 'own' else (rank + 1) % world}"
         target, fs = _Applied({key: torch.zeros(4), "step": 0}), _CountingFS()
         try:
-            safe_load.load_dcp(ckpt, {"app": target}, group, fs=fs)
+            _safe_load.load_dcp(ckpt, {"app": target}, group, fs=fs)
             got = [None, "", target.applied, target.sd[key].tolist()]
         except Exception as e:
             got = [type(e).__name__, str(e), target.applied, target.sd[key].tolist()]
@@ -195,13 +196,13 @@ def main() -> int:
     ckpt = _checkpointer(root, hb, async_save=False)
     # None of the ranks has a problem; then ranks 1 and 2 have one: rank 1's reaches everyone.
     failures = [
-        agree.first_failure(None, ckpt.ctl_group, lambda: 0),
-        agree.first_failure(f"rank {rank}'s problem" if rank >= 1 else None, ckpt.ctl_group, lambda: 0),
+        _agree.first_failure(None, ckpt.ctl_group, lambda: 0),
+        _agree.first_failure(f"rank {rank}'s problem" if rank >= 1 else None, ckpt.ctl_group, lambda: 0),
     ]
     loads = _loads(root, rank, ckpt.dcp_group)
     per_rank = _per_rank_loads(root, rank, ckpt.dcp_group)
     # Rank r sends r+1 file names: sizes differ, so the padding and lengths are exercised.
-    gathered = agree.gather_to_root(
+    gathered = _agree.gather_to_root(
         {f"__{rank}_{i}.distcp": i for i in range(rank + 1)}, ckpt.ctl_group, lambda: 0
     )
     # Rank 1 alone got a notice: the sum of the payload and the agreed flag, on every rank.

@@ -1,8 +1,8 @@
 """Run under torchrun by test_train_parallel.py: an fsdp model large enough that its records are read
 in place (64 KiB and more per shard), its AdamW state allocated for the load, both loaded back into
 a fresh model and optimizer bit for bit; then the same saved with an index per rank (each rank
-alone, train_ref/dcp_index.py) and loaded back, each rank reading only its own index, straight
-into its tensors (train_ref/direct_read.py: each tensor one whole chunk there).
+alone, supervisor/resumable/_dcp_index.py) and loaded back, each rank reading only its own index, straight
+into its tensors (supervisor/resumable/_direct_read.py: each tensor one whole chunk there).
 
 Rank 0 prints a line per rank: ``rank R in_place N primed P equal E per_rank_equal E read NAMES
 direct D`` (the indexes that rank read in the second load; D: which of the two loads read
@@ -20,13 +20,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from train_ref import safe_load
-from train_ref.checkpointer import _writer
+from supervisor.resumable import _safe_load
+from supervisor.resumable._checkpointer import _writer
+from supervisor.resumable._optim_state import prime_for_load
+from supervisor.resumable._resumable import Objects
 from train_ref.config import get_config
 from train_ref.model import GPT
-from train_ref.optim_state import prime_for_load
 from train_ref.parallel import build
-from train_ref.resumable import Objects
 from train_ref.train import exit_now
 
 
@@ -82,38 +82,38 @@ def main() -> int:
 
     fresh, fresh_opt = trained(seed=9, steps=0)  # other weights, no optimizer state
     counted = {"in_place": 0}
-    real = safe_load.read_in_place
+    real = _safe_load.read_in_place
 
     def counting(*args: object) -> bool | str:
         done = real(*args)  # type: ignore[arg-type]
         counted["in_place"] += done is True
         return done
 
-    safe_load.read_in_place = counting  # type: ignore[assignment]
+    _safe_load.read_in_place = counting  # type: ignore[assignment]
     direct: list[bool] = []  # per load: whether every item was one to read directly
-    real_plan = safe_load.direct_read.plan
+    real_plan = _safe_load.direct_read.plan
 
     def planning(*args: object) -> object:
         got = real_plan(*args)  # type: ignore[arg-type]
         direct.append(got is not None)
         return got
 
-    safe_load.direct_read.plan = planning  # type: ignore[assignment]
+    _safe_load.direct_read.plan = planning  # type: ignore[assignment]
     primed = prime_for_load(fresh_opt)
-    safe_load.load_dcp(ckpt, {"app": Objects({"model": fresh, "optimizer": fresh_opt})}, None)
+    _safe_load.load_dcp(ckpt, {"app": Objects({"model": fresh, "optimizer": fresh_opt})}, None)
     equal = same(snapshot(fresh, fresh_opt), want)
 
     again, again_opt = trained(seed=11, steps=0)
     prime_for_load(again_opt)
     read: list[str] = []
-    real_index = safe_load.SafeFileSystemReader._read_index
+    real_index = _safe_load.SafeFileSystemReader._read_index
 
-    def reading(self: safe_load.SafeFileSystemReader, path: Path) -> object:
+    def reading(self: _safe_load.SafeFileSystemReader, path: Path) -> object:
         read.append(path.name)
         return real_index(self, path)
 
-    safe_load.SafeFileSystemReader._read_index = reading  # type: ignore[assignment, method-assign]
-    safe_load.load_dcp(alone, {"app": Objects({"model": again, "optimizer": again_opt})}, None)
+    _safe_load.SafeFileSystemReader._read_index = reading  # type: ignore[assignment, method-assign]
+    _safe_load.load_dcp(alone, {"app": Objects({"model": again, "optimizer": again_opt})}, None)
     per_rank_equal = same(snapshot(again, again_opt), want)
     mine = (
         f"rank {rank} in_place {counted['in_place']} primed {primed} equal {equal} "

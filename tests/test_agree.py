@@ -11,7 +11,7 @@ from trainer_helpers import REPO, trainer_env
 from waiting import PATIENCE_S
 
 from supervisor.format.layout import rank_state_filename
-from train_ref.checkpointer import COMMIT_STEPS
+from supervisor.resumable._checkpointer import COMMIT_STEPS
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""A model's canonical names kept across torch's state-dict calls (train_ref/canonical_names.py)."""
+"""A model's canonical names kept across torch's state-dict calls (supervisor/resumable/_canonical_names.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import torch.distributed.checkpoint.state_dict as torch_state_dict
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from train_ref.canonical_names import CanonicalNames
+from supervisor.resumable._canonical_names import CanonicalNames
 
 
 def _model_and_optimizer(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

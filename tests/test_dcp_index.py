@@ -1,4 +1,4 @@
-"""DCP's index, one for all ranks or one per rank (train_ref/dcp_index.py): which a save writes, the
+"""DCP's index, one for all ranks or one per rank (supervisor/resumable/_dcp_index.py): which a save writes, the
 per-rank ones merged, and a load that reads what every tensor needs or says why not.
 
 Two-rank FSDP checkpoints with an index per rank are loaded in test_train_parallel.py (each rank
@@ -27,9 +27,9 @@ from torch.distributed.checkpoint.metadata import (
 
 from supervisor import safepickle
 from supervisor.format.layout import dcp_index_filename, is_dcp_index
-from train_ref.checkpointer import _writer
-from train_ref.dcp_index import merged, per_rank_index, tensor_bytes, uncovered
-from train_ref.safe_load import CorruptRecord, load_dcp
+from supervisor.resumable._checkpointer import _writer
+from supervisor.resumable._dcp_index import merged, per_rank_index, tensor_bytes, uncovered
+from supervisor.resumable._safe_load import CorruptRecord, load_dcp
 
 
 def test_names_of_the_indexes() -> None:

@@ -1,4 +1,4 @@
-"""A load on its saved layout read straight into the tensors (train_ref/direct_read.py): when it
+"""A load on its saved layout read straight into the tensors (supervisor/resumable/_direct_read.py): when it
 applies, what it reads, when it leaves the load to DCP, and how it fails."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from supervisor.format.layout import dcp_index_filename, dcp_shard_filename
+from supervisor.resumable import _direct_read, _safe_load
+from supervisor.resumable._checkpointer import _writer
+from supervisor.resumable._progress_io import PROGRESS_CHUNK, ProgressFileSystem
+from supervisor.resumable._safe_load import CorruptRecord, load_dcp, read_index
 from supervisor.safepickle import UnsafePickle
-from train_ref import direct_read, safe_load
-from train_ref.checkpointer import _writer
-from train_ref.progress_io import PROGRESS_CHUNK, ProgressFileSystem
-from train_ref.safe_load import CorruptRecord, load_dcp, read_index
 
 
 def _saved() -> dict[str, object]:
@@ -59,16 +59,16 @@ def spied(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[object]]:
     """What ``plan`` and ``read`` returned during a load, and each ``dcp.load`` (DCP's own path)."""
     seen: dict[str, list[object]] = {"plan": [], "read": [], "dcp": []}
     for name in ("plan", "read"):
-        real = getattr(direct_read, name)
+        real = getattr(_direct_read, name)
 
         def spy(*args: object, _real: object = real, _name: str = name) -> object:
             got = _real(*args)  # type: ignore[operator]
             seen[_name].append(got)
             return got
 
-        monkeypatch.setattr(direct_read, name, spy)
+        monkeypatch.setattr(_direct_read, name, spy)
     real_load = dcp.load
-    monkeypatch.setattr(safe_load.dcp, "load", lambda *a, **k: seen["dcp"].append(1) or real_load(*a, **k))
+    monkeypatch.setattr(_safe_load.dcp, "load", lambda *a, **k: seen["dcp"].append(1) or real_load(*a, **k))
     return seen
 
 
@@ -96,8 +96,8 @@ def test_anything_but_one_whole_plain_chunk_per_tensor_is_left_to_dcp(ckpt, chan
     loaded = _fresh()
     change(loaded)
     index = read_index(FileSystem(), ckpt / dcp_index_filename())
-    assert direct_read.plan(flatten_state_dict(loaded)[0], index) is None
-    assert direct_read.plan(flatten_state_dict(_fresh())[0], index)  # unchanged, it plans
+    assert _direct_read.plan(flatten_state_dict(loaded)[0], index) is None
+    assert _direct_read.plan(flatten_state_dict(_fresh())[0], index)  # unchanged, it plans
 
 
 def test_dcp_loads_what_the_direct_read_leaves_to_it(ckpt, spied):
@@ -152,14 +152,14 @@ def test_a_run_reads_any_number_of_buffers_in_calls_of_at_most_iov_max_the_first
     path.write_bytes(data)
     buffers = [bytearray(100) for _ in range(3_000)] + [bytearray(1 << 20)]
     calls: list[tuple[int, int]] = []
-    real = direct_read.read_at
+    real = _direct_read.read_at
 
     def counting(stream: object, batch: list[memoryview], offset: int) -> int:
         calls.append((len(batch), sum(b.nbytes for b in batch)))
         return real(stream, batch, offset)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(direct_read, "read_at", counting)
+    monkeypatch.setattr(_direct_read, "read_at", counting)
     with open(path, "rb") as f:
-        direct_read._read_run(f, [memoryview(b) for b in buffers], 0, path, CorruptRecord)
+        _direct_read._read_run(f, [memoryview(b) for b in buffers], 0, path, CorruptRecord)
     assert b"".join(buffers) == data
-    assert max(n for n, _ in calls) <= direct_read.IOV_MAX and calls[0][1] <= PROGRESS_CHUNK
+    assert max(n for n, _ in calls) <= _direct_read.IOV_MAX and calls[0][1] <= PROGRESS_CHUNK

@@ -14,6 +14,7 @@ import torch
 from commands import REPO
 from trainer_helpers import trainer_env
 
+from supervisor.resumable._safe_load import load_dcp
 from train_ref.gpu_check import (
     SAVE_EVERY,
     SKIP_LINE,
@@ -29,7 +30,6 @@ from train_ref.gpu_check import (
     slug,
     table,
 )
-from train_ref.safe_load import load_dcp
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the check would run")

@@ -1,5 +1,5 @@
 """Naming the culprit of a hang (supervisor/watch/culprit.py: pure, on faulthandler text and /proc state),
-and the trainer's drill switch that makes a real hang (train_ref/drill_faults.py)."""
+and the trainer's drill switch that makes a real hang (train_ref/rank_faults.py)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from waiting import wait_for
 
+from supervisor.drill import rank_faults
 from supervisor.drill.switch import BLOCKING_FUNCTION, ENV, Hang, Switch, When, read_marker
 from supervisor.watch.culprit import Probe, Where, diagnose, in_collective, main_thread, parse_dump
 from supervisor.watch.process import proc_state
-from train_ref import drill_faults
 
 SITE = "/venv/lib/python3.11/site-packages"
 WORKER = """Thread 0x00007f1c2effd6c0 (most recent call first):
@@ -50,10 +50,10 @@ def dump(*inner: str, current_is_main: bool = True) -> str:
 IN_ALLREDUCE = dump(
     f"{SITE}/torch/distributed/distributed_c10d.py:all_reduce",
     f"{SITE}/torch/distributed/c10d_logger.py:wrapper",
-    "/w/train_ref/checkpointer.py:step_boundary",
+    "/w/supervisor/resumable/_checkpointer.py:step_boundary",
 )
 IN_FSDP = dump(f"{SITE}/torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py:wait_for_unshard")
-STUCK = dump("/w/train_ref/drill_faults.py:stuck_read", "/w/train_ref/drill_faults.py:maybe_hang")
+STUCK = dump("/w/train_ref/rank_faults.py:stuck_read", "/w/train_ref/rank_faults.py:maybe_hang")
 
 
 def test_parse_dump_finds_threads_and_main_thread():
@@ -61,7 +61,7 @@ def test_parse_dump_finds_threads_and_main_thread():
     assert [t.current for t in threads] == [False, True]
     frames = main_thread(STUCK)
     assert frames is not None and frames[0].func == "stuck_read" and frames[-1].func == "_run_module_as_main"
-    assert frames[0].short() == "stuck_read (train_ref/drill_faults.py:7)"
+    assert frames[0].short() == "stuck_read (train_ref/rank_faults.py:7)"
     # The signal may land on any thread: the main thread is the one that started in a module.
     other = main_thread(dump("/w/x.py:spin", current_is_main=False))
     assert other is not None and other[0].func == "spin"
@@ -145,29 +145,29 @@ def test_switch_round_trip_and_bad_value(tmp_path):
     assert sw.marker(Hang(1, 37)) != sw.marker(Hang(1, 37, When.SAVE))
     with pytest.raises(ValueError, match=f"{ENV} is not a drill switch"):
         Switch.decode('{"hangs": [{"rank": 1}]}')
-    assert drill_faults.stuck_read.__name__ == BLOCKING_FUNCTION
+    assert rank_faults.stuck_read.__name__ == BLOCKING_FUNCTION
 
 
 def test_switch_is_inert_unset_and_for_other_ranks_and_steps(tmp_path, monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
-    drill_faults.DrillFaults.from_env(0, "L").maybe_hang(37, When.STEP)  # returns: nothing set
+    rank_faults.DrillFaults.from_env(0, "L").maybe_hang(37, When.STEP)  # returns: nothing set
     monkeypatch.setenv(ENV, Switch(tmp_path, (Hang(1, 37),)).encode())
-    f = drill_faults.DrillFaults.from_env(0, "L")
+    f = rank_faults.DrillFaults.from_env(0, "L")
     f.maybe_hang(37, When.STEP)  # another rank's hang
-    g = drill_faults.DrillFaults.from_env(1, "L")
+    g = rank_faults.DrillFaults.from_env(1, "L")
     g.maybe_hang(36, When.STEP)
     g.maybe_hang(37, When.SAVE)
     assert not list(tmp_path.iterdir())
     monkeypatch.setenv(ENV, "nonsense")
-    with pytest.raises(SystemExit, match=f"train_ref: {ENV} is not a drill switch"):
-        drill_faults.DrillFaults.from_env(1, "L")
+    with pytest.raises(SystemExit, match=f"resumable: {ENV} is not a drill switch"):
+        rank_faults.DrillFaults.from_env(1, "L")
 
 
 HANGING_RANK = """
 import sys
 from pathlib import Path
-from train_ref.drill_faults import DrillFaults, When
-from train_ref.signals import PreemptionFlag, register_stack_dump
+from supervisor.drill.rank_faults import DrillFaults, When
+from supervisor.resumable._signals import PreemptionFlag, register_stack_dump
 flag = PreemptionFlag()
 flag.install()
 stacks = register_stack_dump(Path(sys.argv[1]))

@@ -88,7 +88,7 @@ def _rank(rank: int, store: str, gate: str, out: mp.Queue) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     g = (HoldGate if rank == 1 else Stale)(Path(gate), rank)
-    held = hold_if_asked(g, 4, lambda: None)
+    held = hold_if_asked(g, 4, lambda: None, lambda: False)
     dist.barrier()
     out.put((rank, held))
     dist.destroy_process_group()

@@ -1,4 +1,4 @@
-"""Optimizer state allocated for a load (train_ref/optim_state.py): the same state torch's own
+"""Optimizer state allocated for a load (supervisor/resumable/_optim_state.py): the same state torch's own
 initialisation for a load makes (one step over zero gradients), without the step, and a load into
 it ends bit-identical to a load into torch's."""
 
@@ -12,10 +12,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import _init_optim_state
 
-from train_ref.checkpointer import _writer
-from train_ref.optim_state import prime_for_load
-from train_ref.resumable import Objects
-from train_ref.safe_load import load_dcp
+from supervisor.resumable._checkpointer import _writer
+from supervisor.resumable._optim_state import prime_for_load
+from supervisor.resumable._resumable import Objects
+from supervisor.resumable._safe_load import load_dcp
 
 Make = Callable[[list[dict[str, object]]], torch.optim.Optimizer]
 ADAMS: dict[str, Make] = {

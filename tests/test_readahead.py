@@ -1,4 +1,4 @@
-"""The read-ahead of a load's first files (train_ref/readahead.py): it fills the page cache, stays
+"""The read-ahead of a load's first files (supervisor/resumable/_readahead.py): it fills the page cache, stays
 within its limit, stops at an error and where the file system keeps nothing, and never holds up
 the load it serves. Its speed is bench/checkpoint.py's (the load with and without it)."""
 
@@ -15,8 +15,8 @@ from waiting import EVENT_TIMEOUT_S
 
 from supervisor.drill.faultctl import FaultFS
 from supervisor.format.layout import dcp_shard_filename
-from train_ref.checkpointer import _writer
-from train_ref.readahead import LIMIT, PROBE, _into_cache, _read_ahead, readahead
+from supervisor.resumable._checkpointer import _writer
+from supervisor.resumable._readahead import LIMIT, PROBE, _into_cache, _read_ahead, readahead
 
 MIB = 1 << 20
 

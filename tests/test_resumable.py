@@ -1,4 +1,4 @@
-"""The public API (train_ref.Resumable) and the open phases: pure parts without processes, then
+"""The public API (supervisor.resumable.Resumable) and the open phases: pure parts without processes, then
 the object itself in two real gloo ranks (spawned processes, a tiny model)."""
 
 from __future__ import annotations
@@ -94,8 +94,8 @@ def test_manifest_metrics_are_optional_numbers() -> None:
 
 
 def test_identity_hash_covers_the_seed_and_a_diff_names_the_fields() -> None:
-    from train_ref.resumable import Identity
-    from train_ref.resume import describe_diff, identity_diff
+    from supervisor.resumable._resumable import Identity
+    from supervisor.resumable._resume import describe_diff, identity_diff
 
     a = Identity({"lr": 0.1, "amp": "off"}, seed=1)
     assert a.config_hash != replace(a, seed=2).config_hash
@@ -106,7 +106,7 @@ def test_identity_hash_covers_the_seed_and_a_diff_names_the_fields() -> None:
 
 
 def test_save_schedule_problems_name_the_flag() -> None:
-    from train_ref.resumable import Saves
+    from supervisor.resumable._resumable import Saves
 
     assert Saves().problem() == ""
     assert Saves(every_steps=0, every_s=60).problem() == ""
@@ -123,7 +123,7 @@ def _rank(rank: int, tmp: str, store: str, out: mp.Queue) -> None:
     import torch.distributed as dist
 
     from supervisor.format.heartbeat import read_heartbeats
-    from train_ref import Identity, Resumable, Saves
+    from supervisor.resumable import Identity, Resumable, Saves
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     torch.manual_seed(0)
@@ -203,7 +203,7 @@ def test_load_step_picks_that_step_and_moves_the_abandoned_future_aside(tmp_path
     from store_helpers import make_ckpt
 
     from supervisor import store
-    from train_ref.resume import pick_step
+    from supervisor.resumable._resume import pick_step
 
     for step in (10, 20, 30):
         make_ckpt(tmp_path, step)
@@ -219,7 +219,7 @@ def test_load_step_picks_that_step_and_moves_the_abandoned_future_aside(tmp_path
 def test_init_from_names_a_checkpoint_that_passes_its_deep_check_and_moves_nothing(tmp_path: Path) -> None:
     from store_helpers import make_ckpt
 
-    from train_ref.resumable import init_source
+    from supervisor.resumable._resumable import init_source
 
     for step in (10, 20):
         make_ckpt(tmp_path, step, {"a.bin": b"x" * 100})

@@ -1,4 +1,4 @@
-"""The resume's sanity step (train_ref/sanity.py): the verdicts, and what ResumeSanity logs."""
+"""The resume's sanity step (supervisor/resumable/_sanity.py): the verdicts, and what ResumeSanity logs."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from train_ref.sanity import ResumeSanity, loss_verdict, lr_verdict
+from supervisor.resumable._sanity import ResumeSanity, loss_verdict, lr_verdict
 
 WINDOW = [2.10, 2.05, 2.12, 2.08, 2.06, 2.11]
 
@@ -42,7 +42,7 @@ def test_resume_sanity_catches_a_schedule_that_restarts_one_step_late(caplog) ->
     """A scheduler that was not restored: the optimizer's saved LR serves the first step, then
     the scheduler's first step puts its warmup's LR in. One warning, naming that step; then the
     losses are judged once the first 3 are in."""
-    caplog.set_level(logging.INFO, logger="train_ref")
+    caplog.set_level(logging.INFO, logger="resumable")
     s = ResumeSanity(WINDOW, 3e-3, steps_left=100)
     s.observe(11, {"loss": 2.07, "lr": 3e-3})
     assert caplog.records == []
@@ -56,7 +56,7 @@ def test_resume_sanity_catches_a_schedule_that_restarts_one_step_late(caplog) ->
 
 
 def test_a_resume_one_step_before_the_end_is_judged_on_that_step(caplog) -> None:
-    caplog.set_level(logging.INFO, logger="train_ref")
+    caplog.set_level(logging.INFO, logger="resumable")
     s = ResumeSanity(WINDOW, None, steps_left=1)  # and no LR was saved
     s.observe(30, {"loss": 7.5, "lr": 1.0})
     assert s.done and [r.levelname for r in caplog.records] == ["WARNING"] and "loss 7.5000" in caplog.text

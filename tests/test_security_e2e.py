@@ -114,7 +114,7 @@ def test_untrusted_checkpoints_are_refused_and_nothing_moves(signed_run, tmp_pat
     before, trained = committed(root), len(metrics(root))
     r = run(root, 2, *args(*extra, steps=STEPS + 2), env=env(key))
     assert set(heartbeat_exit_codes(root).values()) == {Exit.NO_USABLE_CHECKPOINT}, r.output[-3000:]
-    (line,) = [ln for ln in r.output.splitlines() if "train_ref: refused:" in ln]
+    (line,) = [ln for ln in r.output.splitlines() if "resumable: refused:" in ln]
     assert "no trusted checkpoint" in line and says in line and "--allow-fresh-start" in line
     assert committed(root) == before  # nothing downloaded, nothing quarantined or moved
     assert not RunDir.of(root).quarantine.exists()

@@ -1,4 +1,4 @@
-"""Nothing loaded from a checkpoint runs code (supervisor/safepickle.py, train_ref/safe_load.py).
+"""Nothing loaded from a checkpoint runs code (supervisor/safepickle.py, supervisor/resumable/_safe_load.py).
 
 The allowlist of DCP's ``.metadata`` is held against the metadata of real checkpoints of the
 reference trainer (torchrun, 2 ranks: DDP, FSDP2, and an FSDP2 checkpoint resharded to 1 rank);
@@ -35,8 +35,8 @@ from trainer_helpers import (
 from supervisor import safepickle
 from supervisor.format.exitcodes import Exit
 from supervisor.format.layout import REASON, RunDir, dcp_index_filename, is_dcp_index
-from train_ref.safe_load import load_dcp, weights_only_refusal
-from train_ref.state import RankState
+from supervisor.resumable._safe_load import load_dcp, weights_only_refusal
+from supervisor.resumable._train_state import RankState
 
 METADATA = ".metadata"
 
@@ -206,7 +206,7 @@ def test_the_trainer_refuses_a_tampered_metadata_at_load(goldens, tmp_path: Path
     r = run(root, 2, *train_args(parallel, "--verify", "quick"))
     assert r.rc != 0
     assert set(heartbeat_exit_codes(root).values()) == {Exit.UNTRUSTED}
-    (line,) = {ln.split("train_ref: ", 1)[1] for ln in r.output.splitlines() if "train_ref: refused:" in ln}
+    (line,) = {ln.split("resumable: ", 1)[1] for ln in r.output.splitlines() if "resumable: refused:" in ln}
     assert f"{root / 'step_00000020' / index}: refers to posix.system" in line
     assert f"ckpt quarantine --ckpt-root {root} 20" in line
     assert not marker.exists()

@@ -1,4 +1,4 @@
-"""The standby gate of the reference trainer (train_ref/standby.py): without the watchdog's
+"""The standby gate of the reference trainer (supervisor/resumable/_standby.py): without the watchdog's
 variable it is a no-op; with it, the rank says it is ready and waits for the release file, or
 exits 0 once the watchdog that started it is gone. The end-to-end use (a relaunch taken from the
 standby) is in tests/test_watch_e2e.py."""
@@ -15,19 +15,19 @@ from waiting import wait_for
 
 from supervisor.format.heartbeat import ENV_STANDBY_RELEASE, ENV_WATCHDOG_PID
 from supervisor.format.layout import standby_ready_filename
+from supervisor.resumable import _standby
 from supervisor.watch import process
-from train_ref import standby
 
 
 @pytest.fixture(autouse=True)
 def no_warm_imports(monkeypatch):
-    monkeypatch.setattr(standby, "WARM_IMPORTS", ())  # torch._dynamo takes seconds; not the point here
+    monkeypatch.setattr(_standby, "WARM_IMPORTS", ())  # torch._dynamo takes seconds; not the point here
     monkeypatch.setenv("RANK", "3")
 
 
 def test_without_the_variable_it_returns_at_once(tmp_path, monkeypatch):
     monkeypatch.delenv(ENV_STANDBY_RELEASE, raising=False)
-    standby.wait_if_standby()
+    _standby.wait_if_standby()
     assert list(tmp_path.iterdir()) == []
 
 
@@ -36,7 +36,7 @@ def test_waits_ready_until_released(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_STANDBY_RELEASE, str(release))
     monkeypatch.setenv(ENV_WATCHDOG_PID, str(os.getpid()))
     done = threading.Event()
-    t = threading.Thread(target=lambda: (standby.wait_if_standby(), done.set()), daemon=True)
+    t = threading.Thread(target=lambda: (_standby.wait_if_standby(), done.set()), daemon=True)
     t.start()
     ready = tmp_path / standby_ready_filename(3)
     wait_for(ready.exists, "the rank's ready file")
@@ -52,7 +52,7 @@ def test_exits_0_once_its_watchdog_is_gone(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_STANDBY_RELEASE, str(tmp_path / "release"))
     monkeypatch.setenv(ENV_WATCHDOG_PID, str(gone.pid))
     with pytest.raises(SystemExit) as e:
-        standby.wait_if_standby()
+        _standby.wait_if_standby()
     assert e.value.code == 0
 
 

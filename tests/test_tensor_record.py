@@ -1,5 +1,5 @@
 """DCP tensor records read off their bytes and written without ``torch.save``
-(train_ref/tensor_record.py), and the reader and writer around them (train_ref/safe_load.py,
+(supervisor/resumable/_tensor_record.py), and the reader and writer around them (supervisor/resumable/_safe_load.py,
 checkpointer._ShardWriter): the plain layout decodes bit-exact to what ``torch.load`` gives and is
 written byte for byte as ``torch.save`` writes it, any other layout goes through
 ``torch.load(weights_only=True)`` or ``torch.save``, and a truncated, broken or tampered record is
@@ -23,11 +23,11 @@ import torch.distributed.checkpoint as dcp
 from security_helpers import RunsCommand, evil_pickle
 from torch.distributed.checkpoint import FileSystemWriter
 
+from supervisor.resumable import _safe_load
+from supervisor.resumable._checkpointer import _writer
+from supervisor.resumable._safe_load import CorruptRecord, load_dcp
+from supervisor.resumable._tensor_record import plain_tensor, read_in_place, write_plain
 from supervisor.safepickle import UnsafePickle
-from train_ref import safe_load
-from train_ref.checkpointer import _writer
-from train_ref.safe_load import CorruptRecord, load_dcp
-from train_ref.tensor_record import plain_tensor, read_in_place, write_plain
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int8, torch.uint8]
 DTYPES += [torch.bool, torch.complex64]
@@ -227,8 +227,8 @@ def test_a_load_reads_plain_records_off_their_bytes_and_the_rest_with_torch_load
         in_place[tuple(target.size())] = got = read_in_place(stream, offset, length, target)
         return got
 
-    monkeypatch.setattr(safe_load, "plain_tensor", spy)
-    monkeypatch.setattr(safe_load, "read_in_place", spy_in_place)
+    monkeypatch.setattr(_safe_load, "plain_tensor", spy)
+    monkeypatch.setattr(_safe_load, "read_in_place", spy_in_place)
     out = blank(state)
     load_dcp(ckpt, out, None)
     for k, v in state.items():

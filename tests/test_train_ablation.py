@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 from trainer_helpers import EMA, SAVE_EVERY, digest, rewind, run_ok, train_args
 
-from train_ref.state import ABLATABLE
+from supervisor.resumable._train_state import ABLATABLE
 
 pytestmark = pytest.mark.slow
 

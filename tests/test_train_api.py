@@ -1,4 +1,4 @@
-"""The trainer's knobs on top of train_ref.Resumable, end to end with real torchrun (gloo, 2 ranks),
+"""The trainer's knobs on top of supervisor.resumable.Resumable, end to end with real torchrun (gloo, 2 ranks),
 and the example plain loop under the fault drill. Exactness by final digests, as everywhere."""
 
 from __future__ import annotations

@@ -16,12 +16,12 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from train_ref import devices
+from supervisor.resumable import _devices
+from supervisor.resumable._devices import CudaDevice, DeviceError, cuda_rng_to_restore, device_index
+from supervisor.resumable._train_state import RankState, replica_share, seed_rank_rng
 from train_ref.config import get_config
-from train_ref.devices import CudaDevice, DeviceError, cuda_rng_to_restore, device_index
 from train_ref.ema import EMA
 from train_ref.model import GPT
-from train_ref.state import RankState, replica_share, seed_rank_rng
 
 # ------------------------------------------------------------ the device of a rank
 
@@ -63,7 +63,7 @@ STATE = torch.arange(16, dtype=torch.uint8)
 
 
 def record(dev: CudaDevice) -> dict:
-    return devices.cuda_rng_record(STATE, dev)
+    return _devices.cuda_rng_record(STATE, dev)
 
 
 @pytest.mark.parametrize("now", [GPU_A, GPU_A_ALONE, GPU_B])

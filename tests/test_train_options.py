@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.resumable import RemoteOptions, ResumeOptions, Saves
 from supervisor.retention_policy import RetentionPolicy
-from train_ref import RemoteOptions, ResumeOptions, Saves
 from train_ref.train import TrainerOptions, parse_args, parser
 
 BASE = ["--ckpt-root", "/r", "--steps", "7"]

@@ -23,13 +23,13 @@ from torch.distributed.checkpoint.api import CheckpointException, _wrap_exceptio
 from waiting import PATIENCE_S
 
 from supervisor import store
+from supervisor.format.appender import LineAppender
 from supervisor.format.layout import dcp_shard_filename, rank_state_filename
 from supervisor.format.manifest import FileEntry, Manifest, checksum_file
 from supervisor.ioerrors import Evidence
-from train_ref import progress_io
-from train_ref.appender import LineAppender
-from train_ref.checkpointer import CPU_STAGING, OrderedStager, _writer
-from train_ref.progress_io import (
+from supervisor.resumable import _progress_io
+from supervisor.resumable._checkpointer import CPU_STAGING, OrderedStager, _writer
+from supervisor.resumable._progress_io import (
     MAX_WRITE_CHUNK,
     MIN_WRITE_CHUNK,
     PROGRESS_CHUNK,
@@ -44,9 +44,9 @@ from train_ref.progress_io import (
     wait_forwarding,
     written_key,
 )
-from train_ref.resume import ShareVerdict, combine, split_by_size, verify_shares
-from train_ref.safe_load import load_dcp
-from train_ref.save_policy import (
+from supervisor.resumable._resume import ShareVerdict, combine, split_by_size, verify_shares
+from supervisor.resumable._safe_load import load_dcp
+from supervisor.resumable._save_policy import (
     SavePolicy,
     dcp_save_error,
     failure_line,
@@ -404,7 +404,7 @@ def test_a_file_written_starts_its_writeback_as_it_goes_and_the_tail_is_the_fsyn
 ):
     """Every byte but the last partial chunk has its writeback started, in order, once each."""
     started: list[tuple[int, int]] = []
-    monkeypatch.setattr(progress_io, "start_writeback", lambda _fd, at, n: started.append((at, n)))
+    monkeypatch.setattr(_progress_io, "start_writeback", lambda _fd, at, n: started.append((at, n)))
     size = 3 * WRITEBACK_CHUNK + 12345
     fs = ProgressFileSystem(tmp_path, tracker)
     with fs.create_stream(tmp_path / "shard", "wb") as f:

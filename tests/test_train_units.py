@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
+from supervisor.resumable._sampler import ByIndex, ResumableBatchSampler
+from supervisor.resumable._signals import PREEMPT_SIGNALS, PreemptionFlag
+from supervisor.resumable._train_state import RankState, seed_rank_rng
 from train_ref.config import config_hash, get_config
 from train_ref.data import Corpus, SampleKey, WindowDataset, collate
-from train_ref.sampler import ByIndex, ResumableBatchSampler
 from train_ref.schedule import WarmupCosine
-from train_ref.signals import PREEMPT_SIGNALS, PreemptionFlag
-from train_ref.state import RankState, seed_rank_rng
 
 
 def consumed(world: int, n_batches: int, start: dict | None = None) -> tuple[list[list[int]], dict]:

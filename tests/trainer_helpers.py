@@ -23,8 +23,8 @@ from supervisor.format.layout import RunDir
 from supervisor.format.manifest import read_manifest
 from supervisor.format.metrics import MetricsRecord, read_metrics
 from supervisor.format.nodesummary import read_run_heartbeats
+from supervisor.resumable._resume import verify_shares
 from train_ref import hold
-from train_ref.resume import verify_shares
 
 # Small enough for CI (2 cores): ~0.05-0.2 s per step, 30 steps cross three saves.
 STEPS = 30

@@ -1,21 +1,5 @@
-"""Resumable training: ``from train_ref import Resumable`` (the class: train_ref/resumable.py).
+"""The reference trainer (``python -m train_ref.train``): the training library's first user.
 
-Imported lazily (PEP 562): torch-free modules of this package (``hold``, used by the fake trainer
-and the watchdog's tests) must not pull torch in through the package."""
-
-from __future__ import annotations
-
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from train_ref.resumable import Identity, Objects, RemoteOptions, Resumable, ResumeOptions, Saves
-
-__all__ = ["Identity", "Objects", "RemoteOptions", "Resumable", "ResumeOptions", "Saves"]
-
-
-def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from train_ref import resumable
-
-        return getattr(resumable, name)
-    raise AttributeError(f"module 'train_ref' has no attribute {name!r}")
+Its model, data, config, schedule and EMA are a demo; the library it is built on is
+``supervisor.resumable``, and it imports only that package's public names (tests/test_layers.py).
+"""

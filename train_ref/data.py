@@ -16,13 +16,14 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
+from supervisor.resumable import SampleKey, mix_seed
+
 DATA_VERSION = "chars-v1"
 _SUBJECTS = ["the cat", "a dog", "my friend", "the old man", "a small bird", "the river", "our ship"]
 _VERBS = ["sees", "follows", "finds", "carries", "remembers", "greets", "crosses"]
 _OBJECTS = ["the hill", "a red box", "the quiet town", "an open door", "the long road", "a warm fire"]
 _TAILS = ["at dawn", "in the rain", "without a word", "before night", "with great care", "again"]
 BUILTIN_SENTENCES = 240
-_MIX = 0x9E3779B97F4A7C15
 
 
 def build_corpus(n_sentences: int = BUILTIN_SENTENCES) -> str:
@@ -79,24 +80,6 @@ class Corpus:
         h.update(self.text.encode("utf-8") + b"\0")
         h.update(json.dumps(self.tokenizer.chars).encode())
         return "sha256:" + h.hexdigest()[:32]
-
-
-def mix_seed(*parts: int) -> int:
-    """A 63-bit seed from integers; order matters. Pure, so any process derives the same seed."""
-    h = 0
-    for p in parts:
-        h = ((h ^ (p & (2**64 - 1))) * _MIX + 0x632BE59BD9B4E019) % 2**64
-        h ^= h >> 29
-    return h & (2**63 - 1)
-
-
-@dataclass(frozen=True)
-class SampleKey:
-    """What the sampler hands a worker: enough to rebuild the sample and its augmentation."""
-
-    epoch: int
-    batch: int  # global batch index within the epoch
-    sample: int  # sample id
 
 
 class WindowDataset(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):

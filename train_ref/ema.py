@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from train_ref.parallel import tensors_digest
+from supervisor.resumable import tensors_digest
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -241,7 +241,7 @@ def finish(proc: subprocess.Popen[str], ok: bool = True) -> str:
         kill_group(proc)
         raise CheckFailed(f"a launch ran past {LAUNCH_TIMEOUT_S:.0f} s") from None
     if ok and proc.returncode != 0:
-        lines = [ln for ln in out.splitlines() if "Error" in ln or "train_ref:" in ln]
+        lines = [ln for ln in out.splitlines() if "Error" in ln or "resumable:" in ln or "train_ref:" in ln]
         raise CheckFailed(f"torchrun exited {proc.returncode}: {(lines or ['?'])[-1].strip()}\n{out[-3000:]}")
     return out
 
@@ -291,7 +291,7 @@ def check_staging() -> str:
     import torch
     from torch.distributed.checkpoint.staging import DefaultStager
 
-    from train_ref.checkpointer import GPU_STAGING, OrderedStager
+    from supervisor.resumable._checkpointer import GPU_STAGING, OrderedStager
 
     def torn(stager_cls: type[DefaultStager]) -> int:
         x = torch.zeros(16 * 2**20, device="cuda")  # 64 MiB: the "parameters"

@@ -42,37 +42,35 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from supervisor import options, store
+from supervisor.format.appender import LineAppender
 from supervisor.format.atomic import restrict_umask
 from supervisor.format.exitcodes import Exit
-from supervisor.format.heartbeat import HeartbeatWriter, Phase
 from supervisor.format.layout import RunDir
 from supervisor.options import nested, option
 from supervisor.redact import redact_log_handlers
+from supervisor.resumable import (
+    DeviceError,
+    Identity,
+    Resumable,
+    ResumableBatchSampler,
+    ResumeOptions,
+    Saves,
+    TrainState,
+    device_index,
+    full_tensor,
+    install_signals,
+    refuse_start,
+    wait_if_standby,
+)
 from supervisor.retention_policy import add_retention_args, policy_from_args
 from supervisor.signing import SigningKeyError, add_signing_key_arg, load_key
-from train_ref import standby
-from train_ref.appender import LineAppender
 from train_ref.config import CONFIGS, TrainConfig, get_config
 from train_ref.data import Corpus, WindowDataset, collate
-from train_ref.devices import ENV_VISIBLE, DeviceError, device_index
 from train_ref.ema import EMA
 from train_ref.hold import HoldGate
 from train_ref.model import GPT
-from train_ref.parallel import MODES, build, full_tensor, sync_grads
-from train_ref.resumable import (
-    PREEMPTION,
-    Identity,
-    Resumable,
-    ResumeOptions,
-    Saves,
-    deliberate_exit,
-    install_signals,
-    remote_problem,
-)
-from train_ref.resume import Choice
-from train_ref.sampler import ResumableBatchSampler
+from train_ref.parallel import MODES, build, sync_grads
 from train_ref.schedule import WarmupCosine
-from train_ref.state import ABLATABLE, RANK_ITEMS, TrainState
 
 log = logging.getLogger("train_ref")
 
@@ -118,7 +116,7 @@ class TrainerOptions:
     signing_key: str | None = None  # --signing-key's source (supervisor.signing's flag, shared)
     # Test-only: skip restoring these state items on resume, to prove each one matters.
     ablate: tuple[str, ...] = option(
-        "test-only: skip restoring ITEM on resume", (), choices=ABLATABLE, hidden=True
+        "test-only: skip restoring ITEM on resume", (), choices=TrainState.ABLATABLE, hidden=True
     )
 
 
@@ -164,7 +162,7 @@ def init_group(backend: str, alone: bool) -> None:
 def init_distributed() -> Dist:
     """The process group, and this rank's device: ``devices.device_index`` (LOCAL_RANK when every
     local rank has its own visible GPU, device 0 when the process sees exactly one)."""
-    standby.wait_if_standby()  # a launch started ahead of a failure (watch --standby) waits here
+    wait_if_standby()  # a launch started ahead of a failure (watch --standby) waits here
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     alone = "WORLD_SIZE" not in os.environ
     if alone:
@@ -183,7 +181,7 @@ def init_distributed() -> Dist:
             local,
             int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
             torch.cuda.device_count(),
-            os.environ.get(ENV_VISIBLE, ""),
+            os.environ.get("CUDA_VISIBLE_DEVICES", ""),
         )
         torch.cuda.set_device(index)
     except DeviceError as e:  # every rank of the node sees the same counts: all refuse alike
@@ -227,8 +225,8 @@ CHANGEABLE = frozenset(
 
 
 class Reference(Resumable):
-    """The reference trainer's Resumable: its sampler position in every manifest, the config
-    changes it can apply, and the test-only ablation of a state item at load."""
+    """The reference trainer's Resumable: its sampler position in every manifest, its EMA's digest
+    in final.json, and the config changes it can apply."""
 
     def __init__(self, trainer: Trainer, opts: TrainerOptions):
         self.trainer = trainer
@@ -246,30 +244,8 @@ class Reference(Resumable):
         return {**super().save_meta(), "sampler": self.trainer.sampler.state_dict()}
 
     def final_fields(self) -> dict[str, Any]:
-        ema = self.trainer.state.ema
+        ema = self.trainer.ema
         return {"ema_sha256": ema.digest(self.digest_tracker(ema.shadow.values()))} if ema else {}
-
-    def load(self, choice: Choice) -> bool:
-        """Test-only ``--ablate ITEM``: skip restoring that item, to prove it matters."""
-        ablate = frozenset(self.trainer.opts.ablate)
-        if not ablate:
-            return super().load(choice)
-        assert choice.ckpt is not None
-        st = self.trainer.state
-        st.ablate = ablate
-        try:
-            restored = self.ckpt.load(
-                choice.ckpt,
-                st,
-                saved_world_size=choice.world_size,
-                skip=ablate & frozenset(RANK_ITEMS),
-                progress=self.hb.tracker(Phase.LOAD, choice.manifest.step if choice.manifest else 0),
-            )
-        finally:
-            st.ablate = frozenset()
-        if self.rank == 0:
-            log.warning("TEST-ONLY: resume skipped restoring %s", ", ".join(sorted(ablate)))
-        return restored
 
     def apply_config_change(self, diff: Mapping[str, tuple[Any, Any]]) -> None:
         """The load restored the saved LR, weight decay and schedule (optimizer param groups, the
@@ -315,10 +291,9 @@ class Trainer:
             self.sampler,
             replicated=opts.parallel == "ddp",
         )
-        if opts.ema_decay:
-            self.state.ema = EMA(self.model, opts.ema_decay)
+        self.ema = EMA(self.model, opts.ema_decay) if opts.ema_decay else None
+        self.state.ema = self.ema
         self.r = Reference(self, opts)
-        self.ckpt = self.r.ckpt
         self.samples_file: LineAppender | None = None
         self.hold: HoldGate | None = None  # test-only: main sets it from TRAIN_REF_HOLD_FILE
 
@@ -375,8 +350,8 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         self.scaler.step(self.optimizer)  # the Resumable's pre-step hook waits for staging first
         self.scaler.update()
-        if self.state.ema:
-            self.state.ema.update()
+        if self.ema:
+            self.ema.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         # The loss all-reduce also carries the step boundary's flags (preemption, save in flight).
@@ -407,17 +382,17 @@ class Trainer:
             step_s = round(time.perf_counter() - t0, 6)
             self.r.step_end(step, {"loss": loss, "lr": lr, "grad_norm": norm, "step_time": step_s})
             if self.hold is not None:
-                hold_if_asked(self.hold, st.step, self.r.beat)
+                hold_if_asked(self.hold, st.step, self.r.beat, lambda: self.r.preemption_noticed)
 
 
-def hold_if_asked(gate: HoldGate, step: int, beat: Callable[[], object]) -> bool:
+def hold_if_asked(gate: HoldGate, step: int, beat: Callable[[], object], noticed: Callable[[], bool]) -> bool:
     """Test-only gate (train_ref/hold.py): every rank holds after ``step`` when any rank's view of
     the hold file says so (one may have read it just before it was written). Agreed by an
     all-reduce, so no rank goes on into a collective with a held peer. Returns whether it held."""
     want = torch.tensor([int(gate.wanted(step))], dtype=torch.int64)
     dist.all_reduce(want, op=dist.ReduceOp.MAX)
     if want.item():
-        gate.hold(step, beat, lambda: PREEMPTION.set)
+        gate.hold(step, beat, noticed)
     return bool(want.item())
 
 
@@ -442,14 +417,11 @@ def main(argv: list[str] | None = None) -> int:
     opts = replace(opts, resume=replace(opts.resume, sign_key=key))
     problem = d.problem or config_problem(opts, cfg, d.world_size) or key_problem or signal_problem
     if problem:  # before anything is built on it (a batch that does not split, no device...)
-        hb = HeartbeatWriter(opts.ckpt_root, rank=d.rank, local_rank=d.local_rank, world_size=d.world_size)
-        return deliberate_exit(
-            hb, d.rank, 0, Phase.STARTUP, Exit.BAD_CONFIG, f"refused: bad config: {problem}"
-        )
+        return refuse_start(opts.ckpt_root, f"refused: bad config: {problem}")
     trainer = Trainer(opts, d, cfg, corpus)
-    trainer.r.resume()
-    if trainer.state.ema and trainer.state.step == 0:  # nothing restored it: a new run (--init-from too)
-        trainer.state.ema.reset()
+    resume(trainer)
+    if trainer.ema and trainer.state.step == 0:  # nothing restored it: a new run (--init-from too)
+        trainer.ema.reset()
     trainer.hold = HoldGate.from_env(d.rank, trainer.r.launch)  # None unless TRAIN_REF_HOLD_FILE is set
     trainer.check_schedule()
     # What is built by now (imports, model, loaded state: ~300,000 objects in the bench config)
@@ -460,6 +432,19 @@ def main(argv: list[str] | None = None) -> int:
     trainer.r.finish()
     dist.destroy_process_group()
     return int(Exit.OK)
+
+
+def resume(trainer: Trainer) -> None:
+    """``r.resume()``; with the test-only ``--ablate ITEM``, that item is skipped by the load, to
+    prove it matters (``TrainState.ablate``), and restored to the saves right after."""
+    ablate = frozenset(trainer.opts.ablate)
+    trainer.state.ablate = ablate
+    try:
+        trainer.r.resume()
+    finally:
+        trainer.state.ablate = frozenset()
+    if ablate and trainer.d.rank == 0 and trainer.state.step:
+        log.warning("TEST-ONLY: resume skipped restoring %s", ", ".join(sorted(ablate)))
 
 
 def signing_key(opts: TrainerOptions) -> tuple[bytes | None, str]:
@@ -492,7 +477,7 @@ def config_problem(opts: TrainerOptions, cfg: TrainConfig, world: int) -> str:
     load_step = opts.resume.load_step
     if load_step is not None and load_step < 0:
         return f"--load-step {load_step}: give a committed step (ckpt list shows them)"
-    return opts.saves.problem() or remote_problem(opts.resume.remote, opts.saves.keep)
+    return opts.saves.problem()  # and the remote tier's options: Resumable refuses those (78) at resume
 
 
 def exit_now(code: int) -> NoReturn:

@@ -22,6 +22,7 @@ from supervisor.drill.faultctl import Controller, FaultFS
 from supervisor.drill.judge import StepRecord, StorageFacts
 from supervisor.drill.plan import SELF_INFLICTED, Fault, Kind
 from supervisor.format.events import events_path, read_events
+from supervisor.format.hooks import ENV_BOUNDARY_HOOK
 from supervisor.format.layout import MANIFEST, RunDir, parse_committed
 from supervisor.format.metrics import parse_line
 from supervisor.options import POSITIVE, option
@@ -55,7 +56,7 @@ class DrillConfig:
     save_delay_s: float = 1.0
     fault_timeout_s: float = 180.0
     python: str = sys.executable
-    # A user's script (train_ref.Resumable inside) instead of the reference trainer: it gets the
+    # A user's script (supervisor.resumable.Resumable inside) instead of the reference trainer: it gets the
     # four options every trainer has, not the reference trainer's --config and --parallel.
     trainer: Path | None = option(
         "drill your own script (started by torchrun with --ckpt-root --steps --save-every --seed) "
@@ -377,6 +378,7 @@ def job_for(
         env[ENV_SAVE_DELAY] = str(cfg.save_delay_s)
     if hangs is not None:
         env[switch.ENV] = hangs.encode()
+        env[ENV_BOUNDARY_HOOK] = switch.HOOK
     watch_args, train_args = driver.job_args(cfg) if driver else ((), ())
     return Job(root, env, watch_args, train_args)
 

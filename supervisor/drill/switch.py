@@ -3,8 +3,8 @@
 A real hang (a rank that never reaches the next collective) cannot be injected from outside: a
 SIGSTOPped rank is woken by the watchdog's own SIGCONT and then checkpoints on SIGTERM. So the drill
 tells the trainer, in one environment variable, which rank blocks at which step, and where: at the
-step boundary, or right after that step's async save started. The trainer
-(``train_ref/drill_faults.py``) writes a marker before it blocks, so the drill knows the fault
+step boundary, or right after that step's async save started. The rank side
+(``supervisor/drill/rank_faults.py``, injected through ``supervisor/format/hooks.py``) writes a marker before it blocks, so the drill knows the fault
 happened, and a relaunch that reaches the step again runs on. Unset, the trainer ignores all this.
 
 Torch-free and pure apart from reading a marker: the one truth for the format, used by the drill
@@ -15,18 +15,16 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from supervisor.format.hooks import When
+
 ENV = "TRAIN_REF_DRILL_HANG"
+# What the drill sets $SUPERVISOR_BOUNDARY_HOOK to (supervisor/format/hooks.py): the rank side.
+HOOK = "supervisor.drill.rank_faults:boundary_hook"
 # The function a rank blocks in; the judge looks for it in the culprit's stack.
 BLOCKING_FUNCTION = "stuck_read"
-
-
-class When(str, Enum):
-    STEP = "step"  # after the step's heartbeat, before the ranks agree at the step boundary
-    SAVE = "save"  # right after the step's async save started, before it can be committed
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ REASON = "reason.txt"
 # A quarantined entry being removed by retention (hidden: never listed as quarantined).
 QUARANTINE_DELETING_PREFIX = ".deleting."
 # In a checkpoint: DCP's pickled index, one for all (its coordinator, rank 0, writes it), or one per
-# rank, ``dcp_index_filename`` (a save without DCP's plan exchange, train_ref/dcp_index.py).
+# rank, ``dcp_index_filename`` (a save without DCP's plan exchange, supervisor/resumable/_dcp_index.py).
 DCP_METADATA = ".metadata"
 # The trainer's outputs in the root: per-step metrics (rank 0, appended across launches), final
 # digest, and with --log-samples one file of sample ids per rank under SAMPLES.

@@ -35,7 +35,7 @@ ProgressFn = Callable[[int], None]
 # start` compares the newest one with the job's --signal lead time.
 META_SAVE_S = "save_s"
 # A ``meta`` key (optional; Resumable writes it): the last losses the loop reported, oldest first,
-# for the resume's sanity step (train_ref/sanity.py).
+# for the resume's sanity step (supervisor/resumable/_sanity.py).
 META_RECENT_LOSSES = "recent_losses"
 # Files of a checkpoint its manifest does not list: itself, and the signature written after it.
 NOT_LISTED = frozenset({MANIFEST, SIGNATURE})

@@ -51,33 +51,41 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from supervisor import store
+from supervisor.format.appender import LineAppender
 from supervisor.format.atomic import atomic_write_json
 from supervisor.format.exitcodes import Exit
 from supervisor.format.heartbeat import HeartbeatWriter, Phase, Progress, stack_dump_path
+from supervisor.format.hooks import When
 from supervisor.format.layout import FINAL, RunDir, step_dirname
 from supervisor.format.manifest import META_RECENT_LOSSES, CheckpointInfo, Manifest
 from supervisor.format.metrics import MetricsRecord
 from supervisor.ioerrors import backoff_s, retry_transient
 from supervisor.options import nested, option
+from supervisor.resumable import _agree, _launch_marks, _tiering
+from supervisor.resumable._checkpointer import Checkpointer, CommitInfo, Saveable, SaveOutcome, StorageGaveUp
+from supervisor.resumable._devices import DeviceError
+from supervisor.resumable._digest import params_digest
+from supervisor.resumable._hooks import BoundaryHook, boundary_hook, no_hook
+from supervisor.resumable._optim_state import prime_for_load
+from supervisor.resumable._progress_io import ProgressFileSystem, kept_alive
+from supervisor.resumable._resume import (
+    RETRY_LATER,
+    Choice,
+    Request,
+    choose_checkpoint,
+    describe_diff,
+    identity_diff,
+)
+from supervisor.resumable._safe_load import load_dcp, one_line, refusal_line
+from supervisor.resumable._sanity import LOSS_WINDOW, ResumeSanity
+from supervisor.resumable._save_policy import DEFAULT_MAX_FAILED_SAVES, SavePolicy
+from supervisor.resumable._signals import PreemptionFlag, register_stack_dump
+from supervisor.resumable._tiering import RemoteOptions
+from supervisor.resumable._train_state import RANK_ITEMS, seed_rank_rng
 from supervisor.safepickle import UnsafePickle
 from supervisor.tiers.uploader import Uploader
-from train_ref import agree, launch_marks, tiering
-from train_ref.appender import LineAppender
-from train_ref.checkpointer import Checkpointer, CommitInfo, Saveable, SaveOutcome, StorageGaveUp
-from train_ref.devices import DeviceError
-from train_ref.drill_faults import DrillFaults, When
-from train_ref.optim_state import prime_for_load
-from train_ref.parallel import params_digest
-from train_ref.progress_io import ProgressFileSystem, kept_alive
-from train_ref.resume import RETRY_LATER, Choice, Request, choose_checkpoint, describe_diff, identity_diff
-from train_ref.safe_load import load_dcp, one_line, refusal_line
-from train_ref.sanity import LOSS_WINDOW, ResumeSanity
-from train_ref.save_policy import DEFAULT_MAX_FAILED_SAVES, SavePolicy
-from train_ref.signals import PreemptionFlag, register_stack_dump
-from train_ref.state import seed_rank_rng
-from train_ref.tiering import RemoteOptions
 
-log = logging.getLogger("train_ref")
+log = logging.getLogger("resumable")
 
 # One per process, installed as early as the trainer can (``install_signals``), so a preemption
 # notice during startup is not lost.
@@ -317,14 +325,40 @@ def deliberate_exit(
     """Record a deliberate exit code in the heartbeat (torchrun itself reports only 1); rank 0
     says ``msg`` on stderr."""
     if msg and rank == 0:
-        print(f"train_ref: {msg}", file=sys.stderr, flush=True)
+        print(f"resumable: {msg}", file=sys.stderr, flush=True)
     hb.beat(step, phase, exit_code=int(code))
     return int(code)
 
 
+def refuse_start(root: str | Path, message: str, code: Exit = Exit.BAD_CONFIG) -> int:
+    """A refusal before a ``Resumable`` exists (a config this rank cannot train with), on every
+    rank after ``init_process_group``: the exit code into this rank's heartbeat (the watchdog
+    classifies it: 78 is not retried), ``message`` on rank 0's stderr. Returns the code to exit with."""
+    rank = dist.get_rank()
+    hb = HeartbeatWriter(
+        Path(root),
+        rank=rank,
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        world_size=dist.get_world_size(),
+    )
+    return deliberate_exit(hb, rank, 0, Phase.STARTUP, code, message)
+
+
 class Resumable:
     """The checkpoint lifecycle of one launch on this rank (every rank builds one, after
-    ``init_process_group``): ``resume()``, then ``step_end()`` once per step, then ``finish()``."""
+    ``init_process_group``): ``resume()``, then ``step_end()`` once per step, then ``finish()``.
+    Between them: ``reduce()`` (a reduction that carries the step's control flags), ``beat()``
+    and ``phase()`` (long stretches of the trainer's own), ``preemption_noticed``.
+
+    Extension hooks, for a subclass (the reference trainer's ``Reference`` overrides all three):
+
+    - ``save_meta()``: what each manifest records besides the files; extend ``super()``'s dict;
+    - ``final_fields()``: entries added to ``final.json`` (called on every rank: it may gather;
+      ``digest_tracker`` gives a digest its heartbeat progress);
+    - ``apply_config_change(diff)``: after a load under ``allow_config_change``, put the run's new
+      values of the ``Identity.changeable`` fields into the loaded objects.
+
+    Everything else is private and may change."""
 
     def __init__(
         self,
@@ -343,27 +377,27 @@ class Resumable:
         ``steps``: where the run ends, in total. ``rank_items``: the trainer's own per-rank state
         (tensors, numbers, strings), saved beside the RNG streams in the per-rank file.
         ``loss_window``: how many of the last losses reported to ``step_end`` each manifest
-        records, for the resume's sanity step (train_ref/sanity.py)."""
-        self.root = Path(root)
+        records, for the resume's sanity step (supervisor/resumable/_sanity.py)."""
+        self._root = Path(root)
         self.state: Saveable = Objects(state) if isinstance(state, Mapping) else state
         self.steps = steps
         self.identity = identity or Identity()
-        self.saves = saves or Saves()
-        self.options = options or ResumeOptions()
+        self._saves = saves or Saves()
+        self._options = options or ResumeOptions()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.hb = HeartbeatWriter(
-            self.root,
+        self._root.mkdir(parents=True, exist_ok=True)
+        self._hb = HeartbeatWriter(
+            self._root,
             rank=self.rank,
             local_rank=int(os.environ.get("LOCAL_RANK", "0")),
             world_size=self.world_size,
         )
-        launch_marks.started(self.hb)  # process start, torch imported, process group up: recovery breakdown
-        self.hb.beat(0, Phase.STARTUP)
-        self._stacks = register_stack_dump(stack_dump_path(self.root, self.rank))  # open until exit
-        self.problem = install_signals() or self.saves.problem() or self._remote_problem()
-        self.uploader: Uploader | None = None  # rank 0 with a remote, from resume() on
-        remote = bool(self.options.remote.url) and self.rank == 0
+        _launch_marks.started(self._hb)  # process start, torch imported, process group up: recovery breakdown
+        self._hb.beat(0, Phase.STARTUP)
+        self._stacks = register_stack_dump(stack_dump_path(self._root, self.rank))  # open until exit
+        self._problem = install_signals() or self._saves.problem() or self._remote_problem()
+        self._uploader: Uploader | None = None  # rank 0 with a remote, from resume() on
+        remote = bool(self._options.remote.url) and self.rank == 0
         run = CheckpointInfo(
             step=0,  # each commit sets its step, meta and metrics
             world_size=self.world_size,
@@ -376,28 +410,28 @@ class Resumable:
             },
             torch_version=torch.__version__,
         )
-        self.ckpt = Checkpointer(
-            self.root,
-            async_save=self.saves.async_save,
-            retention=self.saves.retention_policy(),
-            info=CommitInfo(run, sign_key=self.options.sign_key),
-            hb=self.hb,
-            policy=self.saves.policy(),
+        self._ckpt = Checkpointer(
+            self._root,
+            async_save=self._saves.async_save,
+            retention=self._saves.retention_policy(),
+            info=CommitInfo(run, sign_key=self._options.sign_key),
+            hb=self._hb,
+            policy=self._saves.policy(),
             on_commit=self._submit if remote else None,
             rank_extra=rank_items,
         )
         self.launch = ""
-        self.init_source = ""
+        self._init_source = ""
         self.start = 0  # the step this launch resumed at
-        self.metrics: dict[str, float] = {}  # the last step's, saved into the manifest
-        self.recent_losses: deque[float] = deque(maxlen=loss_window)  # saved into the manifest too
-        self.sanity: ResumeSanity | None = None  # rank 0, the first steps after a resume
-        self.metrics_file: LineAppender | None = None
-        self.drill = DrillFaults(None, self.rank, "")
+        self._metrics: dict[str, float] = {}  # the last step's, saved into the manifest
+        self._recent_losses: deque[float] = deque(maxlen=loss_window)  # saved into the manifest too
+        self._sanity: ResumeSanity | None = None  # rank 0, the first steps after a resume
+        self._metrics_file: LineAppender | None = None
+        self._at_boundary: BoundaryHook = no_hook  # until resume() knows the launch
         self._last_save = time.monotonic()
         self._t_end = time.perf_counter()
         # The staging wait, before every optimizer step, so no caller can forget it.
-        self.state_optimizer().register_step_pre_hook(lambda *_: self.ckpt.before_optimizer_step())
+        self._state_optimizer().register_step_pre_hook(lambda *_: self._ckpt.before_optimizer_step())
 
     # ------------------------------------------------------------ resume
 
@@ -406,41 +440,41 @@ class Resumable:
         check it is this run's (identity, data, global batch), load it (shards resharded, then
         this rank's RNG streams); returns the steps already done (0 on a fresh start): continue
         with the next one. Stops the process with the right exit code when it may not go on."""
-        if self.problem:
-            self.stop(Exit.BAD_CONFIG, Phase.STARTUP, f"refused: bad config: {self.problem}")
-        choice = choose_checkpoint(self._args(), self._expectation(), self.identity, self.hb)
+        if self._problem:
+            self._stop(Exit.BAD_CONFIG, Phase.STARTUP, f"refused: bad config: {self._problem}")
+        choice = choose_checkpoint(self._args(), self._expectation(), self.identity, self._hb)
         if choice.error:
             why = "cannot resume" if choice.code in (RETRY_LATER, Exit.STORAGE) else "refused"
-            self.stop(choice.code, Phase.STARTUP, f"{why}: {choice.error}")
+            self._stop(choice.code, Phase.STARTUP, f"{why}: {choice.error}")
         self.launch = choice.launch
-        self.drill = DrillFaults.from_env(self.rank, self.launch)  # inert unless `supervisor drill` set it
-        if self.options.remote.url and self.rank == 0:
-            self.uploader = tiering.start_uploader(self.root, self.options.remote, self.saves.keep)
-        if self.rank == 0 and self.uploader is None:  # for `status` and `ckpt list`/`prune` by hand
+        self._at_boundary = boundary_hook(self.rank, self.launch)  # injected: supervisor/format/hooks.py
+        if self._options.remote.url and self.rank == 0:
+            self._uploader = _tiering.start_uploader(self._root, self._options.remote, self._saves.keep)
+        if self.rank == 0 and self._uploader is None:  # for `status` and `ckpt list`/`prune` by hand
             try:
-                store.record_policy(self.root, self.saves.retention_policy())
+                store.record_policy(self._root, self._saves.retention_policy())
             except OSError as e:
                 log.warning("could not record the retention policy: %s", e)
         diff = self._identity_change(choice)
         if self.identity.seed is not None:
             seed_rank_rng(self.identity.seed, self.rank, 0)
-        self.init_source = ""  # --init-from's checkpoint, recorded in every manifest of this run
+        self._init_source = ""  # --init-from's checkpoint, recorded in every manifest of this run
         if choice.ckpt is not None:
             self._load_checked(choice)
-            self.init_source = str(choice.manifest.meta.get("init_from", "")) if choice.manifest else ""
-        elif self.options.init_from:
-            self._init_from(self.options.init_from)
+            self._init_source = str(choice.manifest.meta.get("init_from", "")) if choice.manifest else ""
+        elif self._options.init_from:
+            self._init_from(self._options.init_from)
         else:
-            log.info("no checkpoint in %s: starting at step 0", self.root)
+            log.info("no checkpoint in %s: starting at step 0", self._root)
         if diff:
             self.apply_config_change(diff)
         self.start = self.state.step
         if choice.ckpt is not None and choice.manifest is not None:
             self._resumed(choice.manifest, config_changed=bool(diff))
-        launch_marks.loaded(self.hb)
+        _launch_marks.loaded(self._hb)
         if self.rank == 0:
-            self.metrics_file = LineAppender(RunDir.of(self.root).metrics)
-        self.hb.beat(self.start, Phase.TRAIN, force=True)
+            self._metrics_file = LineAppender(RunDir.of(self._root).metrics)
+        self._hb.beat(self.start, Phase.TRAIN, force=True)
         self._last_save, self._t_end = time.monotonic(), time.perf_counter()
         return self.start
 
@@ -450,14 +484,14 @@ class Resumable:
         the saved one when an ``allow_config_change`` was applied: it may have changed it)."""
         saved = manifest.meta.get(META_RECENT_LOSSES)
         window = [float(x) for x in saved if isinstance(x, int | float)] if isinstance(saved, list) else []
-        self.recent_losses.extend(window)
+        self._recent_losses.extend(window)
         if self.rank != 0:
             return
         log.info("resumed from %s, next step %d", step_dirname(self.start), self.start + 1)
         lr = None if config_changed else manifest.metrics.get("lr")
-        self.sanity = ResumeSanity(window, lr, self.steps - self.start)
+        self._sanity = ResumeSanity(window, lr, self.steps - self.start)
 
-    def state_optimizer(self) -> torch.optim.Optimizer:
+    def _state_optimizer(self) -> torch.optim.Optimizer:
         opt = getattr(self.state, "optimizer", None)
         if not isinstance(opt, torch.optim.Optimizer):
             raise TypeError("Resumable: the saved state has no 'optimizer' to hook the staging wait into")
@@ -466,11 +500,11 @@ class Resumable:
     def _load_checked(self, choice: Choice) -> None:
         """Load, turning a refused pickle (77) or a foreign per-rank file (78) into its exit."""
         try:
-            restored = self.load(choice)
+            restored = self._load(choice)
         except UnsafePickle as e:  # nothing of it ran; every rank read the same file and refused it
-            self.stop(Exit.UNTRUSTED, Phase.LOAD, refusal_line(e, self.root, choice.ckpt))
+            self._stop(Exit.UNTRUSTED, Phase.LOAD, refusal_line(e, self._root, choice.ckpt))
         except DeviceError as e:  # every rank's file has the same format: all refuse alike
-            self.stop(Exit.BAD_CONFIG, Phase.LOAD, f"cannot resume: {e}")
+            self._stop(Exit.BAD_CONFIG, Phase.LOAD, f"cannot resume: {e}")
         if not restored and self.identity.seed is not None:
             seed_rank_rng(self.identity.seed, self.rank, self.state.step)
             if self.rank == 0:
@@ -485,43 +519,43 @@ class Resumable:
         """A new run starts from another run's weights (and optimizer): its own identity, step 0."""
         mine = init_source(spec) if self.rank == 0 else None
         # cast: mypy solves broadcast's T for a union as their join (object)
-        src = cast("Path | str", agree.broadcast(mine, None, lambda: self.hb.beat(0, Phase.VERIFY)))
+        src = cast("Path | str", _agree.broadcast(mine, None, lambda: self._hb.beat(0, Phase.VERIFY)))
         if isinstance(src, str):
-            self.stop(Exit.BAD_CONFIG, Phase.STARTUP, f"refused: --init-from {spec}: {src}")
-        what = "weights and optimizer" if self.options.init_optimizer else "weights"
-        if self.options.init_optimizer:
+            self._stop(Exit.BAD_CONFIG, Phase.STARTUP, f"refused: --init-from {spec}: {src}")
+        what = "weights and optimizer" if self._options.init_optimizer else "weights"
+        if self._options.init_optimizer:
             prime_for_load(getattr(self.state, "optimizer", None))
         try:
-            with kept_alive(self.hb.tracker(Phase.LOAD, 0)) as loading:
+            with kept_alive(self._hb.tracker(Phase.LOAD, 0)) as loading:
                 load_dcp(
                     src,
-                    {"app": _Weights(self.state, self.options.init_optimizer)},
-                    self.ckpt.dcp_group,
+                    {"app": _Weights(self.state, self._options.init_optimizer)},
+                    self._ckpt.dcp_group,
                     fs=ProgressFileSystem(src.parent, loading),
                 )
         except UnsafePickle as e:
-            self.stop(Exit.UNTRUSTED, Phase.LOAD, refusal_line(e, src.parent, src))
+            self._stop(Exit.UNTRUSTED, Phase.LOAD, refusal_line(e, src.parent, src))
         except Exception as e:  # another model's: one line, not a traceback
             first = one_line(e)
-            self.stop(
+            self._stop(
                 Exit.BAD_CONFIG,
                 Phase.LOAD,
                 f"refused: --init-from {spec}: the {what} of {src} do not fit this model ({first[:300]})",
             )
-        self.init_source = str(src)
+        self._init_source = str(src)
         if self.rank == 0:
             log.info("new run: %s from %s (--init-from), starting at step 0", what, src)
 
-    def load(self, choice: Choice) -> bool:
+    def _load(self, choice: Choice) -> bool:
         """Load the chosen checkpoint; returns whether the per-rank state was restored (not on
         another world size)."""
         assert choice.ckpt is not None
-        return self.ckpt.load(
+        return self._ckpt.load(
             choice.ckpt,
             self.state,
             saved_world_size=choice.world_size,
-            skip=frozenset(),
-            progress=self.hb.tracker(Phase.LOAD, choice.manifest.step if choice.manifest else 0),
+            skip=frozenset(getattr(self.state, "ablate", ())) & frozenset(RANK_ITEMS),
+            progress=self._hb.tracker(Phase.LOAD, choice.manifest.step if choice.manifest else 0),
         )
 
     def _identity_change(self, choice: Choice) -> dict[str, tuple[Any, Any]]:
@@ -532,7 +566,7 @@ class Resumable:
             return {}
         saved = m.meta.get("identity")
         if not isinstance(saved, dict):
-            self.stop(
+            self._stop(
                 Exit.MISMATCH,
                 Phase.STARTUP,
                 f"refused: {choice.ckpt and choice.ckpt.name}: model config hash {m.model_config_hash} differs from "
@@ -542,7 +576,7 @@ class Resumable:
         diff = identity_diff(saved, self.identity.all_fields)
         fixed = {k: v for k, v in diff.items() if k not in self.identity.changeable}
         if fixed:
-            self.stop(
+            self._stop(
                 Exit.MISMATCH,
                 Phase.STARTUP,
                 f"refused: {choice.ckpt and choice.ckpt.name}: {describe_diff(fixed)}: "
@@ -561,19 +595,19 @@ class Resumable:
         return store.Expectation(
             model_config_hash=self.identity.config_hash,
             data_fingerprint=self.identity.data,
-            allow_config_change=self.options.allow_config_change,
-            allow_data_change=self.options.allow_data_change,
+            allow_config_change=self._options.allow_config_change,
+            allow_data_change=self._options.allow_data_change,
         )
 
     def _args(self) -> Request:
-        return resume_args(self.root, self.options, self.identity)
+        return resume_args(self._root, self._options, self.identity)
 
     def _remote_problem(self) -> str:
-        return remote_problem(self.options.remote, self.saves.keep)
+        return remote_problem(self._options.remote, self._saves.keep)
 
     def _submit(self, ref: store.CheckpointRef) -> None:
-        if self.uploader is not None:
-            self.uploader.submit(ref)
+        if self._uploader is not None:
+            self._uploader.submit(ref)
 
     # ------------------------------------------------------------ every step
 
@@ -585,34 +619,34 @@ class Resumable:
         due (every N steps, or every T seconds by rank 0's clock). Returns whether the run is done."""
         dt = float((metrics or {}).get("step_time", time.perf_counter() - self._t_end))
         self.state.step = step
-        self.metrics = {**dict(metrics or {}), "step_time": round(dt, 6)}
-        loss = self.metrics.get("loss")
+        self._metrics = {**dict(metrics or {}), "step_time": round(dt, 6)}
+        loss = self._metrics.get("loss")
         if loss is not None and math.isfinite(loss):
-            self.recent_losses.append(float(loss))
-        if self.sanity is not None:
-            self.sanity.observe(step, self.metrics)
-            self.sanity = None if self.sanity.done else self.sanity
-        if self.metrics_file is not None:
-            rec = MetricsRecord.of(step, self.metrics, self.hb.restart_count, self.launch)
-            self.metrics_file.append(rec.to_line())
-        self.hb.beat(step, Phase.TRAIN, last_step_s=dt)
-        self.drill.maybe_hang(step, When.STEP)
+            self._recent_losses.append(float(loss))
+        if self._sanity is not None:
+            self._sanity.observe(step, self._metrics)
+            self._sanity = None if self._sanity.done else self._sanity
+        if self._metrics_file is not None:
+            rec = MetricsRecord.of(step, self._metrics, self._hb.restart_count, self.launch)
+            self._metrics_file.append(rec.to_line())
+        self._hb.beat(step, Phase.TRAIN, last_step_s=dt)
+        self._at_boundary(step, When.STEP)
         try:
-            preempt, save_now = self.ckpt.boundary(PREEMPTION.set, self._save_due_by_time())
+            preempt, save_now = self._ckpt.boundary(PREEMPTION.set, self._save_due_by_time())
             done = step >= self.steps
             if preempt:
                 PREEMPTION.ignore_further()
                 if not done:
-                    self.preempted()
+                    self._preempted()
                 if self.rank == 0:
                     log.warning("preemption signal at the last step %d: finishing normally", step)
-            every = self.saves.every_steps
+            every = self._saves.every_steps
             if not done and (save_now or (every and step % every == 0)):
-                self.save(blocking=False)
-                self.drill.maybe_hang(step, When.SAVE)
+                self._save(blocking=False)
+                self._at_boundary(step, When.SAVE)
         except StorageGaveUp as e:  # raised on every rank at the same save
-            self.close_uploader(0.0)
-            self.stop(Exit.STORAGE, Phase.SAVE, str(e))
+            self._close_uploader(0.0)
+            self._stop(Exit.STORAGE, Phase.SAVE, str(e))
         self._t_end = time.perf_counter()
         return done
 
@@ -621,15 +655,21 @@ class Resumable:
         notice, the upload's state, a time-based save due): use it for a reduction your step makes
         anyway (the loss, for logging) and ``step_end`` costs no collective of its own. Call it on
         every rank at the same point of a step (it is a collective), on every step or on none."""
-        return self.ckpt.reduce_with_control(t, PREEMPTION.set, self._save_due_by_time())
+        return self._ckpt.reduce_with_control(t, PREEMPTION.set, self._save_due_by_time())
 
     def _save_due_by_time(self) -> bool:
         """--save-every-s: due by this rank's clock; only rank 0's counts (``boundary``)."""
-        return self.saves.every_s > 0 and time.monotonic() - self._last_save >= self.saves.every_s
+        return self._saves.every_s > 0 and time.monotonic() - self._last_save >= self._saves.every_s
+
+    @property
+    def preemption_noticed(self) -> bool:
+        """A preemption notice (SIGTERM, SIGUSR1, $REQUEUE_SIGNAL) reached this rank; the next
+        ``step_end`` acts on it (every rank agrees there), so a loop never needs to ask."""
+        return PREEMPTION.set
 
     def beat(self) -> None:
         """A heartbeat now (throttled): for a long stretch of the trainer's own between steps."""
-        self.hb.beat(self.state.step, Phase.TRAIN)
+        self._hb.beat(self.state.step, Phase.TRAIN)
 
     @contextmanager
     def phase(self, name: str, timeout: float = 0.0) -> Iterator[Callable[[], object]]:
@@ -640,13 +680,13 @@ class Resumable:
         if not name or timeout < 0:
             raise ValueError(f"phase {name!r}, timeout {timeout}: give a name and a timeout >= 0")
         step = self.state.step
-        self.hb.custom = (name, float(timeout))
-        self.hb.beat(step, Phase.CUSTOM, force=True)
+        self._hb.custom = (name, float(timeout))
+        self._hb.beat(step, Phase.CUSTOM, force=True)
         try:
-            yield lambda: self.hb.beat(step, Phase.CUSTOM)
+            yield lambda: self._hb.beat(step, Phase.CUSTOM)
         finally:
-            self.hb.custom = ("", 0.0)
-            self.hb.beat(step, Phase.TRAIN, force=True)
+            self._hb.custom = ("", 0.0)
+            self._hb.beat(step, Phase.TRAIN, force=True)
 
     # ------------------------------------------------------------ saves
 
@@ -655,43 +695,43 @@ class Resumable:
         return {
             "config": self.identity.name,
             "launch": self.launch,
-            "loss": self.metrics.get("loss"),
+            "loss": self._metrics.get("loss"),
             "identity": self.identity.all_fields,
-            META_RECENT_LOSSES: list(self.recent_losses),
-            **({"init_from": self.init_source} if self.init_source else {}),
-            "metrics": {k: float(v) for k, v in self.metrics.items()},
+            META_RECENT_LOSSES: list(self._recent_losses),
+            **({"init_from": self._init_source} if self._init_source else {}),
+            "metrics": {k: float(v) for k, v in self._metrics.items()},
         }
 
-    def save(self, blocking: bool) -> SaveOutcome | None:
-        self.hb.beat(self.state.step, Phase.SAVE)
+    def _save(self, blocking: bool) -> SaveOutcome | None:
+        self._hb.beat(self.state.step, Phase.SAVE)
         self._last_save = time.monotonic()
-        outcome = self.ckpt.save(self.state, self.save_meta(), blocking=blocking)
-        self.hb.beat(self.state.step, Phase.TRAIN)
+        outcome = self._ckpt.save(self.state, self.save_meta(), blocking=blocking)
+        self._hb.beat(self.state.step, Phase.TRAIN)
         return outcome
 
-    def save_now(self) -> SaveOutcome:
+    def _save_now(self) -> SaveOutcome:
         """A synchronous save, whose outcome always comes back."""
-        outcome = self.save(blocking=True)
+        outcome = self._save(blocking=True)
         assert outcome is not None, "a blocking save returns its outcome"
         return outcome
 
-    def preempted(self) -> NoReturn:
+    def _preempted(self) -> NoReturn:
         """Asked to stop: finish any in-flight save, save this step synchronously, exit 75."""
         step = self.state.step
         if self.rank == 0:
             log.warning("preemption signal: checkpointing step %d, then exit %d", step, Exit.REQUEUE)
-        outcome = self.save_now()
-        self.ckpt.close()
-        flush = self.options.remote.flush_timeout_s
-        self.close_uploader(min(flush, tiering.PREEMPT_FLUSH_TIMEOUT_S))
+        outcome = self._save_now()
+        self._ckpt.close()
+        flush = self._options.remote.flush_timeout_s
+        self._close_uploader(min(flush, _tiering.PREEMPT_FLUSH_TIMEOUT_S))
         if not outcome.committed:  # requeued, it would resume from an older checkpoint anyway
-            self.stop(
+            self._stop(
                 Exit.STORAGE,
                 Phase.SAVE,
                 f"storage: the preemption checkpoint of step {step} failed ({outcome.error}); "
                 f"nothing committed: the relaunch resumes from {outcome.latest or 'step 0'}; exit 74, retryable",
             )
-        self.stop(Exit.REQUEUE, Phase.SAVE)
+        self._stop(Exit.REQUEUE, Phase.SAVE)
 
     # ------------------------------------------------------------ the end
 
@@ -702,16 +742,16 @@ class Resumable:
         try:
             if self.state.step > self.start:
                 self._final_save()
-            self.ckpt.close()
+            self._ckpt.close()
         except StorageGaveUp as e:
-            self.close_uploader(0.0)
-            self.stop(Exit.STORAGE, Phase.SAVE, str(e))
-        if self.metrics_file is not None:
-            self.metrics_file.close()
-            self.metrics_file = None
+            self._close_uploader(0.0)
+            self._stop(Exit.STORAGE, Phase.SAVE, str(e))
+        if self._metrics_file is not None:
+            self._metrics_file.close()
+            self._metrics_file = None
         digest = self._final_record()
-        self.close_uploader(self.options.remote.flush_timeout_s)
-        deliberate_exit(self.hb, self.rank, self.state.step, Phase.DONE, Exit.OK)
+        self._close_uploader(self._options.remote.flush_timeout_s)
+        deliberate_exit(self._hb, self.rank, self.state.step, Phase.DONE, Exit.OK)
         self._stacks.close()
         return digest
 
@@ -721,15 +761,15 @@ class Resumable:
         for storage is no hang (a rank silent in the next save's first exchange would be one).
         The jitter is seeded by the launch and the agreed failure count: alike on every rank,
         different across jobs, and not the global RNG, which belongs to the training loop."""
-        while not (outcome := self.save_now()).committed:
-            rng = random.Random(f"{self.hb.launch_id}:{outcome.failures}")
+        while not (outcome := self._save_now()).committed:
+            rng = random.Random(f"{self._hb.launch_id}:{outcome.failures}")
             self._wait_beating(backoff_s(outcome.failures, rng), Phase.SAVE)
 
     def _wait_beating(self, seconds: float, phase: Phase) -> None:
         end = time.monotonic() + seconds
         while (left := end - time.monotonic()) > 0:
-            self.hb.beat(self.state.step, phase)
-            time.sleep(min(left, self.hb.interval_s / 2))
+            self._hb.beat(self.state.step, phase)
+            time.sleep(min(left, self._hb.interval_s / 2))
 
     def final_fields(self) -> dict[str, Any]:
         """Entries a trainer adds to ``final.json`` (the reference trainer: its EMA's digest,
@@ -740,7 +780,7 @@ class Resumable:
         """Phase DIGEST's progress, in bytes of ``tensors`` hashed: a large model's digest is a
         long phase of its own, and a silent one would be judged hung."""
         total = sum(t.numel() * t.element_size() for t in tensors)
-        return self.hb.tracker(Phase.DIGEST, self.state.step, total)
+        return self._hb.tracker(Phase.DIGEST, self.state.step, total)
 
     def _final_record(self) -> str:
         """The digest (phase DIGEST, progress in bytes hashed) and ``final.json``, retried on a
@@ -757,13 +797,13 @@ class Resumable:
             "params_sha256": digest,
             "parallel": self.identity.mode,
             "config": self.identity.name,
-            "loss": self.metrics.get("loss"),
+            "loss": self._metrics.get("loss"),
             **extra,
         }
         try:
             retry_transient(
-                lambda: atomic_write_json(RunDir.of(self.root).final, final),
-                deadline_s=self.options.io_retry_s,
+                lambda: atomic_write_json(RunDir.of(self._root).final, final),
+                deadline_s=self._options.io_retry_s,
                 what=f"writing {FINAL}",
                 fix=lambda _e: "the checkpoint is committed; the digest is in this log",
                 on_retry=lambda msg: log.warning("%s", msg),
@@ -773,15 +813,15 @@ class Resumable:
         log.info("done at step %d, params_sha256 %s", self.state.step, digest)
         return digest
 
-    def close_uploader(self, timeout_s: float) -> None:
-        if self.uploader is not None:
+    def _close_uploader(self, timeout_s: float) -> None:
+        if self._uploader is not None:
             step = self.state.step
-            tiering.close_uploader(self.uploader, timeout_s, lambda: self.hb.beat(step, Phase.SAVE))
-            self.uploader = None
+            _tiering.close_uploader(self._uploader, timeout_s, lambda: self._hb.beat(step, Phase.SAVE))
+            self._uploader = None
 
-    def stop(self, code: Exit, phase: Phase, msg: str = "") -> NoReturn:
+    def _stop(self, code: Exit, phase: Phase, msg: str = "") -> NoReturn:
         """A deliberate exit: the code into the heartbeat, ``msg`` on stderr (rank 0), SystemExit."""
-        if self.metrics_file is not None:  # lines a full disk held back get their last chance
-            self.metrics_file.close()
-            self.metrics_file = None
-        raise SystemExit(deliberate_exit(self.hb, self.rank, self.state.step, phase, code, msg))
+        if self._metrics_file is not None:  # lines a full disk held back get their last chance
+            self._metrics_file.close()
+            self._metrics_file = None
+        raise SystemExit(deliberate_exit(self._hb, self.rank, self.state.step, phase, code, msg))

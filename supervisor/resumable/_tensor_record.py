@@ -29,7 +29,7 @@ of a rank's save of the bench model's ~800 records. It is checked byte for byte 
 above read it as before. Any other tensor (a view, a strided or empty one, a dtype outside
 ``_STORAGE``, 4 GiB or more, big-endian) goes through ``torch.save``. All it writes around the
 tensor's bytes depends on the dtype and sizes alone (``plain_frame``, kept per shape), so a load
-on the saved layout checks a record by comparing those bytes (train_ref/direct_read.py).
+on the saved layout checks a record by comparing those bytes (supervisor/resumable/_direct_read.py).
 """
 
 from __future__ import annotations
@@ -301,7 +301,7 @@ def plain_frame(dtype: torch.dtype, sizes: tuple[int, ...]) -> tuple[bytes, byte
     """The bytes of a plain record of a contiguous ``dtype`` tensor of ``sizes`` around its
     data: all before (the zip's headers, ``data.pkl``, up to ``data/0``'s bytes) and all after
     (the rest of the entries and the central directory). They depend on nothing else, so a save
-    writes them and a load checks them (train_ref/direct_read.py) by one comparison each. None
+    writes them and a load checks them (supervisor/resumable/_direct_read.py) by one comparison each. None
     for a dtype outside ``_STORAGE``, no elements, 4 GiB or more, or a big-endian machine."""
     pickled = contiguous_pickle(dtype, sizes)
     nbytes = math.prod(sizes) * dtype.itemsize

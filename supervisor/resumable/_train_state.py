@@ -19,7 +19,7 @@ import logging
 import os
 import random
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, ClassVar
 
 import numpy as np
 import torch
@@ -31,13 +31,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from train_ref.canonical_names import CanonicalNames
-from train_ref.data import mix_seed
-from train_ref.devices import cuda_rng_record, cuda_rng_to_restore, current_cuda_device
-from train_ref.ema import EMA
-from train_ref.progress_io import naming
-from train_ref.resume import split_by_size
-from train_ref.sampler import ResumableBatchSampler
+from supervisor.resumable._canonical_names import CanonicalNames
+from supervisor.resumable._devices import cuda_rng_record, cuda_rng_to_restore, current_cuda_device
+from supervisor.resumable._progress_io import naming
+from supervisor.resumable._resume import split_by_size
+from supervisor.resumable._sampler import ResumableBatchSampler, mix_seed
 
 SHARED_ITEMS = ("optimizer", "scheduler", "sampler", "ema")
 RANK_ITEMS = ("python_rng", "numpy_rng", "torch_rng")
@@ -48,6 +46,12 @@ log = logging.getLogger(__name__)
 
 
 class TrainState(Stateful):
+    """A whole training job's shared state, ready for ``Resumable``: model, optimizer, scheduler,
+    grad scaler, sampler, step, and where the trainer keeps one a moving average (``ema``)."""
+
+    # Test-only: the items a resume may be told to skip (``ablate``), to prove each one matters.
+    ABLATABLE: ClassVar[tuple[str, ...]] = ABLATABLE
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -65,7 +69,7 @@ class TrainState(Stateful):
         self.step = 0  # steps completed
         self.ablate = ablate
         self.replicated = replicated
-        self.ema: EMA | None = None  # the trainer's, where it keeps one
+        self.ema: Stateful | None = None  # the parameters' moving average, where the trainer keeps one
         self.names = CanonicalNames(model)  # wrapped before it got here: its names stay
 
     def saving(self, rank: int, world_size: int) -> Stateful:

@@ -52,9 +52,9 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from supervisor.format.heartbeat import Progress, Tracker
 from supervisor.format.manifest import FileEntry, checksum_hasher
 from supervisor.libc import libc_function
+from supervisor.resumable import _agree
+from supervisor.resumable._save_policy import storage_cause
 from supervisor.signing import DIGEST_ALGO
-from train_ref import agree
-from train_ref.save_policy import storage_cause
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer, WriteableBuffer
@@ -98,7 +98,7 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
 
 
 def next_write_chunk(n: int, seconds: float) -> int:
-    """Bytes for the next counted write (or direct read, train_ref/direct_read.py), after one of
+    """Bytes for the next counted write (or direct read, supervisor/resumable/_direct_read.py), after one of
     ``n`` bytes took ``seconds``."""
     fit = n / seconds * WRITE_CHUNK_S if seconds > 0 else MAX_WRITE_CHUNK
     return max(MIN_WRITE_CHUNK, min(MAX_WRITE_CHUNK, int(fit) // _PAGE * _PAGE))
@@ -309,7 +309,7 @@ T = TypeVar("T", bound=Tracker)
 
 class Keepalive(Generic[T]):
     """A tracker for I/O that waits on its peers between files (DCP's exchanges inside a save or
-    a load): ``beat``, called every so often by a helper thread (``agree.beating``), beats for it
+    a load): ``beat``, called every so often by a helper thread (``_agree.beating``), beats for it
     while no file operation is under way and never during one. So a rank that did its part and
     waits for the slowest is no hang, and one stuck in a read or write still goes silent, naming
     the file. Both threads' calls go through one lock (neither ``Progress`` nor ``Relay`` is
@@ -341,7 +341,7 @@ def kept_alive(progress: T) -> Iterator[Keepalive[T]]:
     save and load, which wait on their peers between files (a rank done with its shard waits in
     DCP's exchanges for the slowest, as long as that one needs)."""
     alive = Keepalive(progress)
-    with agree.beating(alive.beat):
+    with _agree.beating(alive.beat):
         yield alive
 
 

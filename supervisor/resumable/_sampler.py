@@ -11,14 +11,32 @@ position; nothing is replayed.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from train_ref.data import SampleKey, mix_seed
-
 T_co = TypeVar("T_co", covariant=True)
+_MIX = 0x9E3779B97F4A7C15
+
+
+def mix_seed(*parts: int) -> int:
+    """A 63-bit seed from integers; order matters. Pure, so any process derives the same seed."""
+    h = 0
+    for p in parts:
+        h = ((h ^ (p & (2**64 - 1))) * _MIX + 0x632BE59BD9B4E019) % 2**64
+        h ^= h >> 29
+    return h & (2**63 - 1)
+
+
+@dataclass(frozen=True)
+class SampleKey:
+    """What the sampler hands a worker: enough to rebuild the sample and its augmentation."""
+
+    epoch: int
+    batch: int  # global batch index within the epoch
+    sample: int  # sample id
 
 
 def epoch_permutation(num_samples: int, seed: int, epoch: int) -> list[int]:

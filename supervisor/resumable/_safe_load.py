@@ -11,9 +11,9 @@ every rank run any code at the next resume through either. So a load goes throug
 - ``SafeLoadPlanner``: ``load_bytes`` with ``torch.load(weights_only=True)``, as the per-rank
   state files are loaded;
 - tensors: on the layout of the save, read straight into their tensors before DCP plans
-  anything (train_ref/direct_read.py: each record's frame compared byte for byte); else, through
+  anything (supervisor/resumable/_direct_read.py: each record's frame compared byte for byte); else, through
   DCP, read off their bytes when the record is the plain layout DCP writes (nothing unpickled,
-  train_ref/tensor_record.py), else ``torch.load(weights_only=True)`` as DCP does.
+  supervisor/resumable/_tensor_record.py), else ``torch.load(weights_only=True)`` as DCP does.
 
 A refusal is one line naming the file (``UnsafePickle``), raised by ``load_dcp`` on every rank
 (a record only one rank reads reaches the others through the load's agreement), before anything
@@ -58,10 +58,10 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.futures import Future
 
 from supervisor.format.layout import dcp_index_filename, parse_committed
+from supervisor.resumable import _agree, _direct_read
+from supervisor.resumable._dcp_index import merged, uncovered
+from supervisor.resumable._tensor_record import plain_tensor, read_in_place
 from supervisor.safepickle import WHY, UnsafePickle, load_restricted
-from train_ref import agree, direct_read
-from train_ref.dcp_index import merged, uncovered
-from train_ref.tensor_record import plain_tensor, read_in_place
 
 # torch's weights_only refusal names the global: "Unsupported global: GLOBAL posix.system was not ..."
 _GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
@@ -97,7 +97,7 @@ class SafeFileSystemReader(FileSystemReader):
 
     def __init__(self, path: str | os.PathLike[str], rank: int | None = None, index: Metadata | None = None):
         """``rank``: this rank, whose own index it reads when the checkpoint has one per rank
-        (train_ref/dcp_index.py); ``index``: every rank's, merged (``every_index``), instead."""
+        (supervisor/resumable/_dcp_index.py); ``index``: every rank's, merged (``every_index``), instead."""
         super().__init__(path)
         self.own_rank, self.merged_index = rank, index
         self.index = Path(path) / dcp_index_filename()  # the index read, for a line naming it
@@ -319,7 +319,7 @@ def load_dcp(
 ) -> None:
     """``dcp.load`` through the safe reader and planner; UnsafePickle (one line) on a refusal.
     ``fs``: the file system the reader opens files with (the trainer's counts the bytes it reads,
-    train_ref/progress_io.py).
+    supervisor/resumable/_progress_io.py).
 
     Each rank plans and reads alone (DCP's ``no_dist``): DCP's global load plan is the identity
     (``create_default_global_load_plan``), yet with a process group it gathers every rank's local
@@ -332,7 +332,7 @@ def load_dcp(
     Only then does each Stateful take its state. The caller keeps the heartbeat alive meanwhile
     (``kept_alive``): a rank done first waits there for the slowest.
 
-    Where each rank saved its own index (sharded state, train_ref/dcp_index.py), a rank reads its
+    Where each rank saved its own index (sharded state, supervisor/resumable/_dcp_index.py), a rank reads its
     own; when that does not hold all some rank loads (another world size or layout), the
     agreement says so and every rank's index is merged (``every_index``: each file read once
     over the job), and the ranks short of their own read again from it. Every plan is checked to
@@ -388,12 +388,12 @@ def _read(
 
 def _read_direct(reader: SafeFileSystemReader, loaded: dict[str, Any]) -> bool:
     """Read ``loaded`` in place without DCP's plan when every item is one whole record on this
-    rank's layout (train_ref/direct_read.py); False, to load through DCP, when one is not."""
+    rank's layout (supervisor/resumable/_direct_read.py); False, to load through DCP, when one is not."""
     flat, mappings = flatten_state_dict(loaded)
-    records = direct_read.plan(flat, reader.read_metadata())
+    records = _direct_read.plan(flat, reader.read_metadata())
     if records is None:
         return False
-    items = direct_read.read(records, reader.fs, Path(reader.path), reader._corrupt)
+    items = _direct_read.read(records, reader.fs, Path(reader.path), reader._corrupt)
     if items is None:
         return False
     files = {r.fqn: r.file for r in records}
@@ -406,8 +406,8 @@ def _read_direct(reader: SafeFileSystemReader, loaded: dict[str, Any]) -> bool:
 def _agreed(
     reader: SafeFileSystemReader, error: BaseException | None, group: dist.ProcessGroup | None
 ) -> _Failed | None:
-    """The lowest rank whose read failed and its failure, on every rank (``agree.first_failure``)."""
-    return agree.first_failure(_failure(reader.refused or reader.corrupt or error), group, lambda: None)
+    """The lowest rank whose read failed and its failure, on every rank (``_agree.first_failure``)."""
+    return _agree.first_failure(_failure(reader.refused or reader.corrupt or error), group, lambda: None)
 
 
 def every_index(ckpt: Path, fs: FileSystem, group: dist.ProcessGroup | None) -> Metadata:
@@ -429,7 +429,7 @@ def every_index(ckpt: Path, fs: FileSystem, group: dist.ProcessGroup | None) -> 
         part = _index_part(ckpt, fs, me, world)
     except (OSError, UnsafePickle, CorruptRecord) as e:
         mine, part = e, _Part([], None, _failure(e))
-    outcome = _assembled(ckpt, [part] if world == 1 else agree.all_gather(part, group, lambda: None))
+    outcome = _assembled(ckpt, [part] if world == 1 else _agree.all_gather(part, group, lambda: None))
     if isinstance(outcome, Metadata):
         return outcome
     rank, failure = outcome

@@ -1,6 +1,8 @@
 """Drill-only: a rank that hangs for real, at the step and place ``supervisor drill`` chose.
 
-Inert unless ``TRAIN_REF_DRILL_HANG`` is set (format and marker names: supervisor/drill/switch.py).
+Injected, not imported: the drill sets ``$SUPERVISOR_BOUNDARY_HOOK`` to ``switch.HOOK`` (this
+module's ``boundary_hook``) beside ``TRAIN_REF_DRILL_HANG`` (format and marker names:
+supervisor/drill/switch.py), and the library's step boundary calls what it returns.
 The rank blocks in a read that never returns, the way a read from a dead file server or a peer that
 never sends does, so no signal cures it: read(2) is interrupted, Python runs the handlers and
 retries it (PEP 475), and the SIGTERM handler only sets the preemption flag, which is looked at on a
@@ -14,8 +16,9 @@ import os
 import time
 from typing import NoReturn
 
-from supervisor.drill.switch import ENV, Switch, When
+from supervisor.drill.switch import ENV, Switch
 from supervisor.format.atomic import atomic_write_json
+from supervisor.format.hooks import When
 
 
 class DrillFaults:
@@ -31,7 +34,10 @@ class DrillFaults:
         try:
             return cls(Switch.decode(text), rank, launch)
         except ValueError as e:
-            raise SystemExit(f"train_ref: {e}") from None
+            raise SystemExit(f"resumable: {e}") from None
+
+    def __call__(self, step: int, when: When) -> None:
+        self.maybe_hang(step, when)
 
     def maybe_hang(self, step: int, when: When) -> None:
         """Block forever if this rank is to hang here and has not done so in an earlier launch; the
@@ -51,6 +57,12 @@ class DrillFaults:
                     },
                 )
                 stuck_read()
+
+
+def boundary_hook(rank: int, launch: str) -> DrillFaults | None:
+    """The hook of supervisor/format/hooks.py: this rank's hangs, or None when it has none."""
+    faults = DrillFaults.from_env(rank, launch)
+    return faults if faults.mine else None
 
 
 def stuck_read() -> NoReturn:  # named by switch.BLOCKING_FUNCTION (tests/test_hang_culprit.py)

@@ -41,8 +41,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from train_ref.progress_io import PROGRESS_CHUNK, next_write_chunk, read_at
-from train_ref.tensor_record import bytes_as_shown, plain_frame
+from supervisor.resumable._progress_io import PROGRESS_CHUNK, next_write_chunk, read_at
+from supervisor.resumable._tensor_record import bytes_as_shown, plain_frame
 
 __all__ = ["Record", "plan", "read"]
 

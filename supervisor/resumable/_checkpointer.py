@@ -83,11 +83,10 @@ from supervisor.format.layout import (
     step_dirname,
 )
 from supervisor.format.manifest import CHECKSUM_ALGO, META_SAVE_S, CheckpointInfo, FileEntry, hash_file
-from supervisor.signing import DIGEST_ALGO
-from train_ref import agree
-from train_ref.dcp_index import per_rank_index, tensor_bytes
-from train_ref.optim_state import prime_for_load
-from train_ref.progress_io import (
+from supervisor.resumable import _agree
+from supervisor.resumable._dcp_index import per_rank_index, tensor_bytes
+from supervisor.resumable._optim_state import prime_for_load
+from supervisor.resumable._progress_io import (
     PROGRESS_CHUNK,
     Hashed,
     Keepalive,
@@ -97,11 +96,19 @@ from train_ref.progress_io import (
     wait_forwarding,
     written_key,
 )
-from train_ref.readahead import readahead
-from train_ref.safe_load import load_dcp, weights_only_refusal
-from train_ref.save_policy import SaveError, SavePolicy, dcp_save_error, failure_line, give_up, save_error
-from train_ref.state import RankState
-from train_ref.tensor_record import write_plain
+from supervisor.resumable._readahead import readahead
+from supervisor.resumable._safe_load import load_dcp, weights_only_refusal
+from supervisor.resumable._save_policy import (
+    SaveError,
+    SavePolicy,
+    dcp_save_error,
+    failure_line,
+    give_up,
+    save_error,
+)
+from supervisor.resumable._tensor_record import write_plain
+from supervisor.resumable._train_state import RankState
+from supervisor.signing import DIGEST_ALGO
 
 log = logging.getLogger(__name__)
 
@@ -485,7 +492,7 @@ class Checkpointer:
 
     def _index_per_rank(self, app: dict[str, Any]) -> bool:
         """Whether saves write an index per rank, each rank saving alone, or DCP's one index
-        after its plan exchange (train_ref/dcp_index.py): decided at the first save from what is
+        after its plan exchange (supervisor/resumable/_dcp_index.py): decided at the first save from what is
         sharded, agreed by every rank (one all-reduce), the same for every save after."""
         if self._per_rank is None:
             mine = torch.tensor([int(per_rank_index(*tensor_bytes(app), self.world_size))])
@@ -575,7 +582,7 @@ class Checkpointer:
         assert f.committed is not None
         for stage, phase in ((f.written, Phase.SAVE), (f.committed, Phase.COMMIT)):
             if not stage.done():
-                wait_forwarding(stage, f.work, self.hb.tracker(phase, f.step), agree.KEEPALIVE_S)
+                wait_forwarding(stage, f.work, self.hb.tracker(phase, f.step), _agree.KEEPALIVE_S)
         return f.committed.result()
 
     def close(self) -> None:
@@ -608,7 +615,7 @@ class Checkpointer:
         try:
             RankState.write(rank_file, rank_state)
         finally:
-            with agree.beating(uploading.beat):
+            with _agree.beating(uploading.beat):
                 upload.result()
         return self._local_entries(tmp, uploading.inner, written)
 
@@ -646,7 +653,7 @@ class Checkpointer:
         # cast: mypy solves broadcast's T for a union as their join (object)
         got = cast(
             "Path | SaveOutcome",
-            agree.broadcast(mine, self.ctl_group, lambda: self.hb.beat(step, Phase.SAVE)),
+            _agree.broadcast(mine, self.ctl_group, lambda: self.hb.beat(step, Phase.SAVE)),
         )
         if isinstance(got, SaveOutcome):
             self._apply(got)
@@ -662,7 +669,7 @@ class Checkpointer:
             return
         if not p.done.done():
             progress = self.hb.tracker(Phase.SAVE, p.step if step is None else step)
-            wait_forwarding(p.done, p.work, progress, agree.KEEPALIVE_S)
+            wait_forwarding(p.done, p.work, progress, _agree.KEEPALIVE_S)
         p.done.result()
 
     def _make_room(self, step: int) -> None:
@@ -702,12 +709,12 @@ class Checkpointer:
         # added to what it counts already (bytes written and hashed)
         progress.total += len(COMMIT_STEPS) if self.rank == 0 else 0
         progress.set_path("")  # waiting for the peers, not in a read
-        gathered = agree.gather_to_root(mine, self.dcp_group, lambda: progress(0))
+        gathered = _agree.gather_to_root(mine, self.dcp_group, lambda: progress(0))
         outcome = None
         if gathered is not None:  # rank 0
             meta = {**meta, META_SAVE_S: round(time.monotonic() - started, 3)}
             outcome = self._decide(step, tmp, meta, gathered, progress)
-        outcome = agree.broadcast(outcome, self.dcp_group, lambda: progress(0))
+        outcome = _agree.broadcast(outcome, self.dcp_group, lambda: progress(0))
         if outcome.tmp_left:
             self._remove_own_files(tmp, progress)
         return outcome
@@ -902,10 +909,10 @@ class Checkpointer:
         whether the per-rank state was restored; on another world size it cannot map onto the
         new ranks, and the caller derives fresh streams instead. Nothing in the checkpoint is
         run: a pickle that names anything else than plain data is UnsafePickle, one line
-        (train_ref/safe_load.py). An Adam(W) without state gets it allocated to be read into, not
-        computed (train_ref/optim_state.py). From the first line, the files this rank reads first
+        (supervisor/resumable/_safe_load.py). An Adam(W) without state gets it allocated to be read into, not
+        computed (supervisor/resumable/_optim_state.py). From the first line, the files this rank reads first
         (DCP's index; on the saved world size, its own shard and RNG file) are read into the page
-        cache behind it (train_ref/readahead.py)."""
+        cache behind it (supervisor/resumable/_readahead.py)."""
         same_world = saved_world_size == self.world_size
         path = ckpt / rank_state_filename(self.rank)
         # DCP's one index, or this rank's own where each rank wrote one (the read-ahead skips the

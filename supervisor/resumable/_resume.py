@@ -36,12 +36,12 @@ from supervisor.format.heartbeat import ENV_LAUNCH_ID, HeartbeatWriter, Phase
 from supervisor.format.layout import step_dirname
 from supervisor.format.manifest import Manifest, ManifestError, ProgressFn, read_manifest
 from supervisor.ioerrors import Evidence, backoff_s, describe
+from supervisor.resumable import _agree, _tiering
+from supervisor.resumable._progress_io import PROGRESS_CHUNK
+from supervisor.resumable._tiering import RemoteOptions
 from supervisor.tiers.remote import RemoteUnavailable
-from train_ref import agree, tiering
-from train_ref.progress_io import PROGRESS_CHUNK
-from train_ref.tiering import RemoteOptions
 
-log = logging.getLogger("train_ref")
+log = logging.getLogger("resumable")
 
 # The remote is unreachable and nothing local is valid: a transient failure, relaunch later.
 RETRY_LATER = Exit(1)
@@ -170,7 +170,7 @@ def _choose_verified(args: Request, expect: store.Expectation, cfg: Batch, hb: H
         if retry is not None:
             progress = hb.tracker(Phase.VERIFY, 0) if args.sign_key is not None else None
             mine = retry.gave_up or _choose(args, expect, cfg, launch, on_retry, progress)
-        choice: Choice = agree.broadcast(mine, None, beat)
+        choice: Choice = _agree.broadcast(mine, None, beat)
         if choice.error or choice.ckpt is None or choice.verified or args.verify != "deep":
             return choice
         v = verify_spread(choice, args.ckpt_root, hb)
@@ -196,8 +196,8 @@ def verify_spread(choice: Choice, root: Path, hb: HeartbeatWriter) -> ShareVerdi
             mine = ShareVerdict(rank, v.evidence, v.reason, name, v.error)
             break
     progress.set_path("")  # waiting for the peers now, not in a read
-    verdicts = agree.gather_to_root(mine, None, lambda: progress(0))
-    return agree.broadcast(None if verdicts is None else combine(verdicts), None, lambda: progress(0))
+    verdicts = _agree.gather_to_root(mine, None, lambda: progress(0))
+    return _agree.broadcast(None if verdicts is None else combine(verdicts), None, lambda: progress(0))
 
 
 class _Retry:
@@ -291,7 +291,7 @@ def _choose(
     downloaded = None
     try:
         if args.remote is not None:
-            res = tiering.resume(
+            res = _tiering.resume(
                 root,
                 args.remote,
                 expect,

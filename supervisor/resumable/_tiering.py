@@ -19,7 +19,7 @@ from supervisor.tiers.remote import RemoteTier, open_remote
 from supervisor.tiers.resume import ResumeResult, prepare_resume
 from supervisor.tiers.uploader import BUSY_SKIP, BUSY_WAIT, Uploader, UploadPolicy
 
-log = logging.getLogger("train_ref")
+log = logging.getLogger("resumable")
 
 # A preemption's flush must fit in SLURM's grace period (sbatch --signal=B:USR1@120 leaves 120 s
 # for one local checkpoint plus this), whatever --remote-flush-timeout says for a normal end.

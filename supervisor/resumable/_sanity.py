@@ -18,7 +18,7 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 
-log = logging.getLogger("train_ref")
+log = logging.getLogger("resumable")
 
 LOSS_WINDOW = 16  # losses a manifest records
 SANITY_STEPS = 3  # losses after a resume compared with them

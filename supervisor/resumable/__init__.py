@@ -1,0 +1,57 @@
+"""The training-side API: what a user's own loop imports to be resumable (imports torch).
+
+    from supervisor.resumable import Identity, Resumable, Saves
+
+Everything public is in ``__all__``; the modules beside this file are private (their names start
+with ``_``) and may change. Nothing torch-free imports this package: the watchdog and the login-node
+commands (``python -m supervisor status|ckpt|watch``) never load torch (tests/test_layers.py).
+
+Extension hooks of ``Resumable`` (override in a subclass, as the reference trainer does): see its
+class docstring.
+"""
+
+try:
+    import torch as _torch  # noqa: F401  (the one dependency of this package that the core install lacks)
+except ImportError as e:  # one line naming the extra, not a bare "No module named torch"
+    raise ImportError(
+        "supervisor.resumable needs torch: pip install 'resumable-training[train]' "
+        "(or bring your own torch, e.g. a CUDA build)"
+    ) from e
+
+from supervisor.resumable._devices import DeviceError, device_index
+from supervisor.resumable._digest import full_tensor, params_digest, tensors_digest
+from supervisor.resumable._resumable import (
+    Identity,
+    Resumable,
+    ResumeOptions,
+    Saves,
+    install_signals,
+    refuse_start,
+)
+from supervisor.resumable._safe_load import load_dcp
+from supervisor.resumable._sampler import ByIndex, ResumableBatchSampler, SampleKey, mix_seed
+from supervisor.resumable._standby import wait_if_standby
+from supervisor.resumable._tiering import RemoteOptions
+from supervisor.resumable._train_state import TrainState
+
+__all__ = [
+    "ByIndex",
+    "DeviceError",
+    "Identity",
+    "RemoteOptions",
+    "Resumable",
+    "ResumableBatchSampler",
+    "ResumeOptions",
+    "SampleKey",
+    "Saves",
+    "TrainState",
+    "device_index",
+    "full_tensor",
+    "install_signals",
+    "load_dcp",
+    "mix_seed",
+    "params_digest",
+    "refuse_start",
+    "tensors_digest",
+    "wait_if_standby",
+]
