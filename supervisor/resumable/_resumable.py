@@ -59,7 +59,7 @@ from supervisor.format.hooks import When
 from supervisor.format.layout import FINAL, RunDir, step_dirname
 from supervisor.format.manifest import META_RECENT_LOSSES, CheckpointInfo, Manifest
 from supervisor.format.metrics import MetricsRecord
-from supervisor.ioerrors import backoff_s, retry_transient
+from supervisor.ioerrors import STORAGE_BACKOFF, retry_transient
 from supervisor.options import nested, option
 from supervisor.resumable import _agree, _launch_marks, _tiering
 from supervisor.resumable._checkpointer import Checkpointer, CommitInfo, Saveable, SaveOutcome, StorageGaveUp
@@ -763,7 +763,7 @@ class Resumable:
         different across jobs, and not the global RNG, which belongs to the training loop."""
         while not (outcome := self._save_now()).committed:
             rng = random.Random(f"{self._hb.launch_id}:{outcome.failures}")
-            self._wait_beating(backoff_s(outcome.failures, rng), Phase.SAVE)
+            self._wait_beating(STORAGE_BACKOFF.wait_s(outcome.failures, rng), Phase.SAVE)
 
     def _wait_beating(self, seconds: float, phase: Phase) -> None:
         end = time.monotonic() + seconds
