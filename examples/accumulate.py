@@ -66,9 +66,7 @@ def main() -> None:
         a.ckpt_root,  # resumable
         {"model": model, "optimizer": opt, "scheduler": sched, "ema": ema},  # resumable
         steps=a.steps,  # resumable
-        identity=Identity(
-            {"lr": a.lr, "accum": a.accum, "batch": a.batch_size, "warmup": a.warmup}, seed=a.seed
-        ),  # resumable
+        identity=Identity({"lr": a.lr, "accum": a.accum, "warmup": a.warmup}, seed=a.seed),  # resumable
         saves=Saves(every_steps=a.save_every),  # resumable
     )  # resumable
     # was: DataLoader(data, batch_size=a.batch_size, sampler=DistributedSampler(data), num_workers=a.num_workers)

@@ -66,9 +66,7 @@ def main() -> None:
         a.ckpt_root,  # resumable
         {"model": model, "optimizer": opt, "scheduler": sched},  # resumable
         steps=a.steps,  # resumable
-        identity=Identity(
-            {"lr": a.lr, "model": "mlp-32-64-1", "batch": a.batch_size}, seed=a.seed
-        ),  # resumable
+        identity=Identity({"lr": a.lr, "batch": a.batch_size}, seed=a.seed),  # resumable
         saves=Saves(every_steps=a.save_every),  # resumable
     )  # resumable
     # was: DataLoader(data, batch_size=a.batch_size, sampler=DistributedSampler(data), num_workers=a.num_workers)

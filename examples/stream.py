@@ -92,9 +92,7 @@ def main() -> None:
         a.ckpt_root,  # resumable
         {"model": model, "optimizer": opt, "scheduler": sched},  # resumable
         steps=a.steps,  # resumable
-        identity=Identity(
-            {"lr": a.lr, "batch": a.batch_size, "model": "gru-32-64"}, seed=a.seed
-        ),  # resumable
+        identity=Identity({"lr": a.lr, "batch": a.batch_size}, seed=a.seed),  # resumable
         saves=Saves(every_steps=a.save_every),  # resumable
     )  # resumable
     # was: DataLoader(Shards(rank, world), batch_size=a.batch_size, num_workers=a.num_workers)
