@@ -394,6 +394,7 @@ class Watchdog:
                 reap_timeout_s=self.cfg.reap_timeout_s,
                 abandoned=self.abandoned,
                 own_subtree=own_subtree,
+                ignored=(signal.SIGUSR1, self.cfg.notice_signal),
             )
         except OSError as e:
             if e.errno not in CANNOT_EXEC:
