@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Protocol
 
+from supervisor.drill.diverge import diagnose
 from supervisor.drill.plan import (
     DISK_FULL_FAILURES,
     HANGS,
@@ -26,6 +27,7 @@ from supervisor.drill.switch import BLOCKING_FUNCTION
 from supervisor.format.eventnames import EventName
 from supervisor.format.exitcodes import Exit
 from supervisor.format.launches import Outcome
+from supervisor.format.statediff import Comparison
 
 # slow-storage: the resumed launch's verify + load must take this many times their timeout, or
 # the scenario proves nothing about long phases.
@@ -138,6 +140,8 @@ class Evidence(Protocol):
     def events(self) -> Sequence[dict[str, Any]]: ...  # the watchdog's: they judge hangs and storage
     @property
     def storage(self) -> StorageFacts | None: ...  # what a storage fault's driver saw
+    @property
+    def comparison(self) -> Comparison | None: ...  # its checkpoints vs golden's, when the digest differs
 
 
 @dataclass(frozen=True)
@@ -279,6 +283,15 @@ def digest_equal(case: Case) -> list[Check]:
     ]
 
 
+def first_difference(case: Case) -> list[Check]:
+    """When the digest differs: the first step and state item where the run's checkpoints left
+    golden's, and the likely cause (supervisor/drill/diverge.py)."""
+    if case.run.digest == case.golden_digest or case.run.comparison is None:
+        return []
+    line = diagnose(case.run.comparison, [r.ckpt_step for r in case.resumes])
+    return [Check("first state that differs from golden", False, line)]
+
+
 # The checks of every scenario, in the verdict table's order; each returns no Check when it does
 # not apply (hang checks without a hang, storage checks without a storage fault).
 CHECKS: tuple[Callable[[Case], list[Check]], ...] = (
@@ -292,6 +305,7 @@ CHECKS: tuple[Callable[[Case], list[Check]], ...] = (
     latest_complete,
     completed,
     digest_equal,
+    first_difference,
 )
 
 

@@ -60,6 +60,7 @@ from supervisor.format.hooks import When
 from supervisor.format.layout import FINAL, RunDir, step_dirname
 from supervisor.format.manifest import META_RECENT_LOSSES, CheckpointInfo, Manifest
 from supervisor.format.metrics import MetricsRecord
+from supervisor.format.statediff import SHARED
 from supervisor.ioerrors import STORAGE_BACKOFF, retry_transient
 from supervisor.options import nested, option
 from supervisor.resumable import _agree, _launch_marks, _tiering
@@ -648,7 +649,7 @@ class Resumable:
             with kept_alive(self._hb.tracker(Phase.LOAD, 0)) as loading:
                 load_dcp(
                     src,
-                    {"app": _Weights(self.state, self._options.init_optimizer)},
+                    {SHARED: _Weights(self.state, self._options.init_optimizer)},
                     self._ckpt.dcp_group,
                     fs=ProgressFileSystem(src.parent, loading),
                 )
