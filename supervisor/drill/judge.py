@@ -200,9 +200,22 @@ def steps_redone(case: Case) -> list[Check]:
     for res, (fault, in_flight) in zip(case.resumes, case.resumable, strict=False):
         bound = steps_redone_bound(fault.kind, case.save_every, in_flight)
         if res.redone > bound:
-            over.append(f"{fault.kind.value} redid {res.redone} steps (bound {bound})")
+            lost = f"; {lost_preemption(case, fault)}" if fault.kind == Kind.PREEMPT else ""
+            over.append(f"{fault.kind.value} redid {res.redone} steps (bound {bound}){lost}")
     redone = ", ".join(str(r.redone) for r in case.resumes) or "none"
     return [Check("steps redone within bound", not over, "; ".join(over) or f"redone: {redone}")]
+
+
+def lost_preemption(case: Case, fault: Fault) -> str:
+    """Why a preemption redid steps: its checkpoint was lost, and the watchdog's word on how the
+    launch ended (what died, with the root cause a rank recorded: a DataLoader worker killed by
+    the job's SIGTERM takes its rank down before the step boundary that would have saved)."""
+    t0 = next((t for f, t in zip(case.run.injected, case.run.fault_times, strict=False) if f == fault), 0.0)
+    end = next(
+        (e for e in case.run.events if e.get("event") == EventName.LAUNCH_END and e.get("t", 0) >= t0), None
+    )
+    how = str(end.get("msg")) if end else "the watchdog logged no end of the preempted launch"
+    return f"the preemption checkpoint was lost: {how}"
 
 
 def hangs(case: Case) -> list[Check]:
