@@ -49,6 +49,10 @@ def test_each_stream_and_the_bookkeeping_come_before_learned_state():
     assert "the sampler's state differs (batch: 3 vs 2)" in diagnose(_cmp((30, (sched, sampler))), [20])
     assert "LR scheduler" in diagnose(_cmp((30, (MODEL, sched, counter))), [20])
     assert "your item 'tokens_seen' differs" in diagnose(_cmp((30, (ema, OPTIM, counter))), [20])
+    loader = ItemDiff("user", 0, "loaders.data.batch", "3 vs 2")
+    assert "the position of the loader 'data' of rank 0 differs (batch: 3 vs 2)" in diagnose(
+        _cmp((30, (MODEL, loader))), [20]
+    )
     only = diagnose(_cmp((20, ()), (30, (MODEL, ema, OPTIM))), [20])
     assert only.startswith("only learned state differs (first: ema module.0.weight)"), only
     assert "the batches after the resume differ" in only

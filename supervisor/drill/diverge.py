@@ -18,6 +18,7 @@ from supervisor.format.statediff import (
     NUMPY_RNG,
     OPTIMIZER,
     PYTHON_RNG,
+    RANK_LOADERS,
     RANK_USER_ITEMS,
     STEP,
     TORCH_RNG,
@@ -85,6 +86,13 @@ def _line(d: ItemDiff, ranks: Sequence[int], first_step: str) -> tuple[str, str]
         return (
             f"the LR scheduler's state differs ({d.key}: {d.what})",
             "is it among Resumable's objects, and stepped once per step, resumed or not?",
+        )
+    if d.item == RANK_USER_ITEMS and d.key.startswith(f"{RANK_LOADERS}."):
+        name, _, rest = d.key[len(RANK_LOADERS) + 1 :].partition(".")
+        return (
+            f"the position of the loader '{name}' of {_ranks(ranks)} differs ({rest or name}: {d.what})",
+            f"its position after the resume is not the uninterrupted run's: make it before resume(), "
+            f"which restores it, and iterate it once per step: {DATA_DOC}",
         )
     if d.item == RANK_USER_ITEMS:
         return (

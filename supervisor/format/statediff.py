@@ -20,6 +20,10 @@ PYTHON_RNG = "python_rng"  # the random module's
 NUMPY_RNG = "numpy_rng"  # numpy's global generator's
 RNG_STREAMS = (PYTHON_RNG, NUMPY_RNG, TORCH_RNG)
 RANK_USER_ITEMS = "user"  # Resumable(rank_items=...)
+# ... which, once a loader keeps its position per rank, holds the trainer's own items and the
+# loaders' positions by name (Resumable's RankItems).
+RANK_OWN = "own"
+RANK_LOADERS = "loaders"
 # The key the shared state is saved under in DCP (its items below it).
 SHARED = "app"
 # Shared items with a fixed name (the others are named by the trainer).

@@ -61,7 +61,7 @@ from supervisor.format.hooks import When
 from supervisor.format.layout import FINAL, RunDir
 from supervisor.format.manifest import META_RECENT_LOSSES, CheckpointInfo
 from supervisor.format.metrics import MetricsRecord
-from supervisor.format.statediff import SHARED
+from supervisor.format.statediff import RANK_LOADERS, RANK_OWN, SHARED
 from supervisor.ioerrors import STORAGE_BACKOFF, retry_transient
 from supervisor.options import nested, option
 from supervisor.resumable import _agree, _launch_marks, _tiering
@@ -405,15 +405,15 @@ class RankItems(Stateful):
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "own": self.own.state_dict() if self.own is not None else {},
-            "loaders": {k: v.state_dict() for k, v in self.loaders.items()},
+            RANK_OWN: self.own.state_dict() if self.own is not None else {},
+            RANK_LOADERS: {k: v.state_dict() for k, v in self.loaders.items()},
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         if self.own is not None:
-            self.own.load_state_dict(sd["own"])
+            self.own.load_state_dict(sd[RANK_OWN])
         for k, v in self.loaders.items():
-            v.load_state_dict(sd["loaders"][k])
+            v.load_state_dict(sd[RANK_LOADERS][k])
 
 
 class Resumable:
