@@ -29,6 +29,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--save-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-workers", type=int, default=2)  # the drill passes its own
     a = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -48,7 +49,8 @@ def main() -> None:
         saves=Saves(every_steps=a.save_every),
     )
     start = r.resume()
-    batches = iter(DataLoader(dataset, batch_sampler=sampler))  # the bug: no generator=
+    # the bug: no generator= (whatever the workers: the iterator draws their base seed)
+    batches = iter(DataLoader(dataset, batch_sampler=sampler, num_workers=a.num_workers))
     for step in range(start + 1, a.steps + 1):
         x, y = next(batches)
         loss = F.mse_loss(model(x), y)
