@@ -20,6 +20,9 @@ checkpoints in the store's layout; with --remote also ``supervisor/remote.json``
 
 from __future__ import annotations
 
+import train_ref.needs_torch  # noqa: F401  (first: without torch, one line naming the extra)
+
+# isort: split
 import argparse
 import atexit
 import contextlib

@@ -9,6 +9,7 @@ import os
 import sys
 from enum import Enum
 
+from supervisor.clash import foreign_supervisor
 from supervisor.errors import UserError
 from supervisor.format.atomic import restrict_umask
 from supervisor.format.exitcodes import Exit
@@ -81,6 +82,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    clash = foreign_supervisor()  # before any command imports a module supervisord may have replaced
+    if clash:
+        print(f"error: {clash}", file=sys.stderr)
+        return Exit.USAGE
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
     args = parser.parse_args(argv)

@@ -83,6 +83,7 @@ from supervisor.format.layout import (
     step_dirname,
 )
 from supervisor.format.manifest import CHECKSUM_ALGO, META_SAVE_S, CheckpointInfo, FileEntry, hash_file
+from supervisor.format.statediff import SHARED
 from supervisor.resumable import _agree
 from supervisor.resumable._dcp_index import per_rank_index, tensor_bytes
 from supervisor.resumable._optim_state import prime_for_load
@@ -442,7 +443,7 @@ class Checkpointer:
         if isinstance(tmp, SaveOutcome):
             return tmp
         rank_file = tmp / rank_state_filename(self.rank)
-        app = {"app": state.saving(self.rank, self.world_size).state_dict()}
+        app = {SHARED: state.saving(self.rank, self.world_size).state_dict()}
         alone = self._index_per_rank(app)
         if self.async_save and not blocking:
             rank_state = RankState.serialize(
@@ -930,7 +931,7 @@ class Checkpointer:
         with readahead(first), kept_alive(progress) as loading:
             prime_for_load(getattr(state, "optimizer", None))
             fs = ProgressFileSystem(self.root, loading)
-            load_dcp(ckpt, {"app": state}, self.dcp_group, fs=fs)
+            load_dcp(ckpt, {SHARED: state}, self.dcp_group, fs=fs)
             if not same_world:
                 return False
             try:

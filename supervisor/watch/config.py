@@ -16,9 +16,9 @@ from supervisor.watch.restart_policy import RestartPolicy
 # torchrun + gloo: a restarted group that reuses the agent's TCPStore hangs or fails to connect
 # (see docs/watchdog.md); set in the child's environment unless the operator set it.
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-# Set per launch (layout: supervisor/launches/<id>/): where a rank's @record writes the exception
-# that ended it, and torchrun's log dir (unless the operator set one), which holds each worker's.
-ELASTIC_ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+# Set per launch (layout: supervisor/launches/<id>/): where a rank's @record (or Resumable) writes
+# the exception that ended it, and torchrun's log dir (unless the operator set one), which holds
+# each worker's.
 ELASTIC_LOG_DIR_ENV = "PET_LOG_DIR"
 DEFAULT_POLL_S = 0.5
 DEFAULT_KILL_GRACE_S = 10.0

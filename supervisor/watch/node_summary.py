@@ -71,7 +71,7 @@ def build_summary(
         phases[hb.label] = phases.get(hb.label, 0) + 1
         steps.append(hb.step)
         stale, _ = rank_stale(hb, clock.age(hb), timeouts.for_beat(hb), current)
-        if stale or hb.exit_code is not None or hb.save_failures:
+        if stale or hb.exit_code is not None or hb.save_failures or hb.died_of:
             attention.append(hb.rank)
         else:
             fine.append(hb)
