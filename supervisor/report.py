@@ -2,7 +2,7 @@
 
 Only reads (no lock, no torch): the watchdogs' state files, heartbeats, checkpoints (quick check:
 manifest and file sizes), quarantine, disk use. Its one write: the quick checks that passed, to
-list an unchanged checkpoint next time without checking it again (supervisor/quickcache.py). A garbage file never stops it; it shows as unknown
+list an unchanged checkpoint next time without checking it again (supervisor/store/quickcache.py). A garbage file never stops it; it shows as unknown
 with the reason. So does storage that does not answer: a checkpoint that cannot be read is
 "unknown" (not invalid), a directory that cannot be listed is named in ``storage_problem``.
 """
@@ -22,8 +22,8 @@ from supervisor.format.heartbeat import Heartbeat, HeartbeatSnapshot, Phase, boo
 from supervisor.format.layout import RunDir, parse_state_filename, per_node_files, safe_host
 from supervisor.format.nodesummary import NodeSummary, newest_per_rank, read_summary, summary_paths
 from supervisor.format.runstatus import RunStatus
-from supervisor.ioerrors import Evidence, describe
-from supervisor.quickcache import QuickChecks
+from supervisor.store.ioerrors import Evidence, describe
+from supervisor.store.quickcache import QuickChecks
 from supervisor.watch import oom, rootcause
 from supervisor.watch.liveness import Clock, PhaseTimeouts, describe_progress, rank_stale
 
@@ -472,7 +472,7 @@ def _with_summaries(nodes: list[NodeRow], view: _RankView, clock: Clock) -> list
 
 def _checkpoints(root: Path, now: float, disk: dict[str, int]) -> list[CheckpointRow]:
     """Raises OSError when the root cannot be listed. Quick checks that passed before on the same
-    files are remembered (supervisor/quickcache.py); ``disk`` gets the bytes under each checkpoint
+    files are remembered (supervisor/store/quickcache.py); ``disk`` gets the bytes under each checkpoint
     walked whole, by path, so the disk use need not walk them again."""
     latest = store.read_latest(root)
     cache = QuickChecks(root)

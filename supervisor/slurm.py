@@ -23,13 +23,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from supervisor.checkpoints import list_checkpoints
 from supervisor.errors import UserError
 from supervisor.format.atomic import atomic_write_json
 from supervisor.format.eventnames import RequeueEvent
 from supervisor.format.exitcodes import Exit
 from supervisor.format.layout import RunDir
 from supervisor.format.manifest import META_SAVE_S, ManifestError, read_manifest
+from supervisor.store.checkpoints import list_checkpoints
 
 REQUEUE_VERSION = 2  # 2: separate preemption and failure counts (1 is read too)
 KEEP_HISTORY = 50

@@ -65,8 +65,8 @@ from supervisor.resumable import (
     refuse_start,
     wait_if_standby,
 )
-from supervisor.retention_policy import add_retention_args, policy_from_args
 from supervisor.signing import SigningKeyError, add_signing_key_arg, load_key
+from supervisor.store.retention_policy import add_retention_args, policy_from_args
 from train_ref.config import CONFIGS, TrainConfig, get_config
 from train_ref.data import Corpus, WindowDataset, collate
 from train_ref.ema import EMA

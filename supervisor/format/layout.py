@@ -73,7 +73,7 @@ REMOTE_STATUS = "remote.json"
 REMOTE_EVENTS = "events.remote.jsonl"
 REQUEUE_STATE = "slurm.json"
 RETENTION = "retention.json"
-# `status`'s remembered quick checks of committed checkpoints (supervisor/quickcache.py).
+# `status`'s remembered quick checks of committed checkpoints (supervisor/store/quickcache.py).
 STATUS_CACHE = "status_cache.json"
 # Under SUPERVISOR/LAUNCHES/<launch id>: torchelastic's error file for the launched command
 # (@record writes the root-cause exception there) and torchrun's log dir, where each worker's

@@ -67,7 +67,7 @@ class CheckpointInfo:
     torch_version: str = ""
     meta: Mapping[str, Any] = field(default_factory=dict)
     # The training metrics of the saved step (e.g. {"loss": 2.31}): what best-metric retention
-    # ranks by (supervisor/retention.py). Empty: not recorded (older manifests read as empty).
+    # ranks by (supervisor/store/retention.py). Empty: not recorded (older manifests read as empty).
     metrics: Mapping[str, float] = field(default_factory=dict)
 
 

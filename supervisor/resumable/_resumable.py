@@ -62,7 +62,6 @@ from supervisor.format.layout import FINAL, RunDir
 from supervisor.format.manifest import META_RECENT_LOSSES, CheckpointInfo
 from supervisor.format.metrics import MetricsRecord
 from supervisor.format.statediff import RANK_LOADERS, RANK_OWN, SHARED
-from supervisor.ioerrors import STORAGE_BACKOFF, retry_transient
 from supervisor.options import nested, option
 from supervisor.resumable import _agree, _launch_marks, _tiering
 from supervisor.resumable._checkpointer import Checkpointer, CommitInfo, Saveable, SaveOutcome, StorageGaveUp
@@ -88,6 +87,7 @@ from supervisor.resumable._signals import PreemptionFlag, on_uncaught, record_un
 from supervisor.resumable._tiering import RemoteOptions
 from supervisor.resumable._train_state import RANK_ITEMS, seed_rank_rng
 from supervisor.safepickle import UnsafePickle
+from supervisor.store.ioerrors import STORAGE_BACKOFF, retry_transient
 from supervisor.tiers.uploader import Uploader
 
 log = logging.getLogger("resumable")
@@ -124,7 +124,7 @@ class Saves:
         "save in the background while training goes on (default)", True, off="--sync-save"
     )
     # The newest ``keep`` and the retention beyond it: the retention flags (--keep, --keep-every-s,
-    # --keep-best, --keep-all) of supervisor.retention_policy, shared with `ckpt prune`.
+    # --keep-best, --keep-all) of supervisor.store.retention_policy, shared with `ckpt prune`.
     keep: int = store.DEFAULT_KEEP
     max_failed_saves: int = option(
         "exit 74 after N failed saves in a row (a full disk, EIO...); until then training goes on",

@@ -41,10 +41,10 @@ from supervisor.format.manifest import (
     hash_file,
     parse_manifest,
 )
-from supervisor.ioerrors import describe, is_transient
 from supervisor.redact import redact
 from supervisor.signing import BAD, DIGEST_ALGO
 from supervisor.store import STALE_TMP_AFTER_S, CheckpointRef, begin, commit
+from supervisor.store.ioerrors import describe, is_transient
 from supervisor.tiers.backends import Backend, open_backend
 from supervisor.tiers.plan import (
     RemotePrunePlan,
@@ -330,7 +330,7 @@ class RemoteTier:
 
 
 def _local_read_failed(label: str, e: OSError) -> NoReturn:
-    """A transient error (supervisor/ioerrors.py) is tried again later; any other says the local
+    """A transient error (supervisor/store/ioerrors.py) is tried again later; any other says the local
     checkpoint is not what its manifest says (or is gone): it is never uploaded."""
     if is_transient(e):
         raise LocalUnreadable(

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from supervisor import slurm
-from supervisor.ioerrors import IO_RETRY_S
 from supervisor.options import NOT_NEGATIVE, POSITIVE, nested, option
+from supervisor.store.ioerrors import IO_RETRY_S
 from supervisor.watch.liveness import DEFAULT_LEARN_FLOOR_S, PhaseTimeouts
 from supervisor.watch.restart_policy import RestartPolicy
 

@@ -49,7 +49,7 @@ from supervisor.format.layout import (
     node_local_base,
 )
 from supervisor.format.runstatus import RunStatus
-from supervisor.ioerrors import StorageUnavailable, describe, retry_transient
+from supervisor.store.ioerrors import StorageUnavailable, describe, retry_transient
 from supervisor.watch import (
     detectors,
     launch_dirs,
