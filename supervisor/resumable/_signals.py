@@ -23,7 +23,7 @@ from types import TracebackType
 from typing import IO
 
 from supervisor.format.layout import ELASTIC_ERROR_FILE_ENV
-from supervisor.slurm import SlurmError, notice_signal
+from supervisor.format.notice import NoticeSignalError, notice_signal
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 STACK_DUMP_SIGNAL = signal.SIGUSR2
@@ -41,7 +41,7 @@ class PreemptionFlag:
         try:
             extra = notice_signal(env.get("REQUEUE_SIGNAL", ""))
             self.signals = tuple(dict.fromkeys((*PREEMPT_SIGNALS, extra)))
-        except SlurmError as e:
+        except NoticeSignalError as e:
             problem = str(e)
         for s in self.signals:
             signal.signal(s, self._handle)

@@ -7,7 +7,7 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from supervisor import slurm
+from supervisor.format.notice import notice_signal
 from supervisor.options import NOT_NEGATIVE, POSITIVE, nested, option
 from supervisor.store.ioerrors import IO_RETRY_S
 from supervisor.watch.liveness import DEFAULT_LEARN_FLOOR_S, PhaseTimeouts
@@ -47,7 +47,7 @@ REMOTE = "remote tier (docs/tiers.md); pass the same --remote to the trainer"
 
 
 def parse_notice_signal(raw: str) -> signal.Signals:
-    return slurm.notice_signal(raw, "--notice-signal")
+    return notice_signal(raw, "--notice-signal")
 
 
 @dataclass(frozen=True)
