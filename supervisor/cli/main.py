@@ -10,7 +10,7 @@ import sys
 from enum import Enum
 
 from supervisor.clash import foreign_supervisor
-from supervisor.errors import UserError
+from supervisor.errors import Program, ToolkitError, exit_code
 from supervisor.format.atomic import restrict_umask
 from supervisor.format.exitcodes import Exit
 
@@ -92,9 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     restrict_umask()  # nothing a command (or the trainer a watchdog starts) creates is world-writable
     try:
         return int(args.func(args))
-    except UserError as e:
+    except ToolkitError as e:  # a person's input, the storage, or bad bytes: its line and its code
         print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
+        return exit_code(e, Program.COMMAND)
     except OSError as e:  # an unreadable or unwritable path: one line naming it, not a traceback
         print(f"error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
         return Exit.USAGE

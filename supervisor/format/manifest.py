@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from supervisor.errors import IntegrityError
 from supervisor.format.layout import MANIFEST, SIGNATURE
 
 FORMAT_VERSION = 2
@@ -41,7 +42,7 @@ META_RECENT_LOSSES = "recent_losses"
 NOT_LISTED = frozenset({MANIFEST, SIGNATURE})
 
 
-class ManifestError(ValueError):
+class ManifestError(IntegrityError, ValueError):
     """The manifest is missing, unreadable or not of a known schema; the message says which."""
 
 

@@ -74,6 +74,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as TorchFuture
 
 from supervisor import store
+from supervisor.errors import StorageError
 from supervisor.format.heartbeat import HeartbeatWriter, Phase, Progress, Tracker
 from supervisor.format.layout import (
     dcp_index_filename,
@@ -255,7 +256,7 @@ def commit_reports(
     )
 
 
-class StorageGaveUp(Exception):
+class StorageGaveUp(StorageError):
     """The save policy stopped the launch (exit 74); ``str(e)`` is one line for the job log."""
 
 

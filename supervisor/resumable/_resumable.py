@@ -53,6 +53,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from supervisor import store
 from supervisor.display import human_bytes
+from supervisor.errors import Program, ToolkitError, exit_code
 from supervisor.format.appender import LineAppender
 from supervisor.format.atomic import atomic_write_json
 from supervisor.format.exitcodes import Exit
@@ -381,6 +382,11 @@ def deliberate_exit(
     return int(code)
 
 
+def _code(e: ToolkitError) -> Exit:
+    """The trainer's exit code for one of the toolkit's errors (supervisor/errors.py's table)."""
+    return exit_code(e, Program.TRAINER)
+
+
 def refuse_start(root: str | Path, message: str, code: Exit = Exit.BAD_CONFIG) -> int:
     """A refusal before a ``Resumable`` exists (a config this rank cannot train with), on every
     rank after ``init_process_group``: the exit code into this rank's heartbeat (the watchdog
@@ -668,9 +674,9 @@ class Resumable:
         try:
             restored = self._load(choice)
         except UnsafePickle as e:  # nothing of it ran; every rank read the same file and refused it
-            self._stop(Exit.UNTRUSTED, Phase.LOAD, refusal_line(e, self._root, choice.ckpt))
+            self._stop(_code(e), Phase.LOAD, refusal_line(e, self._root, choice.ckpt))
         except DeviceError as e:  # every rank's file has the same format: all refuse alike
-            self._stop(Exit.BAD_CONFIG, Phase.LOAD, f"cannot resume: {e}")
+            self._stop(_code(e), Phase.LOAD, f"cannot resume: {e}")
         if not restored and self.identity.seed is not None:
             seed_rank_rng(self.identity.seed, self.rank, self.state.step)
             if self.rank == 0:
@@ -700,7 +706,7 @@ class Resumable:
                     fs=ProgressFileSystem(src.parent, loading),
                 )
         except UnsafePickle as e:
-            self._stop(Exit.UNTRUSTED, Phase.LOAD, refusal_line(e, src.parent, src))
+            self._stop(_code(e), Phase.LOAD, refusal_line(e, src.parent, src))
         except Exception as e:  # another model's: one line, not a traceback
             first = one_line(e)
             self._stop(
@@ -813,7 +819,7 @@ class Resumable:
                 self._at_boundary(step, When.SAVE)
         except StorageGaveUp as e:  # raised on every rank at the same save
             self._close_uploader(0.0)
-            self._stop(Exit.STORAGE, Phase.SAVE, str(e))
+            self._stop(_code(e), Phase.SAVE, str(e))
         self._t_end = time.perf_counter()
         return done
 
@@ -912,7 +918,7 @@ class Resumable:
             self._ckpt.close()
         except StorageGaveUp as e:
             self._close_uploader(0.0)
-            self._stop(Exit.STORAGE, Phase.SAVE, str(e))
+            self._stop(_code(e), Phase.SAVE, str(e))
         if self._metrics_file is not None:
             self._metrics_file.close()
             self._metrics_file = None

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from supervisor.errors import UserError
+from supervisor.errors import UserError, refine
 from supervisor.format.atomic import atomic_write_text, fsync_dir
+from supervisor.format.exitcodes import Exit
 from supervisor.format.layout import (
     MANIFEST,
     QUARANTINE_DELETING_PREFIX,
@@ -57,6 +58,8 @@ class StoreError(UserError):
 
 class MismatchError(StoreError):
     """The newest valid checkpoint was made with another model config or data: not corruption."""
+
+    codes = refine(StoreError.codes, trainer=Exit.MISMATCH)
 
 
 @dataclass(frozen=True)

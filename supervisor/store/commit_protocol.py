@@ -13,12 +13,12 @@ import os
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
+from supervisor.errors import StorageError
 from supervisor.format.atomic import fsync_dir, fsync_tree, hostname
 from supervisor.format.layout import MANIFEST, step_dirname, tmp_dirname
 from supervisor.format.manifest import CheckpointInfo, FileEntry, build_manifest, file_sizes, writers_problem
 from supervisor.store.checkpoints import (
     CheckpointRef,
-    StoreError,
     list_checkpoints,
     quarantine_locked,
     root_lock,
@@ -26,7 +26,7 @@ from supervisor.store.checkpoints import (
 )
 
 
-class IncompleteCommit(StoreError):
+class IncompleteCommit(StorageError):
     """A rank's reported file is not in the committing process's view (or not at its size):
     nothing was committed; the message names the rank and the file."""
 

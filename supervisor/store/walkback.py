@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from supervisor.errors import refine
+from supervisor.format.exitcodes import Exit
 from supervisor.format.layout import parse_committed, step_dirname
 from supervisor.format.manifest import (
     ProgressFn,
@@ -46,6 +48,8 @@ from supervisor.store.ioerrors import IO_RETRY_S, Evidence, retry_transient
 class NoUsableCheckpoint(StoreError):
     """No valid checkpoint, but the run has history (quarantined or unusable checkpoints): starting
     from step 0 would silently drop its progress. ``result`` is what the pick did."""
+
+    codes = refine(StoreError.codes, command=Exit.FOUND_PROBLEM, trainer=Exit.NO_USABLE_CHECKPOINT)
 
     def __init__(self, msg: str, result: PickResult):
         super().__init__(msg)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
+from supervisor.errors import IntegrityError, StorageError
 from supervisor.format.layout import (
     MANIFEST,
     QUARANTINE,
@@ -58,24 +59,20 @@ from supervisor.tiers.plan import (
 OnFile = Callable[[str, int], None]  # (relative path, bytes) after each object is transferred
 
 
-class RemoteUnavailable(Exception):
+class RemoteUnavailable(StorageError):
     """The remote did not answer or answered with an error: retry later, it is not corruption."""
 
 
-class IntegrityError(Exception):
-    """Bytes that do not match their manifest; the message names the checkpoint and the file."""
-
-
-class RemoteUntrusted(Exception):
+class RemoteUntrusted(IntegrityError):
     """With a signing key: a remote checkpoint not signed with it (unsigned, a bad signature, or
     bytes that differ from the signed digests). Skipped by a resume; never quarantined."""
 
 
-class LocalSourceError(Exception):
+class LocalSourceError(IntegrityError):
     """The local checkpoint to upload is gone (pruned) or does not match its own manifest."""
 
 
-class LocalUnreadable(Exception):
+class LocalUnreadable(StorageError):
     """A local file could not be read for a transient I/O error (EIO, ESTALE...): not uploaded
     now, tried again later; not a verdict on the checkpoint."""
 
