@@ -63,6 +63,11 @@ class RemoteUnavailable(StorageError):
     """The remote did not answer or answered with an error: retry later, it is not corruption."""
 
 
+class RemoteCorrupt(IntegrityError):
+    """Bytes that do not match their manifest: quarantined, the resume walks back; the message
+    names the checkpoint and the file."""
+
+
 class RemoteUntrusted(IntegrityError):
     """With a signing key: a remote checkpoint not signed with it (unsigned, a bad signature, or
     bytes that differ from the signed digests). Skipped by a resume; never quarantined."""
@@ -97,7 +102,7 @@ def _remote_errors(url: str, what: str) -> Iterator[None]:
     """Anything a backend raises, other than our own verdicts, means: the remote is unavailable."""
     try:
         yield
-    except (IntegrityError, RemoteUntrusted, LocalSourceError, LocalUnreadable, RemoteUnavailable):
+    except (RemoteCorrupt, RemoteUntrusted, LocalSourceError, LocalUnreadable, RemoteUnavailable):
         raise
     except Exception as e:  # a backend's text may quote the URL, credentials included: redacted
         raise RemoteUnavailable(redact(f"{url}: {what} failed ({e.__class__.__name__}: {e})")) from e
@@ -239,17 +244,17 @@ class RemoteTier:
     def download(self, step: int, local_root: str | Path, on_file: OnFile | None = None) -> CheckpointRef:
         """Fetch a complete remote checkpoint into ``local_root`` and commit it there.
 
-        Raises IntegrityError (quarantine it and walk back), RemoteUntrusted (with a key: not
+        Raises RemoteCorrupt (quarantine it and walk back), RemoteUntrusted (with a key: not
         signed with it; skip it, never quarantine) or RemoteUnavailable (try later).
         """
         name = step_dirname(step)
         v = self.check(step)
         if v is None or v.state is RemoteState.INCOMPLETE:
-            raise IntegrityError(f"{name}: not a complete checkpoint on {self.url}")
+            raise RemoteCorrupt(f"{name}: not a complete checkpoint on {self.url}")
         if v.state is RemoteState.UNTRUSTED:
             raise RemoteUntrusted(v.reason)
         if not v.ok or v.manifest is None:
-            raise IntegrityError(v.reason)
+            raise RemoteCorrupt(v.reason)
         m = v.manifest
         signed = v.signature.files if v.signature is not None else None
         digests: dict[str, str] = {}
@@ -286,11 +291,11 @@ class RemoteTier:
             try:
                 self.backend.get_file(key, dest)
             except FileNotFoundError:
-                raise IntegrityError(f"{key} vanished from {self.url} while downloading") from None
+                raise RemoteCorrupt(f"{key} vanished from {self.url} while downloading") from None
         algos = (CHECKSUM_ALGO,) if signed is None else (CHECKSUM_ALGO, DIGEST_ALGO)
         size, (actual, *digest) = dest.stat().st_size, hash_file(dest, algos)
         if size != entry.size or actual != entry.checksum:
-            raise IntegrityError(
+            raise RemoteCorrupt(
                 f"{key}: downloaded {size} B with checksum {actual[:12]}.., manifest says "
                 f"{entry.size} B, {entry.checksum[:12]}.."
             )
