@@ -23,7 +23,14 @@ from supervisor.format.layout import RunDir, parse_state_filename, per_node_file
 from supervisor.format.nodesummary import NodeSummary, newest_per_rank, read_summary, summary_paths
 from supervisor.ioerrors import Evidence, describe
 from supervisor.quickcache import QuickChecks
-from supervisor.watch.liveness import Clock, PhaseTimeouts, describe_progress, rank_stale
+from supervisor.watch.liveness import (
+    Clock,
+    PhaseTimeouts,
+    describe_progress,
+    describe_wait,
+    rank_stale,
+    silences,
+)
 
 if TYPE_CHECKING:
     from supervisor.tiers.uploader import RemoteStatus
@@ -273,14 +280,22 @@ def _nodes(
 
 
 def _row(
-    snap: HeartbeatSnapshot, clock: Clock, timeouts: PhaseTimeouts, current: set[str], lost: str
+    snap: HeartbeatSnapshot,
+    clock: Clock,
+    timeouts: PhaseTimeouts,
+    current: set[str],
+    lost: str,
+    silent: dict[int, float],
 ) -> RankRow:
-    """One rank's row; ``lost`` says its node's summary is stale (its news may be old)."""
+    """One rank's row; ``lost`` says its node's summary is stale (its news may be old); its
+    silence (``silences``: since progress, not since the last beat) is ``silent[id(heartbeat)]``."""
     hb = snap.heartbeat
     if hb is None:
         return RankRow(snap.rank, "", None, None, UNKNOWN, None, None, True, snap.problem)
     age = clock.age(hb)
-    stale, note = rank_stale(hb, age, timeouts.for_beat(hb), current)
+    stale, note = rank_stale(hb, silent.get(id(hb), age), timeouts.for_beat(hb), current)
+    if waiting := describe_wait(hb, clock.wall):
+        note = (note + "; " if note else "") + waiting
     if lost and hb.phase != Phase.DONE:
         stale, note = True, lost
     if hb.exit_code is not None:
@@ -379,7 +394,10 @@ def _ranks(
             bad[node] = f"{s.path}: {e}"
             continue
         snaps += [x for x in node_snaps if keep is None or x.rank in keep]
-    rows = [_row(x, clock, timeouts, current, lost.get(x.path, "")) for x in newest_per_rank(snaps)]
+    newest = newest_per_rank(snaps)
+    beats = [x.heartbeat for x in newest if x.heartbeat is not None]
+    silent = dict(zip(map(id, beats), silences(beats, clock), strict=True))
+    rows = [_row(x, clock, timeouts, current, lost.get(x.path, ""), silent) for x in newest]
     return _RankView(rows, *_tally(rows, counted, complete), summaries, bad)
 
 

@@ -8,6 +8,7 @@ module only carries out what they decide and records it.
 from __future__ import annotations
 
 import errno
+import json
 import math
 import os
 import signal
@@ -26,6 +27,7 @@ from supervisor.format.events import EventLog, RunState
 from supervisor.format.exitcodes import Exit
 from supervisor.format.heartbeat import (
     ENV_LAUNCH_ID,
+    ENV_PHASE_TIMEOUTS,
     ENV_RESTART_COUNT,
     ENV_STANDBY_RELEASE,
     ENV_WATCHDOG_PID,
@@ -529,7 +531,8 @@ class Watchdog:
             )
 
     def _launch_env(self, launch_id: str, number: int) -> dict[str, str]:
-        """The command's environment: the launch's id and count, the TCPStore fix where torchrun
+        """The command's environment: the launch's id and count, the phase timeouts (the ranks
+        bound their own waits under them), the TCPStore fix where torchrun
         may restart its ranks itself (``torchrun_cmd.restarts_inside``), and, when the
         launch's own directory can be made (best effort, like the event log: a run directory the
         watchdog cannot write must not stop the training), torchelastic's error file and
@@ -538,6 +541,7 @@ class Watchdog:
         env[ENV_LAUNCH_ID] = launch_id
         env[ENV_RESTART_COUNT] = str(number - 1)
         env[HEARTBEAT_DIR_ENV] = str(self.hb_dir)
+        env[ENV_PHASE_TIMEOUTS] = json.dumps(self.cfg.timeouts.to_dict())
         if self.cfg.share_store_fix and restarts_inside(self.cfg.command):
             env.setdefault(SHARE_STORE_ENV, "1")
         run = RunDir.of(self.cfg.root)
@@ -712,10 +716,13 @@ class Watchdog:
             if rc is not None:
                 ended.detected = time.time()
                 # The ranks' last word (a save that worked again just before the end) is logged too.
-                self._report_saves(detectors.launch_heartbeats(reader.read(), launch_id), save_seen)
+                last = detectors.launch_heartbeats(reader.read(), launch_id)
+                self._report_saves(last, save_seen)
                 ended.returncode = rc
                 if rc != 0:  # they did not exit cleanly after all; the first to vanish first
                     ended.dead = sorted(gone, key=lambda d: (gone_since.get(d.rank, 0.0), d.rank))
+                    # a rank gave up on its peers and all ended before a look: a hang all the same
+                    ended.hangs, _ = detectors.gave_up(last, self._clock(), self.cfg.timeouts)
                 return ended
             if self.stop_signal is not None:
                 ended.stop_signal = self.stop_signal
@@ -757,16 +764,12 @@ class Watchdog:
                     self.log.emit(EventName.KILL, child.kill(DEAD_RANK_KILL_GRACE_S), unreaped=child.unreaped)
                     ended.returncode = child.returncode()
                     return ended
-                # While a vanished rank is being judged (dead, or a clean exit), its silence is no
-                # hang. Either is judged when due (the grace, a timeout), not a poll interval later.
-                hangs, due = (
-                    self._check_hangs(child, launch_id, snaps, beats) if not gone else ([], SIGNAL_POLL_S)
-                )
+                hangs, note, due = self._hangs_now(child, launch_id, snaps, beats, judging=bool(gone))
                 next_check = min(next_check, time.monotonic() + due)
                 if hangs:
                     ended.detected = time.time()
                     ended.hangs = hangs = self._where_blocked(child, hangs)
-                    ended.culprit = self._handle_hang(child, hangs, launch_id, ended.detected)
+                    ended.culprit = self._handle_hang(child, hangs, launch_id, ended.detected, note)
                     ended.returncode = child.returncode()
                     return ended
             time.sleep(SIGNAL_POLL_S)
@@ -816,6 +819,24 @@ class Watchdog:
         self.log.emit(EventName.PREEMPT, f"preemption notice ({name}) forwarded to {who}", pids=pids)
         return True
 
+    def _hangs_now(
+        self,
+        child: process.Child,
+        launch_id: str,
+        snaps: list[HeartbeatSnapshot],
+        beats: list[Heartbeat],
+        judging: bool,
+    ) -> tuple[list[Hang], str, float]:
+        """The hung ranks now, what the ranks that gave up said, and the seconds until the next
+        check. A rank that gave up waiting for its peers (exit 76) hangs the launch at once. While a
+        vanished rank is being judged (``judging``: dead, or a clean exit), silence is no hang.
+        Either is judged when due (the grace, a timeout), not a poll interval later."""
+        hangs, note = detectors.gave_up(beats, self._clock(), self.cfg.timeouts)
+        if hangs or judging:
+            return hangs, note, SIGNAL_POLL_S
+        hangs, due = self._check_hangs(child, launch_id, snaps, beats)
+        return hangs, "", due
+
     def _check_hangs(
         self, child: process.Child, launch_id: str, snaps: list[HeartbeatSnapshot], beats: list[Heartbeat]
     ) -> tuple[list[Hang], float]:
@@ -830,7 +851,7 @@ class Watchdog:
                 self.step_times, self.cfg.learn_factor, self.cfg.learn_floor_s
             )
             timeouts = liveness.effective_timeouts(timeouts, learned)
-        clock = liveness.Clock(time.time(), time.monotonic(), boot_id())
+        clock = self._clock()
         hangs = detectors.detect_hangs(
             snaps,
             launch_id=launch_id,
@@ -841,6 +862,10 @@ class Watchdog:
         )
         due = detectors.hang_due_s(beats, clock, timeouts)
         return hangs, math.inf if due is None else max(due, 0.0) + HANG_DUE_SLACK_S
+
+    @staticmethod
+    def _clock() -> liveness.Clock:
+        return liveness.Clock(time.time(), time.monotonic(), boot_id())
 
     def _where_blocked(self, child: process.Child, hangs: list[Hang]) -> list[Hang]:
         """Each hung rank with the file syscall /proc shows it blocked in (a read that never
@@ -863,9 +888,12 @@ class Watchdog:
             out.append(h)
         return out
 
-    def _handle_hang(self, child: process.Child, hangs: list[Hang], launch_id: str, detected: float) -> str:
+    def _handle_hang(
+        self, child: process.Child, hangs: list[Hang], launch_id: str, detected: float, note: str = ""
+    ) -> str:
         """Dump every local rank's stacks, name the culprit from where each rank waits (culprit.py),
-        log it with the dumps, then kill the launch. Returns who hung it, for the launch's reason."""
+        log it with the dumps (``note`` first: ranks that gave up waiting), then kill the launch.
+        Returns who hung it, for the launch's reason."""
         beats = detectors.launch_heartbeats(read_heartbeat_folder(self.hb_dir), launch_id)  # every rank
         tree = set(child.tree())
         stopped = set(process.stopped(tree))
@@ -877,7 +905,7 @@ class Watchdog:
         who = diag.summary()
         self.log.emit(
             EventName.HANG,
-            "; ".join(h.reason for h in hangs) + (f"; {who}" if who else ""),
+            (f"{note}; " if note else "") + "; ".join(h.reason for h in hangs) + (f"; {who}" if who else ""),
             ranks=[h.rank for h in hangs],
             stopped_ranks=sorted(r for r, pid in targets.items() if pid in stopped),
             stopped_pids=sorted(stopped),
