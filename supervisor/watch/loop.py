@@ -721,8 +721,7 @@ class Watchdog:
                 ended.returncode = rc
                 if rc != 0:  # they did not exit cleanly after all; the first to vanish first
                     ended.dead = sorted(gone, key=lambda d: (gone_since.get(d.rank, 0.0), d.rank))
-                    # a rank gave up on its peers and all ended before a look: a hang all the same
-                    ended.hangs, _ = detectors.gave_up(last, self._clock(), self.cfg.timeouts)
+                    self._gave_up_at_the_end(ended, last)
                 return ended
             if self.stop_signal is not None:
                 ended.stop_signal = self.stop_signal
@@ -773,6 +772,19 @@ class Watchdog:
                     ended.returncode = child.returncode()
                     return ended
             time.sleep(SIGNAL_POLL_S)
+
+    def _gave_up_at_the_end(self, ended: _Ended, beats: list[Heartbeat]) -> None:
+        """A rank gave up on its peers (exit 76) and the launch ended before a look: a hang all the
+        same, said without stack dumps (nothing is left to dump)."""
+        hangs, note = detectors.gave_up(beats, self._clock(), self.cfg.timeouts)
+        if hangs:
+            ended.hangs = hangs
+            self.log.emit(
+                EventName.HANG,
+                f"{note}; " + "; ".join(h.reason for h in hangs) + "; the launch had ended: no stack dumps",
+                ranks=[h.rank for h in hangs],
+                detected=round(ended.detected, 3),
+            )
 
     def _errored(self, launch_id: str, beats: list[Heartbeat]) -> set[int]:
         """This host's ranks that wrote torchelastic's error file: they ended by an exception."""
