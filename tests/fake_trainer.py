@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import itertools
 import os
 import shutil
 import signal
@@ -238,7 +239,9 @@ def worker(a: argparse.Namespace, rank: int) -> int:
                 hb.beat(step, Phase.TRAIN, exit_code=Exit.REQUEUE)
                 return Exit.REQUEUE
         if gate is not None and gate.wanted(step):
-            gate.hold(step, lambda: hb.beat(step, Phase.TRAIN))  # noqa: B023 - called right here
+            # held, it beats as a trainer's own ``Resumable.beat()`` does: each call progress
+            held = itertools.count(1)
+            gate.hold(step, lambda: hb.beat(step, Phase.TRAIN, progress=next(held)))  # noqa: B023 - called right here
     if not a.no_final_beat:
         hb.beat(step, Phase.DONE, exit_code=0)
     return 0

@@ -25,10 +25,17 @@ from waiting import PATIENCE_S
 
 from supervisor import store
 from supervisor.format.appender import LineAppender
+from supervisor.format.heartbeat import (
+    DEFAULT_COMMIT_TIMEOUT_S,
+    DEFAULT_SAVE_TIMEOUT_S,
+    ENV_PHASE_TIMEOUTS,
+    Phase,
+)
 from supervisor.format.layout import dcp_shard_filename, rank_state_filename
 from supervisor.format.manifest import FileEntry, Manifest, checksum_file
 from supervisor.ioerrors import Evidence
 from supervisor.resumable import _progress_io
+from supervisor.resumable._bounds import phase_timeouts, wait_bound_s
 from supervisor.resumable._checkpointer import CPU_STAGING, OrderedStager, _writer
 from supervisor.resumable._progress_io import (
     MAX_WRITE_CHUNK,
@@ -562,3 +569,22 @@ def test_a_wait_on_background_work_beats_when_it_moved_and_never_while_it_is_stu
         done.set_result(None)
     waiter.join(PATIENCE_S)
     assert not waiter.is_alive()
+
+
+# ---------------------------------------------------------------- the bounds of a save's waits
+
+
+def test_a_saves_waits_are_bounded_at_half_the_watchdogs_save_and_commit_timeouts(caplog):
+    """The watchdog passes its phase timeouts to each launch; a rank bounds its save's collectives
+    and backoffs at half the shorter of save and commit (issue 44: ranks in different collectives
+    waited forever). Without a watchdog, or with a value it cannot read, the defaults'."""
+    env = {ENV_PHASE_TIMEOUTS: json.dumps({"save": 30.0, "commit": 8, "train": 1})}
+    assert phase_timeouts(env) == {Phase.SAVE: 30.0, Phase.COMMIT: 8.0}
+    assert wait_bound_s(Phase.SAVE, Phase.COMMIT, environ=env) == 4.0
+    assert wait_bound_s(Phase.SAVE, environ=env) == 15.0
+    assert wait_bound_s(Phase.SAVE, Phase.COMMIT, environ={}) == 0.5 * min(
+        DEFAULT_SAVE_TIMEOUT_S, DEFAULT_COMMIT_TIMEOUT_S
+    )
+    for bad in ("{", "[1]", json.dumps({"save": -1}), json.dumps({"commit": True})):
+        assert phase_timeouts({ENV_PHASE_TIMEOUTS: bad}) == phase_timeouts({})
+    assert "unreadable" in caplog.text and ENV_PHASE_TIMEOUTS in caplog.text
