@@ -17,11 +17,14 @@ Protocol of one save (every rank calls ``save`` at the same step boundary):
    COMMIT). An async save starts it at the step boundary where every rank's writes are done and
    runs it in the background; the loop takes the outcome at a later boundary (``_InFlight``).
 
-A failed save (ENOSPC, EDQUOT, EIO... on any rank, DCP's CheckpointException, a rank's file missing
-from rank 0's view) is decided at those two exchanges, never by one rank alone (a rank that went
-its own way around a collective would hang the others): rank 0 removes the tmp dir, nothing is
-committed, ``latest`` stays, every rank records the failure in its heartbeat (``save_failures``,
-``last_error``) and training goes on. The next save first makes room (dead writers' tmp dirs,
+A failed save (ENOSPC, EDQUOT, EIO... on any rank, at any point: before, during or after DCP's
+writes, in the commit, in the manifest; a rank's file missing from rank 0's view) is decided at
+those exchanges, never by one rank alone (a rank that went its own way around a collective would
+hang the others): every rank takes part in each of them whatever failed where, DCP runs to its end
+on every rank (the shard writer holds a failure back until then: issue 44), and a bug is agreed
+too, then raised on every rank (SaveCrashed). On a storage failure rank 0 removes the tmp dir,
+nothing is committed, ``latest`` stays, every rank records the failure in its heartbeat
+(``save_failures``, ``last_error``) and training goes on. The next save first makes room (dead writers' tmp dirs,
 quarantine retention). ``save_policy.give_up`` decides, on rank 0, when to stop: then every rank
 raises StorageGaveUp (exit 74).
 
@@ -36,8 +39,12 @@ collective.
 
 DCP and the step-boundary agreement each run on their own gloo group: the upload thread's
 collectives on the default group deadlocked against training collectives (torch-cpu.md). The
-commit's exchanges run on DCP's group after its writes, on the loop (sync) or the background
-thread (async): the loop uses that group again only for the next save, after ``finish``.
+save's opening and the commit's exchanges run on DCP's group, the opening before DCP's writes, the
+commit after them, on the loop (sync) or the background thread (async): the loop uses that group
+again only for the next save, after ``finish``. Every collective on it gives up after ``wait_s``
+(half the shorter of the save and commit timeouts): a rank that waited that long exits 76
+(PeersTimedOut), which the watchdog takes as a hang. Each of its waits beats as a wait, no
+progress, with that deadline (``waiting``, ``wait_until`` in the heartbeat).
 """
 
 from __future__ import annotations
@@ -464,12 +471,14 @@ class Checkpointer:
         self.on_commit = on_commit
         self.rank_extra = rank_extra
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        # Every collective of a save, its commit and their agreements gives up after wait_s, well
-        # under the save and commit timeouts (supervisor/resumable/_bounds.py): ranks in
-        # different collectives crash and are relaunched, and a wait is never hidden for long.
+        # Every collective of a save, its commit and their agreements (all on DCP's group) gives
+        # up after wait_s, well under the save and commit timeouts (supervisor/resumable/_bounds.py):
+        # ranks in different collectives exit 76 and are relaunched, a wait is never hidden for
+        # long. The step boundary's agreement (the training loop's) keeps gloo's own timeout:
+        # rank-0-only work between steps may well take longer.
         self.wait_s = wait_bound_s(Phase.SAVE, Phase.COMMIT)
         self.dcp_group = dist.new_group(backend="gloo", timeout=as_timedelta(self.wait_s))
-        self.ctl_group = dist.new_group(backend="gloo", timeout=as_timedelta(self.wait_s))
+        self.ctl_group = dist.new_group(backend="gloo")
         self.stager: OrderedStager | None = None
         if async_save:
             self.stager = OrderedStager(GPU_STAGING if torch.cuda.is_available() else CPU_STAGING)
@@ -609,8 +618,7 @@ class Checkpointer:
         agreed, self._agreed = self._agreed, None
         if agreed is None:
             flags = self._flags(preempt_requested, save_due)
-            with self._exchange("the step boundary's agreement"):
-                dist.all_reduce(flags, group=self.ctl_group)
+            dist.all_reduce(flags, group=self.ctl_group)
             agreed = [v > 0 for v in flags.tolist()]
         preempt, busy, due = agreed
         if self.in_flight is not None and not busy:
@@ -733,8 +741,9 @@ class Checkpointer:
                 mine = self._failed(step, [self._storage_error(e)])
         until = time.time() + self.wait_s
         beat = lambda: self.hb.beat(step, Phase.SAVE, waiting=OPENING, wait_until=until)  # noqa: E731
+        # on DCP's group, idle here (the last save is over: ``finish``), so bounded as a save's
         with self._exchange(OPENING):  # cast: mypy solves broadcast's T for a union as their join (object)
-            got = cast("Path | SaveOutcome", _agree.broadcast(mine, self.ctl_group, beat))
+            got = cast("Path | SaveOutcome", _agree.broadcast(mine, self.dcp_group, beat))
         if isinstance(got, SaveOutcome):
             self._apply(got)
         return got
