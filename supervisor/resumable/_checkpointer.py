@@ -817,15 +817,16 @@ class Checkpointer:
 
     @contextlib.contextmanager
     def _exchange(self, what: str) -> Iterator[None]:
-        """One of the save's collectives, waiting for ``what``: one that fails gave up after
-        ``wait_s`` (gloo's timeout, or the group an earlier one left broken) and is PeersTimedOut."""
+        """One of the save's collectives, waiting for ``what``: one that fails (gloo gave up after
+        ``wait_s``, a peer's connection closed, the group an earlier one left broken) is
+        PeersTimedOut."""
         try:
             yield
         except RuntimeError as e:  # torch's DistError is one
             raise PeersTimedOut(
-                f"rank {self.rank}: gave up waiting for {what} after {self.wait_s:g}s (a save's exchanges "
-                f"give up at half the save/commit timeout): a peer is stuck or in another collective "
-                f"({one_line(e)}); exit {Exit.WAIT_GAVE_UP}, retryable",
+                f"rank {self.rank}: its wait for {what} failed ({one_line(e)}): a peer died, is stuck (a "
+                f"save's exchanges give up after {self.wait_s:g}s, half the save/commit timeout) or is in "
+                f"another collective; exit {Exit.WAIT_GAVE_UP}, retryable",
                 what,
             ) from e
 

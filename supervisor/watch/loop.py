@@ -775,8 +775,9 @@ class Watchdog:
 
     def _gave_up_at_the_end(self, ended: _Ended, beats: list[Heartbeat]) -> None:
         """A rank gave up on its peers (exit 76) and the launch ended before a look: a hang all the
-        same, said without stack dumps (nothing is left to dump)."""
-        hangs, note = detectors.gave_up(beats, self._clock(), self.cfg.timeouts)
+        same, said without stack dumps (nothing is left to dump); not when a rank died (the one it
+        waited for: its death is the news)."""
+        hangs, note = ([], "") if ended.dead else detectors.gave_up(beats, self._clock(), self.cfg.timeouts)
         if hangs:
             ended.hangs = hangs
             self.log.emit(
@@ -840,11 +841,14 @@ class Watchdog:
         judging: bool,
     ) -> tuple[list[Hang], str, float]:
         """The hung ranks now, what the ranks that gave up said, and the seconds until the next
-        check. A rank that gave up waiting for its peers (exit 76) hangs the launch at once. While a
-        vanished rank is being judged (``judging``: dead, or a clean exit), silence is no hang.
-        Either is judged when due (the grace, a timeout), not a poll interval later."""
+        check. While a vanished rank is being judged (``judging``: dead, or a clean exit), no rank
+        is hung: neither a silent one nor one that gave up waiting for its peers (it waited for
+        that one). Else a rank that gave up waiting for its peers (exit 76) hangs the launch at
+        once. Either is judged when due (the grace, a timeout), not a poll interval later."""
+        if judging:
+            return [], "", SIGNAL_POLL_S
         hangs, note = detectors.gave_up(beats, self._clock(), self.cfg.timeouts)
-        if hangs or judging:
+        if hangs:
             return hangs, note, SIGNAL_POLL_S
         hangs, due = self._check_hangs(child, launch_id, snaps, beats)
         return hangs, "", due
