@@ -32,6 +32,7 @@ from supervisor.drill.report import summary, verdict_table
 from supervisor.drill.runner import ScenarioRun
 from supervisor.drill.storage import PhaseClock, at_end, driver_for
 from supervisor.format.heartbeat import Heartbeat, Phase, write_heartbeat
+from supervisor.format.statediff import Comparison, ItemDiff, StepDiff
 
 STEPS, EVERY = 40, 10
 
@@ -128,6 +129,38 @@ def test_save_in_flight_doubles_the_bound():
     assert "steps redone within bound" not in failed(verdict(drill, in_flight=[True]))
 
 
+def test_a_lost_preemption_checkpoint_names_what_ended_the_launch():
+    """SIGTERM to every process of the job killed a DataLoader worker: the rank died of it before
+    the step boundary that saves; the check says the checkpoint was lost and quotes the watchdog."""
+    drill = seen_after_fault(curve("a", range(1, 19)) + curve("b", range(11, STEPS + 1)))
+    end = (
+        "launch 1 ended after 9.1s at step 18: rank 1 (pid 77) died at step 18 without an exit code; root "
+        "cause rank 1: RuntimeError: DataLoader worker (pid(s) 4242) exited unexpectedly (t.py:40)"
+    )
+    events = [
+        {"event": "launch_end", "t": T0 - 5, "msg": "an earlier launch"},
+        {"event": "launch_end", "t": T0 + 2, "msg": end},
+    ]
+    preempt = Fault(Kind.PREEMPT, 17, 0)
+    v = verdict(drill, faults=[preempt], fault_times=[T0], events=events, scenario="preempt")
+    (check,) = [c for c in v.checks if c.name == "steps redone within bound"]
+    assert not check.ok
+    assert check.detail == f"preempt redid 8 steps (bound 0); the preemption checkpoint was lost: {end}"
+
+
+def test_a_differing_digest_gets_the_comparisons_verdict():
+    rng = ItemDiff("torch_rng", 1, "cpu", "values differ")
+    comparison = Comparison((StepDiff(10, ()), StepDiff(20, (rng,))))
+    v = verdict(faithful_run(), digest="other", comparison=comparison)
+    (check,) = [c for c in v.checks if c.name == "first state that differs from golden"]
+    assert not check.ok and check.detail.startswith(
+        "the global torch RNG of rank 1 differs from golden's at step 20"
+    )
+    assert "resume from step 10 (which equals golden's)" in check.detail
+    same = verdict(faithful_run(), comparison=comparison)  # an equal digest: nothing to explain
+    assert "first state that differs from golden" not in {c.name for c in same.checks}
+
+
 def test_fault_not_injected_fails():
     faults = [Fault(Kind.KILL9, 17, 1)]
     v = verdict(GOLDEN, faults=faults, injected=[])
@@ -172,6 +205,23 @@ def test_plan_shapes():
         plan("meteor", seed=0, steps=80, save_every=10, ranks=2)
     with pytest.raises(ValueError, match="too few"):
         plan(CHAOS, seed=0, steps=25, save_every=10, ranks=2)
+
+
+def test_the_default_set_adapts_its_plans_to_the_steps():
+    """40 steps, a save every 10: room for one fault between the second save and the last
+    interval. Adapted, corrupt-latest does one kind of damage and chaos, which needs two faults,
+    says so; asked for by name, both are refused. With room, nothing changes."""
+    with pytest.raises(ValueError, match="too few for 3 corrupt-latest"):
+        plan("corrupt-latest", seed=0, steps=40, save_every=10, ranks=2)
+    (f,) = plan("corrupt-latest", seed=0, steps=40, save_every=10, ranks=2, adapt=True)
+    assert f.corruption == DRILL[0]
+    with pytest.raises(ValueError, match="too few for 2 chaos"):
+        plan(CHAOS, seed=0, steps=40, save_every=10, ranks=2, adapt=True)
+    assert len(plan(CHAOS, seed=0, steps=50, save_every=10, ranks=2, adapt=True)) == 2
+    for seed in range(5):
+        for scenario in ("corrupt-latest", CHAOS):
+            kw = {"seed": seed, "steps": 80, "save_every": 10, "ranks": 2}
+            assert plan(scenario, **kw, adapt=True) == plan(scenario, **kw)
 
 
 # ---------------------------------------------------------------- hangs: culprit, SIGKILL, resume point

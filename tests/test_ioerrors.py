@@ -1,4 +1,4 @@
-"""supervisor/ioerrors.py as pure functions: which errors are evidence, which are only the storage
+"""supervisor/store/ioerrors.py as pure functions: which errors are evidence, which are only the storage
 not answering, and the bounded retry (an injected clock and sleep: nothing waits for real)."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from supervisor.ioerrors import (
+from supervisor.store.ioerrors import (
     RETRY_MAX_S,
+    STORAGE_BACKOFF,
     STRUCTURAL_ERRNOS,
     Evidence,
     StorageUnavailable,
-    backoff_s,
     describe,
     evidence_of,
     is_transient,
@@ -85,7 +85,7 @@ def test_describe_names_the_errno() -> None:
 
 @given(attempt=st.integers(1, 60), seed=st.integers(0, 2**32))
 def test_backoff_grows_is_capped_and_jittered(attempt: int, seed: int) -> None:
-    w = backoff_s(attempt, random.Random(seed))
+    w = STORAGE_BACKOFF.wait_s(attempt, random.Random(seed))
     cap = min(RETRY_MAX_S, 0.5 * 2 ** (attempt - 1))
     assert cap / 2 <= w <= cap
 

@@ -33,7 +33,6 @@ from supervisor.format.heartbeat import (
 )
 from supervisor.format.layout import dcp_shard_filename, rank_state_filename
 from supervisor.format.manifest import FileEntry, Manifest, checksum_file
-from supervisor.ioerrors import Evidence
 from supervisor.resumable import _progress_io
 from supervisor.resumable._bounds import phase_timeouts, wait_bound_s
 from supervisor.resumable._checkpointer import CPU_STAGING, OrderedStager, _writer
@@ -63,6 +62,7 @@ from supervisor.resumable._save_policy import (
     save_error,
     storage_cause,
 )
+from supervisor.store.ioerrors import Evidence
 
 # ---------------------------------------------------------------- give-up policy
 

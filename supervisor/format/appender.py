@@ -15,7 +15,7 @@ import logging
 import os
 from pathlib import Path
 
-from supervisor.ioerrors import describe
+from supervisor.store.ioerrors import describe
 
 log = logging.getLogger(__name__)
 

@@ -144,6 +144,10 @@ class Heartbeat:
     # time its wait gives up on its own (0: unknown).
     waiting: str = ""
     wait_until: float = 0.0
+    # The exception that ended the rank, one line ("RuntimeError: ... (train.py:88)"), written by
+    # its last beat (supervisor/resumable/_signals.py): a rank gone without it, and without an
+    # exit code, was killed by a signal.
+    died_of: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -245,6 +249,7 @@ def heartbeat_from_dict(d: Mapping[str, Any]) -> Heartbeat:
             progress_wall=_float(d.get("progress_wall", 0.0)),
             waiting=str(d.get("waiting", "")),
             wait_until=_float(d.get("wait_until", 0.0)),
+            died_of=str(d.get("died_of", "")),
         )
     except KeyError as e:
         raise ValueError(f"field {e} missing") from None
@@ -371,6 +376,8 @@ class HeartbeatWriter:
         self._last_phase: tuple[Phase, tuple[str, float]] | None = None
         self._progress: tuple[object, ...] | None = None  # (phase, custom, step, progress) last beaten
         self._progress_at = (0.0, 0.0)  # (monotonic, wall) of its last change
+        self._last_step = 0
+        self._died_of = ""
 
     def beat(  # noqa: PLR0913  the record's fields, keyword-only past the first five
         self,
@@ -434,8 +441,9 @@ class HeartbeatWriter:
             progress_wall=self._progress_at[1],
             waiting=waiting,
             wait_until=wait_until,
+            died_of=self._died_of,
         )
-        self._last_phase = (phase, custom)
+        self._last_phase, self._last_step = (phase, custom), step
         try:
             write_heartbeat_in(self.folder, hb)
         except OSError as e:
@@ -450,6 +458,13 @@ class HeartbeatWriter:
             self.write_errors = 0
         self._last_write = mono
         return True
+
+    def died(self, what: str) -> None:
+        """The rank's last beat, on its way out: the exception that ended it (one line), at the
+        step and phase of the beat before."""
+        self._died_of = what
+        phase = self._last_phase[0] if self._last_phase else Phase.STARTUP
+        self.beat(self._last_step, phase, force=True)
 
     def mark(self, mark: Mark, at: float | None = None) -> None:
         """Record when this launch reached ``mark`` (now by default; the first time only); the

@@ -82,6 +82,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as TorchFuture
 
 from supervisor import store
+from supervisor.errors import StorageError
 from supervisor.format.exitcodes import Exit
 from supervisor.format.heartbeat import HeartbeatWriter, Phase, Progress, Tracker
 from supervisor.format.layout import (
@@ -92,7 +93,8 @@ from supervisor.format.layout import (
     step_dirname,
 )
 from supervisor.format.manifest import CHECKSUM_ALGO, META_SAVE_S, CheckpointInfo, FileEntry, hash_file
-from supervisor.ioerrors import describe
+from supervisor.format.statediff import SHARED
+from supervisor.store.ioerrors import describe
 from supervisor.resumable import _agree
 from supervisor.resumable._bounds import as_timedelta, wait_bound_s
 from supervisor.resumable._dcp_index import per_rank_index, tensor_bytes
@@ -199,6 +201,14 @@ class Saveable(Protocol):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
+    def keep(self, name: str, obj: Stateful) -> None:
+        """Save ``obj`` under ``name`` too, from the next save and load on (a loader's position)."""
+        ...
+
+    def saves(self, obj: object) -> bool:
+        """Whether ``obj`` is saved already (a sampler the trainer keeps among its objects)."""
+        ...
+
 
 @dataclass(frozen=True)
 class CommitInfo:
@@ -262,7 +272,7 @@ def commit_reports(
     )
 
 
-class StorageGaveUp(Exception):
+class StorageGaveUp(StorageError):
     """The save policy stopped the launch (exit 74); ``str(e)`` is one line for the job log."""
 
 
@@ -511,7 +521,7 @@ class Checkpointer:
         if isinstance(tmp, SaveOutcome):
             return tmp
         rank_file = tmp / rank_state_filename(self.rank)
-        app = {"app": state.saving(self.rank, self.world_size).state_dict()}
+        app = {SHARED: state.saving(self.rank, self.world_size).state_dict()}
         alone = self._index_per_rank(app)
         if self.async_save and not blocking:
             rank_state = RankState.serialize(
@@ -1051,7 +1061,7 @@ class Checkpointer:
         with readahead(first), kept_alive(progress, self.wait_s) as loading:
             prime_for_load(getattr(state, "optimizer", None))
             fs = ProgressFileSystem(self.root, loading)
-            load_dcp(ckpt, {"app": state}, self.dcp_group, fs=fs)
+            load_dcp(ckpt, {SHARED: state}, self.dcp_group, fs=fs)
             if not same_world:
                 return False
             try:

@@ -50,17 +50,20 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.utils.data import DataLoader, Dataset
 
 from supervisor import store
+from supervisor.display import human_bytes
+from supervisor.errors import Program, ToolkitError, exit_code
 from supervisor.format.appender import LineAppender
 from supervisor.format.atomic import atomic_write_json
 from supervisor.format.exitcodes import Exit
 from supervisor.format.heartbeat import HeartbeatWriter, Phase, Progress, stack_dump_path
 from supervisor.format.hooks import When
-from supervisor.format.layout import FINAL, RunDir, step_dirname
-from supervisor.format.manifest import META_RECENT_LOSSES, CheckpointInfo, Manifest
+from supervisor.format.layout import FINAL, RunDir
+from supervisor.format.manifest import META_RECENT_LOSSES, CheckpointInfo
 from supervisor.format.metrics import MetricsRecord
-from supervisor.ioerrors import backoff_s, retry_transient
+from supervisor.format.statediff import RANK_LOADERS, RANK_OWN, SHARED
 from supervisor.options import nested, option
 from supervisor.resumable import _agree, _launch_marks, _tiering
 from supervisor.resumable._checkpointer import (
@@ -72,8 +75,10 @@ from supervisor.resumable._checkpointer import (
     StorageGaveUp,
 )
 from supervisor.resumable._devices import DeviceError
-from supervisor.resumable._digest import params_digest
+from supervisor.resumable._digest import params_digest, tensors_digest
 from supervisor.resumable._hooks import BoundaryHook, boundary_hook, no_hook
+from supervisor.resumable._loader import Rank, ResumableLoader, SamplerPosition, build, prepare, saved_as
+from supervisor.resumable._loader_check import LoaderCheck
 from supervisor.resumable._optim_state import prime_for_load
 from supervisor.resumable._progress_io import ProgressFileSystem, kept_alive
 from supervisor.resumable._resume import (
@@ -87,10 +92,11 @@ from supervisor.resumable._resume import (
 from supervisor.resumable._safe_load import load_dcp, one_line, refusal_line
 from supervisor.resumable._sanity import LOSS_WINDOW, ResumeSanity
 from supervisor.resumable._save_policy import DEFAULT_MAX_FAILED_SAVES, SavePolicy
-from supervisor.resumable._signals import PreemptionFlag, register_stack_dump
+from supervisor.resumable._signals import PreemptionFlag, on_uncaught, record_uncaught, register_stack_dump
 from supervisor.resumable._tiering import RemoteOptions
 from supervisor.resumable._train_state import RANK_ITEMS, seed_rank_rng
 from supervisor.safepickle import UnsafePickle
+from supervisor.store.ioerrors import STORAGE_BACKOFF, retry_transient
 from supervisor.tiers.uploader import Uploader
 
 log = logging.getLogger("resumable")
@@ -104,10 +110,12 @@ UPLOADS = "the remote tier's uploads"  # what rank 0 waits for at the end (its h
 
 
 def install_signals() -> str:
-    """Record SIGTERM/SIGUSR1 (and $REQUEUE_SIGNAL's) as a preemption notice; once per process.
-    Returns why $REQUEUE_SIGNAL is unusable, or ''."""
+    """Record SIGTERM/SIGUSR1 (and $REQUEUE_SIGNAL's) as a preemption notice, and an uncaught
+    exception in torchelastic's error file; once per process. Returns why $REQUEUE_SIGNAL is
+    unusable, or ''."""
     if not _installed:
         _installed.append(PREEMPTION.install())
+        record_uncaught()
     return _installed[0]
 
 
@@ -126,7 +134,7 @@ class Saves:
         "save in the background while training goes on (default)", True, off="--sync-save"
     )
     # The newest ``keep`` and the retention beyond it: the retention flags (--keep, --keep-every-s,
-    # --keep-best, --keep-all) of supervisor.retention_policy, shared with `ckpt prune`.
+    # --keep-best, --keep-all) of supervisor.store.retention_policy, shared with `ckpt prune`.
     keep: int = store.DEFAULT_KEEP
     max_failed_saves: int = option(
         "exit 74 after N failed saves in a row (a full disk, EIO...); until then training goes on",
@@ -268,6 +276,15 @@ class Objects(Stateful):
     def saving(self, rank: int, world_size: int) -> Stateful:
         return self
 
+    def keep(self, name: str, obj: Stateful) -> None:
+        """Save ``obj`` as ``name`` too (a loader's position)."""
+        if name in self.others or name in ("model", "optimizer", "step"):
+            raise ValueError(f"Resumable: '{name}' is saved already; give the loader another name=")
+        self.others[name] = obj
+
+    def saves(self, obj: object) -> bool:
+        return any(v is obj for v in self.others.values())
+
     def state_dict(self) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         return {
@@ -328,6 +345,41 @@ def init_source(spec: str) -> Path | str:
     return f"{root}: {have} that passes its checks (ckpt list --ckpt-root {root})"
 
 
+def tell(line: str) -> None:
+    """A line every operator needs (where the run resumed from, and what was checked), on rank 0:
+    through the ``resumable`` logger when the trainer's logging shows it, else on stderr; once
+    either way, whatever the trainer did or did not configure."""
+    if log.isEnabledFor(logging.INFO) and log.hasHandlers():
+        log.info("%s", line)
+    else:
+        print(f"resumable: {line}", file=sys.stderr, flush=True)
+
+
+def resume_line(
+    choice: Choice, options: ResumeOptions, world_size: int, config_changed: bool, root: Path, step: int
+) -> str:
+    """'resumed from step_00000020, next step 21: runs/r1/step_00000020, 6 files, 1.2 MiB; every
+    checksum verified (deep, over 2 ranks); identity, data and global batch match'."""
+    m = choice.manifest
+    assert m is not None and choice.ckpt is not None
+    if choice.verified:
+        checked = "downloaded from the remote tier, every checksum verified"
+    elif options.verify == "deep":
+        checked = f"every checksum verified (deep, over {world_size} rank{'s' if world_size > 1 else ''})"
+    else:
+        checked = "file sizes checked (--verify quick: no checksum)"
+    signed = "; signature verified" if options.sign_key is not None else ""
+    same = "identity, data and global batch match"
+    if config_changed:
+        same = "--allow-config-change applied; data and global batch match"
+    ranks = "" if m.world_size == world_size else f"; world size {m.world_size} -> {world_size} (resharded)"
+    size = f"{len(m.files)} files, {human_bytes(m.total_bytes)}"
+    return (
+        f"resumed from {choice.ckpt.name}, next step {step + 1}: {choice.ckpt}, {size}; {checked}{signed}; "
+        f"{same}{ranks}"
+    )
+
+
 def deliberate_exit(
     hb: HeartbeatWriter, rank: int, step: int, phase: Phase, code: Exit, msg: str = ""
 ) -> int:
@@ -337,6 +389,11 @@ def deliberate_exit(
         print(f"resumable: {msg}", file=sys.stderr, flush=True)
     hb.beat(step, phase, exit_code=int(code))
     return int(code)
+
+
+def _code(e: ToolkitError) -> Exit:
+    """The trainer's exit code for one of the toolkit's errors (supervisor/errors.py's table)."""
+    return exit_code(e, Program.TRAINER)
 
 
 def refuse_start(root: str | Path, message: str, code: Exit = Exit.BAD_CONFIG) -> int:
@@ -353,11 +410,47 @@ def refuse_start(root: str | Path, message: str, code: Exit = Exit.BAD_CONFIG) -
     return deliberate_exit(hb, rank, 0, Phase.STARTUP, code, message)
 
 
+class RankItems(Stateful):
+    """The trainer's items in the per-rank file once a loader keeps its position per rank (a
+    stream's, a ``StatefulDataLoader``'s): the user's ``rank_items`` and those positions."""
+
+    def __init__(self, own: Stateful | None):
+        self.own = own
+        self.loaders: dict[str, Stateful] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            RANK_OWN: self.own.state_dict() if self.own is not None else {},
+            RANK_LOADERS: {k: v.state_dict() for k, v in self.loaders.items()},
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if self.own is not None:
+            self.own.load_state_dict(sd[RANK_OWN])
+        for k, v in self.loaders.items():
+            v.load_state_dict(sd[RANK_LOADERS][k])
+
+
 class Resumable:
     """The checkpoint lifecycle of one launch on this rank (every rank builds one, after
     ``init_process_group``): ``resume()``, then ``step_end()`` once per step, then ``finish()``.
     Between them: ``reduce()`` (a reduction that carries the step's control flags), ``beat()``
     and ``phase()`` (long stretches of the trainer's own), ``preemption_noticed``.
+
+    The data, before ``resume()`` (docs/adopting.md#data):
+
+    - ``loader(dataset, batch_size, *, shuffle=False, name="data", **dataloader_kwargs)``: a torch
+      DataLoader whose position is saved with every checkpoint and restored mid-epoch (map-style
+      and ``IterableDataset``), with a private seeded generator (``iter()`` draws nothing from the
+      global RNG), per-sample (map-style) or per-worker (stream) random streams a resume repeats,
+      and workers that leave SIGTERM, SIGINT and the notice to their rank. ``batch_size`` is per
+      rank; each ``iter()`` runs to the end of the epoch.
+    - ``prepare(loader, *, name="data")``: the same for a DataLoader you built (a torch sampler,
+      a ``ResumableBatchSampler``, an ``IterableDataset``, or torchdata's ``StatefulDataLoader``,
+      whose own ``state_dict`` is saved); use what it returns.
+
+    A DataLoader iterated without either, between ``resume()`` and the first ``step_end``, gets
+    one warning (rank 0) naming what a resume loses through it and this fix.
 
     Extension hooks, for a subclass (the reference trainer's ``Reference`` overrides all three):
 
@@ -404,6 +497,7 @@ class Resumable:
         _launch_marks.started(self._hb)  # process start, torch imported, process group up: recovery breakdown
         self._hb.beat(0, Phase.STARTUP)
         self._stacks = register_stack_dump(stack_dump_path(self._root, self.rank))  # open until exit
+        on_uncaught(self._hb.died)  # the exception that ends this rank, in its last heartbeat
         self._problem = install_signals() or self._saves.problem() or self._remote_problem()
         self._uploader: Uploader | None = None  # rank 0 with a remote, from resume() on
         remote = bool(self._options.remote.url) and self.rank == 0
@@ -419,6 +513,7 @@ class Resumable:
             },
             torch_version=torch.__version__,
         )
+        self._rank_items = RankItems(rank_items)  # the per-rank file's, once a loader keeps one there
         self._ckpt = Checkpointer(
             self._root,
             async_save=self._saves.async_save,
@@ -438,6 +533,9 @@ class Resumable:
         self._metrics_file: LineAppender | None = None
         self._at_boundary: BoundaryHook = no_hook  # until resume() knows the launch
         self._own_beats = 0  # the trainer's own beat() calls: its progress between steps
+        self._loaders_closed = False  # resume() restored their positions
+        self._loaders: list[ResumableLoader] = []  # made by loader() and prepare()
+        self._loader_check = LoaderCheck(self._warn)
         self._last_save = time.monotonic()
         self._t_end = time.perf_counter()
         # The staging wait, before every optimizer step, so no caller can forget it.
@@ -475,31 +573,105 @@ class Resumable:
         elif self._options.init_from:
             self._init_from(self._options.init_from)
         else:
-            log.info("no checkpoint in %s: starting at step 0", self._root)
+            self._fresh()
         if diff:
             self.apply_config_change(diff)
         self.start = self.state.step
         if choice.ckpt is not None and choice.manifest is not None:
-            self._resumed(choice.manifest, config_changed=bool(diff))
+            self._resumed(choice, config_changed=bool(diff))
         _launch_marks.loaded(self._hb)
         if self.rank == 0:
             self._metrics_file = LineAppender(RunDir.of(self._root).metrics)
         self._hb.beat(self.start, Phase.TRAIN, force=True)
         self._last_save, self._t_end = time.monotonic(), time.perf_counter()
+        self._open_loaders()
         return self.start
 
-    def _resumed(self, manifest: Manifest, config_changed: bool) -> None:
+    # ------------------------------------------------------------ data
+
+    def loader(
+        self,
+        dataset: Dataset[Any],
+        batch_size: int | None = 1,
+        *,
+        shuffle: bool = False,
+        name: str = "data",
+        **kwargs: Any,
+    ) -> ResumableLoader:
+        """A torch DataLoader over ``dataset`` whose position, random streams and workers survive
+        a preemption and a resume (``_loader.build``): ``batch_size`` per rank, ``shuffle`` a seeded
+        order per epoch, ``kwargs`` to the DataLoader (``num_workers``, ``collate_fn``,
+        ``pin_memory``...; not ``sampler``, ``batch_sampler`` or ``generator``: its own). Saved as
+        ``name`` with every checkpoint; call it before ``resume()``."""
+        made = build(dataset, batch_size, self._where(), shuffle=shuffle, **kwargs)
+        self._keep_loader(name, made)
+        self._track(made)
+        return made
+
+    def prepare(self, loader: DataLoader[Any], *, name: str = "data") -> DataLoader[Any]:
+        """The resumable equivalent of ``loader`` (``_loader.prepare``), saved as ``name`` with
+        every checkpoint (a ``ResumableBatchSampler`` already among the saved objects is not saved
+        twice); call it before ``resume()`` and iterate what it returns."""
+        made = prepare(loader, self._where())
+        position = made.position if isinstance(made, ResumableLoader) else None
+        if not (isinstance(position, SamplerPosition) and self.state.saves(position.sampler)):
+            self._keep_loader(name, saved_as(made))
+        if isinstance(made, ResumableLoader):
+            self._track(made)
+        return made
+
+    def _track(self, made: ResumableLoader) -> None:
+        """Its iteration waits for resume(), which restores its position (or has already)."""
+        made.resumed = self._loaders_closed
+        self._loaders.append(made)
+
+    def _warn(self, msg: str) -> None:
+        if self.rank == 0:
+            log.warning("%s", msg)
+
+    def _open_loaders(self) -> None:
+        """Their positions are restored: they may be iterated, and no new one may be made. Until
+        the first step_end, the loop makes its iterators: each DataLoader's is looked at."""
+        self._loaders_closed = True
+        for made in self._loaders:
+            made.resumed = True
+        self._loader_check.start()
+
+    def _where(self) -> Rank:
+        return Rank(self.rank, self.world_size, self.identity.seed or 0)
+
+    def _keep_loader(self, name: str, obj: Stateful) -> None:
+        if self._loaders_closed:
+            raise RuntimeError("Resumable: make loaders before resume(), which restores their position")
+        if not getattr(obj, "per_rank", False):
+            self.state.keep(name, obj)
+            return
+        if name in self._rank_items.loaders:
+            raise ValueError(
+                f"Resumable: a loader named '{name}' is saved already; give this one another name="
+            )
+        self._rank_items.loaders[name] = obj
+        self._ckpt.rank_extra = self._rank_items
+
+    def _resumed(self, choice: Choice, config_changed: bool) -> None:
         """The losses reported before the checkpoint continue the window; rank 0 says where the
-        run resumed and judges the first steps after it (the sanity step; not their LR against
-        the saved one when an ``allow_config_change`` was applied: it may have changed it)."""
+        run resumed and what was verified, and judges the first steps after it (the sanity step;
+        not their LR against the saved one when an ``allow_config_change`` was applied: it may
+        have changed it)."""
+        manifest = choice.manifest
+        assert manifest is not None
         saved = manifest.meta.get(META_RECENT_LOSSES)
         window = [float(x) for x in saved if isinstance(x, int | float)] if isinstance(saved, list) else []
         self._recent_losses.extend(window)
         if self.rank != 0:
             return
-        log.info("resumed from %s, next step %d", step_dirname(self.start), self.start + 1)
+        tell(resume_line(choice, self._options, self.world_size, config_changed, self._root, self.start))
         lr = None if config_changed else manifest.metrics.get("lr")
         self._sanity = ResumeSanity(window, lr, self.steps - self.start)
+
+    def _fresh(self) -> None:
+        if self.rank == 0:
+            tell(f"no checkpoint in {self._root}: starting at step 0")
 
     def _state_optimizer(self) -> torch.optim.Optimizer:
         opt = getattr(self.state, "optimizer", None)
@@ -512,9 +684,9 @@ class Resumable:
         try:
             restored = self._load(choice)
         except UnsafePickle as e:  # nothing of it ran; every rank read the same file and refused it
-            self._stop(Exit.UNTRUSTED, Phase.LOAD, refusal_line(e, self._root, choice.ckpt))
+            self._stop(_code(e), Phase.LOAD, refusal_line(e, self._root, choice.ckpt))
         except DeviceError as e:  # every rank's file has the same format: all refuse alike
-            self._stop(Exit.BAD_CONFIG, Phase.LOAD, f"cannot resume: {e}")
+            self._stop(_code(e), Phase.LOAD, f"cannot resume: {e}")
         if not restored and self.identity.seed is not None:
             seed_rank_rng(self.identity.seed, self.rank, self.state.step)
             if self.rank == 0:
@@ -540,12 +712,12 @@ class Resumable:
             with kept_alive(self._hb.tracker(Phase.LOAD, 0), self._ckpt.wait_s) as loading:
                 load_dcp(
                     src,
-                    {"app": _Weights(self.state, self._options.init_optimizer)},
+                    {SHARED: _Weights(self.state, self._options.init_optimizer)},
                     self._ckpt.dcp_group,
                     fs=ProgressFileSystem(src.parent, loading),
                 )
         except UnsafePickle as e:
-            self._stop(Exit.UNTRUSTED, Phase.LOAD, refusal_line(e, src.parent, src))
+            self._stop(_code(e), Phase.LOAD, refusal_line(e, src.parent, src))
         except Exception as e:  # another model's: one line, not a traceback
             first = one_line(e)
             self._stop(
@@ -555,7 +727,7 @@ class Resumable:
             )
         self._init_source = str(src)
         if self.rank == 0:
-            log.info("new run: %s from %s (--init-from), starting at step 0", what, src)
+            tell(f"new run: {what} from {src} (--init-from), starting at step 0")
 
     def _load(self, choice: Choice) -> bool:
         """Load the chosen checkpoint; returns whether the per-rank state was restored (not on
@@ -629,6 +801,7 @@ class Resumable:
         notice agreed by all ranks (a synchronous save, then exit 75), starts a save when one is
         due (every N steps, or every T seconds by rank 0's clock). Returns whether the run is done."""
         dt = float((metrics or {}).get("step_time", time.perf_counter() - self._t_end))
+        self._loader_check.stop()
         self.state.step = step
         self._metrics = {**dict(metrics or {}), "step_time": round(dt, 6)}
         loss = self._metrics.get("loss")
@@ -657,7 +830,7 @@ class Resumable:
                 self._at_boundary(step, When.SAVE)
         except StorageGaveUp as e:  # raised on every rank at the same save
             self._close_uploader(0.0)
-            self._stop(Exit.STORAGE, Phase.SAVE, str(e))
+            self._stop(_code(e), Phase.SAVE, str(e))
         except PeersTimedOut as e:
             self._gave_up(e)
         self._t_end = time.perf_counter()
@@ -763,7 +936,7 @@ class Resumable:
             self._ckpt.close()
         except StorageGaveUp as e:
             self._close_uploader(0.0)
-            self._stop(Exit.STORAGE, Phase.SAVE, str(e))
+            self._stop(_code(e), Phase.SAVE, str(e))
         except PeersTimedOut as e:
             self._gave_up(e)
         if self._metrics_file is not None:
@@ -784,7 +957,7 @@ class Resumable:
         which belongs to the training loop."""
         while not (outcome := self._save_now()).committed:
             rng = random.Random(f"{self._hb.launch_id}:{outcome.failures}")
-            wait = min(backoff_s(outcome.failures, rng), self._ckpt.wait_s)
+            wait = min(STORAGE_BACKOFF.wait_s(outcome.failures, rng), self._ckpt.wait_s)
             self._wait_beating(wait, Phase.SAVE, "the backoff before the final save's next try")
 
     def _wait_beating(self, seconds: float, phase: Phase, what: str) -> None:
@@ -795,8 +968,17 @@ class Resumable:
 
     def final_fields(self) -> dict[str, Any]:
         """Entries a trainer adds to ``final.json`` (the reference trainer: its EMA's digest,
-        hashed with a ``digest_tracker``). Called on every rank: it may gather."""
-        return {}
+        hashed with a ``digest_tracker``). Called on every rank: it may gather. By default, each
+        module saved beside the model (an ``AveragedModel`` as ``"ema"``) as ``<name>_sha256``,
+        its whole ``state_dict`` hashed: the drill compares an ``ema_sha256`` with golden's too."""
+        others = getattr(self.state, "others", {})
+        return {
+            f"{k}_sha256": tensors_digest(
+                v.state_dict().items(), self.digest_tracker(v.state_dict().values())
+            )
+            for k, v in others.items()
+            if isinstance(v, torch.nn.Module)
+        }
 
     def digest_tracker(self, tensors: Iterable[torch.Tensor]) -> Progress:
         """Phase DIGEST's progress, in bytes of ``tensors`` hashed: a large model's digest is a

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
+from supervisor.errors import IntegrityError, StorageError
 from supervisor.format.layout import (
     MANIFEST,
     QUARANTINE,
@@ -41,10 +42,10 @@ from supervisor.format.manifest import (
     hash_file,
     parse_manifest,
 )
-from supervisor.ioerrors import describe, is_transient
 from supervisor.redact import redact
 from supervisor.signing import BAD, DIGEST_ALGO
 from supervisor.store import STALE_TMP_AFTER_S, CheckpointRef, begin, commit
+from supervisor.store.ioerrors import describe, is_transient
 from supervisor.tiers.backends import Backend, open_backend
 from supervisor.tiers.plan import (
     RemotePrunePlan,
@@ -58,24 +59,20 @@ from supervisor.tiers.plan import (
 OnFile = Callable[[str, int], None]  # (relative path, bytes) after each object is transferred
 
 
-class RemoteUnavailable(Exception):
+class RemoteUnavailable(StorageError):
     """The remote did not answer or answered with an error: retry later, it is not corruption."""
 
 
-class IntegrityError(Exception):
-    """Bytes that do not match their manifest; the message names the checkpoint and the file."""
-
-
-class RemoteUntrusted(Exception):
+class RemoteUntrusted(IntegrityError):
     """With a signing key: a remote checkpoint not signed with it (unsigned, a bad signature, or
     bytes that differ from the signed digests). Skipped by a resume; never quarantined."""
 
 
-class LocalSourceError(Exception):
+class LocalSourceError(IntegrityError):
     """The local checkpoint to upload is gone (pruned) or does not match its own manifest."""
 
 
-class LocalUnreadable(Exception):
+class LocalUnreadable(StorageError):
     """A local file could not be read for a transient I/O error (EIO, ESTALE...): not uploaded
     now, tried again later; not a verdict on the checkpoint."""
 
@@ -330,7 +327,7 @@ class RemoteTier:
 
 
 def _local_read_failed(label: str, e: OSError) -> NoReturn:
-    """A transient error (supervisor/ioerrors.py) is tried again later; any other says the local
+    """A transient error (supervisor/store/ioerrors.py) is tried again later; any other says the local
     checkpoint is not what its manifest says (or is gone): it is never uploaded."""
     if is_transient(e):
         raise LocalUnreadable(

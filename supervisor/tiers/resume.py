@@ -32,7 +32,6 @@ from pathlib import Path
 from supervisor.format.eventnames import EventName
 from supervisor.format.layout import QUARANTINE, RunDir
 from supervisor.format.manifest import Manifest
-from supervisor.ioerrors import IO_RETRY_S, Evidence, retry_transient
 from supervisor.store import (
     CheckpointRef,
     Expectation,
@@ -46,6 +45,7 @@ from supervisor.store import (
     no_usable_message,
     pick,
 )
+from supervisor.store.ioerrors import IO_RETRY_S, Evidence, retry_transient
 from supervisor.tiers.events import EmitFn, remote_event_log
 from supervisor.tiers.plan import RemoteState
 from supervisor.tiers.remote import IntegrityError, RemoteTier, RemoteUnavailable, RemoteUntrusted

@@ -30,7 +30,7 @@ from pathlib import Path
 from supervisor import store
 from supervisor.format.atomic import atomic_write_bytes
 from supervisor.format.layout import RunDir
-from supervisor.ioerrors import Evidence
+from supervisor.store.ioerrors import Evidence
 
 # 2: the key hashes the entries' marshal bytes (their repr in 1: 5x slower, 5 ms of 500 checkpoints)
 CACHE_VERSION = 2

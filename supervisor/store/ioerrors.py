@@ -20,6 +20,9 @@ from collections.abc import Callable
 from enum import Enum
 from typing import TYPE_CHECKING, TypeVar
 
+from supervisor.backoff import Backoff
+from supervisor.errors import StorageError
+
 if TYPE_CHECKING:
     import random
 
@@ -43,7 +46,7 @@ class Evidence(str, Enum):
     UNTRUSTED = "untrusted"
 
 
-class StorageUnavailable(Exception):
+class StorageUnavailable(StorageError):
     """Transient I/O errors outlasted the retry window; ``str(e)`` is one line naming the path,
     the errno, how long it was retried and the fix."""
 
@@ -69,14 +72,8 @@ def describe(e: OSError) -> str:
     return f"{name} ({e.strerror or e})"
 
 
-def backoff_s(
-    attempt: int, rng: random.Random, initial_s: float = RETRY_INITIAL_S, max_s: float = RETRY_MAX_S
-) -> float:
-    """Wait before retry number ``attempt`` (1-based): exponential, capped, with equal jitter so
-    nodes that met the same outage do not retry in lockstep. ``rng`` is private: the global
-    ``random`` belongs to the training loop (docs/tiers.md)."""
-    cap = min(max_s, initial_s * 2 ** (attempt - 1))
-    return rng.uniform(cap / 2, cap)
+# Storage retries: 0.5 s doubling up to 8 s, each drawn from the upper half (equal jitter).
+STORAGE_BACKOFF = Backoff(RETRY_INITIAL_S, RETRY_MAX_S, spread=0.5)
 
 
 def retry_transient(
@@ -106,7 +103,7 @@ def retry_transient(
         return clock() - t0
 
     def wait(rs: RetryCallState) -> float:
-        return min(backoff_s(rs.attempt_number, rng), max(0.0, deadline_s - elapsed()))
+        return min(STORAGE_BACKOFF.wait_s(rs.attempt_number, rng), max(0.0, deadline_s - elapsed()))
 
     def announce(rs: RetryCallState) -> None:
         # tenacity calls this only after a failed attempt that `retry` accepted: a transient OSError
