@@ -94,7 +94,6 @@ from supervisor.format.layout import (
 )
 from supervisor.format.manifest import CHECKSUM_ALGO, META_SAVE_S, CheckpointInfo, FileEntry, hash_file
 from supervisor.format.statediff import SHARED
-from supervisor.store.ioerrors import describe
 from supervisor.resumable import _agree
 from supervisor.resumable._bounds import as_timedelta, wait_bound_s
 from supervisor.resumable._dcp_index import per_rank_index, tensor_bytes
@@ -122,6 +121,7 @@ from supervisor.resumable._save_policy import (
 from supervisor.resumable._tensor_record import write_plain
 from supervisor.resumable._train_state import RankState
 from supervisor.signing import DIGEST_ALGO
+from supervisor.store.ioerrors import describe
 
 log = logging.getLogger(__name__)
 
