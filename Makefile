@@ -15,7 +15,7 @@ TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadgroup)
 DRILL_ARGS ?=
 
-.PHONY: setup test test-fast drill lint bench gpu-check clean
+.PHONY: setup test test-fast drill lint bench gpu-check save-fault-sweep clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,12 @@ test-fast: $(STAMP)
 
 drill: $(STAMP)
 	$(PY) -m supervisor drill $(DRILL_ARGS)
+
+# ENOSPC at every point of a save, 20 trials per point (tests/save_faults.py; `make test` runs one
+# per point): the per-point pass counts and the wall time. SAVE_FAULT_ARGS: e.g. --trials 5.
+SAVE_FAULT_ARGS ?= --trials 20
+save-fault-sweep: $(STAMP)
+	$(PY) tests/save_faults.py $(SAVE_FAULT_ARGS)
 
 # The GPU paths for real (train_ref/gpu_check.py): one PASS/FAIL table in a few minutes on a CUDA
 # machine; without CUDA one line and exit 0. Needs a CUDA torch (see setup above).

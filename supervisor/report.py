@@ -25,7 +25,14 @@ from supervisor.format.runstatus import RunStatus
 from supervisor.store.ioerrors import Evidence, describe
 from supervisor.store.quickcache import QuickChecks
 from supervisor.watch import oom, rootcause
-from supervisor.watch.liveness import Clock, PhaseTimeouts, describe_progress, rank_stale
+from supervisor.watch.liveness import (
+    Clock,
+    PhaseTimeouts,
+    describe_progress,
+    describe_wait,
+    rank_stale,
+    silences,
+)
 
 if TYPE_CHECKING:
     from supervisor.tiers.uploader import RemoteStatus
@@ -287,15 +294,24 @@ def _nodes(
 
 
 def _row(
-    snap: HeartbeatSnapshot, clock: Clock, timeouts: PhaseTimeouts, current: set[str], lost: str, me: str
+    snap: HeartbeatSnapshot,
+    clock: Clock,
+    timeouts: PhaseTimeouts,
+    current: set[str],
+    lost: str,
+    me: str,
+    silent: dict[int, float],
 ) -> RankRow:
     """One rank's row; ``lost`` says its node's summary is stale (its news may be old); a rank
-    of this host (``me``) whose process is gone without an exit code is ``gone``."""
+    of this host (``me``) whose process is gone without an exit code is ``gone``; its silence
+    (``silences``: since progress, not since the last beat) is ``silent[id(heartbeat)]``."""
     hb = snap.heartbeat
     if hb is None:
         return RankRow(snap.rank, "", None, None, UNKNOWN, None, None, True, snap.problem)
     age = clock.age(hb)
-    stale, note = rank_stale(hb, age, timeouts.for_beat(hb), current)
+    stale, note = rank_stale(hb, silent.get(id(hb), age), timeouts.for_beat(hb), current)
+    if waiting := describe_wait(hb, clock.wall):
+        note = (note + "; " if note else "") + waiting
     if lost and hb.phase != Phase.DONE:
         stale, note = True, lost
     gone = hb.host == me and hb.phase != Phase.DONE and hb.exit_code is None and not pid_alive(hb.pid)
@@ -405,7 +421,9 @@ def _ranks(
         snaps += [x for x in node_snaps if keep is None or x.rank in keep]
     me = hostname()
     newest = newest_per_rank(snaps)
-    rows = [_row(x, clock, timeouts, current, lost.get(x.path, ""), me) for x in newest]
+    beats = [x.heartbeat for x in newest if x.heartbeat is not None]
+    silent = dict(zip(map(id, beats), silences(beats, clock), strict=True))
+    rows = [_row(x, clock, timeouts, current, lost.get(x.path, ""), me, silent) for x in newest]
     failed = [x.heartbeat for x, r in zip(newest, rows, strict=True) if x.heartbeat and (r.died_of or r.gone)]
     return _RankView(rows, *_tally(rows, counted, complete), summaries, bad, failed)
 

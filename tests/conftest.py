@@ -98,18 +98,22 @@ def goldens(tmp_path_factory: pytest.TempPathFactory):
 
 
 class RecordingTracker:
-    """A ``Tracker`` (supervisor/format/heartbeat.py) that records what it hears: the units, and
-    the paths it is told of."""
+    """A ``Tracker`` (supervisor/format/heartbeat.py) that records what it hears: the units, the
+    paths it is told of, and its waits."""
 
     def __init__(self) -> None:
         self.units: list[int] = []
         self.paths: list[str] = []
+        self.waits: list[tuple[str, float]] = []
 
     def __call__(self, n: int) -> None:
         self.units.append(n)
 
     def set_path(self, path: str) -> None:
         self.paths.append(path)
+
+    def wait(self, what: str, until: float = 0.0) -> None:
+        self.waits.append((what, until))
 
 
 @pytest.fixture

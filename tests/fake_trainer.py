@@ -13,7 +13,9 @@ checkpoint through supervisor.store every ``--ckpt-every`` steps (phase save), a
 itself, or exit with a code, once or on every launch. After each step it honours the hold gate of
 train_ref/hold.py (``TRAIN_REF_HOLD_FILE``; write the file before the launch: these ranks do not
 agree on it as the real trainer's do); with ``--hold-in-save`` every rank holds inside the save of
-that step instead, silent in phase save (a save as long as the test wants). SIGUSR2: faulthandler
+that step instead, silent in phase save (a save as long as the test wants); with ``--wait-in-save``
+it holds there beating as a wait for its peers (no progress: ranks in different collectives after
+a failed save did so for ten minutes, issue 44). SIGUSR2: faulthandler
 dump of every thread to the rank's stack file.
 
 SIGUSR1 (the watchdog sends it to every rank): rank 0 decides, as the real trainer's agreement
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import itertools
 import os
 import shutil
 import signal
@@ -75,6 +78,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--step-s", type=float, default=0.05)
     p.add_argument("--ckpt-every", type=int, default=5)
     p.add_argument("--hold-in-save", action="store_true", help="hold inside the save, without beating")
+    p.add_argument(
+        "--wait-in-save",
+        action="store_true",
+        help="hold inside the save, beating as a rank waiting for its peers does (no progress)",
+    )
     p.add_argument("--fault", choices=("crash", "stop", "exit", "startup-hang", "read"), default=None)
     p.add_argument("--fault-step", type=int, default=0)
     p.add_argument("--fault-rank", type=int, default=0, help="rank 0 saves: its faults follow its commits")
@@ -88,6 +96,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--spawn-child", action="store_true", help="each rank starts a DataLoader-like child")
     p.add_argument("--plain", action="store_true", help="run one rank as the launched process itself")
     return p.parse_args(argv)
+
+
+WAIT_IN_SAVE = "its peers in the save's exchange"  # --wait-in-save's wait
 
 
 class SilentWriter(HeartbeatWriter):
@@ -228,8 +239,9 @@ def worker(a: argparse.Namespace, rank: int) -> int:
         stop = bool(preempted) and (rank == 0 or a.silent)
         if stop or step % a.ckpt_every == 0:
             hb.beat(step, Phase.SAVE, force=True)
-            if a.hold_in_save and gate is not None and gate.wanted(step):
-                gate.hold(step, lambda: None)
+            if (a.hold_in_save or a.wait_in_save) and gate is not None and gate.wanted(step):
+                waits = lambda: hb.beat(step, Phase.SAVE, waiting=WAIT_IN_SAVE)  # noqa: B023, E731 - called right here
+                gate.hold(step, waits if a.wait_in_save else lambda: None)
             if rank == 0 and a.survive_save_errors:
                 save_or_report(a.root, step, a.ranks, hb)
             elif rank == 0:
@@ -238,7 +250,9 @@ def worker(a: argparse.Namespace, rank: int) -> int:
                 hb.beat(step, Phase.TRAIN, exit_code=Exit.REQUEUE)
                 return Exit.REQUEUE
         if gate is not None and gate.wanted(step):
-            gate.hold(step, lambda: hb.beat(step, Phase.TRAIN))  # noqa: B023 - called right here
+            # held, it beats as a trainer's own ``Resumable.beat()`` does: each call progress
+            held = itertools.count(1)
+            gate.hold(step, lambda: hb.beat(step, Phase.TRAIN, progress=next(held)))  # noqa: B023 - called right here
     if not a.no_final_beat:
         hb.beat(step, Phase.DONE, exit_code=0)
     return 0

@@ -20,6 +20,7 @@ from supervisor.drill.corruption import DRILL
 from supervisor.drill.judge import Case, StepRecord, StorageFacts, Verdict, find_resumes, judge
 from supervisor.drill.plan import (
     CHAOS,
+    DISK_FULL_FILL_WITHIN,
     DISK_FULL_INTERVALS,
     SCENARIOS,
     Fault,
@@ -377,11 +378,26 @@ def test_storage_scenarios_plan_one_fault_and_chaos_never_draws_them():
         for kind in STORAGE_KINDS:
             (f,) = plan(kind.value, seed=seed, steps=80, save_every=10, ranks=4)
             assert f.kind == kind and 0 <= f.rank < 4
-            # A full disk leaves room for two failed saves and one that works again.
+            # A full disk leaves room for the save it may fill in, two failed saves and one that works again.
             room = DISK_FULL_INTERVALS * 10 if kind == Kind.DISK_FULL else 10
             assert 20 < f.at_step <= 80 - room, (kind, f)
     with pytest.raises(ValueError, match="too few"):
-        plan("disk-full", seed=0, steps=50, save_every=10, ranks=2)
+        plan("disk-full", seed=0, steps=60, save_every=10, ranks=2)
+
+
+def test_the_disk_fills_at_a_random_moment_of_a_save():
+    """disk-full lets a drawn number of writing operations into tmp dirs through first: the disk
+    fills somewhere inside a save (issue 44), at a different point for each seed."""
+    fills = {
+        plan("disk-full", seed=seed, steps=80, save_every=10, ranks=2)[0].fill_after for seed in range(20)
+    }
+    assert len(fills) > 10 and all(0 <= n < DISK_FULL_FILL_WITHIN for n in fills)
+    assert {
+        f.fill_after
+        for s in SCENARIOS
+        if s != "disk-full"
+        for f in plan(s, seed=3, steps=80, save_every=10, ranks=2)
+    } == {0}
 
 
 def storage_verdict(fault: Fault, events: list[dict], facts: StorageFacts, drill=None) -> Verdict:

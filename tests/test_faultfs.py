@@ -40,6 +40,8 @@ from supervisor.format import atomic
         ({"action": "error", "errno": "EIO", "ops": ["read", "frobnicate"]}, "frobnicate"),
         ({"action": "error", "errno": "EIO", "count": 2, "seconds": 1}, "count or seconds"),
         ({"action": "error", "errno": "EIO", "count": 0}, "count"),
+        ({"action": "error", "errno": "EIO", "skip": -1}, "skip"),
+        ({"action": "error", "errno": "EIO", "skip": 2, "seconds": 1}, "skip counts operations"),
         ({"action": "delay", "delay_s": -1}, "delay_s"),
         ({"action": "delay", "delay_s": 1, "errno": "EIO"}, "errno"),
         ({"action": "throttle", "bytes_per_s": 10, "ops": ["getattr"]}, "read, write"),
@@ -86,6 +88,18 @@ def test_windows_count_seconds_and_pids() -> None:
     assert scoped.applies("getattr", ("/f",), 1.0, frozenset({99, 42, 1}))  # 42's child
     assert not scoped.applies("getattr", ("/f",), 1.0, frozenset({99, 1}))
     assert not scoped.applies("getattr", ("/f",), 1.0, frozenset())  # the caller is gone
+
+
+def test_skip_lets_the_first_matching_operations_through_then_the_window_opens() -> None:
+    rule = parse_rule(
+        {"action": "error", "errno": "ENOSPC", "pattern": "/f", "ops": ["write"], "skip": 2, "count": 1}
+    )
+    assert parse_rule(rule.to_dict()) == rule
+    rs = RuleState("r1", rule, set_at=0.0)
+    fired = [rs.fire(op, ("/f",), 1.0, None) for op in ("write", "read", "write", "write", "write")]
+    assert fired == [False, False, False, True, False], "the third write, once; a read is no match"
+    assert (rs.passed, rs.hits) == (2, 1) and rs.status(1.0)["passed"] == 2
+    assert parse_rule({"action": "error", "errno": "EIO", "skip": 0}).skip is None
 
 
 def test_throttle_queues_operations_behind_each_other() -> None:

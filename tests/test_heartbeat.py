@@ -17,6 +17,7 @@ from supervisor.format.heartbeat import (
     HeartbeatWriter,
     Mark,
     Phase,
+    parse_heartbeat,
     read_heartbeat,
     read_heartbeats,
     read_small,
@@ -179,6 +180,59 @@ def test_progress_tracker_beats_with_progress_path_and_save_failures(tmp_path: P
     assert hb.io_path == "step_00000010/__0_0.distcp"
     assert (hb.save_failures, hb.last_error) == (2, "step_00000010: No space left on device")
     assert hb.boot_id and hb.mono_time > 0
+
+
+class _FakeTime:
+    """heartbeat.time for a test: time.time() and time.monotonic() as the test sets them."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def time(self) -> float:
+        return 1e9 + self.now
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_progress_is_stamped_when_it_changes_not_when_a_beat_is_written(tmp_path: Path, monkeypatch) -> None:
+    """Issue 44: a wait that rewrote the heartbeat every second hid a hang for ten minutes. The
+    writer stamps the last change of (phase, step, progress); a beat that changes none of them,
+    a wait's, moves the write time only, and says what it waits for."""
+    clock = _FakeTime()
+    monkeypatch.setattr("supervisor.format.heartbeat.time", clock)
+    w = HeartbeatWriter(tmp_path, rank=0, local_rank=0, world_size=2, interval_s=0.0)
+
+    def now() -> Heartbeat:
+        hb = read_heartbeat(RunDir.of(tmp_path).heartbeat(0), 0).heartbeat
+        assert hb is not None
+        return hb
+
+    track = w.tracker(Phase.SAVE, step=20)
+    track(4096)
+    clock.now += 5
+    track.wait("every rank's report of the save", until=1e9 + 1100)
+    clock.now += 5
+    track(0)  # a beat of nothing
+    hb = now()
+    assert (hb.mono_time, hb.progress_mono, hb.progress_wall) == (1010.0, 1000.0, 1e9 + 1000)
+    assert (hb.waiting, hb.wait_until) == ("", 0.0), "a beat that is not a wait clears it"
+    track.wait("every rank's report of the save", until=1e9 + 1100)
+    assert (now().waiting, now().wait_until, now().progress_mono) == (
+        "every rank's report of the save",
+        1e9 + 1100,
+        1000.0,
+    )
+    clock.now += 1
+    track(1)  # a byte: progress
+    assert (now().progress_mono, now().waiting) == (1011.0, "")
+    clock.now += 1
+    w.beat(20, Phase.COMMIT)  # another phase: progress
+    assert now().progress_mono == 1012.0
+    clock.now += 1
+    w.beat(21, Phase.COMMIT)  # another step: progress
+    assert now().progress_mono == 1013.0
+    assert parse_heartbeat(json.dumps(now().to_dict())) == now()
 
 
 def test_a_new_io_path_is_written_at_once_whatever_the_throttle(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from supervisor.watch.detectors import (
     confirm_dead,
     dead_ranks,
     detect_hangs,
+    gave_up,
     hang_due_s,
     launch_heartbeats,
     save_news,
@@ -213,6 +214,113 @@ def test_long_io_phase_hangs_only_without_progress(phase):
     assert (h.rank, h.phase, h.progress, h.progress_total, h.io_path) == (1, phase, 45, 100, path)
     for part in ("rank 1", f"phase {phase.value}", "step 120", "45%", path):
         assert part in h.reason, (part, h.reason)
+
+
+def beating(
+    rank: int, phase: Phase, wrote: float, advanced: float, waiting: str = "", **kw
+) -> HeartbeatSnapshot:
+    """A heartbeat written at ``wrote`` whose progress last changed at ``advanced`` (wall times)."""
+    hb = Heartbeat(
+        rank, rank, "h", 100 + rank, 20, phase, wrote, launch_id=LID, progress=423129,
+        progress_wall=advanced, waiting=waiting, **kw,
+    )  # fmt: skip
+    return HeartbeatSnapshot(rank, f"rank_{rank}.json", hb)
+
+
+@pytest.mark.parametrize("phase", [Phase.TRAIN, Phase.SAVE, Phase.COMMIT, Phase.LOAD, Phase.VERIFY])
+def test_beats_without_progress_are_a_hang_after_the_phase_timeout(phase):
+    """Issue 44: both ranks rewrote their heartbeats every second for ten minutes while nothing
+    advanced (each waited for the other in a different collective), and no verdict came. Silence
+    is measured from the last change of progress, not from the last write: past the phase's
+    timeout it is a hang, of every rank, each waiting one saying what it waits for (waiting ranks
+    are held to the launch's latest progress: rank 1's, here)."""
+    t = PhaseTimeouts(train=20, save=20, commit=20, load=20, verify=20)
+    snaps = [
+        beating(0, phase, wrote=T0 + 30, advanced=T0, waiting="peers in DCP's exchanges", wait_until=T0 + 40),
+        beating(1, phase, wrote=T0 + 30.5, advanced=T0 + 0.2, waiting="every rank's report of the save"),
+    ]
+    kw = {"launch_id": LID, "launch_age_s": 600, "timeouts": t}
+    assert detect_hangs(snaps, clock=Clock(T0 + 19.9), **kw) == []
+    assert hang_due_s(launch_heartbeats(snaps, LID), Clock(T0 + 10), t) == pytest.approx(10.2)
+    hangs = detect_hangs(snaps, clock=Clock(T0 + 20.5), **kw)
+    assert [(h.rank, h.silent_s) for h in hangs] == [(0, pytest.approx(20.3)), (1, pytest.approx(20.3))]
+    assert f"rank 0 made no progress for 20.3s in phase {phase.value}" in hangs[0].reason
+    assert (
+        "waiting for peers in DCP's exchanges (gives up in 20s), beating without progress" in hangs[0].reason
+    )
+    assert "waiting for every rank's report of the save, beating" in hangs[1].reason
+    # the same beats on the clock of their own boot: aged from progress_mono
+    mono = Heartbeat(
+        0, 0, "h", 1, 20, phase, T0, launch_id=LID, mono_time=990.0, boot_id="b", progress_mono=970.0
+    )
+    assert Clock(T0, mono=1000.0, boot_id="b").silence(mono) == pytest.approx(30.0)
+    assert Clock(T0, mono=1000.0, boot_id="b").age(mono) == pytest.approx(10.0)
+
+
+def test_a_waiting_rank_is_held_to_its_launchs_progress():
+    """A rank done with its share that waits for the slowest is no hang while that one advances
+    (however long), and is one with the others once nothing advances anywhere, but not named beside
+    a rank stuck on its own (the one it waits for); a rank that does not say it waits is judged by
+    its own progress alone."""
+    t = PhaseTimeouts(load=5)
+    waiter = beating(0, Phase.LOAD, wrote=T0 + 60, advanced=T0, waiting="peers in DCP's exchanges")
+    slow = beating(1, Phase.LOAD, wrote=T0 + 59, advanced=T0 + 59)
+    kw = {"launch_id": LID, "launch_age_s": 600, "timeouts": t}
+    assert detect_hangs([waiter, slow], clock=Clock(T0 + 60), **kw) == []
+    assert [h.rank for h in detect_hangs([waiter, slow], clock=Clock(T0 + 64.5), **kw)] == [1]
+    quiet = beating(0, Phase.LOAD, wrote=T0 + 60, advanced=T0)  # beats, advances nothing, waits for nothing
+    assert [h.rank for h in detect_hangs([quiet, slow], clock=Clock(T0 + 60), **kw)] == [0]
+    stuck = beating(1, Phase.LOAD, wrote=T0, advanced=T0)  # silent in a read: the one to name
+    assert [h.rank for h in detect_hangs([waiter, stuck], clock=Clock(T0 + 60), **kw)] == [1]
+
+
+def test_a_rank_that_gave_up_waiting_for_its_peers_hangs_the_launch_at_once():
+    """A save's exchanges give up at half the save/commit timeout (exit 76): the launch is hung
+    then, not at the phase timeout. The verdict names the ranks the others waited for (running,
+    waiting for nobody: rank 2, in its write), says who gave up and on what; when every rank left
+    waits, they all stand for it; when none gave up, nothing."""
+    t = PhaseTimeouts(save=20)
+    quit0 = Heartbeat(
+        0,
+        0,
+        "h",
+        100,
+        30,
+        Phase.COMMIT,
+        T0,
+        launch_id=LID,
+        exit_code=76,
+        waiting="every rank's report of the save",
+    )
+    waiting1 = beating(1, Phase.SAVE, wrote=T0 + 9, advanced=T0, waiting="peers in DCP's exchanges").heartbeat
+    stuck2 = Heartbeat(
+        2,
+        2,
+        "h",
+        102,
+        30,
+        Phase.SAVE,
+        T0,
+        launch_id=LID,
+        io_path="step_00000030.tmp.x/__2_0.distcp",
+        progress_wall=T0 - 1,
+    )
+    done3 = Heartbeat(3, 3, "h", 103, 30, Phase.DONE, T0, launch_id=LID)
+    hangs, note = gave_up([quit0, waiting1, stuck2, done3], Clock(T0 + 10), t)
+    assert note == "rank 0 gave up waiting for every rank's report of the save at step 30"
+    assert [(h.rank, h.silent_s) for h in hangs] == [(2, pytest.approx(11.0))]
+    assert "at step_00000030.tmp.x/__2_0.distcp" in hangs[0].reason
+    hangs, _ = gave_up([quit0, waiting1], Clock(T0 + 10), t)
+    assert [h.rank for h in hangs] == [1] and "waiting for peers in DCP's exchanges" in hangs[0].reason
+    hangs, _ = gave_up([quit0], Clock(T0 + 10), t)
+    assert [h.rank for h in hangs] == [0]
+    assert gave_up([waiting1, stuck2], Clock(T0 + 10), t) == ([], "")
+
+
+def test_a_heartbeat_without_progress_times_is_aged_by_its_writes():
+    """A writer from before progress times: its beats are aged as they always were."""
+    old = Heartbeat(0, 0, "h", 1, 5, Phase.SAVE, T0, launch_id=LID)
+    assert Clock(T0 + 7).silence(old) == Clock(T0 + 7).age(old) == 7
 
 
 def test_hang_reason_names_where_it_is_blocked():

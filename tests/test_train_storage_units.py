@@ -9,10 +9,11 @@ import hashlib
 import itertools
 import json
 import os
-import pickle
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,13 +25,21 @@ from waiting import PATIENCE_S
 
 from supervisor import store
 from supervisor.format.appender import LineAppender
+from supervisor.format.heartbeat import (
+    DEFAULT_COMMIT_TIMEOUT_S,
+    DEFAULT_SAVE_TIMEOUT_S,
+    ENV_PHASE_TIMEOUTS,
+    Phase,
+)
 from supervisor.format.layout import dcp_shard_filename, rank_state_filename
 from supervisor.format.manifest import FileEntry, Manifest, checksum_file
 from supervisor.resumable import _progress_io
+from supervisor.resumable._bounds import phase_timeouts, wait_bound_s
 from supervisor.resumable._checkpointer import CPU_STAGING, OrderedStager, _writer
 from supervisor.resumable._progress_io import (
     MAX_WRITE_CHUNK,
     MIN_WRITE_CHUNK,
+    PEERS_IN_DCP,
     PROGRESS_CHUNK,
     WRITE_CHUNK_S,
     WRITEBACK_CHUNK,
@@ -167,34 +176,42 @@ def test_the_failure_warning_is_one_line_with_step_rank_file_errno_and_what_happ
         assert part in line, part
 
 
+def _held_by_the_writer(tmp: Path, root: Path) -> OSError:
+    """What the writer held back from a save on a full disk: DCP itself ran to its end."""
+    writer = _writer(tmp, root)
+    dcp.save({"w": torch.randn(100_000)}, storage_writer=writer)  # raises nothing: held back
+    with pytest.raises(OSError) as e:
+        writer.raise_held()
+    return e.value
+
+
 def test_a_real_full_disk_under_dcp_names_the_shard_and_enospc(small_tmpfs):
+    """The writer holds the failure back until DCP is done (a rank that left DCP early left its
+    peers in DCP's barrier: issue 44), then it is raised naming the shard and the errno."""
     root = small_tmpfs.path
     tmp = root / "step_00000005.tmp.1.h"
     tmp.mkdir()
     small_tmpfs.fill()
-    with pytest.raises(CheckpointException) as e:
-        dcp.save({"w": torch.randn(100_000)}, storage_writer=_writer(tmp, root))
+    e = _held_by_the_writer(tmp, root)
     assert (
-        str(dcp_save_error(e.value, root))
+        str(save_error(e, 0, root))
         == "rank 0: step_00000005.tmp.1.h/__0_0.distcp: ENOSPC (No space left on device)"
     )
 
 
 def test_a_disk_that_fills_mid_shard_is_a_storage_failure_on_every_rank(small_tmpfs):
     """With a few pages free, the shard's open succeeds and a later write fails: torch's serializer
-    then raises "unexpected pos" while handling the ENOSPC. DCP pickles that exception to the other
-    ranks, losing its context; what they get must still say ENOSPC and the shard, or every rank
-    crashes on a full disk it should ride out (the drill's disk-full, freed mid-save)."""
+    then raises "unexpected pos" while handling the ENOSPC. What the rank holds and reports must
+    still be the ENOSPC on the shard, or every rank crashes on a full disk it should ride out (the
+    drill's disk-full, freed mid-save)."""
     root = small_tmpfs.path
     tmp = root / "step_00000005.tmp.1.h"
     tmp.mkdir()
     small_tmpfs.fill()
     os.truncate(small_tmpfs.filler, os.path.getsize(small_tmpfs.filler) - 8192)  # two pages free
-    with pytest.raises(CheckpointException) as e:
-        dcp.save({"w": torch.randn(100_000)}, storage_writer=_writer(tmp, root))
-    as_sent = pickle.loads(pickle.dumps(e.value))  # what a rank receives from the coordinator
+    e = _held_by_the_writer(tmp, root)
     assert (
-        str(dcp_save_error(as_sent, root))
+        str(save_error(e, 0, root))
         == "rank 0: step_00000005.tmp.1.h/__0_0.distcp: ENOSPC (No space left on device)"
     )
 
@@ -458,17 +475,20 @@ def test_writes_are_sized_to_the_rate_they_run_at_within_bounds():
 
 
 def test_a_keepalive_beats_between_files_only(tracker):
-    """A rank waiting on its peers inside DCP's save or load (between its files) beats; one inside
-    a file operation (a read, a write, a rename) does not, so a stuck one still goes silent
-    naming the file."""
-    k = Keepalive(tracker)
+    """A rank waiting on its peers inside DCP's save or load (between its files) beats, as a wait
+    (no progress, until its exchange gives up); one inside a file operation (a read, a write, a
+    rename) does not, so a stuck one still goes silent naming the file."""
+    k = Keepalive(tracker, bound_s=30.0)
     k.beat()
     k.set_path("step_00000010.tmp.x/__1_0.distcp")
     k(4096)
     k.beat()  # inside the write: no beat
+    before = time.time()
     k.set_path("")
     k.beat()
-    assert tracker.units == [0, 4096, 0]
+    assert tracker.units == [4096]
+    assert [w for w, _ in tracker.waits] == [PEERS_IN_DCP, PEERS_IN_DCP]
+    assert before + 30.0 <= tracker.waits[-1][1] <= time.time() + 30.0, "30 s after its last file"
 
 
 # ---------------------------------------------------------------- a wait on background work
@@ -488,6 +508,9 @@ class _Beats:
 
     def set_path(self, path: str) -> None:
         self.path = path
+
+    def wait(self, what: str, until: float = 0.0) -> None:
+        self.beats.append((self.done, f"waiting for {what}"))
 
 
 class _Watched(Relay):
@@ -536,10 +559,32 @@ def test_a_wait_on_background_work_beats_when_it_moved_and_never_while_it_is_stu
         work.set_path("")  # its part done: waiting for the peers
         work.looked(2)
         assert beats.beats[silent:] == [(1000, "")]
-        work(0)  # agree.beating's keepalive while it waits: a beat too
+        work.wait("peers")  # agree.beating's keepalive while it waits: forwarded as a wait
         work.looked(2)
-        assert beats.beats[silent:] == [(1000, ""), (1000, "")]
+        assert beats.beats[silent:] == [(1000, ""), (1000, ""), (1000, "waiting for peers")]
+        work(24)  # a byte again: progress, the wait over
+        work.looked(2)
+        assert beats.beats[-1] == (1024, "") and work.waiting == ("", 0.0)
     finally:
         done.set_result(None)
     waiter.join(PATIENCE_S)
     assert not waiter.is_alive()
+
+
+# ---------------------------------------------------------------- the bounds of a save's waits
+
+
+def test_a_saves_waits_are_bounded_at_half_the_watchdogs_save_and_commit_timeouts(caplog):
+    """The watchdog passes its phase timeouts to each launch; a rank bounds its save's collectives
+    and backoffs at half the shorter of save and commit (issue 44: ranks in different collectives
+    waited forever). Without a watchdog, or with a value it cannot read, the defaults'."""
+    env = {ENV_PHASE_TIMEOUTS: json.dumps({"save": 30.0, "commit": 8, "train": 1})}
+    assert phase_timeouts(env) == {Phase.SAVE: 30.0, Phase.COMMIT: 8.0}
+    assert wait_bound_s(Phase.SAVE, Phase.COMMIT, environ=env) == 4.0
+    assert wait_bound_s(Phase.SAVE, environ=env) == 15.0
+    assert wait_bound_s(Phase.SAVE, Phase.COMMIT, environ={}) == 0.5 * min(
+        DEFAULT_SAVE_TIMEOUT_S, DEFAULT_COMMIT_TIMEOUT_S
+    )
+    for bad in ("{", "[1]", json.dumps({"save": -1}), json.dumps({"commit": True})):
+        assert phase_timeouts({ENV_PHASE_TIMEOUTS: bad}) == phase_timeouts({})
+    assert "unreadable" in caplog.text and ENV_PHASE_TIMEOUTS in caplog.text

@@ -143,6 +143,34 @@ def test_long_save_is_no_false_alarm(tmp_path):
     assert len(of(evs, "launch")) == 2  # the first run's and this one's
 
 
+def test_beats_without_progress_in_a_save_are_a_hang_within_the_save_timeout(tmp_path):
+    """Issue 44 end to end: every rank holds inside its save and keeps rewriting its heartbeat as a
+    wait for its peers, advancing nothing, as two ranks left in different collectives by a failed
+    save did for ten minutes with no verdict. The beats stay fresh; the verdict comes within the
+    save timeout + 1 s of the last progress (entering the save, just before the hold), names both
+    ranks and what they wait for, with their stacks; released and relaunched, the run finishes."""
+    root = tmp_path / "run"
+    watch_args = ["--hang-timeout", "60", "--save-timeout", HANG_S]
+    p = start(root, watch_args, ["--steps", "6", "--ckpt-every", "3", "--wait-in-save"], hold_at=3)
+    wait_held(hold_file(root), 2, 3, proc=p)
+    held_since = max(hold.ack_path(hold_file(root), r).stat().st_mtime for r in (0, 1))
+    wait_for(lambda: watchdog_events(root, "hang"), "the hang verdict", proc=p)
+    hold.release(hold_file(root))
+    rc, out = finish(p)
+    assert rc == Exit.OK, out
+    assert not leftovers(root)
+    evs = events(root)
+    (hang,) = of(evs, "hang")
+    assert hang["ranks"] == [0, 1], hang["msg"]
+    assert (
+        "in phase save" in hang["msg"]
+        and "its peers in the save's exchange, beating without progress" in hang["msg"]
+    )
+    assert hang["detected"] - held_since <= float(HANG_S) + 1.0, (hang["detected"] - held_since, hang["msg"])
+    assert {e["rank"] for e in of(evs, "stack_dump")} == {0, 1}
+    assert [e["outcome"] for e in of(evs, "launch_end")] == ["hang", "done"]
+
+
 def test_startup_hang_caught_by_startup_timeout(tmp_path):
     """Every launch hangs in startup (rank 0), so the short startup timeout judges only hangs: both
     launches are caught, and the budget of one restart stops the watchdog."""

@@ -113,7 +113,8 @@ class Controller:
 
     def fail(self, pattern: str, errno: int | str, ops: Iterable[str] | None = None, **window: Any) -> str:
         """``ops`` on paths matching ``pattern`` fail with ``errno`` ("EIO", "ESTALE", "ENOSPC",
-        ...). window: count=N (the first N), seconds=S, pids=[...] (those processes and children)."""
+        ...). window: count=N (the first N), seconds=S, pids=[...] (those processes and children),
+        skip=K (the first K matching operations let through before the window opens)."""
         return self.add(_rule("error", pattern, ops, errno=errno, **window))
 
     def delay(self, pattern: str, seconds: float, ops: Iterable[str] | None = None, **window: Any) -> str:

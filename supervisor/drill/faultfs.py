@@ -165,8 +165,7 @@ class Faults:
                 continue
             if rs.rule.pids is not None and lineage is None:
                 lineage = frozenset(proc_lineage(tid))
-            if rs.applies(op, paths, now, lineage):
-                rs.hits += 1
+            if rs.fire(op, paths, now, lineage):
                 out.append(rs)
         return out
 
@@ -205,10 +204,7 @@ class Faults:
 
     def _hits_one(self, rs: RuleState, op: str, paths: tuple[str, ...], tid: int) -> bool:
         lineage = frozenset(proc_lineage(tid)) if rs.rule.pids is not None else None
-        if rs.applies(op, paths, self._clock(), lineage):
-            rs.hits += 1
-            return True
-        return False
+        return rs.fire(op, paths, self._clock(), lineage)
 
     def meter(self, op: str, path: str, tid: int, nbytes: int) -> None:
         """After a read or write of ``nbytes``: hold it back as long as the bandwidth caps say."""

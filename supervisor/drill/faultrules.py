@@ -40,8 +40,10 @@ class Rule:
     pattern: an fnmatch glob on the path inside the mount ("/run/step_10/*"; ``*`` also matches
     "/"); a rename matches on either name. ops: None means every operation (for ``throttle``: read
     and write; ``hide`` always covers lookups and listings). Window: the first ``count`` matching
-    operations, or ``seconds`` from when the rule was set, or (neither) until cleared. pids: only
-    operations by these processes or their descendants (None: every process).
+    operations, or ``seconds`` from when the rule was set, or (neither) until cleared; ``skip``
+    lets that many matching operations through before the window opens (a fault at the Nth write
+    of a file, chosen by the rule rather than by timing). pids: only operations by these
+    processes or their descendants (None: every process).
     """
 
     action: str
@@ -53,6 +55,7 @@ class Rule:
     count: int | None = None
     seconds: float | None = None
     pids: frozenset[int] | None = None
+    skip: int | None = None
 
     def covers(self, op: str) -> bool:
         if self.action == "hide":
@@ -68,7 +71,7 @@ class Rule:
             d["ops"] = sorted(self.ops)
         if self.errno is not None:
             d["errno"] = errno_mod.errorcode.get(self.errno, self.errno)
-        for key in ("delay_s", "bytes_per_s", "count", "seconds"):
+        for key in ("delay_s", "bytes_per_s", "count", "seconds", "skip"):
             if getattr(self, key) is not None:
                 d[key] = getattr(self, key)
         if self.pids is not None:
@@ -104,9 +107,30 @@ def _parse_ops(given: str | Iterable[str] | None) -> frozenset[str] | None:
     return ops
 
 
+def _skip(d: Mapping[str, Any]) -> int | None:
+    """``skip``: a count >= 0 (0 is the same as none)."""
+    value = d.get("skip")
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise RuleError(f"skip={value!r} must be a whole number >= 0 (matching operations let through first)")
+    return value or None
+
+
 def parse_rule(d: Mapping[str, Any]) -> Rule:
     """Validate a rule dict (the control socket's and the CLI's form) into a :class:`Rule`."""
-    known = {"action", "pattern", "ops", "errno", "delay_s", "bytes_per_s", "count", "seconds", "pids"}
+    known = {
+        "action",
+        "pattern",
+        "ops",
+        "errno",
+        "delay_s",
+        "bytes_per_s",
+        "count",
+        "seconds",
+        "pids",
+        "skip",
+    }
     if unknown := sorted(set(d) - known):
         raise RuleError(f"unknown rule field(s) {', '.join(unknown)}: known are {', '.join(sorted(known))}")
     action = d.get("action")
@@ -127,6 +151,7 @@ def parse_rule(d: Mapping[str, Any]) -> Rule:
         count=_positive(d, "count", int),
         seconds=_positive(d, "seconds", float),
         pids=frozenset(int(p) for p in d["pids"]) if d.get("pids") is not None else None,
+        skip=_skip(d),
     )
     needs = {"error": "errno", "delay": "delay_s", "throttle": "bytes_per_s"}
     for act, key in needs.items():
@@ -134,6 +159,8 @@ def parse_rule(d: Mapping[str, Any]) -> Rule:
             raise RuleError(f"{key} is {'required' if act == action else 'not allowed'} for action {action}")
     if rule.count is not None and rule.seconds is not None:
         raise RuleError("give a window as count or seconds, not both")
+    if rule.skip and rule.seconds is not None:
+        raise RuleError("skip counts operations: give the window after it as count (or none), not seconds")
     if action == "throttle":
         if rule.ops is None:
             rule = Rule(**{**rule.__dict__, "ops": SIZED_OPS})
@@ -152,6 +179,7 @@ class RuleState:
     rule: Rule
     set_at: float  # monotonic seconds
     hits: int = 0
+    passed: int = 0  # matching operations let through under ``skip``
     free_at: float = 0.0  # throttle: when the cap lets the next byte through (monotonic)
     blocked: list[dict[str, Any]] = field(default_factory=list)
 
@@ -169,8 +197,22 @@ class RuleState:
             return False
         return self.rule.pids is None or bool(lineage and self.rule.pids & lineage)
 
+    def fire(self, op: str, paths: Iterable[str], now: float, lineage: frozenset[int] | None) -> bool:
+        """``applies``, counted: a hit, or one of the first ``skip`` matching operations, let
+        through. Caller holds the filesystem's lock."""
+        if not self.applies(op, paths, now, lineage):
+            return False
+        if self.passed < (self.rule.skip or 0):
+            self.passed += 1
+            return False
+        self.hits += 1
+        return True
+
     def status(self, now: float) -> dict[str, Any]:
-        return {"id": self.id, **self.rule.to_dict(), "hits": self.hits, "active": self.active(now)}
+        return {
+            "id": self.id, **self.rule.to_dict(), "hits": self.hits, "passed": self.passed,
+            "active": self.active(now),
+        }  # fmt: skip
 
 
 def throttle(free_at: float, now: float, nbytes: int, bytes_per_s: float) -> tuple[float, float]:

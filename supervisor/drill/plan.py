@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 from supervisor.drill.corruption import DRILL, Corruption
@@ -37,7 +37,12 @@ NO_RESUME = frozenset({Kind.DISK_FULL})
 # A full disk lasts until this many saves in a row have failed; it needs an interval for each, and
 # one more for a save that works again.
 DISK_FULL_FAILURES = 2
-DISK_FULL_INTERVALS = DISK_FULL_FAILURES + 1
+DISK_FULL_INTERVALS = DISK_FULL_FAILURES + 2  # the disk may fill in the save after the next, then recovers
+# disk-full: the disk fills after a random number of writing operations into checkpoint tmp dirs,
+# below this: a save of the drill's model makes about 150 (each rank's state file, shard and index,
+# rank 0's manifest and renames), so it fills at a random moment of the next save or the one after,
+# not between two saves (issue 44: where in a save the disk fills decided whether the ranks agreed).
+DISK_FULL_FILL_WITHIN = 200
 CHAOS = "chaos"
 # Chaos draws this many faults (fewer, down to CHAOS_LEAST, where --steps has no room: ``adapt``).
 CHAOS_FAULTS = (3, 4)
@@ -60,6 +65,7 @@ class Fault:
     rank: int  # the worker to hit (kill9, sigstop, hang, hang-during-save, during-save)
     corruption: Corruption | None = None  # corrupt-latest only
     preempt_as: str = PREEMPT_SLURM  # preempt only
+    fill_after: int = 0  # disk-full only: writing operations into tmp dirs let through first
 
     def describe(self) -> str:
         what = {
@@ -75,7 +81,10 @@ class Fault:
                 else "SIGUSR1 (the preemption notice) to every process of the job"
             ),
             Kind.IO_ERROR: f"EIO on the next reads of shard files, then kill -9 rank {self.rank}",
-            Kind.DISK_FULL: f"ENOSPC on every checkpoint write until {DISK_FULL_FAILURES} saves have failed",
+            Kind.DISK_FULL: (
+                f"ENOSPC on every checkpoint write from the {self.fill_after + 1}th into a tmp dir on (a random "
+                f"moment of a save) until {DISK_FULL_FAILURES} saves have failed"
+            ),
             Kind.SLOW_STORAGE: f"throttle checkpoint reads and writes, then kill -9 rank {self.rank}",
         }[self.kind]
         return f"{what} after step {self.at_step}"
@@ -142,7 +151,7 @@ def plan(
             f"(after the second save, before the last interval); raise --steps or lower --save-every"
         )
     corruptions = iter(DRILL if scenario != CHAOS else rng.sample(DRILL * 2, len(kinds)))
-    return [
+    faults = [
         Fault(
             kind=kind,
             at_step=at,
@@ -151,6 +160,11 @@ def plan(
             preempt_as=preempt_as,
         )
         for kind, at in zip(kinds, at_steps, strict=True)
+    ]
+    # drawn last: the other scenarios' plans stay what their seeds always gave
+    return [
+        replace(f, fill_after=rng.randrange(DISK_FULL_FILL_WITHIN)) if f.kind == Kind.DISK_FULL else f
+        for f in faults
     ]
 
 

@@ -48,6 +48,8 @@ SLOW_READ_S = 8.0
 # rank's heartbeat gap (a beat per second, a 64 KiB chunk at its share of the throttle, the
 # watchdog's 0.5 s poll), well below the phases themselves.
 SLOW_TIMEOUT_S = 4.0
+# disk-full: what a full disk refuses in a checkpoint tmp dir (the dir itself included).
+DISK_FULL_OPS = ("mkdir", "create", "write", "flush", "fsync", "rename")
 IO_PHASES = (Phase.VERIFY, Phase.LOAD)
 
 
@@ -118,9 +120,11 @@ class IoError(Driver):
 
 
 class DiskFull(Driver):
-    """ENOSPC on every write into a checkpoint tmp dir until the watchdog has logged
-    DISK_FULL_FAILURES failed saves in a row (an event, not a time), then space again. The job must
-    ride it out in the same launch.
+    """ENOSPC on every writing operation into a checkpoint tmp dir (its mkdir, a file's create,
+    write, close, fsync, rename) until the watchdog has logged DISK_FULL_FAILURES failed saves in a
+    row (an event, not a time), then space again. The disk fills at a random moment of a save, not
+    between two: the fault filesystem lets the plan's ``fill_after`` writing operations through
+    first (a count, not a time). The job must ride it out in the same launch.
 
     Only checkpoint writes fail: heartbeats, metrics and the watchdog's own files on a truly full
     disk are tested with a real full tmpfs (tests/test_watch_faults.py, tests/test_train_storage.py).
@@ -139,7 +143,7 @@ class DiskFull(Driver):
             return None
         before = committed_steps(scene.root)
         t0, in_flight = time.time(), scene.save_in_flight()
-        rule = scene.fs.fail(f"/{TMP_GLOB}/*", "ENOSPC", ops=["write"])
+        rule = scene.fs.fail(f"/{TMP_GLOB}", "ENOSPC", ops=DISK_FULL_OPS, skip=fault.fill_after)
         scene.note(f"{fault.describe()}: set at step {scene.step()}")
         scene.struck(fault, t0, in_flight)
 
@@ -157,7 +161,8 @@ class DiskFull(Driver):
         scene.note(
             f"space again at step {scene.step()}: the watchdog logged {seen} failed save(s) in a row"
             + ("" if reported else f" (waited for {DISK_FULL_FAILURES} in vain)")
-            + f"; {hits} write(s) failed with ENOSPC"
+            + f"; the disk filled after {fault.fill_after} writing operation(s) into tmp dirs, "
+            + f"then {hits} failed with ENOSPC"
         )
         return StorageFacts(rule_hits=hits, committed_before=before, committed_after=after)
 

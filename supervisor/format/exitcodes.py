@@ -34,6 +34,11 @@ class Exit(IntEnum):
     # .metadata or a pickled state item names something outside its allowlist; docs/security.md).
     # Not retryable: nothing of it was run, a person must look at it.
     UNTRUSTED = 77
+    # Trainer (sysexits EX_PROTOCOL): a rank gave up waiting for its peers in one of a save's
+    # exchanges (bounded at half the save/commit timeout): a peer is stuck, or the ranks are in
+    # different collectives. The watchdog takes it as a hang of the launch (stack dumps, the
+    # culprit named, a relaunch). Retryable.
+    WAIT_GAVE_UP = 76
     # Trainer: bad configuration (unknown config name, impossible batch split...).
     BAD_CONFIG = 78
     # Trainer: preempted; a checkpoint was saved at the step boundary. Relaunch / requeue me.
@@ -137,6 +142,13 @@ MEANINGS: tuple[Meaning, ...] = (
         Exit.REQUEUE,
         "trainer",
         "preempted (SIGTERM, SIGUSR1 or `$REQUEUE_SIGNAL`): the last step's checkpoint committed; relaunch",
+    ),
+    _m(
+        Exit.WAIT_GAVE_UP,
+        "trainer",
+        "a rank gave up waiting for its peers in one of a save's exchanges (each bounded at half the "
+        "save/commit timeout): a peer died, is stuck or is in another collective; the watchdog takes "
+        "it as a hang (stacks, culprit) and relaunches",
     ),
     _m(
         Exit.UNTRUSTED,

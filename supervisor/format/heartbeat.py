@@ -5,9 +5,15 @@ A reader never crashes on a garbage, half-written or missing file: it gets a sna
 as unknown. A writer never crashes its rank either: a failed write (a full disk, EIO) is counted
 and retried at the next beat.
 
-Beats are driven by progress: a step done, or bytes read or written in a long I/O phase (verify,
-load, commit...). Silence therefore means *no progress*, whatever the size of the checkpoint, and
-that is what the watchdog calls a hang.
+Progress is what advances, not what is written: a heartbeat carries the progress of its phase (the
+step in train, bytes or items in a long I/O phase: verify, load, save, commit...) and when that
+last changed (``progress_mono``, ``progress_wall``). The watchdog measures silence from that
+change, so a rank that keeps writing beats while nothing advances (a wait for its peers, for
+background work, a backoff) still goes silent, whatever the size of the checkpoint, and that is
+what the watchdog calls a hang. Such a wait says so in its beats (``waiting``) with the moment it
+gives up on its own (``wait_until``): `status` shows it, and the watchdog holds a waiting rank to
+the progress of its launch's other ranks (a rank done with its share, waiting for the slowest, is
+not the culprit while that one advances).
 """
 
 from __future__ import annotations
@@ -43,6 +49,22 @@ ENV_RESTART_COUNT = "SUPERVISOR_RESTART_COUNT"
 # this file exists, or exit 0 once the watchdog with this pid is gone.
 ENV_STANDBY_RELEASE = "SUPERVISOR_STANDBY_RELEASE"
 ENV_WATCHDOG_PID = "SUPERVISOR_WATCHDOG_PID"
+# Set by the watchdog for each launch: its phase timeouts (JSON: Phase value -> seconds), so that
+# the ranks bound their own waits (collectives, backoffs) well under them.
+ENV_PHASE_TIMEOUTS = "SUPERVISOR_PHASE_TIMEOUTS"
+
+# Default phase timeouts: seconds a rank may go without progress in each phase (the watchdog's
+# flags, supervisor/watch/liveness.py). Train is the tight one; startup covers a cold start
+# (imports, rendezvous); the I/O phases count bytes, so their timeouts bound a stall, not the size
+# of a checkpoint.
+DEFAULT_TRAIN_TIMEOUT_S = 120.0
+DEFAULT_STARTUP_TIMEOUT_S = 600.0
+DEFAULT_VERIFY_TIMEOUT_S = 300.0
+DEFAULT_DOWNLOAD_TIMEOUT_S = 300.0
+DEFAULT_LOAD_TIMEOUT_S = 600.0
+DEFAULT_SAVE_TIMEOUT_S = 900.0
+DEFAULT_COMMIT_TIMEOUT_S = 300.0
+DEFAULT_DIGEST_TIMEOUT_S = 300.0
 
 
 class Phase(str, Enum):
@@ -114,6 +136,14 @@ class Heartbeat:
     phase_timeout_s: float = 0.0
     # Mark value -> wall time, for the watchdog's recovery breakdown.
     marks: dict[str, float] = field(default_factory=dict)
+    # When the progress (phase, step, ``progress``) last changed, on the writer's clocks (0: a
+    # writer that predates them; its beats are aged by ``mono_time``/``wall_time``).
+    progress_mono: float = 0.0
+    progress_wall: float = 0.0
+    # What the rank waits for while it beats without progress ('' : not waiting), and the wall
+    # time its wait gives up on its own (0: unknown).
+    waiting: str = ""
+    wait_until: float = 0.0
     # The exception that ended the rank, one line ("RuntimeError: ... (train.py:88)"), written by
     # its last beat (supervisor/resumable/_signals.py): a rank gone without it, and without an
     # exit code, was killed by a signal.
@@ -215,6 +245,10 @@ def heartbeat_from_dict(d: Mapping[str, Any]) -> Heartbeat:
             phase_name=str(d.get("phase_name", "")),
             phase_timeout_s=_float(d.get("phase_timeout_s", 0.0)),
             marks=_marks(d.get("marks", {})),
+            progress_mono=_float(d.get("progress_mono", 0.0)),
+            progress_wall=_float(d.get("progress_wall", 0.0)),
+            waiting=str(d.get("waiting", "")),
+            wait_until=_float(d.get("wait_until", 0.0)),
             died_of=str(d.get("died_of", "")),
         )
     except KeyError as e:
@@ -304,7 +338,9 @@ def read_heartbeat_folder(folder: str | Path) -> list[HeartbeatSnapshot]:
 class HeartbeatWriter:
     """Throttled writer for one rank: at most one write per ``interval_s`` within a phase, and
     always on a phase change, so thousands of ranks do not flood a shared filesystem. Never raises
-    for a failed write: the rank keeps training and the next beat tries again."""
+    for a failed write: the rank keeps training and the next beat tries again. It stamps when the
+    progress (phase, step, ``progress``) last changed, at the call that changed it, written or
+    not: a beat that changes nothing is no progress."""
 
     def __init__(
         self,
@@ -338,10 +374,12 @@ class HeartbeatWriter:
         self._pid = os.getpid()
         self._last_write = float("-inf")
         self._last_phase: tuple[Phase, tuple[str, float]] | None = None
+        self._progress: tuple[object, ...] | None = None  # (phase, custom, step, progress) last beaten
+        self._progress_at = (0.0, 0.0)  # (monotonic, wall) of its last change
         self._last_step = 0
         self._died_of = ""
 
-    def beat(
+    def beat(  # noqa: PLR0913  the record's fields, keyword-only past the first five
         self,
         step: int,
         phase: Phase,
@@ -352,11 +390,18 @@ class HeartbeatWriter:
         progress: int = 0,
         total: int = 0,
         io_path: str = "",
+        waiting: str = "",
+        wait_until: float = 0.0,
     ) -> bool:
         """Write a heartbeat if due; return whether one was written. A deliberate exit passes
-        ``exit_code`` (always written) so the watchdog can classify it past torchrun's exit 1."""
+        ``exit_code`` (always written) so the watchdog can classify it past torchrun's exit 1.
+        A beat made while waiting (for peers, background work, a backoff) says what for in
+        ``waiting`` and when the wait gives up in ``wait_until`` (wall time; 0: unknown)."""
         now, mono = time.time(), time.monotonic()
         custom = self.custom if phase is Phase.CUSTOM else ("", 0.0)
+        key = (phase, custom, step, progress)
+        if key != self._progress:
+            self._progress, self._progress_at = key, (mono, now)
         first_step = phase == Phase.TRAIN and last_step_s > 0 and Mark.FIRST_STEP.value not in self.marks
         if first_step:  # written at once: the watchdog times the recovery by it
             self.marks[Mark.FIRST_STEP.value] = now
@@ -392,6 +437,10 @@ class HeartbeatWriter:
             phase_name=custom[0],
             phase_timeout_s=custom[1],
             marks=dict(self.marks),
+            progress_mono=self._progress_at[0],
+            progress_wall=self._progress_at[1],
+            waiting=waiting,
+            wait_until=wait_until,
             died_of=self._died_of,
         )
         self._last_phase, self._last_step = (phase, custom), step
@@ -430,12 +479,18 @@ class HeartbeatWriter:
 
 class Tracker(Protocol):
     """Where long work reports: called with the units (bytes, files) just done, told the path it
-    is on (a hang verdict names it). ``Progress`` beats a heartbeat; train_ref's ``Relay`` counts
-    for a thread that must not write one."""
+    is on (a hang verdict names it), and told when the work waits instead (for its peers: no
+    progress, said so). ``Progress`` beats a heartbeat; the library's ``Relay`` counts for a
+    thread that must not write one."""
 
     def __call__(self, n: int) -> None: ...
 
     def set_path(self, path: str) -> None: ...
+
+    def wait(self, what: str, until: float = 0.0) -> None:
+        """A beat while waiting for ``what``, no progress; ``until``: the wall time the wait
+        gives up on its own (0: unknown)."""
+        ...
 
 
 class Progress:
@@ -460,7 +515,17 @@ class Progress:
         self.path = path
         self._beat(force=new)
 
-    def _beat(self, force: bool = False) -> None:
+    def wait(self, what: str, until: float = 0.0) -> None:
+        self._beat(waiting=what, wait_until=until)
+
+    def _beat(self, force: bool = False, waiting: str = "", wait_until: float = 0.0) -> None:
         self.writer.beat(
-            self.step, self.phase, force=force, progress=self.done, total=self.total, io_path=self.path
+            self.step,
+            self.phase,
+            force=force,
+            progress=self.done,
+            total=self.total,
+            io_path=self.path,
+            waiting=waiting,
+            wait_until=wait_until,
         )

@@ -17,11 +17,14 @@ Protocol of one save (every rank calls ``save`` at the same step boundary):
    COMMIT). An async save starts it at the step boundary where every rank's writes are done and
    runs it in the background; the loop takes the outcome at a later boundary (``_InFlight``).
 
-A failed save (ENOSPC, EDQUOT, EIO... on any rank, DCP's CheckpointException, a rank's file missing
-from rank 0's view) is decided at those two exchanges, never by one rank alone (a rank that went
-its own way around a collective would hang the others): rank 0 removes the tmp dir, nothing is
-committed, ``latest`` stays, every rank records the failure in its heartbeat (``save_failures``,
-``last_error``) and training goes on. The next save first makes room (dead writers' tmp dirs,
+A failed save (ENOSPC, EDQUOT, EIO... on any rank, at any point: before, during or after DCP's
+writes, in the commit, in the manifest; a rank's file missing from rank 0's view) is decided at
+those exchanges, never by one rank alone (a rank that went its own way around a collective would
+hang the others): every rank takes part in each of them whatever failed where, DCP runs to its end
+on every rank (the shard writer holds a failure back until then: issue 44), and a bug is agreed
+too, then raised on every rank (SaveCrashed). On a storage failure rank 0 removes the tmp dir,
+nothing is committed, ``latest`` stays, every rank records the failure in its heartbeat
+(``save_failures``, ``last_error``) and training goes on. The next save first makes room (dead writers' tmp dirs,
 quarantine retention). ``save_policy.give_up`` decides, on rank 0, when to stop: then every rank
 raises StorageGaveUp (exit 74).
 
@@ -36,8 +39,12 @@ collective.
 
 DCP and the step-boundary agreement each run on their own gloo group: the upload thread's
 collectives on the default group deadlocked against training collectives (torch-cpu.md). The
-commit's exchanges run on DCP's group after its writes, on the loop (sync) or the background
-thread (async): the loop uses that group again only for the next save, after ``finish``.
+save's opening and the commit's exchanges run on DCP's group, the opening before DCP's writes, the
+commit after them, on the loop (sync) or the background thread (async): the loop uses that group
+again only for the next save, after ``finish``. Every collective on it gives up after ``wait_s``
+(half the shorter of the save and commit timeouts): a rank that waited that long exits 76
+(PeersTimedOut), which the watchdog takes as a hang. Each of its waits beats as a wait, no
+progress, with that deadline (``waiting``, ``wait_until`` in the heartbeat).
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ import os
 import pickle
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -66,6 +73,7 @@ from torch.distributed.checkpoint.filesystem import (
     _StorageInfo,
     _StoragePrefix,
 )
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
@@ -75,6 +83,7 @@ from torch.futures import Future as TorchFuture
 
 from supervisor import store
 from supervisor.errors import StorageError
+from supervisor.format.exitcodes import Exit
 from supervisor.format.heartbeat import HeartbeatWriter, Phase, Progress, Tracker
 from supervisor.format.layout import (
     dcp_index_filename,
@@ -86,6 +95,7 @@ from supervisor.format.layout import (
 from supervisor.format.manifest import CHECKSUM_ALGO, META_SAVE_S, CheckpointInfo, FileEntry, hash_file
 from supervisor.format.statediff import SHARED
 from supervisor.resumable import _agree
+from supervisor.resumable._bounds import as_timedelta, wait_bound_s
 from supervisor.resumable._dcp_index import per_rank_index, tensor_bytes
 from supervisor.resumable._optim_state import prime_for_load
 from supervisor.resumable._progress_io import (
@@ -99,7 +109,7 @@ from supervisor.resumable._progress_io import (
     written_key,
 )
 from supervisor.resumable._readahead import readahead
-from supervisor.resumable._safe_load import load_dcp, weights_only_refusal
+from supervisor.resumable._safe_load import load_dcp, one_line, weights_only_refusal
 from supervisor.resumable._save_policy import (
     SaveError,
     SavePolicy,
@@ -111,10 +121,15 @@ from supervisor.resumable._save_policy import (
 from supervisor.resumable._tensor_record import write_plain
 from supervisor.resumable._train_state import RankState
 from supervisor.signing import DIGEST_ALGO
+from supervisor.store.ioerrors import describe
 
 log = logging.getLogger(__name__)
 
 COMMIT_STEPS = ("fsync", "manifest", "rename", "latest")  # store.commit's on_phase calls
+# What a rank waits for in each of a save's exchanges (its heartbeat's ``waiting``).
+OPENING = "rank 0 to open the save"
+REPORTS = "every rank's report of the save"
+OUTCOME = "rank 0's outcome of the save"
 
 # Test-only fault injection: seconds every checkpoint write sleeps before writing its shards, to
 # widen the window between "save started" and "commit" so a test can kill a rank inside it.
@@ -216,6 +231,7 @@ class SaveOutcome:
     latest: str | None = None  # the newest committed checkpoint now
     stop: str = ""  # the save policy's reason to stop the launch ('' : go on)
     tmp_left: bool = False  # rank 0 could not remove the tmp dir (a file it cannot see)
+    fatal: bool = False  # a rank met a bug, not a storage failure: every rank raises SaveCrashed
 
 
 # With an uploader, retention is the uploader's (between uploads): a local prune keeps every valid one.
@@ -258,6 +274,21 @@ def commit_reports(
 
 class StorageGaveUp(StorageError):
     """The save policy stopped the launch (exit 74); ``str(e)`` is one line for the job log."""
+
+
+class SaveCrashed(RuntimeError):
+    """A save met an error that is no storage failure (a bug) on some rank: raised on every rank
+    at once, after they agreed on it, so the launch fails as one and is relaunched."""
+
+
+class PeersTimedOut(Exception):
+    """One of a save's collectives gave up (``Checkpointer.wait_s``): a peer is stuck, or the ranks
+    are in different collectives. The rank exits 76 (Exit.WAIT_GAVE_UP), which the watchdog takes
+    as a hang of the launch; ``str(e)`` is one line for the job log, ``what`` what it waited for."""
+
+    def __init__(self, msg: str, what: str) -> None:
+        super().__init__(msg)
+        self.what = what
 
 
 @dataclass
@@ -308,13 +339,53 @@ class _ShardWriter(FileSystemWriter):
         super().__init__(path)
         self.fs, self.delay_s = fs, delay_s
         self.written = fs.written  # each file's size and hashes, as written (no read back)
+        self.error: Exception | None = None  # the first failure of this rank's part, held back
 
     def _get_metadata_path(self, rank: int | None = None) -> os.PathLike[str]:
         """Where DCP's ``finish`` puts the index: a rank's own under this toolkit's name for it
         (``dcp_index_filename``: not DCP's, which torch's own load reads unchecked)."""
         return cast(Path, self.fs.concat_path(self.path, dcp_index_filename(rank)))
 
+    # A failure of this rank's part (ENOSPC on any file, a bug) is held back (``error``) until
+    # DCP returns, and what follows it is skipped: DCP must run to its end on every rank alike.
+    # Raised inside DCP, it left a rank that saves alone (an index per rank) out of DCP's final
+    # barrier, into the commit's agreement, while its peers waited in that barrier: two ranks in
+    # different collectives for good (issue 44). ``raise_held`` raises it once DCP is done.
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        try:
+            return super().prepare_local_plan(plan)
+        except Exception as e:
+            self.error = self.error or e
+            return plan
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
+        results: list[WriteResult] = []
+        if self.error is None:
+            try:
+                future = self._write_now(plan, planner)
+                future.wait()
+                results = future.value()
+            except Exception as e:
+                self.error = e
+        done: TorchFuture[list[WriteResult]] = TorchFuture()
+        done.set_result(results)
+        return done
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        if self.error is not None:
+            return
+        try:
+            super().finish(metadata, results)
+        except Exception as e:
+            self.error = e
+
+    def raise_held(self) -> None:
+        """The failure held back while DCP ran, if there was one."""
+        if self.error is not None:
+            raise self.error
+
+    def _write_now(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
         if self.delay_s > 0:
             time.sleep(self.delay_s)
         crc = torch.serialization.get_crc32_options()
@@ -410,7 +481,13 @@ class Checkpointer:
         self.on_commit = on_commit
         self.rank_extra = rank_extra
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.dcp_group = dist.new_group(backend="gloo")
+        # Every collective of a save, its commit and their agreements (all on DCP's group) gives
+        # up after wait_s, well under the save and commit timeouts (supervisor/resumable/_bounds.py):
+        # ranks in different collectives exit 76 and are relaunched, a wait is never hidden for
+        # long. The step boundary's agreement (the training loop's) keeps gloo's own timeout:
+        # rank-0-only work between steps may well take longer.
+        self.wait_s = wait_bound_s(Phase.SAVE, Phase.COMMIT)
+        self.dcp_group = dist.new_group(backend="gloo", timeout=as_timedelta(self.wait_s))
         self.ctl_group = dist.new_group(backend="gloo")
         self.stager: OrderedStager | None = None
         if async_save:
@@ -451,7 +528,7 @@ class Checkpointer:
                 self.rank_extra
             )  # the streams as of this step; written off the loop
             # counts the upload's writes (beating between files), then the checksums and the commit
-            uploading = Keepalive(Relay())
+            uploading = Keepalive(Relay(), self.wait_s)
             writer = _writer(tmp, self.root, uploading, self._signing)
             try:
                 resp = dcp.async_save(
@@ -467,7 +544,7 @@ class Checkpointer:
                     else (None, resp)
                 )
                 written = self._background().submit(
-                    self._write_and_hash, tmp, upload, rank_file, rank_state, uploading, writer.written
+                    self._write_and_hash, tmp, upload, rank_file, rank_state, uploading, writer
                 )
                 self.in_flight = _InFlight(
                     state.step, tmp, meta, staging, written, uploading.inner, started=t0
@@ -477,24 +554,27 @@ class Checkpointer:
                     self.stager.release()  # the staging copies start now that the call is done
             self.last_blocking_s = time.monotonic() - t0
             return None
+        # Whatever fails here, this rank goes through DCP and the agreement as its peers do
+        # (a rank that leaves them early leaves its peers in a collective): its error is its part.
         error = None
         try:
             RankState.save(rank_file, self.rank_extra)
-        except OSError as e:
-            error = save_error(e, self.rank, self.root)
+        except Exception as e:
+            error = self._storage_error(e)
         hashed: dict[str, Hashed] = {}  # DCP's files, hashed as they were written
         try:
-            with kept_alive(self.hb.tracker(Phase.SAVE, state.step)) as saving:
+            with kept_alive(self.hb.tracker(Phase.SAVE, state.step), self.wait_s) as saving:
                 writer = _writer(tmp, self.root, saving, self._signing)
                 hashed = writer.written
                 dcp.save(app, storage_writer=writer, process_group=self.dcp_group, use_collectives=not alone)
-        except (OSError, CheckpointException) as e:
+                writer.raise_held()
+        except Exception as e:
             error = error or self._storage_error(e)
         progress = self.hb.tracker(Phase.COMMIT, state.step)  # the commit, on the loop
         try:  # this rank's part: its error, or its files' checksums
             mine = error or self._local_entries(tmp, progress, hashed)
-        except OSError as e:
-            mine = save_error(e, self.rank, self.root)
+        except Exception as e:
+            mine = self._storage_error(e)
         outcome = self._agree(state.step, tmp, meta, mine, t0, progress)
         self._apply(outcome, progress)
         self.last_blocking_s = time.monotonic() - t0
@@ -506,7 +586,8 @@ class Checkpointer:
         sharded, agreed by every rank (one all-reduce), the same for every save after."""
         if self._per_rank is None:
             mine = torch.tensor([int(per_rank_index(*tensor_bytes(app), self.world_size))])
-            dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=self.dcp_group)
+            with self._exchange("every rank's layout of the state"):
+                dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=self.dcp_group)
             self._per_rank = bool(mine.item())
         return self._per_rank
 
@@ -615,39 +696,45 @@ class Checkpointer:
         rank_file: Path,
         rank_state: bytes,
         uploading: Keepalive[Relay],
-        written: dict[str, Hashed],
+        writer: _ShardWriter,
     ) -> RankFiles:
         """Background, while training goes on: write (and fsync) this rank's state file, wait for
         DCP's upload (beating for it between its files), then this rank's files' checksums (those
-        hashed as DCP wrote them, ``written``; the others read back), so the commit only exchanges
-        them. Raises the OSError of the state file, a read, or what the upload raised, never
-        before the upload is over: a failed commit removes the tmp dir."""
+        hashed as DCP wrote them, ``writer.written``; the others read back), so the commit only
+        exchanges them. Raises the OSError of the state file, a read, or what the upload met
+        (held back by the writer until DCP was done, or raised by DCP), never before the upload is
+        over: a failed commit removes the tmp dir."""
         try:
             RankState.write(rank_file, rank_state)
         finally:
             with _agree.beating(uploading.beat):
                 upload.result()
-        return self._local_entries(tmp, uploading.inner, written)
+        writer.raise_held()
+        return self._local_entries(tmp, uploading.inner, writer.written)
 
     def _commit_written(self, f: _InFlight) -> SaveOutcome:
         """Background: ``_agree`` on what ``f``'s writes left, on DCP's group (every rank starts
         it at the same step boundary). It never touches the heartbeat, which the loop owns: its
-        progress goes to ``f.work``. An error that is not a storage failure (a bug) is raised
-        at ``finish``."""
+        progress goes to ``f.work``. An error that is not a storage failure (a bug) is agreed on
+        like any failure, then raised on every rank at ``finish`` (SaveCrashed)."""
         try:
             mine: RankFiles | SaveError = f.written.result()
-        except (OSError, CheckpointException) as e:
+        except Exception as e:
             mine = self._storage_error(e)
         return self._agree(f.step, f.tmp, f.meta, mine, f.started, f.work)
 
-    def _storage_error(self, e: BaseException) -> SaveError:
-        """This rank's storage failure, or ``e`` raised again when it is not one (a bug crashes).
-        DCP raises its CheckpointException on every rank alike, so they all crash or all go on."""
+    def _storage_error(self, e: Exception) -> SaveError:
+        """This rank's part of a failed save: its storage failure, or, for anything else (a bug, a
+        collective that timed out), a fatal one, logged here with its traceback. Either way the
+        rank takes it to the agreement, where its peers wait: one agreed outcome per save."""
         if isinstance(e, OSError):
             return save_error(e, self.rank, self.root)
         err = dcp_save_error(e, self.root) if isinstance(e, CheckpointException) else None
         if err is None:
-            raise e
+            log.error(
+                "rank %d: the save failed on an error that is no storage failure", self.rank, exc_info=e
+            )
+            return SaveError(self.rank, f"{type(e).__name__}: {one_line(e)}", fatal=True)
         return err
 
     def _begin(self, step: int) -> Path | SaveOutcome:
@@ -655,16 +742,18 @@ class Checkpointer:
         path, or the outcome of a save that failed right there."""
         mine: Path | SaveOutcome | None = None
         if self.rank == 0:
-            self._make_room(step)
             try:
+                self._make_room(step)
                 mine = store.begin(self.root, step)
             except OSError as e:
                 mine = self._failed(step, [save_error(e, 0, self.root)])
-        # cast: mypy solves broadcast's T for a union as their join (object)
-        got = cast(
-            "Path | SaveOutcome",
-            _agree.broadcast(mine, self.ctl_group, lambda: self.hb.beat(step, Phase.SAVE)),
-        )
+            except Exception as e:  # a bug: agreed, then raised on every rank (``_apply``)
+                mine = self._failed(step, [self._storage_error(e)])
+        until = time.time() + self.wait_s
+        beat = lambda: self.hb.beat(step, Phase.SAVE, waiting=OPENING, wait_until=until)  # noqa: E731
+        # on DCP's group, idle here (the last save is over: ``finish``), so bounded as a save's
+        with self._exchange(OPENING):  # cast: mypy solves broadcast's T for a union as their join (object)
+            got = cast("Path | SaveOutcome", _agree.broadcast(mine, self.dcp_group, beat))
         if isinstance(got, SaveOutcome):
             self._apply(got)
         return got
@@ -715,19 +804,47 @@ class Checkpointer:
         """Every rank's writes are done: rank 0 commits with the checksums of each rank's files
         (``mine``: ``_local_entries``), unless a rank failed (``mine``: its error); every rank learns
         the outcome. The manifest records how long the save took since ``started``
-        (META_SAVE_S: what a preemption notice must leave time for)."""
+        (META_SAVE_S: what a preemption notice must leave time for). Every rank takes part,
+        whatever failed where: one agreed outcome per save; a bug in rank 0's decision is agreed
+        as a fatal outcome too (``_apply`` raises it everywhere)."""
         # added to what it counts already (bytes written and hashed)
         progress.total += len(COMMIT_STEPS) if self.rank == 0 else 0
         progress.set_path("")  # waiting for the peers, not in a read
-        gathered = _agree.gather_to_root(mine, self.dcp_group, lambda: progress(0))
+        with self._exchange(REPORTS):
+            gathered = _agree.gather_to_root(mine, self.dcp_group, self._waiting(progress, REPORTS))
         outcome = None
         if gathered is not None:  # rank 0
             meta = {**meta, META_SAVE_S: round(time.monotonic() - started, 3)}
-            outcome = self._decide(step, tmp, meta, gathered, progress)
-        outcome = _agree.broadcast(outcome, self.dcp_group, lambda: progress(0))
+            try:
+                outcome = self._decide(step, tmp, meta, gathered, progress)
+            except Exception as e:
+                outcome = self._failed(step, [self._storage_error(e)])
+        with self._exchange(OUTCOME):
+            outcome = _agree.broadcast(outcome, self.dcp_group, self._waiting(progress, OUTCOME))
         if outcome.tmp_left:
             self._remove_own_files(tmp, progress)
         return outcome
+
+    @contextlib.contextmanager
+    def _exchange(self, what: str) -> Iterator[None]:
+        """One of the save's collectives, waiting for ``what``: one that fails (gloo gave up after
+        ``wait_s``, a peer's connection closed, the group an earlier one left broken) is
+        PeersTimedOut."""
+        try:
+            yield
+        except RuntimeError as e:  # torch's DistError is one
+            raise PeersTimedOut(
+                f"rank {self.rank}: its wait for {what} failed ({one_line(e)}): a peer died, is stuck (a "
+                f"save's exchanges give up after {self.wait_s:g}s, half the save/commit timeout) or is in "
+                f"another collective; exit {Exit.WAIT_GAVE_UP}, retryable",
+                what,
+            ) from e
+
+    def _waiting(self, progress: Tracker, what: str) -> Callable[[], None]:
+        """The beat of a wait for the peers in one of the save's collectives: no progress, said
+        so, with when the collective gives up (``wait_s`` from now)."""
+        until = time.time() + self.wait_s
+        return lambda: progress.wait(what, until)
 
     def _remove_own_files(self, tmp: Path, progress: Tracker) -> None:
         """Rank 0 could not remove the tmp dir of a failed save: a file it cannot see is in it
@@ -739,7 +856,8 @@ class Checkpointer:
                 if self._is_own(name):
                     with contextlib.suppress(OSError):
                         os.unlink(tmp / name)
-        dist.barrier(group=self.dcp_group)
+        with self._exchange("every rank's removal of its files"):
+            dist.barrier(group=self.dcp_group)
         if self.rank == 0:
             store.remove_tree(tmp, progress)
             if not os.path.lexists(tmp):
@@ -831,18 +949,24 @@ class Checkpointer:
         return False
 
     def _failed(self, step: int, errors: list[SaveError], left: bool = False) -> SaveOutcome:
-        """Rank 0: nothing is committed; ``left``: the tmp dir could not all be removed."""
+        """Rank 0: nothing is committed; ``left``: the tmp dir could not all be removed. A fatal
+        error (a bug on some rank) comes first: every rank raises it."""
         self.failures += 1
         unsaved = time.monotonic() - self.last_durable
-        first = min(errors, key=lambda e: e.rank)
+        first = min(errors, key=lambda e: (not e.fatal, e.rank))
+        try:
+            latest = store.read_latest(self.root)
+        except OSError as e:  # said in the warning; the pick never trusts ``latest`` alone
+            latest = f"unreadable ({describe(e)})"
         return SaveOutcome(
             step,
             False,
             error=str(first),
             failures=self.failures,
-            latest=store.read_latest(self.root),
+            latest=latest,
             stop=give_up(self.policy, self.failures, unsaved),
             tmp_left=left,
+            fatal=first.fatal,
         )
 
     def _apply(self, outcome: SaveOutcome, progress: Progress | None = None) -> None:
@@ -854,6 +978,11 @@ class Checkpointer:
         self.hb.beat(outcome.step, Phase.COMMIT, force=True, progress=done, total=total)
         if outcome.committed:
             return
+        if outcome.fatal:
+            raise SaveCrashed(
+                f"the save of step {outcome.step} failed on an error that is no storage failure: "
+                f"{outcome.error}; every rank stops here (the traceback is in that rank's log)"
+            )
         if self.rank == 0 and not outcome.stop:
             log.warning(
                 failure_line(
@@ -929,7 +1058,7 @@ class Checkpointer:
         # one that is not there)
         first = [ckpt / dcp_index_filename(), ckpt / dcp_index_filename(self.rank)]
         first += [ckpt / dcp_shard_filename(self.rank), path] if same_world else []
-        with readahead(first), kept_alive(progress) as loading:
+        with readahead(first), kept_alive(progress, self.wait_s) as loading:
             prime_for_load(getattr(state, "optimizer", None))
             fs = ProgressFileSystem(self.root, loading)
             load_dcp(ckpt, {SHARED: state}, self.dcp_group, fs=fs)

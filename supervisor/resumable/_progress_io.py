@@ -74,6 +74,7 @@ _PAGE = 4096
 # A file written starts its writeback every WRITEBACK_CHUNK bytes (``start_writeback``), so the disk
 # writes while the save still pickles and copies, and the save's fsync waits only for the tail.
 WRITEBACK_CHUNK = 8 << 20
+PEERS_IN_DCP = "peers in DCP's exchanges"  # what a rank between files of a DCP save or load waits for
 _SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, do not wait
 
 
@@ -109,25 +110,36 @@ class Relay:
     thread owns it): it only counts, and ``moves`` goes up at each call. A thread that waits on
     that work forwards the counts to its own tracker when ``moves`` changed: its wait then beats
     while the work moves, and goes silent, naming the work's file, when the work is stuck, as if
-    it did the work itself. One thread writes it (the work's, or a helper beating while it waits
-    for peers; the work is blocked meanwhile); readers may see a count one call old."""
+    it did the work itself. The work's own waits (for its peers) are forwarded as waits, no
+    progress. One thread writes it (the work's, or a helper beating while it waits for peers; the
+    work is blocked meanwhile); readers may see a count one call old."""
 
     def __init__(self) -> None:
         self.done = self.total = self.moves = 0
         self.path = ""
+        self.waiting: tuple[str, float] = ("", 0.0)  # what the work waits for, until when
 
     def __call__(self, n: int) -> None:
         self.done += n
         self.moves += 1
+        if n:
+            self.waiting = ("", 0.0)
 
     def set_path(self, path: str) -> None:
         self.path = path
+        self.moves += 1
+        if path:
+            self.waiting = ("", 0.0)
+
+    def wait(self, what: str, until: float = 0.0) -> None:
+        self.waiting = (what, until)
         self.moves += 1
 
 
 def wait_forwarding(done: Future[Any], work: Relay, progress: Progress, interval_s: float) -> None:
     """Wait until ``done``, looking at ``work`` every ``interval_s``: when it moved, its counts
-    and file go into ``progress`` (a beat); when it did not, nothing does."""
+    and file go into ``progress`` (a beat; progress when its count grew), and its own wait, if it
+    waits, as a wait; when it did not move, nothing does (silence: the work is stuck)."""
     moves = -1
     while wait([done], timeout=interval_s).not_done:
         if work.moves != moves:
@@ -135,6 +147,8 @@ def wait_forwarding(done: Future[Any], work: Relay, progress: Progress, interval
             progress.total = work.total
             progress.set_path(work.path)
             progress(work.done - progress.done)
+            if work.waiting[0]:
+                progress.wait(*work.waiting)
 
 
 @dataclass(frozen=True)
@@ -310,15 +324,19 @@ T = TypeVar("T", bound=Tracker)
 class Keepalive(Generic[T]):
     """A tracker for I/O that waits on its peers between files (DCP's exchanges inside a save or
     a load): ``beat``, called every so often by a helper thread (``_agree.beating``), beats for it
-    while no file operation is under way and never during one. So a rank that did its part and
-    waits for the slowest is no hang, and one stuck in a read or write still goes silent, naming
-    the file. Both threads' calls go through one lock (neither ``Progress`` nor ``Relay`` is
-    thread-safe)."""
+    while no file operation is under way and never during one, as a wait for its peers (no
+    progress: a rank done with its shard is held to its launch's progress, not its own), giving
+    up ``bound_s`` after its last file (each of DCP's exchanges is bounded so, 0: unknown). So a
+    rank that did its part and waits for the slowest is no hang, and one stuck in a read or write
+    still goes silent, naming the file. Both threads' calls go through one lock (neither
+    ``Progress`` nor ``Relay`` is thread-safe)."""
 
-    def __init__(self, inner: T) -> None:
+    def __init__(self, inner: T, bound_s: float = 0.0) -> None:
         self.inner = inner
+        self.bound_s = bound_s
         self._lock = threading.Lock()
         self._in_file = False
+        self._since = time.time()  # the end of its last file operation
 
     def __call__(self, n: int) -> None:
         with self._lock:
@@ -327,20 +345,26 @@ class Keepalive(Generic[T]):
     def set_path(self, path: str) -> None:
         with self._lock:
             self._in_file = bool(path)
+            if not path:
+                self._since = time.time()
             self.inner.set_path(path)
+
+    def wait(self, what: str, until: float = 0.0) -> None:
+        with self._lock:
+            self.inner.wait(what, until)
 
     def beat(self) -> None:
         with self._lock:
             if not self._in_file:
-                self.inner(0)
+                self.inner.wait(PEERS_IN_DCP, self._since + self.bound_s if self.bound_s else 0.0)
 
 
 @contextmanager
-def kept_alive(progress: T) -> Iterator[Keepalive[T]]:
+def kept_alive(progress: T, bound_s: float = 0.0) -> Iterator[Keepalive[T]]:
     """``progress`` as a ``Keepalive``, beaten by a helper thread while the block runs: for DCP's
     save and load, which wait on their peers between files (a rank done with its shard waits in
-    DCP's exchanges for the slowest, as long as that one needs)."""
-    alive = Keepalive(progress)
+    DCP's exchanges for the slowest, as long as that one needs, each exchange up to ``bound_s``)."""
+    alive = Keepalive(progress, bound_s)
     with _agree.beating(alive.beat):
         yield alive
 

@@ -26,6 +26,7 @@ heartbeat, says one line on rank 0 and raises ``SystemExit`` with the code of
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -65,7 +66,14 @@ from supervisor.format.metrics import MetricsRecord
 from supervisor.format.statediff import RANK_LOADERS, RANK_OWN, SHARED
 from supervisor.options import nested, option
 from supervisor.resumable import _agree, _launch_marks, _tiering
-from supervisor.resumable._checkpointer import Checkpointer, CommitInfo, Saveable, SaveOutcome, StorageGaveUp
+from supervisor.resumable._checkpointer import (
+    Checkpointer,
+    CommitInfo,
+    PeersTimedOut,
+    Saveable,
+    SaveOutcome,
+    StorageGaveUp,
+)
 from supervisor.resumable._devices import DeviceError
 from supervisor.resumable._digest import params_digest, tensors_digest
 from supervisor.resumable._hooks import BoundaryHook, boundary_hook, no_hook
@@ -98,6 +106,7 @@ log = logging.getLogger("resumable")
 PREEMPTION = PreemptionFlag()
 _installed: list[str] = []  # install()'s problem, once installed
 VERIFY = ("quick", "deep")
+UPLOADS = "the remote tier's uploads"  # what rank 0 waits for at the end (its heartbeat's ``waiting``)
 
 
 def install_signals() -> str:
@@ -523,6 +532,7 @@ class Resumable:
         self._sanity: ResumeSanity | None = None  # rank 0, the first steps after a resume
         self._metrics_file: LineAppender | None = None
         self._at_boundary: BoundaryHook = no_hook  # until resume() knows the launch
+        self._own_beats = 0  # the trainer's own beat() calls: its progress between steps
         self._loaders_closed = False  # resume() restored their positions
         self._loaders: list[ResumableLoader] = []  # made by loader() and prepare()
         self._loader_check = LoaderCheck(self._warn)
@@ -691,14 +701,15 @@ class Resumable:
         """A new run starts from another run's weights (and optimizer): its own identity, step 0."""
         mine = init_source(spec) if self.rank == 0 else None
         # cast: mypy solves broadcast's T for a union as their join (object)
-        src = cast("Path | str", _agree.broadcast(mine, None, lambda: self._hb.beat(0, Phase.VERIFY)))
+        beat = lambda: self._hb.beat(0, Phase.VERIFY, waiting="rank 0's check of --init-from")  # noqa: E731
+        src = cast("Path | str", _agree.broadcast(mine, None, beat))
         if isinstance(src, str):
             self._stop(Exit.BAD_CONFIG, Phase.STARTUP, f"refused: --init-from {spec}: {src}")
         what = "weights and optimizer" if self._options.init_optimizer else "weights"
         if self._options.init_optimizer:
             prime_for_load(getattr(self.state, "optimizer", None))
         try:
-            with kept_alive(self._hb.tracker(Phase.LOAD, 0)) as loading:
+            with kept_alive(self._hb.tracker(Phase.LOAD, 0), self._ckpt.wait_s) as loading:
                 load_dcp(
                     src,
                     {SHARED: _Weights(self.state, self._options.init_optimizer)},
@@ -820,6 +831,8 @@ class Resumable:
         except StorageGaveUp as e:  # raised on every rank at the same save
             self._close_uploader(0.0)
             self._stop(_code(e), Phase.SAVE, str(e))
+        except PeersTimedOut as e:
+            self._gave_up(e)
         self._t_end = time.perf_counter()
         return done
 
@@ -841,22 +854,27 @@ class Resumable:
         return PREEMPTION.set
 
     def beat(self) -> None:
-        """A heartbeat now (throttled): for a long stretch of the trainer's own between steps."""
-        self._hb.beat(self.state.step, Phase.TRAIN)
+        """A heartbeat now (throttled): for a long stretch of the trainer's own between steps.
+        Each call is progress (the watchdog measures silence from the last one): call it as the
+        stretch advances, not from a thread that only waits."""
+        self._own_beats += 1
+        self._hb.beat(self.state.step, Phase.TRAIN, progress=self._own_beats)
 
     @contextmanager
     def phase(self, name: str, timeout: float = 0.0) -> Iterator[Callable[[], object]]:
         """A long phase of the trainer's own (eval, a data refresh) that the watchdog holds to
         ``timeout`` seconds without progress instead of the train timeout (0: the train
-        timeout). Yields a ``progress()`` to call as it advances (each call a throttled beat).
-        Every rank that runs the phase must use it; status shows the phase by its name."""
+        timeout). Yields a ``progress()`` to call as it advances (each call progress, and a
+        throttled beat). Every rank that runs the phase must use it; status shows the phase by
+        its name."""
         if not name or timeout < 0:
             raise ValueError(f"phase {name!r}, timeout {timeout}: give a name and a timeout >= 0")
         step = self.state.step
         self._hb.custom = (name, float(timeout))
         self._hb.beat(step, Phase.CUSTOM, force=True)
+        calls = itertools.count(1)
         try:
-            yield lambda: self._hb.beat(step, Phase.CUSTOM)
+            yield lambda: self._hb.beat(step, Phase.CUSTOM, progress=next(calls))
         finally:
             self._hb.custom = ("", 0.0)
             self._hb.beat(step, Phase.TRAIN, force=True)
@@ -919,6 +937,8 @@ class Resumable:
         except StorageGaveUp as e:
             self._close_uploader(0.0)
             self._stop(_code(e), Phase.SAVE, str(e))
+        except PeersTimedOut as e:
+            self._gave_up(e)
         if self._metrics_file is not None:
             self._metrics_file.close()
             self._metrics_file = None
@@ -930,18 +950,20 @@ class Resumable:
 
     def _final_save(self) -> None:
         """The last checkpoint, tried again until it commits or the save policy gives up
-        (StorageGaveUp). Between tries every rank waits the same backoff, beating: a bounded wait
-        for storage is no hang (a rank silent in the next save's first exchange would be one).
-        The jitter is seeded by the launch and the agreed failure count: alike on every rank,
-        different across jobs, and not the global RNG, which belongs to the training loop."""
+        (StorageGaveUp). Between tries every rank waits the same backoff, beating as a wait (no
+        progress): it is bounded, like every wait of a save, by ``wait_s``, well under the save
+        timeout, so a backoff is never a hang verdict. The jitter is seeded by the launch and the
+        agreed failure count: alike on every rank, different across jobs, and not the global RNG,
+        which belongs to the training loop."""
         while not (outcome := self._save_now()).committed:
             rng = random.Random(f"{self._hb.launch_id}:{outcome.failures}")
-            self._wait_beating(STORAGE_BACKOFF.wait_s(outcome.failures, rng), Phase.SAVE)
+            wait = min(STORAGE_BACKOFF.wait_s(outcome.failures, rng), self._ckpt.wait_s)
+            self._wait_beating(wait, Phase.SAVE, "the backoff before the final save's next try")
 
-    def _wait_beating(self, seconds: float, phase: Phase) -> None:
-        end = time.monotonic() + seconds
+    def _wait_beating(self, seconds: float, phase: Phase, what: str) -> None:
+        end, until = time.monotonic() + seconds, time.time() + seconds
         while (left := end - time.monotonic()) > 0:
-            self._hb.beat(self.state.step, phase)
+            self._hb.beat(self.state.step, phase, waiting=what, wait_until=until)
             time.sleep(min(left, self._hb.interval_s / 2))
 
     def final_fields(self) -> dict[str, Any]:
@@ -998,8 +1020,25 @@ class Resumable:
     def _close_uploader(self, timeout_s: float) -> None:
         if self._uploader is not None:
             step = self.state.step
-            _tiering.close_uploader(self._uploader, timeout_s, lambda: self._hb.beat(step, Phase.SAVE))
+            until = time.time() + timeout_s
+            beat = lambda: self._hb.beat(step, Phase.SAVE, waiting=UPLOADS, wait_until=until)  # noqa: E731
+            _tiering.close_uploader(self._uploader, timeout_s, beat)
             self._uploader = None
+
+    def _gave_up(self, e: PeersTimedOut) -> NoReturn:
+        """A save's exchange gave up waiting for the peers (exit 76): said on stderr by this rank,
+        whichever it is, and in its heartbeat, what it waited for with it, for the watchdog's
+        verdict (a hang of the launch: the others' stacks say who is stuck)."""
+        print(f"resumable: {e}", file=sys.stderr, flush=True)
+        self._close_uploader(0.0)
+        if self._metrics_file is not None:
+            self._metrics_file.close()
+            self._metrics_file = None
+        code = Exit.WAIT_GAVE_UP
+        self._hb.beat(
+            self.state.step, Phase.COMMIT, exit_code=int(code), waiting=e.what, wait_until=time.time()
+        )
+        raise SystemExit(int(code))
 
     def _stop(self, code: Exit, phase: Phase, msg: str = "") -> NoReturn:
         """A deliberate exit: the code into the heartbeat, ``msg`` on stderr (rank 0), SystemExit."""

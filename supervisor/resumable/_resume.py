@@ -157,12 +157,12 @@ def _choose_verified(args: Request, expect: store.Expectation, cfg: Batch, hb: H
         (os.environ.get(ENV_LAUNCH_ID) or f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}") if rank0 else ""
     )
 
-    def beat() -> None:
-        hb.beat(0, Phase.VERIFY)
+    def beat() -> None:  # ranks but 0 wait for its choice; rank 0 for the others to take it
+        hb.beat(0, Phase.VERIFY, waiting="rank 0's choice of a checkpoint")
 
     def on_retry(msg: str) -> None:
         log.warning("resume: %s", msg)
-        beat()
+        hb.beat(0, Phase.VERIFY, waiting="storage: a retry of the pick")
 
     while True:
         hb.beat(0, Phase.VERIFY, force=True)
@@ -178,6 +178,9 @@ def _choose_verified(args: Request, expect: store.Expectation, cfg: Batch, hb: H
             return choice
         if retry is not None:
             retry.failed(choice, v)
+
+
+SHARES = "every rank's verdict on its share of the verify"
 
 
 def verify_spread(choice: Choice, root: Path, hb: HeartbeatWriter) -> ShareVerdict:
@@ -196,8 +199,10 @@ def verify_spread(choice: Choice, root: Path, hb: HeartbeatWriter) -> ShareVerdi
             mine = ShareVerdict(rank, v.evidence, v.reason, name, v.error)
             break
     progress.set_path("")  # waiting for the peers now, not in a read
-    verdicts = _agree.gather_to_root(mine, None, lambda: progress(0))
-    return _agree.broadcast(None if verdicts is None else combine(verdicts), None, lambda: progress(0))
+    verdicts = _agree.gather_to_root(mine, None, lambda: progress.wait(SHARES))
+    return _agree.broadcast(
+        None if verdicts is None else combine(verdicts), None, lambda: progress.wait(SHARES)
+    )
 
 
 class _Retry:

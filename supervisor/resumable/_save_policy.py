@@ -54,10 +54,13 @@ def give_up(policy: SavePolicy, failures: int, unsaved_s: float) -> str:
 
 @dataclass(frozen=True)
 class SaveError:
-    """One rank's reason a save failed, as the ranks exchange it (picklable, one line)."""
+    """One rank's reason a save failed, as the ranks exchange it (picklable, one line). ``fatal``:
+    no storage failure but a bug (an exception the save did not expect): the ranks still agree on
+    the save's outcome, then every rank raises it, so the launch fails as one and is relaunched."""
 
     rank: int
     reason: str
+    fatal: bool = False
 
     def __str__(self) -> str:
         return f"rank {self.rank}: {self.reason}"

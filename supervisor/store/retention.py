@@ -340,6 +340,9 @@ class _Unheard:
     def set_path(self, path: str) -> None:
         pass
 
+    def wait(self, what: str, until: float = 0.0) -> None:
+        pass
+
 
 def _policy(policy: RetentionPolicy | None, keep: int | None) -> RetentionPolicy:
     if policy is None:

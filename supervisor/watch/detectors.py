@@ -8,8 +8,9 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from supervisor.format.eventnames import EventName
+from supervisor.format.exitcodes import Exit
 from supervisor.format.heartbeat import Heartbeat, HeartbeatSnapshot, Phase
-from supervisor.watch.liveness import Clock, PhaseTimeouts, describe_progress
+from supervisor.watch.liveness import Clock, PhaseTimeouts, describe_progress, describe_wait, silences
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class Hang:
     io_path: str = ""  # the file the heartbeat says it was reading or writing
     blocked: str = ""  # what /proc says it is blocked in (launcher.blocked_io), filled in by watch
     phase_name: str = ""  # a custom phase's own name (eval...)
+    waiting: str = ""  # what it said it waits for, beating without progress (describe_wait)
 
     @property
     def label(self) -> str:
@@ -37,6 +39,7 @@ class Hang:
         return (
             f"{who} made no progress for {self.silent_s:.1f}s in phase {self.label} at step "
             f"{self.step} (timeout {self.timeout_s:g}s{'; ' + where if where else ''})"
+            + (f"; {self.waiting}, beating without progress" if self.waiting else "")
             + (f"; blocked in {self.blocked}" if self.blocked else "")
         )
 
@@ -55,21 +58,22 @@ def detect_hangs(
     timeouts: PhaseTimeouts,
     require_heartbeat: bool = False,
 ) -> list[Hang]:
-    """Ranks of this launch without progress for longer than their phase allows (beats follow
-    progress, so a long phase that progresses is never a hang). Before any rank of this launch
-    has beaten, the launch is judged on its exit code alone (a command that writes no heartbeat
-    cannot earn a hang verdict), unless ``require_heartbeat``: then it is hung once older than
-    the startup timeout (a rendezvous or ``init_process_group`` that never returns);
-    ``launch_age_s`` is on the monotonic clock."""
+    """Ranks of this launch without progress for longer than their phase allows (``silences``:
+    beats that advance nothing do not count, so a wait that beats is no progress; a long phase that
+    progresses is never a hang). Ranks silent while they wait are named only when no rank that
+    waits for nothing is (then they wait for each other). Before any rank of this launch has
+    beaten, the launch is judged on its exit code alone (a command that writes no heartbeat cannot
+    earn a hang verdict), unless ``require_heartbeat``: then it is hung once older than the
+    startup timeout (a rendezvous or ``init_process_group`` that never returns); ``launch_age_s``
+    is on the monotonic clock."""
     beats = launch_heartbeats(snapshots, launch_id)
     if not beats:
         if require_heartbeat and launch_age_s > timeouts.startup:
             return [Hang(None, None, Phase.STARTUP, 0, launch_age_s, timeouts.startup)]
         return []
     hangs = []
-    for hb in beats:
+    for hb, silent in zip(beats, silences(beats, clock), strict=True):
         limit = timeouts.for_beat(hb)
-        silent = clock.age(hb)
         if limit is not None and silent > limit:
             hangs.append(
                 Hang(
@@ -83,17 +87,64 @@ def detect_hangs(
                     hb.progress_total,
                     hb.io_path,
                     phase_name=hb.phase_name if hb.phase is Phase.CUSTOM else "",
+                    waiting=describe_wait(hb, clock.wall),
                 )
             )
-    return hangs
+    stuck = [h for h in hangs if not h.waiting]
+    return stuck or hangs  # those who wait for a stuck rank are not named beside it
 
 
-def hang_due_s(beats: Iterable[Heartbeat], clock: Clock, timeouts: PhaseTimeouts) -> float | None:
-    """Seconds until ``detect_hangs`` would first find one of these ranks hung if none beat
+def gave_up(beats: Sequence[Heartbeat], clock: Clock, timeouts: PhaseTimeouts) -> tuple[list[Hang], str]:
+    """A rank that gave up waiting for its peers in a save's exchange (exit 76: its waits are
+    bounded at half the save/commit timeout) makes the launch hung now, before any phase timeout:
+    the hang names the ranks it waited for, those still running that wait for nobody (stuck in a
+    file, or elsewhere), else every rank still running, each with its silence; with what the ranks
+    that gave up said (for the event's message). Nothing when no rank gave up."""
+    quit_ = [b for b in beats if b.exit_code == Exit.WAIT_GAVE_UP]
+    if not quit_:
+        return [], ""
+    note = "; ".join(
+        f"rank {b.rank} gave up waiting for {b.waiting or 'its peers'} at step {b.step}" for b in quit_
+    )
+    running = [
+        (b, s)
+        for b, s in zip(beats, silences(beats, clock), strict=True)
+        if b.exit_code is None and b.phase != Phase.DONE
+    ]
+    suspects = [(b, s) for b, s in running if not b.waiting] or running
+    hangs = [
+        Hang(
+            b.rank, b.pid, b.phase, b.step, s, timeouts.for_beat(b) or 0.0, b.progress, b.progress_total, b.io_path,
+            phase_name=b.phase_name if b.phase is Phase.CUSTOM else "", waiting=describe_wait(b, clock.wall),
+        )
+        for b, s in suspects
+    ]  # fmt: skip
+    if not hangs:  # nobody left to blame: the ranks that gave up stand for the launch
+        hangs = [
+            Hang(
+                b.rank,
+                b.pid,
+                b.phase,
+                b.step,
+                clock.silence(b),
+                timeouts.for_beat(b) or 0.0,
+                waiting=b.waiting,
+            )
+            for b in quit_
+        ]
+    return hangs, note
+
+
+def hang_due_s(beats: Sequence[Heartbeat], clock: Clock, timeouts: PhaseTimeouts) -> float | None:
+    """Seconds until ``detect_hangs`` would first find one of these ranks hung if none advanced
     again; None if it never would. The watchdog checks again then rather than a poll interval
     later, so a silent rank is judged at its timeout, not up to ``--poll-interval`` after it. (A
     launch with no heartbeat yet keeps the poll interval: the startup timeout is minutes.)"""
-    due = [limit - clock.age(hb) for hb in beats if (limit := timeouts.for_beat(hb)) is not None]
+    due = [
+        limit - silent
+        for hb, silent in zip(beats, silences(beats, clock), strict=True)
+        if (limit := timeouts.for_beat(hb)) is not None
+    ]
     return min(due, default=None)
 
 

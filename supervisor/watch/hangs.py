@@ -41,7 +41,7 @@ class Hangs:
                 self.step_times, self.cfg.learn_factor, self.cfg.learn_floor_s
             )
             timeouts = liveness.effective_timeouts(timeouts, learned)
-        clock = liveness.Clock(time.time(), time.monotonic(), boot_id())
+        clock = _clock()
         hangs = detectors.detect_hangs(
             snaps,
             launch_id=launch_id,
@@ -52,6 +52,24 @@ class Hangs:
         )
         due = detectors.hang_due_s(beats, clock, timeouts)
         return hangs, math.inf if due is None else max(due, 0.0) + HANG_DUE_SLACK_S
+
+    def gave_up(self, beats: list[Heartbeat]) -> tuple[list[Hang], str]:
+        """A rank that gave up waiting for its peers in a save (exit 76) hangs the launch at once:
+        the ranks it waited for, and what the ranks that gave up said (``detectors.gave_up``)."""
+        return detectors.gave_up(beats, _clock(), self.cfg.timeouts)
+
+    def after_the_end(self, beats: list[Heartbeat], detected: float) -> list[Hang]:
+        """A rank gave up on its peers and the launch ended before a look: a hang all the same,
+        logged without stack dumps (nothing is left to dump)."""
+        hangs, note = self.gave_up(beats)
+        if hangs:
+            self.log.emit(
+                EventName.HANG,
+                f"{note}; " + "; ".join(h.reason for h in hangs) + "; the launch had ended: no stack dumps",
+                ranks=[h.rank for h in hangs],
+                detected=round(detected, 3),
+            )
+        return hangs
 
     def where_blocked(self, child: process.Child, hangs: list[Hang]) -> list[Hang]:
         """Each hung rank with the file syscall /proc shows it blocked in (a read that never
@@ -74,9 +92,12 @@ class Hangs:
             out.append(h)
         return out
 
-    def handle(self, child: process.Child, hangs: list[Hang], launch_id: str, detected: float) -> str:
+    def handle(
+        self, child: process.Child, hangs: list[Hang], launch_id: str, detected: float, note: str = ""
+    ) -> str:
         """Dump every local rank's stacks, name the culprit from where each rank waits, log it with
-        the dumps, then kill the launch. Returns who hung it, for the launch's reason."""
+        the dumps (``note`` first: what ranks that gave up waiting said), then kill the launch.
+        Returns who hung it, for the launch's reason."""
         beats = detectors.launch_heartbeats(read_heartbeat_folder(self.hb_dir), launch_id)  # every rank
         tree = set(child.tree())
         stopped = set(process.stopped(tree))
@@ -88,7 +109,7 @@ class Hangs:
         who = diag.summary()
         self.log.emit(
             EventName.HANG,
-            "; ".join(h.reason for h in hangs) + (f"; {who}" if who else ""),
+            (f"{note}; " if note else "") + "; ".join(h.reason for h in hangs) + (f"; {who}" if who else ""),
             ranks=[h.rank for h in hangs],
             stopped_ranks=sorted(r for r, pid in targets.items() if pid in stopped),
             stopped_pids=sorted(stopped),
@@ -106,3 +127,7 @@ class Hangs:
             EventName.KILL, f"hung launch killed: {note}", sigkilled=child.sigkilled, unreaped=child.unreaped
         )
         return "; ".join(f"culprit {f.describe()}" for f in diag.culprits) or who
+
+
+def _clock() -> liveness.Clock:
+    return liveness.Clock(time.time(), time.monotonic(), boot_id())

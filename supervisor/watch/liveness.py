@@ -5,25 +5,27 @@ imports a few classes, not the watchdog's decisions."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Protocol
 
-from supervisor.format.heartbeat import Heartbeat, Phase
+from supervisor.format.heartbeat import (
+    DEFAULT_COMMIT_TIMEOUT_S,
+    DEFAULT_DIGEST_TIMEOUT_S,
+    DEFAULT_DOWNLOAD_TIMEOUT_S,
+    DEFAULT_LOAD_TIMEOUT_S,
+    DEFAULT_SAVE_TIMEOUT_S,
+    DEFAULT_STARTUP_TIMEOUT_S,
+    DEFAULT_TRAIN_TIMEOUT_S,
+    DEFAULT_VERIFY_TIMEOUT_S,
+    Heartbeat,
+    Phase,
+)
 from supervisor.options import POSITIVE, option
 
-# Phase timeouts: seconds a rank may go without a heartbeat, i.e. without progress (beats are
-# driven by progress: steps, or bytes in the long I/O phases). Train is the tight one; startup
-# covers a cold start (imports, rendezvous); the I/O phases beat per chunk of bytes, so their
-# timeouts bound a stall, not the size of a checkpoint.
-DEFAULT_TRAIN_TIMEOUT_S = 120.0
-DEFAULT_STARTUP_TIMEOUT_S = 600.0
-DEFAULT_VERIFY_TIMEOUT_S = 300.0
-DEFAULT_DOWNLOAD_TIMEOUT_S = 300.0
-DEFAULT_LOAD_TIMEOUT_S = 600.0
-DEFAULT_SAVE_TIMEOUT_S = 900.0
-DEFAULT_COMMIT_TIMEOUT_S = 300.0
-DEFAULT_DIGEST_TIMEOUT_S = 300.0
+# Phase timeouts: seconds a rank may go without progress (steps, or bytes and items in the long
+# I/O phases), declared with the heartbeat (supervisor/format/heartbeat.py); the launch gets them
+# in its environment (ENV_PHASE_TIMEOUTS) to bound its own waits under them.
 # Learned train timeout (as NVIDIA resiliency-ext, off unless --learn-hang-timeout FACTOR): max
 # observed step time x factor, never below the floor (it covers the heartbeat writer's throttle).
 DEFAULT_LEARN_FLOOR_S = 10.0
@@ -126,6 +128,28 @@ class Clock:
             return self.mono - hb.mono_time
         return self.wall - hb.wall_time
 
+    def silence(self, hb: Heartbeat) -> float:
+        """Seconds since ``hb``'s progress last changed (its age when it says nothing of that):
+        beats that changed nothing are no progress."""
+        if not (hb.progress_mono or hb.progress_wall):
+            return self.age(hb)
+        if self.boot_id and hb.boot_id == self.boot_id and hb.progress_mono > 0:
+            return self.mono - hb.progress_mono
+        return self.wall - hb.progress_wall
+
+
+def silences(beats: Sequence[Heartbeat], clock: Clock) -> list[float]:
+    """Each rank's seconds without progress (``Clock.silence``), by ``beats``' order. A rank that
+    says it waits (for its peers, for background work) is held to its launch's progress: its
+    silence is the least of its launch's ranks', so a rank done with its share is no hang while
+    the slowest still advances, and when nothing advances anywhere (ranks waiting for each other
+    in different collectives) every waiting rank goes silent with the others."""
+    own = [clock.silence(hb) for hb in beats]
+    least: dict[str, float] = {}
+    for hb, s in zip(beats, own, strict=True):
+        least[hb.launch_id] = min(s, least.get(hb.launch_id, s))
+    return [min(s, least[hb.launch_id]) if hb.waiting else s for hb, s in zip(beats, own, strict=True)]
+
 
 def rank_stale(hb: Heartbeat, age: float, limit: float | None, current: Collection[str]) -> tuple[bool, str]:
     """Whether a rank needs a look for its silence, and the note that says why: from an earlier
@@ -134,6 +158,16 @@ def rank_stale(hb: Heartbeat, age: float, limit: float | None, current: Collecti
     stale = hb.phase != Phase.DONE and (old_launch or (limit is not None and age > limit))
     note = "from an earlier launch" if old_launch else (f"silent > {limit:g}s" if stale else "")
     return stale, note
+
+
+def describe_wait(hb: Heartbeat, wall: float) -> str:
+    """'waiting for peers (gives up in 12s)'; '' when the rank is not waiting."""
+    if not hb.waiting:
+        return ""
+    if hb.wait_until <= 0:
+        return f"waiting for {hb.waiting}"
+    left = hb.wait_until - wall
+    return f"waiting for {hb.waiting} ({f'gives up in {left:.0f}s' if left >= 0 else f'{-left:.0f}s past its own deadline'})"
 
 
 def describe_progress(progress: int, total: int, io_path: str) -> str:

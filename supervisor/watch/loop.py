@@ -17,6 +17,7 @@ gathered by the collaborators (processes, heartbeat files, the store) and handed
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import time
@@ -33,6 +34,7 @@ from supervisor.format.events import EventLog, RunState
 from supervisor.format.exitcodes import Exit
 from supervisor.format.heartbeat import (
     ENV_LAUNCH_ID,
+    ENV_PHASE_TIMEOUTS,
     ENV_RESTART_COUNT,
     ENV_STANDBY_RELEASE,
     ENV_WATCHDOG_PID,
@@ -358,7 +360,8 @@ class Watchdog:
             )
 
     def _launch_env(self, launch_id: str, number: int) -> dict[str, str]:
-        """The command's environment: the launch's id and count, the TCPStore fix where torchrun
+        """The command's environment: the launch's id and count, the phase timeouts (the ranks
+        bound their own waits under them), the TCPStore fix where torchrun
         may restart its ranks itself (``torchrun_cmd.restarts_inside``), and, when the
         launch's own directory can be made (best effort, like the event log: a run directory the
         watchdog cannot write must not stop the training), torchelastic's error file and
@@ -367,6 +370,7 @@ class Watchdog:
         env[ENV_LAUNCH_ID] = launch_id
         env[ENV_RESTART_COUNT] = str(number - 1)
         env[HEARTBEAT_DIR_ENV] = str(self.hb_dir)
+        env[ENV_PHASE_TIMEOUTS] = json.dumps(self.cfg.timeouts.to_dict())
         if self.cfg.share_store_fix and restarts_inside(self.cfg.command):
             env.setdefault(SHARE_STORE_ENV, "1")
         run = RunDir.of(self.cfg.root)

@@ -71,10 +71,13 @@ class Monitor:
             if rc is not None:
                 ended.detected = time.time()
                 # The ranks' last word (a save that worked again just before the end) is logged too.
-                self._report_saves(detectors.launch_heartbeats(reader.read(), launch_id), save_seen)
+                last = detectors.launch_heartbeats(reader.read(), launch_id)
+                self._report_saves(last, save_seen)
                 ended.returncode = rc
                 if rc != 0:  # they did not exit cleanly after all; the first to vanish first
                     ended.dead = sorted(gone, key=lambda d: (gone_since.get(d.rank, 0.0), d.rank))
+                    # a rank that gave up on a dead one: its death is the news, else a hang
+                    ended.hangs = [] if ended.dead else self.hangs.after_the_end(last, ended.detected)
                 return ended
             if self.signals.stop is not None:
                 return self._stopped(child, ended, self.signals.stop)
@@ -101,19 +104,36 @@ class Monitor:
                 )
                 if dead and child.poll() is None:
                     return self._rank_died(child, ended, dead)
-                # While a vanished rank is being judged (dead, or a clean exit), its silence is no
-                # hang. Either is judged when due (the grace, a timeout), not a poll interval later.
-                hangs, due = (
-                    self.hangs.check(child, launch_id, snaps, beats) if not gone else ([], SIGNAL_POLL_S)
-                )
+                hangs, note, due = self._hangs_now(child, launch_id, snaps, beats, judging=bool(gone))
                 next_check = min(next_check, time.monotonic() + due)
                 if hangs:
                     ended.detected = time.time()
                     ended.hangs = hangs = self.hangs.where_blocked(child, hangs)
-                    ended.culprit = self.hangs.handle(child, hangs, launch_id, ended.detected)
+                    ended.culprit = self.hangs.handle(child, hangs, launch_id, ended.detected, note)
                     ended.returncode = child.returncode()
                     return ended
             time.sleep(SIGNAL_POLL_S)
+
+    def _hangs_now(
+        self,
+        child: process.Child,
+        launch_id: str,
+        snaps: list[HeartbeatSnapshot],
+        beats: list[Heartbeat],
+        judging: bool,
+    ) -> tuple[list[Hang], str, float]:
+        """The hung ranks now, what the ranks that gave up said, and the seconds until the next
+        check. While a vanished rank is being judged (``judging``: dead, or a clean exit), no rank
+        is hung: neither a silent one nor one that gave up waiting for its peers (it waited for
+        that one). Else a rank that gave up waiting for its peers (exit 76) hangs the launch at
+        once. Either is judged when due (the grace, a timeout), not a poll interval later."""
+        if judging:
+            return [], "", SIGNAL_POLL_S
+        hangs, note = self.hangs.gave_up(beats)
+        if hangs:
+            return hangs, note, SIGNAL_POLL_S
+        hangs, due = self.hangs.check(child, launch_id, snaps, beats)
+        return hangs, "", due
 
     def _stopped(self, child: process.Child, ended: Ended, signum: int) -> Ended:
         ended.stop_signal = signum

@@ -25,7 +25,7 @@ from supervisor.format.heartbeat import Heartbeat, HeartbeatSnapshot, Phase, boo
 from supervisor.format.layout import RunDir, job_key, node_heartbeat_dir
 from supervisor.format.nodesummary import RankProblem, SummaryHeader, stale_after, write_summary
 from supervisor.store.ioerrors import describe
-from supervisor.watch.liveness import Clock, PhaseTimeouts, rank_stale
+from supervisor.watch.liveness import Clock, PhaseTimeouts, rank_stale, silences
 
 # At exit, how long to wait for the publisher thread (a write blocked on a hung shared
 # filesystem) before giving up on the final summary.
@@ -61,6 +61,9 @@ def build_summary(
     phases: dict[str, int] = {}
     steps: list[int] = []
     current = {facts.launch_id} if facts.launch_id else set()
+    snaps = list(snaps)
+    known = [s.heartbeat for s in snaps if s.heartbeat is not None and s.record is not None]
+    silent = dict(zip(map(id, known), silences(known, clock), strict=True))
     for s in snaps:
         hb = s.heartbeat
         if hb is None or s.record is None:
@@ -70,7 +73,7 @@ def build_summary(
         records.append(s.record)
         phases[hb.label] = phases.get(hb.label, 0) + 1
         steps.append(hb.step)
-        stale, _ = rank_stale(hb, clock.age(hb), timeouts.for_beat(hb), current)
+        stale, _ = rank_stale(hb, silent[id(hb)], timeouts.for_beat(hb), current)
         if stale or hb.exit_code is not None or hb.save_failures or hb.died_of:
             attention.append(hb.rank)
         else:
