@@ -9,6 +9,7 @@ import os
 import sys
 from enum import Enum
 
+from supervisor.display import printable
 from supervisor.errors import UserError
 from supervisor.format.atomic import restrict_umask
 from supervisor.format.exitcodes import Exit
@@ -88,10 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {printable(str(e))}", file=sys.stderr)
         return e.exit_code
     except OSError as e:  # an unreadable or unwritable path: one line naming it, not a traceback
-        print(f"error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        print(printable(f"error: {e.filename or ''}: {e.strerror or e}"), file=sys.stderr)
         return Exit.USAGE
     except KeyboardInterrupt:
         return 130

@@ -21,20 +21,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     STORAGE_TYPES,
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    TensorProperties,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["REPLICATED_MAX", "merged", "per_rank_index", "tensor_bytes", "uncovered"]
+__all__ = ["REPLICATED_MAX", "index_problem", "merged", "per_rank_index", "tensor_bytes", "uncovered"]
 
 # With an index per rank, every rank writes its own copy of what is replicated: allowed while all
 # the copies together stay within this share of the checkpoint (the sharded bytes).
@@ -70,6 +73,83 @@ def per_rank_index(replicated: int, sharded: int, world_size: int) -> bool:
     """Whether a save writes an index per rank: the state is sharded, and the copies of what is
     replicated, one per rank, cost at most ``REPLICATED_MAX`` of the sharded bytes."""
     return sharded > 0 and replicated * world_size <= REPLICATED_MAX * sharded
+
+
+def index_problem(md: Any, listed: Mapping[str, int] | None) -> str:
+    """Why ``md``, as unpickled from a checkpoint's index, cannot be one ('' when it can). DCP's
+    planner and readers take every field of it as it is: a record "in" ``../step_10/__0_0.distcp``
+    was read from another checkpoint, a negative offset or length failed deep inside them (EINVAL,
+    ValueError), a length past the file's end allocated that much before reading. So every
+    record must lie in a file of this checkpoint by its plain name (one the manifest lists, when
+    ``listed`` holds its files' sizes), at offset and length >= 0 within the file's listed size;
+    every tensor's chunks within its size, of its rank."""
+    if not isinstance(md, Metadata):
+        return f"holds {type(md).__name__}, not DCP's Metadata"
+    items: Any = md.state_dict_metadata  # as unpickled: any type at all
+    records: Any = md.storage_data
+    if not isinstance(items, dict) or not isinstance(records, dict):
+        return "its item table or its storage table is not a table"
+    for fqn, item in items.items():
+        if not isinstance(fqn, str):
+            return f"an item named {type(fqn).__name__}, not by a string"
+        if isinstance(item, TensorStorageMetadata):
+            if problem := _tensor_problem(item):
+                return f"{fqn}: {problem}"
+        elif not isinstance(item, BytesStorageMetadata):
+            return f"{fqn}: neither a tensor nor a value ({type(item).__name__})"
+    for index, info in records.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
+            return f"a record keyed by {type(index).__name__}, not by an item"
+        if problem := _record_problem(info, listed):
+            return f"{index.fqn}: {problem}"
+    return ""
+
+
+def _is_size(v: Any, rank: int | None = None) -> bool:
+    """A sequence of ints >= 0 (of ``rank`` of them, when given), as DCP's sizes and offsets are."""
+    return (
+        isinstance(v, tuple | list)
+        and (rank is None or len(v) == rank)
+        and all(type(x) is int and x >= 0 for x in v)
+    )
+
+
+def _tensor_problem(item: TensorStorageMetadata) -> str:
+    props, size, chunks = cast(Any, item.properties), cast(Any, item.size), cast(Any, item.chunks)
+    if not isinstance(props, TensorProperties) or not isinstance(props.dtype, torch.dtype):
+        return "no dtype"
+    if not _is_size(size) or not isinstance(chunks, list):
+        return "a size or chunk list that is not one"
+    for c in chunks:
+        ok = (
+            isinstance(c, ChunkStorageMetadata)
+            and _is_size(c.offsets, len(size))
+            and _is_size(c.sizes, len(size))
+        )
+        if not ok or any(o + n > dim for o, n, dim in zip(c.offsets, c.sizes, size, strict=True)):
+            return f"a chunk outside its size {tuple(size)}"
+    return ""
+
+
+def _record_problem(info: Any, listed: Mapping[str, int] | None) -> str:
+    if not isinstance(info, _StorageInfo):
+        return f"its record is a {type(info).__name__}"
+    name, offset, length = cast(Any, info.relative_path), cast(Any, info.offset), cast(Any, info.length)
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\x00" in name:
+        return f"its record is in {name!r}, not a file of this checkpoint"
+    if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+        return f"its record in {name} is at offset {offset!r}, {length!r} bytes: not a place in a file"
+    transforms: Any = info.transform_descriptors
+    if not isinstance(transforms, list | tuple | None):
+        return f"its record in {name} names no transforms but {type(transforms).__name__}"
+    if listed is None:
+        return ""
+    size = listed.get(name)
+    if size is None:
+        return f"its record is in {name}, which the manifest does not list"
+    if offset + length > size:
+        return f"its record ends at byte {offset + length} of {name}, which is {size} bytes"
+    return ""
 
 
 def merged(indexes: Sequence[Metadata]) -> Metadata:

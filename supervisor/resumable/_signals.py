@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO
 
+from supervisor.format import confined
 from supervisor.slurm import SlurmError, notice_signal
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -53,9 +54,11 @@ class PreemptionFlag:
         return self.signum is not None
 
 
-def register_stack_dump(path: Path) -> IO[str]:
-    """Dump all threads' stacks to ``path`` (appended) on SIGUSR2; keep the returned file open."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    f = open(path, "a")  # noqa: SIM115 - must outlive this call; faulthandler writes to its fd
+def register_stack_dump(path: Path, within: Path) -> IO[str]:
+    """Dump all threads' stacks to ``path`` (appended; opened through no link below ``within``,
+    supervisor/format/confined.py) on SIGUSR2; keep the returned file open."""
+    f = os.fdopen(
+        confined.open_append(within, path), "a"
+    )  # must outlive this call: faulthandler writes to it
     faulthandler.register(STACK_DUMP_SIGNAL, file=f, all_threads=True, chain=False)
     return f

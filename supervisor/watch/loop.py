@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from supervisor import store
-from supervisor.format import events
+from supervisor.format import confined, events
 from supervisor.format.atomic import atomic_write_text, hostname
 from supervisor.format.eventnames import EventName
 from supervisor.format.events import EventLog, RunState
@@ -145,7 +145,7 @@ class Watchdog:
         except ValueError as e:
             bad = path.with_suffix(".json.bad")
             try:
-                os.replace(path, bad)
+                confined.rename(self.cfg.root, path, bad)
                 kept = f"the old file is kept as {bad.name}"
             except OSError as err:
                 kept = f"the old file could not be moved aside ({describe(err)})"
@@ -266,7 +266,7 @@ class Watchdog:
 
     def _run(self) -> int:
         subreaper = process.become_subreaper()
-        self.cfg.root.mkdir(parents=True, exist_ok=True)
+        self.cfg.root.mkdir(parents=True, exist_ok=True)  # the root itself: the user's to choose
         self.state = self._initial_state()
         carried = len(self.state.restart_times)
         self.log.emit(
@@ -542,7 +542,7 @@ class Watchdog:
             env.setdefault(SHARE_STORE_ENV, "1")
         run = RunDir.of(self.cfg.root)
         try:
-            run.launch_dir(launch_id).mkdir(parents=True, exist_ok=True)
+            confined.make_dirs(run.root, run.launch_dir(launch_id))
         except OSError as e:
             events.say(
                 f"[supervisor] {run.launch_dir(launch_id)} not created ({describe(e)}): "
@@ -596,7 +596,8 @@ class Watchdog:
         why = why or (f"made for launch {made_for}" if made_for != number else "")
         if not why:
             try:
-                atomic_write_text(RunDir.of(self.cfg.root).release_file(launch_id), f"{time.time()}\n")
+                run = RunDir.of(self.cfg.root)
+                atomic_write_text(run.release_file(launch_id), f"{time.time()}\n", run.root)
             except OSError as e:
                 why = f"its release file could not be written: {describe(e)}"
         if why:
