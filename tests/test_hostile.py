@@ -599,7 +599,7 @@ _COMMANDS = (
 )
 
 
-@settings(max_examples=40)
+@settings(max_examples=20)
 @given(
     plants=st.lists(
         st.tuples(st.sampled_from(_TARGETS), st.sampled_from(_SHAPES), hostile_json(_VALID_STATE)),

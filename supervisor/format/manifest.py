@@ -331,7 +331,7 @@ def hash_files(
     than its ``limits`` entry, when given). Raises the OSError of the first unreadable file (in
     ``paths`` order); ``progress`` is called under a lock."""
     results: list[list[str]] = [[] for _ in paths]
-    errors: dict[int, OSError] = {}
+    errors: dict[int, BaseException] = {}  # an OSError, or what the progress raised (an interruption)
     lock = threading.Lock()
     todo = iter(range(len(paths)))
 
@@ -348,6 +348,9 @@ def hash_files(
             except OSError as e:
                 e.filename = e.filename or os.fspath(paths[i])  # a failed read() names no file
                 errors[i] = e
+            except BaseException as e:  # raised again by the calling thread
+                errors[i] = e
+                return
 
     n = min(threads, len(paths))
     if n <= 1:  # in the calling thread: a read that never returns shows in its stack and syscall

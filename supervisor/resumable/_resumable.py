@@ -71,6 +71,7 @@ from supervisor.resumable._progress_io import ProgressFileSystem, kept_alive
 from supervisor.resumable._resume import (
     RETRY_LATER,
     Choice,
+    Interrupted,
     Request,
     choose_checkpoint,
     describe_diff,
@@ -452,10 +453,7 @@ class Resumable:
         with the next one. Stops the process with the right exit code when it may not go on."""
         if self._problem:
             self._stop(Exit.BAD_CONFIG, Phase.STARTUP, f"refused: bad config: {self._problem}")
-        choice = choose_checkpoint(self._args(), self._expectation(), self.identity, self._hb)
-        if choice.error:
-            why = "cannot resume" if choice.code in (RETRY_LATER, Exit.STORAGE) else "refused"
-            self._stop(choice.code, Phase.STARTUP, f"{why}: {choice.error}")
+        choice = self._choose()
         self.launch = choice.launch
         self._at_boundary = boundary_hook(self.rank, self.launch)  # injected: supervisor/format/hooks.py
         if self._options.remote.url and self.rank == 0:
@@ -487,6 +485,26 @@ class Resumable:
         self._hb.beat(self.start, Phase.TRAIN, force=True)
         self._last_save, self._t_end = time.monotonic(), time.perf_counter()
         return self.start
+
+    def _choose(self) -> Choice:
+        """The checkpoint to load (``choose_checkpoint``), or the exit that says why none. The
+        signal handlers only record a notice; the verify asks at every chunk it hashes, so a
+        notice there stops it (exit 75: nothing trained yet) instead of a verify hashing on."""
+        try:
+            choice = choose_checkpoint(
+                self._args(), self._expectation(), self.identity, self._hb, stop=lambda: PREEMPTION.set
+            )
+        except Interrupted:
+            PREEMPTION.ignore_further()
+            self._stop(
+                Exit.REQUEUE,
+                Phase.VERIFY,
+                "preemption notice during the resume's verify: nothing trained yet",
+            )
+        if choice.error:
+            why = "cannot resume" if choice.code in (RETRY_LATER, Exit.STORAGE) else "refused"
+            self._stop(choice.code, Phase.STARTUP, f"{why}: {choice.error}")
+        return choice
 
     def _resumed(self, manifest: Manifest, config_changed: bool) -> None:
         """The losses reported before the checkpoint continue the window; rank 0 says where the

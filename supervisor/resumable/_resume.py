@@ -140,18 +140,44 @@ def combine(verdicts: list[ShareVerdict]) -> ShareVerdict:
 # ---------------------------------------------------------------- the choice, on every rank
 
 
-def choose_checkpoint(args: Request, expect: store.Expectation, cfg: Batch, hb: HeartbeatWriter) -> Choice:
+class Interrupted(Exception):
+    """A preemption notice (SIGTERM...) arrived while this rank verified: it stops at the next
+    chunk read instead of hashing on, however long the files (the caller exits 75)."""
+
+
+def choose_checkpoint(
+    args: Request,
+    expect: store.Expectation,
+    cfg: Batch,
+    hb: HeartbeatWriter,
+    stop: Callable[[], bool] = lambda: False,
+) -> Choice:
     """Every rank: the checkpoint to load (verified as ``--verify`` says), or why none may be.
+    ``stop()``: a preemption notice arrived (the trainer's signal handlers only record it):
+    checked at every chunk hashed, Interrupted then.
 
     Ends back in phase STARTUP: what comes next until the load (building the model, the optimizer,
     the parallel wrappers: seconds, minutes for a large model, without a beat) is startup work,
     held to the startup timeout, not to the verify timeout of the last file checked."""
-    choice = _choose_verified(args, expect, cfg, hb)
+    choice = _choose_verified(args, expect, cfg, hb, stop)
     hb.beat(0, Phase.STARTUP, force=True)
     return choice
 
 
-def _choose_verified(args: Request, expect: store.Expectation, cfg: Batch, hb: HeartbeatWriter) -> Choice:
+def _stoppable(progress: ProgressFn, stop: Callable[[], bool]) -> ProgressFn:
+    """``progress``, raising Interrupted once ``stop()`` says a notice arrived."""
+
+    def tick(n: int) -> None:
+        if stop():
+            raise Interrupted()
+        progress(n)
+
+    return tick
+
+
+def _choose_verified(
+    args: Request, expect: store.Expectation, cfg: Batch, hb: HeartbeatWriter, stop: Callable[[], bool]
+) -> Choice:
     rank0 = dist.get_rank() == 0
     retry = _Retry(args.ckpt_root, args.io_retry) if rank0 else None
     launch = (
@@ -169,20 +195,23 @@ def _choose_verified(args: Request, expect: store.Expectation, cfg: Batch, hb: H
         hb.beat(0, Phase.VERIFY, force=True)
         mine = None
         if retry is not None:
-            progress = hb.tracker(Phase.VERIFY, 0) if args.sign_key is not None else None
+            progress = _stoppable(hb.tracker(Phase.VERIFY, 0), stop) if args.sign_key is not None else None
             mine = retry.gave_up or _choose(args, expect, cfg, launch, on_retry, progress)
         choice: Choice = _agree.broadcast(mine, None, beat)
         if choice.error or choice.ckpt is None or choice.verified or args.verify != "deep":
             return choice
-        v = verify_spread(choice, args.ckpt_root, hb)
+        v = verify_spread(choice, args.ckpt_root, hb, stop)
         if v.evidence is Evidence.OK:
             return choice
         if retry is not None:
             retry.failed(choice, v)
 
 
-def verify_spread(choice: Choice, root: Path, hb: HeartbeatWriter) -> ShareVerdict:
-    """Every rank checks its share of ``choice``'s files; the combined verdict, on every rank."""
+def verify_spread(
+    choice: Choice, root: Path, hb: HeartbeatWriter, stop: Callable[[], bool] = lambda: False
+) -> ShareVerdict:
+    """Every rank checks its share of ``choice``'s files; the combined verdict, on every rank.
+    Interrupted at the first chunk after ``stop()`` says a preemption notice arrived."""
     assert choice.ckpt is not None and choice.manifest is not None
     m = choice.manifest
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -192,7 +221,7 @@ def verify_spread(choice: Choice, root: Path, hb: HeartbeatWriter) -> ShareVerdi
     mine = ShareVerdict(rank, Evidence.OK)
     for name in names:
         progress.set_path(os.path.relpath(choice.ckpt / name, root))
-        v = store.check_files(ref, m, [name], progress, chunk=PROGRESS_CHUNK)
+        v = store.check_files(ref, m, [name], _stoppable(progress, stop), chunk=PROGRESS_CHUNK)
         if not v.ok:
             mine = ShareVerdict(rank, v.evidence, v.reason, name, v.error)
             break

@@ -342,13 +342,17 @@ def read_listed(stream: IO[bytes], path: Path, listed: Mapping[str, int] | None)
     return data
 
 
-def listed_sizes(ckpt: Path) -> dict[str, int] | None:
-    """The size of each file of ``ckpt`` as its manifest lists it; None without a readable one
-    (a bare DCP directory): a load then takes each file's own size as its bound."""
+def listed_sizes(ckpt: Path) -> dict[str, int]:
+    """The size of each file of ``ckpt`` as its manifest lists it; without a readable one (a bare
+    DCP directory), each regular file's own size: what an index's records must lie within."""
     try:
         m = parse_manifest(read_capped(ckpt / MANIFEST, MANIFEST_MAX))
-    except (OSError, ValueError):  # ManifestError, TooLarge
-        return None
+    except (OSError, ValueError):  # ManifestError, TooLarge; no manifest
+        try:
+            with os.scandir(ckpt) as entries:
+                return {e.name: e.stat().st_size for e in entries if e.is_file(follow_symlinks=False)}
+        except OSError:
+            return {}
     return {n: e.size for n, e in m.files.items()}
 
 
@@ -405,7 +409,7 @@ def load_dcp(
     """``dcp.load`` through the safe reader and planner; UnsafePickle (one line) on a refusal.
     ``fs``: the file system the reader opens files with (the trainer's counts the bytes it reads,
     supervisor/resumable/_progress_io.py). ``listed``: each file's size as the manifest lists it
-    (read from ``ckpt``'s manifest when not given): an index's records must lie in them.
+    (``listed_sizes`` of ``ckpt`` when not given): an index's records must lie in them.
 
     Each rank plans and reads alone (DCP's ``no_dist``): DCP's global load plan is the identity
     (``create_default_global_load_plan``), yet with a process group it gathers every rank's local
