@@ -468,8 +468,13 @@ def quarantine_locked(root: Path, ref: CheckpointRef, reason: str) -> Path:
 
 def backfill_reasons(root: Path) -> None:
     """A crash between the move and ``reason.txt`` leaves a quarantined checkpoint without a
-    reason; give it one so every quarantined checkpoint explains itself."""
-    for q in list_quarantined(root):
+    reason; give it one so every quarantined checkpoint explains itself. A repair: a quarantine
+    that cannot be listed (a planted link, confined.Escape) is left as it is."""
+    try:
+        found = list_quarantined(root)
+    except OSError:
+        return
+    for q in found:
         if q.path.is_dir() and not q.path.is_symlink() and not os.path.lexists(q.path / REASON):
             atomic_write_text(q.path / REASON, REASON_LOST + "\n", root)
 
@@ -485,11 +490,12 @@ class QuarantinedRef:
 
 def list_quarantined(root: str | Path) -> list[QuarantinedRef]:
     """Quarantined checkpoints, newest name first. A quarantine directory that cannot be listed
-    raises its OSError: "nothing quarantined" is what lets a resume start from step 0."""
+    raises its OSError: "nothing quarantined" is what lets a resume start from step 0; one that is
+    a symbolic link, confined.Escape (what it points to is not this run's)."""
     qdir = RunDir.of(root).quarantine
     try:
-        names = sorted(os.listdir(qdir), reverse=True)
-    except (FileNotFoundError, NotADirectoryError):
+        names = sorted(confined.listdir(root, qdir), reverse=True)
+    except FileNotFoundError:
         return []
     out = []
     for name in names:

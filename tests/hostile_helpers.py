@@ -1,12 +1,9 @@
-"""A hostile run directory, for tests/test_hostile*.py: what an attacker with write access to it
-(or bad luck) plants there, a sentinel folder beside it that nothing may touch, and a worker that
-runs the login-node commands on it and measures their peak RSS. No torch.
+"""A hostile run directory, for tests/test_hostile*.py: a run directory to plant in (the plants
+and the sentinel beside it are supervisor/drill/hostile.py's, shared with the drill), hostile JSON,
+and a worker that runs the login-node commands on it and measures their peak RSS. No torch.
 
-- ``Outside``: the sentinel, ``ROOT/../outside``: a ``.bashrc``, a signing key file, another user's
-  run with a checkpoint; ``changes()`` says what differs from when it was made (checked after
-  every case: nothing may be written, moved or deleted there).
-- ``plant_*``: the directory shapes (symlinks to the sentinel and to ``/dev/zero``, FIFOs, sparse
-  files of GiBs, 1,200 nested directories).
+- ``make_run`` / ``outside``: a 2-rank run directory, and the sentinel folder beside it
+  (``ROOT/../outside``), checked after every case: nothing may be written, moved or deleted there.
 - ``hostile_json``: a valid record with one value replaced by a hostile JSON token (1e400, 2**70,
   a string for a number, "[[[..." nested past the recursion limit, ESC sequences, a lone
   surrogate) or its bytes cut or garbled; hypothesis draws them.
@@ -15,10 +12,8 @@ runs the login-node commands on it and measures their peak RSS. No torch.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import stat
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -29,82 +24,16 @@ from hypothesis import strategies as st
 from store_helpers import make_ckpt
 
 from supervisor import store
+from supervisor.drill.hostile import Outside, remove_deep
 from supervisor.format.events import EventLog, RunState, write_state
 from supervisor.format.heartbeat import Heartbeat, Phase, write_heartbeat
 from supervisor.format.layout import RunDir
 
 REPO = Path(__file__).resolve().parent.parent
-GIB = 1 << 30
-NEST = 1200  # directories deep: past Python's recursion limit for os.walk / os.fwalk
 # A command's peak RSS may exceed the worker's baseline by at most this: what a 2 GiB sparse file
 # read whole would take is 40x more, and reading a capped file (16 MiB at most) fits well within.
 RSS_SLACK_KIB = 48 << 10
 ESC = "\x1b]0;pwned\x07\x1b[2J\x1b[31m"  # a window title, a screen clear, red
-
-
-# ---------------------------------------------------------------- the sentinel
-
-
-class Outside:
-    """A folder beside the run directory; ``changes()`` lists every entry added, removed or
-    changed in it (type, mode, size, content, mtime), without following links."""
-
-    def __init__(self, root: Path):
-        self.path = root.parent / "outside"
-        self.path.mkdir(parents=True, exist_ok=True)
-        (self.path / ".bashrc").write_text("export PATH=$PATH\n")
-        key = self.path / "run.key"
-        key.write_bytes(b"k" * 48)
-        key.chmod(0o600)
-        victim = self.path / "victim"
-        for step in (10, 20):
-            d = victim / f"step_{step:08d}"
-            d.mkdir(parents=True, exist_ok=True)
-            (d / "__0_0.distcp").write_bytes(os.urandom(64))
-        (victim / "quarantine").mkdir(exist_ok=True)
-        q = victim / "quarantine" / "step_00000005-20260101T000000Z"
-        q.mkdir(exist_ok=True)
-        (q / "reason.txt").write_text("the victim's own\n")
-        self.before = self.snapshot()
-
-    @property
-    def bashrc(self) -> Path:
-        return self.path / ".bashrc"
-
-    @property
-    def key(self) -> Path:
-        return self.path / "run.key"
-
-    @property
-    def victim(self) -> Path:
-        return self.path / "victim"
-
-    def snapshot(self) -> dict[str, tuple[Any, ...]]:
-        out: dict[str, tuple[Any, ...]] = {}
-        for dirpath, dirs, files in os.walk(self.path):
-            for name in dirs + files:
-                p = os.path.join(dirpath, name)
-                s = os.lstat(p)
-                digest = ""
-                if stat.S_ISREG(s.st_mode):
-                    with open(p, "rb") as f:
-                        digest = hashlib.sha256(f.read()).hexdigest()
-                out[os.path.relpath(p, self.path)] = (
-                    stat.S_IFMT(s.st_mode),
-                    s.st_mode,
-                    s.st_size,
-                    digest,
-                    s.st_mtime_ns,
-                )
-        return out
-
-    def changes(self) -> list[str]:
-        now = self.snapshot()
-        return sorted(
-            f"{name}: {'added' if name not in self.before else 'removed' if name not in now else 'changed'}"
-            for name in set(self.before) | set(now)
-            if self.before.get(name) != now.get(name)
-        )
 
 
 # ---------------------------------------------------------------- a run directory
@@ -114,11 +43,17 @@ RUN_PARENTS: list[Path] = []  # folders of the run directories made, removed by 
 
 
 def remove_runs() -> None:
-    """Remove every run directory made (and the sentinel beside it) with ``remove_tree_deep``."""
+    """Remove every run directory made (and the sentinel beside it) with ``remove_deep``: pytest's
+    own cleanup recurses, and a planted nest makes it raise RecursionError at the session's end."""
     while RUN_PARENTS:
         parent = RUN_PARENTS.pop()
         if parent.exists():
-            remove_tree_deep(parent)
+            remove_deep(parent)
+
+
+def outside(root: Path) -> Outside:
+    """The sentinel beside the run directory ``root``: ``ROOT/../outside``."""
+    return Outside(root.parent / "outside")
 
 
 def make_run(root: Path) -> Path:
@@ -150,68 +85,6 @@ def make_run(root: Path) -> Path:
 
 
 # ---------------------------------------------------------------- planting
-
-
-def replace_with(path: Path) -> None:
-    """Remove whatever is at ``path`` (file, link, tree), so something else can be planted."""
-    if path.is_symlink() or path.is_file() or path.is_fifo():
-        path.unlink()
-    elif path.is_dir():
-        import shutil
-
-        shutil.rmtree(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-
-
-def plant_link(path: Path, target: Path | str) -> None:
-    replace_with(path)
-    path.symlink_to(target)
-
-
-def plant_fifo(path: Path) -> None:
-    replace_with(path)
-    os.mkfifo(path)
-
-
-def plant_sparse(path: Path, size: int = 2 * GIB) -> None:
-    """A file of ``size`` bytes that takes no disk (``truncate -s``): read whole, all of it is memory."""
-    replace_with(path)
-    with open(path, "wb") as f:
-        f.truncate(size)
-
-
-def plant_nest(path: Path, depth: int = NEST) -> None:
-    """``depth`` directories, one inside the other, under ``path``."""
-    path.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        for _ in range(depth):
-            os.mkdir("d", dir_fd=fd)
-            sub = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-            os.close(fd)
-            fd = sub
-        with open(os.open("f", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd), "wb") as f:
-            f.write(b"deep")
-    finally:
-        os.close(fd)
-
-
-def remove_tree_deep(top: Path) -> None:
-    """``shutil.rmtree`` without recursion (pytest's own cleanup recurses, and a 1,200-deep nest
-    makes it raise RecursionError at the end of the session); links removed, never followed."""
-    stack: list[tuple[str, bool]] = [(str(top), False)]
-    while stack:
-        path, emptied = stack.pop()
-        if emptied:
-            os.rmdir(path)
-            continue
-        stack.append((path, True))
-        with os.scandir(path) as entries:
-            for e in entries:
-                if e.is_dir(follow_symlinks=False):
-                    stack.append((e.path, False))
-                else:
-                    os.unlink(e.path)
 
 
 def rewrite_manifest(ckpt: Path, **fields: Any) -> None:

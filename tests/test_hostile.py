@@ -21,27 +21,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hostile_helpers import (
-    ESC,
-    GIB,
-    Outside,
-    Worker,
-    assert_calm,
-    hostile_json,
-    make_run,
-    plant_fifo,
-    plant_link,
-    plant_nest,
-    plant_sparse,
-    remove_runs,
-    rewrite_manifest,
-)
+from hostile_helpers import ESC, Worker, assert_calm, hostile_json, make_run, remove_runs, rewrite_manifest
+from hostile_helpers import outside as outside_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from security_helpers import KEY, tamper
 from store_helpers import make_ckpt
 
 from supervisor import safepickle, signing, store
+from supervisor.drill.hostile import GIB, Outside, plant_fifo, plant_link, plant_nest, plant_sparse
 from supervisor.format.appender import LineAppender
 from supervisor.format.events import EventLog, RunState, parse_state, read_events, read_state, write_state
 from supervisor.format.exitcodes import Exit
@@ -75,7 +63,7 @@ def run(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def outside(run: Path) -> Iterator[Outside]:
-    o = Outside(run)
+    o = outside_of(run)
     yield o
     assert o.changes() == [], "something outside the run directory was written, moved or deleted"
 
@@ -611,7 +599,7 @@ def test_fuzz_commands_on_hostile_run_dirs_stay_inside_bounded_and_calm(
     tmp_path_factory, worker: Worker, plants
 ) -> None:
     root = make_run(tmp_path_factory.mktemp("hostile") / "run")
-    out = Outside(root)
+    out = outside_of(root)
     for target, shape, doc in plants:
         _plant(root, out, target, shape, doc)
     for argv in _COMMANDS:

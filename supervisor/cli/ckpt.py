@@ -23,6 +23,7 @@ from typing import Any
 from supervisor import display
 from supervisor.display import printable
 from supervisor.format.atomic import hostname, pid_alive
+from supervisor.format.confined import Escape
 from supervisor.format.exitcodes import Exit
 from supervisor.format.layout import MANIFEST, RunDir, looks_like_run_dir, step_dirname
 from supervisor.format.manifest import NOT_LISTED, list_files
@@ -105,6 +106,8 @@ def _one_line_errors(func: Handler) -> Handler:
                 raise StoreError(
                     f"{args.ckpt_root}: another process holds the root's lock (.lock); retry when it is done"
                 ) from None
+            if isinstance(e, Escape):  # a planted link: its line says what to do
+                raise StoreError(str(e)) from None
             where = e.filename or args.ckpt_root
             raise StoreError(f"{where}: {e.strerror or e}; check the path and its permissions") from None
 

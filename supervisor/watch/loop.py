@@ -364,6 +364,8 @@ class Watchdog:
         except store.NoUsableCheckpoint as e:
             self._log_skipped(e.result)
             raise _Stop(Exit.CHILD_NONRETRYABLE, str(e)) from None
+        except confined.Escape as e:  # a link planted in the run dir where the pick must move: a person looks
+            raise _Stop(Exit.CHILD_NONRETRYABLE, str(e)) from None
         self._log_skipped(res)
         chosen = res.chosen.ref if res.chosen else None
         how = "deep" if self.cfg.deep_verify else "quick"
@@ -413,7 +415,7 @@ class Watchdog:
                 return None  # run() acts on the signal
             except store.MismatchError as e:
                 raise _Stop(Exit.CHILD_NONRETRYABLE, f"checkpoint does not match this run: {e}") from None
-            except store.NoUsableCheckpoint as e:
+            except (store.NoUsableCheckpoint, confined.Escape) as e:
                 raise _Stop(Exit.CHILD_NONRETRYABLE, str(e)) from None
             except RemoteUnavailable as e:
                 # Every failed attempt is logged, the last one too: a slow refusal (client retries)
