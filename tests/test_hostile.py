@@ -352,6 +352,29 @@ def test_f6_status_reads_hostile_records_without_a_traceback(
         assert_calm(r, " ".join(argv), worker, codes=(0,))
 
 
+def test_f6_a_checkpoint_the_ranks_quarantined_is_a_walk_back_with_its_reason_in_events(
+    tmp_path: Path,
+) -> None:
+    """The trainer's ranks move a checkpoint that fails its load aside (one line, exit 1); the
+    watchdog says so in its event log, with their reason, and the relaunch walks back."""
+    import sys
+
+    from commands import REPO
+    from watch_helpers import events, finish, of, start_watchdog
+
+    root = tmp_path / "run"
+    fake = [sys.executable, str(REPO / "tests" / "fake_trainer.py"), "--root", str(root)]
+    fake += ["--steps", "16", "--fault", "quarantine", "--fault-step", "12"]  # checkpoints 5 and 10 then
+    fast = ["--poll-interval", "0.1", "--backoff-initial", "0.05", "--backoff-jitter", "0"]
+    rc, out = finish(start_watchdog(root, fast, fake, None))
+    assert rc == Exit.OK, out
+    evs = events(root)
+    (q,) = of(evs, "quarantine")
+    assert q["checkpoint"] == "step_00000010" and "a record failed at load" in q["why"]
+    assert "(by the ranks)" in q["msg"]
+    assert of(evs, "launch")[1]["resumed_from"] == 5  # walked back past it
+
+
 # ---------------------------------------------------------------- 7. tampering is never hidden
 
 

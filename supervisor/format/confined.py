@@ -7,9 +7,9 @@ then appends, creates, moves or deletes outside the run directory with the user'
 write, move and delete of the run directory goes through here:
 
 - a path is reached from the run directory's root one name at a time, each directory opened with
-  ``O_NOFOLLOW | O_DIRECTORY`` relative to the one before (``openat``): a symbolic link (or
-  anything but a directory) on the way is refused, ``Escape``, one line naming it; the root
-  itself is the user's choice and may be a link (``/scratch/run`` -> ``/lustre/...``);
+  ``O_NOFOLLOW | O_DIRECTORY`` relative to the one before (``openat``): a symbolic link on the
+  way is refused, ``Escape``, one line naming it (a file there fails as it would: ENOTDIR); the
+  root itself is the user's choice and may be a link (``/scratch/run`` -> ``/lustre/...``);
 - the operation itself is made relative to the last directory's descriptor, on a name that
   ``O_NOFOLLOW`` (files) or a rename (which moves a link, never its target) cannot follow: there
   is no window between a check and the use;
@@ -39,9 +39,9 @@ _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class Escape(OSError):
-    """A path of the run directory leads out of it (a symbolic link, or not a directory where one
-    must be), or a tree is deeper than any this layout makes: refused; nothing was written,
-    moved or deleted through it. ``str(e)`` is one line naming the path."""
+    """A path of the run directory leads out of it (a symbolic link), or a tree is deeper than any
+    this layout makes: refused; nothing was written, moved or deleted through it. ``str(e)`` is
+    one line naming the path. (A plain file where a directory must be is ENOTDIR, as raised.)"""
 
     def __init__(self, path: str | os.PathLike[str], why: str):
         super().__init__(
@@ -75,13 +75,12 @@ def parts_under(root: str | os.PathLike[str], path: str | os.PathLike[str]) -> l
     return parts
 
 
-def _kind(fd: int, name: str) -> str:
-    """What ``name`` in the directory ``fd`` is, for a refusal."""
+def _is_link(fd: int, name: str) -> bool:
+    """``name`` in the directory ``fd`` is a symbolic link."""
     try:
-        mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+        return stat.S_ISLNK(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
     except OSError:
-        return "not a directory"
-    return "a symbolic link" if stat.S_ISLNK(mode) else "not a directory"
+        return False
 
 
 def _open_sub(fd: int, name: str, shown: str, create: bool) -> int:
@@ -95,8 +94,9 @@ def _open_sub(fd: int, name: str, shown: str, create: bool) -> int:
             with suppress(FileExistsError):
                 os.mkdir(name, 0o777, dir_fd=fd)
         except OSError as e:
-            if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise Escape(shown, f"{_kind(fd, name)} in the run directory") from None
+            if e.errno in (errno.ELOOP, errno.ENOTDIR) and _is_link(fd, name):
+                raise Escape(shown, "a symbolic link in the run directory") from None
+            e.filename = e.filename if e.filename != name else shown  # a file where a directory goes: ENOTDIR
             raise
     raise AssertionError("unreachable")
 
@@ -255,8 +255,8 @@ def remove_tree(
             except FileNotFoundError:
                 return
             except OSError as e:
-                if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                    raise Escape(top, f"{_kind(pfd, name)} in the run directory") from None
+                if e.errno in (errno.ELOOP, errno.ENOTDIR) and _is_link(pfd, name):
+                    raise Escape(top, "a symbolic link in the run directory") from None
                 raise
             _empty(fd, progress, 1)
             with suppress(OSError):

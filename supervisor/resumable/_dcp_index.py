@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -75,14 +76,15 @@ def per_rank_index(replicated: int, sharded: int, world_size: int) -> bool:
     return sharded > 0 and replicated * world_size <= REPLICATED_MAX * sharded
 
 
-def index_problem(md: Any, listed: Mapping[str, int] | None) -> str:
+def index_problem(md: Any, listed: Mapping[str, int] | None, ckpt: Path = Path()) -> str:
     """Why ``md``, as unpickled from a checkpoint's index, cannot be one ('' when it can). DCP's
     planner and readers take every field of it as it is: a record "in" ``../step_10/__0_0.distcp``
     was read from another checkpoint, a negative offset or length failed deep inside them (EINVAL,
     ValueError), a length past the file's end allocated that much before reading. So every
     record must lie in a file of this checkpoint by its plain name (one the manifest lists, when
     ``listed`` holds its files' sizes), at offset and length >= 0 within the file's listed size;
-    every tensor's chunks within its size, of its rank."""
+    every tensor's chunks within its size, of its rank. A record past its file's end is named as
+    a read would name it: ``ckpt/<file> (item <fqn>): the file ends ...``."""
     if not isinstance(md, Metadata):
         return f"holds {type(md).__name__}, not DCP's Metadata"
     items: Any = md.state_dict_metadata  # as unpickled: any type at all
@@ -100,8 +102,8 @@ def index_problem(md: Any, listed: Mapping[str, int] | None) -> str:
     for index, info in records.items():
         if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
             return f"a record keyed by {type(index).__name__}, not by an item"
-        if problem := _record_problem(info, listed):
-            return f"{index.fqn}: {problem}"
+        if problem := _record_problem(info, listed, index.fqn, ckpt):
+            return problem
     return ""
 
 
@@ -131,24 +133,27 @@ def _tensor_problem(item: TensorStorageMetadata) -> str:
     return ""
 
 
-def _record_problem(info: Any, listed: Mapping[str, int] | None) -> str:
+def _record_problem(info: Any, listed: Mapping[str, int] | None, fqn: str, ckpt: Path) -> str:
     if not isinstance(info, _StorageInfo):
-        return f"its record is a {type(info).__name__}"
+        return f"{fqn}: its record is a {type(info).__name__}"
     name, offset, length = cast(Any, info.relative_path), cast(Any, info.offset), cast(Any, info.length)
     if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\x00" in name:
-        return f"its record is in {name!r}, not a file of this checkpoint"
+        return f"{fqn}: its record is in {name!r}, not a file of this checkpoint"
     if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
-        return f"its record in {name} is at offset {offset!r}, {length!r} bytes: not a place in a file"
+        return f"{fqn}: its record in {name} is at offset {offset!r}, {length!r} bytes: not a place in a file"
     transforms: Any = info.transform_descriptors
     if not isinstance(transforms, list | tuple | None):
-        return f"its record in {name} names no transforms but {type(transforms).__name__}"
+        return f"{fqn}: its record in {name} names no transforms but {type(transforms).__name__}"
     if listed is None:
         return ""
     size = listed.get(name)
     if size is None:
-        return f"its record is in {name}, which the manifest does not list"
+        return f"{fqn}: its record is in {name}, not one of the checkpoint's files"
     if offset + length > size:
-        return f"its record ends at byte {offset + length} of {name}, which is {size} bytes"
+        return (
+            f"{ckpt / name} (item {fqn}): the file ends {max(0, size - offset)} of {length} bytes into the "
+            f"record at offset {offset}"
+        )
     return ""
 
 

@@ -320,7 +320,7 @@ def read_index(fs: FileSystem, path: Path, listed: Mapping[str, int] | None = No
         raise
     except Exception as e:  # a pickle that fails to parse, before naming anything
         raise corrupt(f"{path}: not a readable DCP index ({one_line(e)})") from None
-    problem = index_problem(md, listed)
+    problem = index_problem(md, listed, path.parent)
     if problem:
         raise corrupt(f"{path}: {problem}")
     return cast(Metadata, md)

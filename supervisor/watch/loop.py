@@ -125,6 +125,9 @@ class Watchdog:
         # thread that publishes them as the node's summary.
         self.hb_dir = RunDir.of(cfg.root).heartbeats
         self.publisher: node_summary.Publisher | None = None
+        # quarantine/'s entries as last seen: one that a launch's ranks added (a checkpoint that
+        # failed their verify or their load) is logged, with its reason, before the relaunch.
+        self.quarantined: set[str] | None = None
         self.state = RunState(
             node=cfg.node,
             host=self.host,
@@ -343,6 +346,7 @@ class Watchdog:
         unreadable checkpoint is retried for --io-retry (io_retry events), then
         StorageUnavailable; no usable checkpoint while the run has history stops the watchdog
         unless --allow-fresh-start."""
+        self._log_quarantined_by_the_ranks()
         if self.cfg.remote:
             return self._pick_across_tiers(self.cfg.remote)
         if self.state.launch_count == 0:  # the trainer picks on its first start: only for the record
@@ -367,6 +371,7 @@ class Watchdog:
         except confined.Escape as e:  # a link planted in the run dir where the pick must move: a person looks
             raise _Stop(Exit.CHILD_NONRETRYABLE, str(e)) from None
         self._log_skipped(res)
+        self._note_quarantined()  # what the pick itself moved is logged above, not again
         chosen = res.chosen.ref if res.chosen else None
         how = "deep" if self.cfg.deep_verify else "quick"
         msg = (
@@ -376,6 +381,32 @@ class Watchdog:
         )
         self.log.emit(EventName.PICK, msg, checkpoint=chosen.name if chosen else None, verify=how)
         return chosen.step if chosen else None
+
+    def _log_quarantined_by_the_ranks(self) -> None:
+        """A ``quarantine`` event for each entry of quarantine/ not there at the last look (the
+        first look only takes note): the ranks move a checkpoint aside themselves when its deep
+        verify or its load finds it corrupt, and the walk-back that follows is said here, with
+        their reason. Best effort: a quarantine that cannot be listed is the pick's to report."""
+        before = self.quarantined
+        now = self._note_quarantined()
+        if now is None or before is None:
+            return
+        for name in sorted(set(now) - before):
+            step = name.split("-", 1)[0]
+            why = now[name]
+            self.log.emit(
+                EventName.QUARANTINE, f"quarantined {step} (by the ranks): {why}", checkpoint=step, why=why
+            )
+
+    def _note_quarantined(self) -> dict[str, str] | None:
+        """quarantine/'s entries now (name -> reason), taken note of for the next look; None when
+        it cannot be listed."""
+        try:
+            now = {q.name: q.reason for q in store.list_quarantined(self.cfg.root)}
+        except OSError:
+            return None
+        self.quarantined = set(now)
+        return now
 
     def _log_skipped(self, res: store.PickResult) -> None:
         """What the pick walked past: quarantined (corrupt) and untrusted (not signed) ones."""
@@ -433,6 +464,7 @@ class Watchdog:
                     return None  # a stop signal or a preemption notice: run() decides
                 wait = min(wait * 2, self.cfg.policy.backoff.max_s)
                 continue
+            self._note_quarantined()  # what the pick itself moved it logged itself
             chosen = res.chosen
             msg = (
                 f"resume from {chosen.name} ({res.source}, {how} check passed)"
