@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import io
 import pickle
-from typing import IO, Any
+from typing import IO, Any, cast
 
 _DCP = "torch.distributed.checkpoint"
 _TORCH_DTYPES = (  # every torch.dtype of torch 2.13, as it pickles: ("torch", "<name>")
@@ -82,6 +82,11 @@ _SHARED_RESULTS = frozenset(
 )
 
 
+# Allowed classes whose own ``__setstate__`` takes what BUILD gives it (TensorProperties pickles its
+# fields as a tuple): their placeholder takes any state too.
+_OWN_SETSTATE = frozenset({(f"{_DCP}.metadata", "TensorProperties")})
+
+
 class _SharedState(Exception):
     """A pickle sets state (BUILD) on a class, function or shared object, not on an instance of
     its own making: in the real load that would change it for the whole process."""
@@ -91,44 +96,47 @@ class _SharedState(Exception):
         self.what = what
 
 
-class _StateOnlyOnInstances:
-    """``__setstate__`` of a placeholder: accepted on an instance the pickle built, refused on the
-    placeholder class itself (the real load would set attributes of the real class or function,
-    as pickle's BUILD does on whatever it is given) and on a shared object's stand-in."""
+class _Fixed(type):
+    """The placeholders' metaclass: no attribute of a placeholder class can be set. BUILD with a
+    slot state sets attributes of whatever it is given, and in the real load that is the real
+    class (``PosixPath.__truediv__``); a dict state on a class fails by itself (its ``__dict__``
+    cannot be written)."""
 
-    def __get__(self, inst: _Inert | None, owner: type[_Inert]) -> Any:
-        if inst is None or owner.shared:
-            what = f"{owner.real}" if inst is None else f"what {owner.real}() returns"
+    real = ""  # module.name of the global a placeholder stands for
 
-            def refuse(_state: Any) -> None:
-                raise _SharedState(what)
-
-            return refuse
-        return lambda _state: None
+    def __setattr__(cls, name: str, value: Any) -> None:
+        raise _SharedState(cls.real)
 
 
-class _Inert:
-    """Stands for an allowed global: takes any arguments and any state, runs nothing."""
-
-    real = ""  # module.name of the global it stands for
-    shared = False  # calling the global returns a shared object (``_SHARED_RESULTS``)
-    __setstate__ = _StateOnlyOnInstances()
-
-    def __new__(cls, *_args: Any, **_kwargs: Any) -> _Inert:
-        return object.__new__(cls)
+class _Inert(metaclass=_Fixed):
+    """Stands for an allowed global: takes any arguments, and any state on an instance of its own
+    making (pickle's BUILD fills the instance's ``__dict__`` in C: no Python runs per object, so
+    the check costs about what the real load does), runs nothing."""
 
     def __init__(self, *_args: Any, **_kwargs: Any) -> None:
         pass
 
 
-_PLACEHOLDERS = {
-    g: type(
-        f"Inert_{g[1]}",
-        (_Inert,),
-        {"__module__": __name__, "real": f"{g[0]}.{g[1]}", "shared": g in _SHARED_RESULTS},
-    )
-    for g in DCP_METADATA_GLOBALS
-}
+def _takes_any_state(self: _Inert, _state: Any) -> None:
+    """A placeholder's ``__setstate__`` where the real class has its own: any state, on an
+    instance (on the class, called with the state alone, it fails: refused)."""
+
+
+def _shared(self: _Inert, _state: Any = None) -> None:
+    """The ``__setstate__`` of what a call of a ``_SHARED_RESULTS`` global returns: refused."""
+    raise _SharedState(f"what {getattr(type(self), 'real', 'an allowed global')}() returns")
+
+
+def _placeholder(g: tuple[str, str]) -> type[_Inert]:
+    body: dict[str, Any] = {"__module__": __name__, "real": f"{g[0]}.{g[1]}"}
+    if g in _SHARED_RESULTS:
+        body["__setstate__"] = _shared
+    elif g in _OWN_SETSTATE:
+        body["__setstate__"] = _takes_any_state
+    return cast("type[_Inert]", _Fixed(f"Inert_{g[1]}", (_Inert,), body))
+
+
+_PLACEHOLDERS = {g: _placeholder(g) for g in DCP_METADATA_GLOBALS}
 
 
 class _CheckingUnpickler(pickle.Unpickler):
