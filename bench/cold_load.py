@@ -41,14 +41,14 @@ def worker(work: Path, trials: int) -> None:
     t = make_trainer(work / "ckpt", "bench")
     st, d = t.state, t.d
     st.step += 1
-    t.ckpt.save(st, {}, blocking=True)
+    t.r._ckpt.save(st, {}, blocking=True)
     ckpt = list_checkpoints(work / "ckpt")[0].path
     files = [ckpt / n for n in list_files(ckpt)]
     os.sync()
 
     def load() -> None:
-        tracker = t.r.hb.tracker(Phase.LOAD, st.step)
-        t.ckpt.load(ckpt, st, saved_world_size=d.world_size, skip=frozenset(), progress=tracker)
+        tracker = t.r._hb.tracker(Phase.LOAD, st.step)
+        t.r._ckpt.load(ckpt, st, saved_world_size=d.world_size, skip=frozenset(), progress=tracker)
 
     def load_plain() -> None:
         with readahead_off():
@@ -74,7 +74,7 @@ def worker(work: Path, trials: int) -> None:
             print(
                 f"raw read / load, {kind + ':':<15} {raw / statistics.median(got[kind]):.3f}   (target >= 0.80)"
             )
-    t.ckpt.close()
+    t.r._ckpt.close()
     dist.destroy_process_group()
 
 

@@ -44,17 +44,17 @@ def worker(work: Path, kind: str) -> None:
         x, y, _ = next(iter(t.loader()))
         t.train_step(x, y)
         st.step += 1
-        t.ckpt.save(st, {}, blocking=True)
+        t.r._ckpt.save(st, {}, blocking=True)
     else:
         newest = list_checkpoints(work / "ckpt")[0].path
         dist.barrier()
         t0 = time.perf_counter()
-        tracker = t.r.hb.tracker(Phase.LOAD, st.step)
-        t.ckpt.load(newest, st, saved_world_size=d.world_size, skip=frozenset(), progress=tracker)
+        tracker = t.r._hb.tracker(Phase.LOAD, st.step)
+        t.r._ckpt.load(newest, st, saved_world_size=d.world_size, skip=frozenset(), progress=tracker)
         dist.barrier()
         if d.rank == 0:
             print(f"LOAD_S {time.perf_counter() - t0:.4f}", flush=True)
-    t.ckpt.close()
+    t.r._ckpt.close()
     dist.destroy_process_group()
 
 

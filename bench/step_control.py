@@ -63,7 +63,7 @@ def worker(args: argparse.Namespace) -> None:
 
     t = make_trainer(Path(args.dir) / "ckpt", "tiny")
     batches = iter(t.loader())
-    ctl = t.ckpt.ctl_group
+    ctl = t.r._ckpt.ctl_group
 
     def old_collective() -> None:
         flags = torch.tensor([0, 0], dtype=torch.int64)
@@ -79,7 +79,7 @@ def worker(args: argparse.Namespace) -> None:
             t.state.step += 1
             if separate:
                 old_collective()
-            t.ckpt.step_boundary(False)
+            t.r._ckpt.step_boundary(False)
         dist.barrier()
         return (time.perf_counter() - t0) / args.steps
 
@@ -97,7 +97,7 @@ def worker(args: argparse.Namespace) -> None:
     for _ in range(args.collectives):
         old_collective()
     alone = (time.perf_counter() - t0) / args.collectives
-    t.ckpt.close()
+    t.r._ckpt.close()
     if t.d.rank == 0:
         med = statistics.median
         print(f"{t.d.world_size} ranks, tiny config, {args.rounds} x {args.steps} steps per arm")

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from enum import Enum
 from typing import TYPE_CHECKING, TypeVar
 
+from supervisor.backoff import Backoff
 from supervisor.format.capped import NotRegular, TooLarge
 
 if TYPE_CHECKING:
@@ -78,14 +79,8 @@ def describe(e: OSError) -> str:
     return f"{name} ({e.strerror or e})"
 
 
-def backoff_s(
-    attempt: int, rng: random.Random, initial_s: float = RETRY_INITIAL_S, max_s: float = RETRY_MAX_S
-) -> float:
-    """Wait before retry number ``attempt`` (1-based): exponential, capped, with equal jitter so
-    nodes that met the same outage do not retry in lockstep. ``rng`` is private: the global
-    ``random`` belongs to the training loop (docs/tiers.md)."""
-    cap = min(max_s, initial_s * 2 ** (attempt - 1))
-    return rng.uniform(cap / 2, cap)
+# Storage retries: 0.5 s doubling up to 8 s, each drawn from the upper half (equal jitter).
+STORAGE_BACKOFF = Backoff(RETRY_INITIAL_S, RETRY_MAX_S, spread=0.5)
 
 
 def retry_transient(
@@ -115,7 +110,7 @@ def retry_transient(
         return clock() - t0
 
     def wait(rs: RetryCallState) -> float:
-        return min(backoff_s(rs.attempt_number, rng), max(0.0, deadline_s - elapsed()))
+        return min(STORAGE_BACKOFF.wait_s(rs.attempt_number, rng), max(0.0, deadline_s - elapsed()))
 
     def announce(rs: RetryCallState) -> None:
         # tenacity calls this only after a failed attempt that `retry` accepted: a transient OSError

@@ -21,6 +21,7 @@ from supervisor.format.atomic import hostname, pid_alive
 from supervisor.format.heartbeat import HeartbeatSnapshot, Phase, boot_id, read_heartbeats
 from supervisor.format.layout import RunDir, parse_state_filename, per_node_files
 from supervisor.format.nodesummary import NodeSummary, newest_per_rank, read_summary, summary_paths
+from supervisor.format.runstatus import RunStatus
 from supervisor.ioerrors import Evidence, describe
 from supervisor.quickcache import QuickChecks
 from supervisor.watch.liveness import Clock, PhaseTimeouts, describe_progress, rank_stale
@@ -30,9 +31,16 @@ if TYPE_CHECKING:
 
 UNKNOWN = "unknown"
 # Worst first: the run's state is the worst of its nodes' states.
-_SEVERITY = (events.FAILED, events.STOPPED, events.REQUEUED, events.RESTARTING, events.RUNNING, events.DONE)
+_SEVERITY = (
+    RunStatus.FAILED,
+    RunStatus.STOPPED,
+    RunStatus.REQUEUED,
+    RunStatus.RESTARTING,
+    RunStatus.RUNNING,
+    RunStatus.DONE,
+)
 # A watchdog in one of these states wrote its last node summary on the way out: old, never stale.
-_ENDED = (events.FAILED, events.STOPPED, events.REQUEUED, events.DONE)
+_ENDED = (RunStatus.FAILED, RunStatus.STOPPED, RunStatus.REQUEUED, RunStatus.DONE)
 RECENT_LAUNCHES = 10
 # Up to this many ranks every rank gets a row; above, the ranks that need a look do (stale,
 # unknown, an exit code, failed saves) and the others are counted per node from the summaries'
@@ -175,8 +183,8 @@ class StatusReport:
 
 def _alive(status: str, reason: str, host: str, pid: int, me: str) -> tuple[str, str]:
     """A watchdog on this host whose pid is gone while its state says running has failed."""
-    if status in (events.RUNNING, events.RESTARTING) and host == me and not pid_alive(pid):
-        return events.FAILED, f"watchdog pid {pid} is gone (its state said: {reason})"
+    if status in (RunStatus.RUNNING, RunStatus.RESTARTING) and host == me and not pid_alive(pid):
+        return RunStatus.FAILED, f"watchdog pid {pid} is gone (its state said: {reason})"
     return status, reason
 
 
@@ -224,7 +232,7 @@ def _nodes(
         if node and node in summaries:
             row = _from_summary(summaries[node], me, clock)
             nodes.append(row)
-            if row.status == events.RUNNING:
+            if row.status == RunStatus.RUNNING:
                 current.add(summaries[node].header.launch_id)
             continue
         try:
@@ -253,7 +261,7 @@ def _nodes(
             )
         )
         timeouts = timeouts or st.timeouts
-        if status == events.RUNNING:
+        if status == RunStatus.RUNNING:
             current.add(st.launch_id)
         launches += [
             LaunchRow(
@@ -499,7 +507,7 @@ def _overall(nodes: list[NodeRow], view: _RankView) -> tuple[str, str]:
     if nodes:
         return UNKNOWN, nodes[0].problem
     if view.counts.total > view.counts.stale:
-        return events.RUNNING, "ranks are beating; no watchdog state (not started by `supervisor watch`?)"
+        return RunStatus.RUNNING, "ranks are beating; no watchdog state (not started by `supervisor watch`?)"
     return UNKNOWN, "no watchdog state and no live heartbeat"
 
 
@@ -520,7 +528,7 @@ def live_signs(root: str | Path) -> list[LiveSign]:
     signs = [
         LiveSign(f"watchdog pid {n.watchdog_pid} on {n.host} is {n.status}", n.host == me)
         for n in report.nodes
-        if n.status in (events.RUNNING, events.RESTARTING)
+        if n.status in (RunStatus.RUNNING, RunStatus.RESTARTING)
     ]
     for r in report.ranks:
         if r.stale or r.phase in (Phase.DONE.value, UNKNOWN) or r.exit_code is not None:

@@ -91,14 +91,14 @@ def main() -> int:
 
     _safe_load.read_in_place = counting  # type: ignore[assignment]
     direct: list[bool] = []  # per load: whether every item was one to read directly
-    real_plan = _safe_load.direct_read.plan
+    real_plan = _safe_load._direct_read.plan
 
     def planning(*args: object) -> object:
         got = real_plan(*args)  # type: ignore[arg-type]
         direct.append(got is not None)
         return got
 
-    _safe_load.direct_read.plan = planning  # type: ignore[assignment]
+    _safe_load._direct_read.plan = planning  # type: ignore[assignment]
     primed = prime_for_load(fresh_opt)
     _safe_load.load_dcp(ckpt, {"app": Objects({"model": fresh, "optimizer": fresh_opt})}, None)
     equal = same(snapshot(fresh, fresh_opt), want)

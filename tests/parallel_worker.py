@@ -6,9 +6,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from supervisor.resumable import params_digest
 from train_ref.config import get_config
 from train_ref.model import GPT
-from train_ref.parallel import build, params_digest
+from train_ref.parallel import build
 from train_ref.train import exit_now
 
 

@@ -54,8 +54,7 @@ def test_real_hang_named_killed_and_resumed_from_the_periodic_checkpoint(tmp_pat
     (culprit,) = hang["culprits"]
     assert (culprit["rank"], culprit["where"]) == (fault.rank, "elsewhere"), hang["msg"]
     assert (
-        culprit["frames"][0]["func"] == BLOCKING_FUNCTION
-        and "drill_faults.py" in culprit["frames"][0]["file"]
+        culprit["frames"][0]["func"] == BLOCKING_FUNCTION and "rank_faults.py" in culprit["frames"][0]["file"]
     )
     assert hang["waiting_ranks"] == [1 - fault.rank] and f"culprit rank {fault.rank}" in hang["msg"]
     kill = next(e for e in evs if e["event"] == "kill")

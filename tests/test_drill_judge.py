@@ -173,6 +173,23 @@ def test_plan_shapes():
         plan(CHAOS, seed=0, steps=25, save_every=10, ranks=2)
 
 
+def test_the_default_set_adapts_its_plans_to_the_steps():
+    """40 steps, a save every 10: room for one fault between the second save and the last
+    interval. Adapted, corrupt-latest does one kind of damage and chaos, which needs two faults,
+    says so; asked for by name, both are refused. With room, nothing changes."""
+    with pytest.raises(ValueError, match="too few for 3 corrupt-latest"):
+        plan("corrupt-latest", seed=0, steps=40, save_every=10, ranks=2)
+    (f,) = plan("corrupt-latest", seed=0, steps=40, save_every=10, ranks=2, adapt=True)
+    assert f.corruption == DRILL[0]
+    with pytest.raises(ValueError, match="too few for 2 chaos"):
+        plan(CHAOS, seed=0, steps=40, save_every=10, ranks=2, adapt=True)
+    assert len(plan(CHAOS, seed=0, steps=50, save_every=10, ranks=2, adapt=True)) == 2
+    for seed in range(5):
+        for scenario in ("corrupt-latest", CHAOS):
+            kw = {"seed": seed, "steps": 80, "save_every": 10, "ranks": 2}
+            assert plan(scenario, **kw, adapt=True) == plan(scenario, **kw)
+
+
 # ---------------------------------------------------------------- hangs: culprit, SIGKILL, resume point
 
 HUNG = Fault(Kind.HANG, 17, 1)

@@ -54,6 +54,12 @@ IN_ALLREDUCE = dump(
 )
 IN_FSDP = dump(f"{SITE}/torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py:wait_for_unshard")
 STUCK = dump("/w/train_ref/rank_faults.py:stuck_read", "/w/train_ref/rank_faults.py:maybe_hang")
+# DDP's gradient all-reduce waits in C++ under autograd: only the engine's entry shows.
+IN_DDP_BACKWARD = dump(
+    f"{SITE}/torch/autograd/graph.py:_engine_run_backward",
+    f"{SITE}/torch/autograd/__init__.py:backward",
+    f"{SITE}/torch/_tensor.py:backward",
+)
 
 
 def test_parse_dump_finds_threads_and_main_thread():
@@ -89,6 +95,7 @@ def test_a_real_faulthandler_dump_parses(tmp_path):
 def test_in_collective_is_about_the_innermost_frame():
     assert in_collective(main_thread(IN_ALLREDUCE) or ())
     assert in_collective(main_thread(IN_FSDP) or ())
+    assert in_collective(main_thread(IN_DDP_BACKWARD) or ())
     assert not in_collective(main_thread(STUCK) or ())
     assert not in_collective(())
 

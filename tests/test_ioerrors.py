@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 
 from supervisor.ioerrors import (
     RETRY_MAX_S,
+    STORAGE_BACKOFF,
     STRUCTURAL_ERRNOS,
     Evidence,
     StorageUnavailable,
-    backoff_s,
     describe,
     evidence_of,
     is_transient,
@@ -85,7 +85,7 @@ def test_describe_names_the_errno() -> None:
 
 @given(attempt=st.integers(1, 60), seed=st.integers(0, 2**32))
 def test_backoff_grows_is_capped_and_jittered(attempt: int, seed: int) -> None:
-    w = backoff_s(attempt, random.Random(seed))
+    w = STORAGE_BACKOFF.wait_s(attempt, random.Random(seed))
     cap = min(RETRY_MAX_S, 0.5 * 2 ** (attempt - 1))
     assert cap / 2 <= w <= cap
 

@@ -145,7 +145,7 @@ def _rank(rank: int, tmp: str, store: str, out: mp.Queue) -> None:
         loss.backward()
         opt.step()
         # The step after a save started: its staging was waited for by the hook.
-        staged.append(r.ckpt.in_flight is None or r.ckpt.in_flight.staging is None)
+        staged.append(r._ckpt.in_flight is None or r._ckpt.in_flight.staging is None)
         r.step_end(step, {"loss": loss_value})
         if step == 5:
             with r.phase("eval", timeout=77) as progress:

@@ -61,7 +61,8 @@ def _tree(root: Path) -> dict[str, tuple[int, int]]:
 
 
 # Every value of each dimension appears, and ranks x parallel is covered fully; num_workers does
-# not change the result by design, so goldens run with 0 workers and half the faulted runs with 2.
+# not change the result by design, so goldens run with the default (2 workers), the faulted runs
+# with 0 or 2.
 # One case keeps a moving average of the parameters (EMA: its shards resumed too, digest and all).
 CASES = [("ddp", 2, 0, ()), ("ddp", 4, 2, ()), ("fsdp", 2, 2, EMA), ("fsdp", 4, 0, ())]
 

@@ -83,13 +83,13 @@ class Output:
 # ---------------------------------------------------------------- never orphans, never blocks
 
 INJECT = """import sys
-from supervisor.watch import loop as watch
+from supervisor.watch.hangs import Hangs
 from supervisor.cli.main import main
 def boom(self, child, launch_id, snaps, beats):
     if any(b.step >= 3 for b in beats):
         raise RuntimeError("injected: a bug in the watchdog's loop")
     return [], 0.5
-watch.Watchdog._check_hangs = boom
+Hangs.check = boom
 sys.exit(main(sys.argv[1:]))
 """
 

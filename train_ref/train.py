@@ -95,7 +95,7 @@ class TrainerOptions:
     weight_decay: float | None = _override("AdamW weight decay")
     decay_steps: int | None = _override("cosine horizon")
     corpus: str | None = option("UTF-8 text file (default: the built-in corpus)", None)
-    num_workers: int = option("DataLoader worker processes", 0)
+    num_workers: int = option("DataLoader worker processes", 2)
     log_samples: bool = option("per-rank sample ids of every step", False)
     amp: str = option(
         "autocast; fp16 adds loss scaling (GradScaler), on CUDA and on CPU alike",
@@ -294,6 +294,13 @@ class Trainer:
         self.ema = EMA(self.model, opts.ema_decay) if opts.ema_decay else None
         self.state.ema = self.ema
         self.r = Reference(self, opts)
+        # The sampler is among the saved objects; prepare hands batches over advancing it, with a
+        # private generator and workers that leave SIGTERM and the notice to this rank.
+        self.loader = self.r.prepare(
+            torch.utils.data.DataLoader(
+                self.dataset, batch_sampler=self.sampler, num_workers=opts.num_workers, collate_fn=collate
+            )
+        )
         self.samples_file: LineAppender | None = None
         self.hold: HoldGate | None = None  # test-only: main sets it from TRAIN_REF_HOLD_FILE
 
@@ -315,17 +322,6 @@ class Trainer:
             )
 
     # ------------------------------------------------------------ loop
-
-    def loader(self) -> torch.utils.data.DataLoader[tuple[torch.Tensor, torch.Tensor, int]]:
-        # Its own seeded generator: without it, iter() draws from the global torch RNG and the
-        # resumed run diverges at once (torch-cpu.md).
-        return torch.utils.data.DataLoader(
-            self.dataset,
-            batch_sampler=self.sampler,
-            num_workers=self.opts.num_workers,
-            collate_fn=collate,
-            generator=torch.Generator().manual_seed(self.opts.seed),
-        )
 
     def perturb(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Main-process randomness standing in for user code that draws from python ``random``
@@ -369,12 +365,11 @@ class Trainer:
 
     def loop(self) -> None:
         opts, st = self.opts, self.state
-        batches = iter(self.loader())
+        batches = iter(self.loader)
         while st.step < opts.steps:
             t0 = time.perf_counter()
             x, y, ids = next(batches)
             loss, norm, lr = self.train_step(x, y)
-            self.sampler.advance()
             step = st.step + 1
             if self.samples_file:
                 self.samples_file.append(json.dumps({"launch": self.r.launch, "step": step, "ids": ids}))

@@ -96,13 +96,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = options.build(DrillConfig, args, workdir=args.workdir.resolve())
     if cfg.workdir.exists() and any(cfg.workdir.iterdir()):
         raise UserError(f"{cfg.workdir} is not empty; pass a new --workdir")
-    try:
-        plans = {
-            s: planning.plan(s, seed=cfg.seed, steps=cfg.steps, save_every=cfg.save_every, ranks=cfg.ranks)
-            for s in scenarios
-        }
-    except ValueError as e:  # an unknown scenario, a plan that does not fit --steps
-        raise UserError(str(e)) from None
+    plans, unfit = _plans(cfg, scenarios, adapt=not args.scenario)
     cfg.workdir.mkdir(parents=True, exist_ok=True)
     log = cfg.workdir / "drill.log"
     started = time.monotonic()
@@ -112,10 +106,13 @@ def run(args: argparse.Namespace) -> int:
     )
     for s, faults in plans.items():
         _say(f"plan {s}: " + "; ".join(f.describe() for f in faults))
+    for s, why in unfit.items():
+        _say(f"skipping {s}: {why}")
     _say("golden run (uninterrupted torchrun)...")
     try:
         golden, golden_digest = run_golden(cfg, log)
         runs, verdicts = _scenarios(cfg, plans, golden, golden_digest, log)
+        verdicts += [Verdict(s, (), skipped=why) for s, why in unfit.items()]
     except (RuntimeError, FaultFSError) as e:  # the golden run failed; the fault filesystem failed
         print(f"error: {e}", file=sys.stderr)
         return Exit.FOUND_PROBLEM
@@ -143,6 +140,32 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_verdicts(verdicts, report, png, took)
     return Exit.OK if ok else Exit.FOUND_PROBLEM
+
+
+def _plans(
+    cfg: DrillConfig, scenarios: list[str], *, adapt: bool
+) -> tuple[dict[str, list[planning.Fault]], dict[str, str]]:
+    """Each scenario's faults. The default set (``adapt``) fits itself to --steps: fewer faults
+    where there is no room for all, and a scenario with no room for any is skipped (with the
+    reason); a scenario asked for by name that does not fit is refused (one line, exit 2)."""
+    plans: dict[str, list[planning.Fault]] = {}
+    unfit: dict[str, str] = {}
+    for s in scenarios:
+        try:
+            plans[s] = planning.plan(
+                s,
+                seed=cfg.seed,
+                steps=cfg.steps,
+                save_every=cfg.save_every,
+                ranks=cfg.ranks,
+                adapt=adapt,
+                preempt_as=cfg.preempt_as,
+            )
+        except ValueError as e:  # an unknown scenario, a plan that does not fit --steps
+            if not adapt:
+                raise UserError(str(e)) from None
+            unfit[s] = str(e)
+    return plans, unfit
 
 
 def _settings_json(cfg: DrillConfig, scenarios: list[str], took: float) -> dict[str, Any]:

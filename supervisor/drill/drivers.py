@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from supervisor.drill import inject, switch
 from supervisor.drill.judge import StorageFacts
-from supervisor.drill.plan import IN_SAVE, SELF_INFLICTED, STORAGE, Fault, Kind
+from supervisor.drill.plan import IN_SAVE, PREEMPT_NOTICE, SELF_INFLICTED, STORAGE, Fault, Kind
 
 if TYPE_CHECKING:
     from supervisor.drill.runner import DrillConfig, Scene
@@ -73,13 +73,26 @@ class KillDuringSave(Kill):
 
 
 class Preempt(Driver):
-    """SIGUSR1 (the preemption notice) to the watchdog."""
+    """A preemption as SLURM sends it (``fault.preempt_as``): SIGTERM to every process of the job
+    (the watchdog stops, having let the ranks checkpoint; a new watchdog starts the job again, as
+    a requeue does), or the notice (SIGUSR1) to every process (the watchdog relaunches)."""
 
     kinds = frozenset({Kind.PREEMPT})
 
     def strike(self, scene: Scene, fault: Fault, launch: str) -> bool:
-        scene.dog.signal(signal.SIGUSR1)
-        scene.note(f"{fault.describe()}: at step {scene.step()}")
+        step = scene.step()
+        if fault.preempt_as == PREEMPT_NOTICE:
+            pids = scene.dog.signal_all(signal.SIGUSR1)
+            scene.note(f"{fault.describe()}: at step {step}, {len(pids)} processes")
+            return True
+        pids = scene.dog.signal_all(signal.SIGTERM)
+        scene.run.exit_codes.append(scene.dog.wait(timeout=scene.cfg.fault_timeout_s))
+        scene.tail.poll()
+        scene.note(
+            f"{fault.describe()}: at step {step}, {len(pids)} processes; the job stopped at step "
+            f"{scene.step()} (watchdog exit {scene.run.exit_codes[-1]}), started again"
+        )
+        scene.restart()
         return True
 
 

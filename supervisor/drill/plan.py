@@ -40,7 +40,17 @@ NO_RESUME = frozenset({Kind.DISK_FULL})
 DISK_FULL_FAILURES = 2
 DISK_FULL_INTERVALS = DISK_FULL_FAILURES + 1
 CHAOS = "chaos"
+# Chaos draws this many faults (fewer, down to CHAOS_LEAST, where --steps has no room: ``adapt``).
+CHAOS_FAULTS = (3, 4)
+CHAOS_LEAST = 2
 STORAGE_GROUP = "storage"
+# How the preempt scenario preempts (DrillConfig.preempt_as): as SLURM does on a preemption, a
+# time limit or scancel (SIGTERM to every process of the job: watchdog, torchrun's agent, ranks,
+# DataLoader workers; then a requeue starts the job again), or the notice of ``--signal`` without
+# ``B:`` (SIGUSR1 to every process; the watchdog relaunches).
+PREEMPT_SLURM = "slurm"
+PREEMPT_NOTICE = "notice"
+PREEMPT_AS = (PREEMPT_SLURM, PREEMPT_NOTICE)
 SCENARIOS = (*(k.value for k in Kind), CHAOS)
 
 
@@ -50,6 +60,7 @@ class Fault:
     at_step: int  # inject once the run has logged this step; a self-inflicted hang blocks at it
     rank: int  # the worker to hit (kill9, sigstop, hang, hang-during-save, during-save)
     corruption: Corruption | None = None  # corrupt-latest only
+    preempt_as: str = PREEMPT_SLURM  # preempt only
 
     def describe(self) -> str:
         what = {
@@ -59,7 +70,11 @@ class Fault:
             Kind.HANG_DURING_SAVE: f"rank {self.rank} blocks forever in a read while its async save is in flight",
             Kind.DURING_SAVE: f"kill -9 rank {self.rank} while an async save is in flight",
             Kind.CORRUPT_LATEST: f"stop the job, {self.corruption and self.corruption.value} the newest checkpoint, start again",
-            Kind.PREEMPT: "SIGUSR1 (preemption notice) to the watchdog",
+            Kind.PREEMPT: (
+                "SIGTERM to every process of the job (SLURM's preemption), then the job started again"
+                if self.preempt_as == PREEMPT_SLURM
+                else "SIGUSR1 (the preemption notice) to every process of the job"
+            ),
             Kind.IO_ERROR: f"EIO on the next reads of shard files, then kill -9 rank {self.rank}",
             Kind.DISK_FULL: f"ENOSPC on every checkpoint write until {DISK_FULL_FAILURES} saves have failed",
             Kind.SLOW_STORAGE: f"throttle checkpoint reads and writes, then kill -9 rank {self.rank}",
@@ -85,14 +100,25 @@ def steps_redone_bound(kind: Kind, save_every: int, save_in_flight: bool = False
     return save_every
 
 
-def plan(scenario: str, *, seed: int, steps: int, save_every: int, ranks: int) -> list[Fault]:
+def plan(
+    scenario: str,
+    *,
+    seed: int,
+    steps: int,
+    save_every: int,
+    ranks: int,
+    adapt: bool = False,
+    preempt_as: str = PREEMPT_SLURM,
+) -> list[Fault]:
     """Faults for one scenario, in order, each more than a save interval after the previous one, so
     each resume is judged before the next fault (and a hang the trainer inflicts on itself at its
     step cannot fire before the fault ahead of it was injected).
 
     Single scenarios inject one fault (corrupt-latest: one per kind of damage); chaos draws a random
     sequence of 3 to 4 faults of mixed kinds (drawn again when they do not fit). The same seed
-    always gives the same plan.
+    always gives the same plan. ``adapt`` (the default scenario set): where ``steps`` has no room
+    for them all, corrupt-latest does fewer kinds of damage and chaos draws fewer faults (at least
+    2); a ValueError says what does not fit even so.
     """
     rng = random.Random(f"{seed}:{scenario}")
     # Faults land after the second save (so a resume has a checkpoint to come back to, and one to
@@ -100,23 +126,22 @@ def plan(scenario: str, *, seed: int, steps: int, save_every: int, ranks: int) -
     lo, hi = 2 * save_every + 1, max(2 * save_every + 2, steps - save_every - 2)
     if scenario == Kind.DISK_FULL.value:
         hi = steps - DISK_FULL_INTERVALS * save_every - 1
-    draws: Iterator[list[Kind]]
-    if scenario == CHAOS:
-        drawable = [k.value for k in Kind if k not in STORAGE]
-        draws = ([Kind(rng.choice(drawable)) for _ in range(rng.randint(3, 4))] for _ in range(100))
-    elif scenario == Kind.CORRUPT_LATEST.value:
-        draws = iter([[Kind.CORRUPT_LATEST] * len(DRILL)])
-    elif scenario in SCENARIOS:
-        draws = iter([[Kind(scenario)]])
-    else:
+    if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario '{scenario}' (choose from {', '.join(SCENARIOS)})")
-    for kinds in draws:
-        at_steps = _lay_out(kinds, rng, lo, hi, save_every)
+    kinds: list[Kind] = []
+    at_steps: list[int] | None = None
+    for draws in _draws(scenario, rng, adapt):
+        laid = ((kinds, _lay_out(kinds, rng, lo, hi, save_every)) for kinds in draws)
+        kinds, at_steps = next(((k, at) for k, at in laid if at is not None), ([], None))
         if at_steps is not None:
             break
-    else:
+    if at_steps is None:
+        fewest = (
+            (CHAOS_LEAST if adapt else CHAOS_FAULTS[0]) if scenario == CHAOS else len(_first_draw(scenario))
+        )
         raise ValueError(
-            f"{steps} steps are too few for {len(kinds)} faults {save_every} steps apart; raise --steps"
+            f"{steps} steps are too few for {fewest} {scenario} fault(s) {save_every} steps apart "
+            f"(after the second save, before the last interval); raise --steps or lower --save-every"
         )
     corruptions = iter(DRILL if scenario != CHAOS else rng.sample(DRILL * 2, len(kinds)))
     return [
@@ -125,9 +150,31 @@ def plan(scenario: str, *, seed: int, steps: int, save_every: int, ranks: int) -
             at_step=at,
             rank=rng.randrange(ranks),
             corruption=next(corruptions) if kind == Kind.CORRUPT_LATEST else None,
+            preempt_as=preempt_as,
         )
         for kind, at in zip(kinds, at_steps, strict=True)
     ]
+
+
+def _first_draw(scenario: str) -> list[Kind]:
+    return [Kind.CORRUPT_LATEST] * len(DRILL) if scenario == Kind.CORRUPT_LATEST.value else [Kind(scenario)]
+
+
+def _draws(scenario: str, rng: random.Random, adapt: bool) -> Iterator[Iterator[list[Kind]]]:
+    """Groups of candidate fault sequences, the fullest first; the first sequence that fits wins.
+    Without ``adapt`` there is one group: the scenario as it is meant."""
+    if scenario == CHAOS:
+        drawable = [k.value for k in Kind if k not in STORAGE]
+        fewer = range(CHAOS_FAULTS[0] - 1, CHAOS_LEAST - 1, -1) if adapt else range(0)
+        for count in (None, *fewer):  # None: drawn each time, as chaos is meant
+            yield (
+                [Kind(rng.choice(drawable)) for _ in range(count or rng.randint(*CHAOS_FAULTS))]
+                for _ in range(100)
+            )
+        return
+    full = _first_draw(scenario)
+    for n in range(len(full), 0 if adapt else len(full) - 1, -1):
+        yield iter([full[:n]])
 
 
 def _lay_out(kinds: list[Kind], rng: random.Random, lo: int, hi: int, save_every: int) -> list[int] | None:

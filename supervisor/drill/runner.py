@@ -20,13 +20,14 @@ from supervisor.drill import inject, storage, switch
 from supervisor.drill.drivers import DRIVERS, Driver, switch_hang
 from supervisor.drill.faultctl import Controller, FaultFS
 from supervisor.drill.judge import StepRecord, StorageFacts
-from supervisor.drill.plan import SELF_INFLICTED, Fault, Kind
+from supervisor.drill.plan import PREEMPT_AS, PREEMPT_SLURM, SELF_INFLICTED, Fault, Kind
 from supervisor.format.events import events_path, read_events
 from supervisor.format.hooks import ENV_BOUNDARY_HOOK
 from supervisor.format.layout import MANIFEST, RunDir, parse_committed
 from supervisor.format.metrics import parse_line
 from supervisor.options import POSITIVE, option
 from supervisor.store import list_checkpoints
+from supervisor.watch.process import descendants, process_table, send
 
 POLL_S = 0.02
 MOUNTS = "mnt"  # workdir/mnt/<scenario>: where a storage scenario's fault filesystem is mounted
@@ -53,13 +54,24 @@ class DrillConfig:
     workdir: Path = option(
         "where the runs, their logs and the report go (must be new or empty)", default_factory=new_workdir
     )
+    num_workers: int = option(
+        "DataLoader workers per rank (the trainer's --num-workers: the drill's trainers take it)", 2
+    )
+    preempt_as: str = option(
+        "how the preempt scenario preempts: slurm = SIGTERM to every process of the job (SLURM's "
+        "preemption, time limit, scancel), then the job started again; notice = SIGUSR1 to every "
+        "process (--signal without B:)",
+        PREEMPT_SLURM,
+        choices=PREEMPT_AS,
+    )
     save_delay_s: float = 1.0
     fault_timeout_s: float = 180.0
     python: str = sys.executable
     # A user's script (supervisor.resumable.Resumable inside) instead of the reference trainer: it gets the
-    # four options every trainer has, not the reference trainer's --config and --parallel.
+    # five options every trainer has, not the reference trainer's --config and --parallel.
     trainer: Path | None = option(
-        "drill your own script (started by torchrun with --ckpt-root --steps --save-every --seed) "
+        "drill your own script (started by torchrun with --ckpt-root --steps --save-every --seed "
+        "--num-workers) "
         "instead of the reference trainer; e.g. examples/plain_loop.py",
         None,
         metavar="SCRIPT",
@@ -76,6 +88,7 @@ class DrillConfig:
             "--steps", str(self.steps),
             "--save-every", str(self.save_every),
             "--seed", str(self.seed),
+            "--num-workers", str(self.num_workers),
             *(() if self.trainer else own),
             *extra,
         ]  # fmt: skip
@@ -262,6 +275,13 @@ class Watchdog:
             return self.proc.wait()
         finally:
             self.out.close()
+
+    def signal_all(self, sig: int) -> list[int]:
+        """``sig`` to every process of the job, as SLURM signals a job step: the watchdog and each
+        of its descendants (torchrun's agent, the ranks, their DataLoader workers), in /proc's
+        order. Returns the pids signalled."""
+        pids = [self.proc.pid, *descendants(self.proc.pid, process_table())]
+        return send(pids, sig)
 
     def kill(self) -> None:
         if self.proc.poll() is None:

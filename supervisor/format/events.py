@@ -24,18 +24,11 @@ from supervisor.format.capped import LOG_MAX, RECORD_MAX, read_capped, read_tail
 from supervisor.format.eventnames import EventName
 from supervisor.format.launches import LaunchRecord, Outcome
 from supervisor.format.layout import RunDir
+from supervisor.format.runstatus import RunStatus
 
 STATE_VERSION = 1
 # Launch records kept in the state file (the event log keeps every one).
 KEEP_LAUNCHES = 50
-
-# Values of RunState.status.
-RUNNING = "running"
-RESTARTING = "restarting"
-DONE = "done"
-FAILED = "failed"
-STOPPED = "stopped"
-REQUEUED = "requeued"
 
 
 def state_path(root: str | Path, node: int = 0) -> Path:
@@ -53,7 +46,7 @@ class RunState:
     node: int = 0
     host: str = ""
     watchdog_pid: int = 0
-    status: str = RESTARTING
+    status: RunStatus = RunStatus.RESTARTING
     reason: str = ""
     exit_code: int | None = None
     command: tuple[str, ...] = ()
@@ -165,6 +158,12 @@ def parse_state(d: Any) -> RunState:
         except ValueError:
             raise ValueError(f"launch record {i}: outcome {r.get('outcome')!r} is unknown") from None
         launches.append(LaunchRecord(**typed(r, _LAUNCH_TYPES, f"launch record {i}: "), outcome=outcome))
+    try:
+        fields["status"] = RunStatus(fields.get("status", RunStatus.RESTARTING.value))
+    except ValueError:
+        raise ValueError(
+            f"'status' is {fields['status']!r}, not one of {[s.value for s in RunStatus]}"
+        ) from None
     fields["launches"] = tuple(launches)
     command = _list(d, "command")
     if not all(isinstance(c, str) for c in command):

@@ -1,4 +1,6 @@
-"""Exit codes shared by the trainer, the watchdog and the login-node commands (see README).
+"""Exit codes shared by the trainer, the watchdog and the login-node commands, with what each
+means to whoever gets it (``MEANINGS``: README's exit-code table is generated from it,
+supervisor/format/doctables.py).
 
 torchrun reports 1 for any failed worker, so the trainer also records its deliberate exit code in
 its last heartbeat (``exit_code``); the watchdog reads it from there to classify a launch.
@@ -6,6 +8,7 @@ its last heartbeat (``exit_code``); the watchdog reads it from there to classify
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import IntEnum
 
 
@@ -51,4 +54,96 @@ class Exit(IntEnum):
 
 NON_RETRYABLE = frozenset(
     {Exit.USAGE, Exit.MISMATCH, Exit.NO_USABLE_CHECKPOINT, Exit.UNTRUSTED, Exit.BAD_CONFIG}
+)
+
+
+@dataclass(frozen=True)
+class Meaning:
+    code: str  # the number, or a pattern ("128+N")
+    who: str  # which program exits with it
+    text: str
+
+
+def _m(code: Exit | str, who: str, text: str) -> Meaning:
+    return Meaning(str(int(code)) if isinstance(code, Exit) else code, who, text)
+
+
+MEANINGS: tuple[Meaning, ...] = (
+    _m(Exit.OK, "all", "done / ok"),
+    _m(
+        Exit.FOUND_PROBLEM,
+        "`ckpt verify`, `ckpt pick`, `drill`",
+        "a check found a problem (an invalid or, with `--signing-key`, untrusted checkpoint; no valid "
+        "one; a drill check failed: `drill --json` says which)",
+    ),
+    _m(
+        "1",
+        "trainer",
+        "a crash (torchrun reports 1 for any failed worker; the heartbeat's `exit_code` says more)",
+    ),
+    _m(
+        Exit.USAGE,
+        "all but `watch`",
+        "bad usage or bad input: one line names the path and the fix (`watch`: bad options only); "
+        "`ckpt rollback` refused: nothing changed",
+    ),
+    _m(
+        Exit.UNREADABLE,
+        "`ckpt`",
+        "storage could not be read (an I/O error, not proof of corruption; `pick` retried it for "
+        "`--io-retry`): nothing moved; retry later",
+    ),
+    _m(Exit.BUDGET_EXHAUSTED, "`watch`", "restart budget exhausted (total, or N per window)"),
+    _m(
+        Exit.NO_PROGRESS,
+        "`watch`",
+        "no progress: K launches in a row without a newer checkpoint, or dying at the same step",
+    ),
+    _m(
+        Exit.CHILD_NONRETRYABLE,
+        "`watch`",
+        f"the child failed non-retryably ({', '.join(str(int(c)) for c in sorted(NON_RETRYABLE))}), "
+        "or COMMAND cannot be started",
+    ),
+    _m(
+        Exit.REQUEUE_REQUESTED,
+        "`watch --requeue-exit`",
+        "preempted and checkpointed: requeue the job (`sbatch/job.sh` does, against `MAX_PREEMPT_REQUEUES`)",
+    ),
+    _m(
+        Exit.STORAGE_UNAVAILABLE,
+        "`watch`",
+        "storage unavailable past `--io-retry`: committed checkpoints intact; requeue the job "
+        "(`sbatch/job.sh` does, against `MAX_REQUEUES`)",
+    ),
+    _m(
+        Exit.MISMATCH,
+        "trainer",
+        "refused: the checkpoint was made for another model config or data (the fields named; nothing moved)",
+    ),
+    _m(
+        Exit.NO_USABLE_CHECKPOINT,
+        "trainer",
+        "no usable checkpoint, but some are quarantined (or unsigned with `--signing-key`): "
+        "not starting from step 0 without `--allow-fresh-start`",
+    ),
+    _m(
+        Exit.STORAGE,
+        "trainer",
+        "storage failed: unreadable past `--io-retry` at resume, saves failing past "
+        "`--max-failed-saves` / `--max-unsaved-s`, or a preemption's checkpoint failed (retryable)",
+    ),
+    _m(
+        Exit.REQUEUE,
+        "trainer",
+        "preempted (SIGTERM, SIGUSR1 or `$REQUEUE_SIGNAL`): the last step's checkpoint committed; relaunch",
+    ),
+    _m(
+        Exit.UNTRUSTED,
+        "trainer",
+        "refused a checkpoint whose `.metadata` or a pickled item would have run code (one line names "
+        "the file; nothing of it ran) [docs/security.md](docs/security.md)",
+    ),
+    _m(Exit.BAD_CONFIG, "trainer", "bad configuration"),
+    _m("128+N", "`watch`", "stopped by signal N"),
 )

@@ -185,6 +185,14 @@ class Saveable(Protocol):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
+    def keep(self, name: str, obj: Stateful) -> None:
+        """Save ``obj`` under ``name`` too, from the next save and load on (a loader's position)."""
+        ...
+
+    def saves(self, obj: object) -> bool:
+        """Whether ``obj`` is saved already (a sampler the trainer keeps among its objects)."""
+        ...
+
 
 @dataclass(frozen=True)
 class CommitInfo:

@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.utils.data import DataLoader, Dataset
 
 from supervisor import store
 from supervisor.format.appender import LineAppender
@@ -59,13 +60,15 @@ from supervisor.format.hooks import When
 from supervisor.format.layout import FINAL, RunDir, parse_committed, step_dirname
 from supervisor.format.manifest import META_RECENT_LOSSES, CheckpointInfo, Manifest
 from supervisor.format.metrics import MetricsRecord
-from supervisor.ioerrors import backoff_s, retry_transient
+from supervisor.ioerrors import STORAGE_BACKOFF, retry_transient
 from supervisor.options import nested, option
 from supervisor.resumable import _agree, _launch_marks, _tiering
 from supervisor.resumable._checkpointer import Checkpointer, CommitInfo, Saveable, SaveOutcome, StorageGaveUp
 from supervisor.resumable._devices import DeviceError
-from supervisor.resumable._digest import params_digest
+from supervisor.resumable._digest import params_digest, tensors_digest
 from supervisor.resumable._hooks import BoundaryHook, boundary_hook, no_hook
+from supervisor.resumable._loader import Rank, ResumableLoader, SamplerPosition, build, prepare, saved_as
+from supervisor.resumable._loader_check import LoaderCheck
 from supervisor.resumable._optim_state import prime_for_load
 from supervisor.resumable._progress_io import ProgressFileSystem, kept_alive
 from supervisor.resumable._resume import (
@@ -260,6 +263,15 @@ class Objects(Stateful):
     def saving(self, rank: int, world_size: int) -> Stateful:
         return self
 
+    def keep(self, name: str, obj: Stateful) -> None:
+        """Save ``obj`` as ``name`` too (a loader's position)."""
+        if name in self.others or name in ("model", "optimizer", "step"):
+            raise ValueError(f"Resumable: '{name}' is saved already; give the loader another name=")
+        self.others[name] = obj
+
+    def saves(self, obj: object) -> bool:
+        return any(v is obj for v in self.others.values())
+
     def state_dict(self) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         return {
@@ -350,11 +362,47 @@ class LoadFailed(RuntimeError):
     of what was there before, and it may not be trained on or saved (``Resumable._load_failed``)."""
 
 
+class RankItems(Stateful):
+    """The trainer's items in the per-rank file once a loader keeps its position per rank (a
+    stream's, a ``StatefulDataLoader``'s): the user's ``rank_items`` and those positions."""
+
+    def __init__(self, own: Stateful | None):
+        self.own = own
+        self.loaders: dict[str, Stateful] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "own": self.own.state_dict() if self.own is not None else {},
+            "loaders": {k: v.state_dict() for k, v in self.loaders.items()},
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if self.own is not None:
+            self.own.load_state_dict(sd["own"])
+        for k, v in self.loaders.items():
+            v.load_state_dict(sd["loaders"][k])
+
+
 class Resumable:
     """The checkpoint lifecycle of one launch on this rank (every rank builds one, after
     ``init_process_group``): ``resume()``, then ``step_end()`` once per step, then ``finish()``.
     Between them: ``reduce()`` (a reduction that carries the step's control flags), ``beat()``
     and ``phase()`` (long stretches of the trainer's own), ``preemption_noticed``.
+
+    The data, before ``resume()`` (docs/adopting.md#data):
+
+    - ``loader(dataset, batch_size, *, shuffle=False, name="data", **dataloader_kwargs)``: a torch
+      DataLoader whose position is saved with every checkpoint and restored mid-epoch (map-style
+      and ``IterableDataset``), with a private seeded generator (``iter()`` draws nothing from the
+      global RNG), per-sample (map-style) or per-worker (stream) random streams a resume repeats,
+      and workers that leave SIGTERM, SIGINT and the notice to their rank. ``batch_size`` is per
+      rank; each ``iter()`` runs to the end of the epoch.
+    - ``prepare(loader, *, name="data")``: the same for a DataLoader you built (a torch sampler,
+      a ``ResumableBatchSampler``, an ``IterableDataset``, or torchdata's ``StatefulDataLoader``,
+      whose own ``state_dict`` is saved); use what it returns.
+
+    A DataLoader iterated without either, between ``resume()`` and the first ``step_end``, gets
+    one warning (rank 0) naming what a resume loses through it and this fix.
 
     Extension hooks, for a subclass (the reference trainer's ``Reference`` overrides all three):
 
@@ -418,6 +466,7 @@ class Resumable:
             },
             torch_version=torch.__version__,
         )
+        self._rank_items = RankItems(rank_items)  # the per-rank file's, once a loader keeps one there
         self._ckpt = Checkpointer(
             self._root,
             async_save=self._saves.async_save,
@@ -436,6 +485,9 @@ class Resumable:
         self._sanity: ResumeSanity | None = None  # rank 0, the first steps after a resume
         self._metrics_file: LineAppender | None = None
         self._at_boundary: BoundaryHook = no_hook  # until resume() knows the launch
+        self._loaders_closed = False  # resume() restored their positions
+        self._loaders: list[ResumableLoader] = []  # made by loader() and prepare()
+        self._loader_check = LoaderCheck(self._warn)
         self._last_save = time.monotonic()
         self._t_end = time.perf_counter()
         # The staging wait, before every optimizer step, so no caller can forget it.
@@ -484,6 +536,7 @@ class Resumable:
             self._metrics_file = LineAppender(RunDir.of(self._root).metrics, self._root)
         self._hb.beat(self.start, Phase.TRAIN, force=True)
         self._last_save, self._t_end = time.monotonic(), time.perf_counter()
+        self._open_loaders()
         return self.start
 
     def _choose(self) -> Choice:
@@ -505,6 +558,72 @@ class Resumable:
             why = "cannot resume" if choice.code in (RETRY_LATER, Exit.STORAGE) else "refused"
             self._stop(choice.code, Phase.STARTUP, f"{why}: {choice.error}")
         return choice
+
+    # ------------------------------------------------------------ data
+
+    def loader(
+        self,
+        dataset: Dataset[Any],
+        batch_size: int | None = 1,
+        *,
+        shuffle: bool = False,
+        name: str = "data",
+        **kwargs: Any,
+    ) -> ResumableLoader:
+        """A torch DataLoader over ``dataset`` whose position, random streams and workers survive
+        a preemption and a resume (``_loader.build``): ``batch_size`` per rank, ``shuffle`` a seeded
+        order per epoch, ``kwargs`` to the DataLoader (``num_workers``, ``collate_fn``,
+        ``pin_memory``...; not ``sampler``, ``batch_sampler`` or ``generator``: its own). Saved as
+        ``name`` with every checkpoint; call it before ``resume()``."""
+        made = build(dataset, batch_size, self._where(), shuffle=shuffle, **kwargs)
+        self._keep_loader(name, made)
+        self._track(made)
+        return made
+
+    def prepare(self, loader: DataLoader[Any], *, name: str = "data") -> DataLoader[Any]:
+        """The resumable equivalent of ``loader`` (``_loader.prepare``), saved as ``name`` with
+        every checkpoint (a ``ResumableBatchSampler`` already among the saved objects is not saved
+        twice); call it before ``resume()`` and iterate what it returns."""
+        made = prepare(loader, self._where())
+        position = made.position if isinstance(made, ResumableLoader) else None
+        if not (isinstance(position, SamplerPosition) and self.state.saves(position.sampler)):
+            self._keep_loader(name, saved_as(made))
+        if isinstance(made, ResumableLoader):
+            self._track(made)
+        return made
+
+    def _track(self, made: ResumableLoader) -> None:
+        """Its iteration waits for resume(), which restores its position (or has already)."""
+        made.resumed = self._loaders_closed
+        self._loaders.append(made)
+
+    def _warn(self, msg: str) -> None:
+        if self.rank == 0:
+            log.warning("%s", msg)
+
+    def _open_loaders(self) -> None:
+        """Their positions are restored: they may be iterated, and no new one may be made. Until
+        the first step_end, the loop makes its iterators: each DataLoader's is looked at."""
+        self._loaders_closed = True
+        for made in self._loaders:
+            made.resumed = True
+        self._loader_check.start()
+
+    def _where(self) -> Rank:
+        return Rank(self.rank, self.world_size, self.identity.seed or 0)
+
+    def _keep_loader(self, name: str, obj: Stateful) -> None:
+        if self._loaders_closed:
+            raise RuntimeError("Resumable: make loaders before resume(), which restores their position")
+        if not getattr(obj, "per_rank", False):
+            self.state.keep(name, obj)
+            return
+        if name in self._rank_items.loaders:
+            raise ValueError(
+                f"Resumable: a loader named '{name}' is saved already; give this one another name="
+            )
+        self._rank_items.loaders[name] = obj
+        self._ckpt.rank_extra = self._rank_items
 
     def _resumed(self, manifest: Manifest, config_changed: bool) -> None:
         """The losses reported before the checkpoint continue the window; rank 0 says where the
@@ -703,6 +822,7 @@ class Resumable:
         due (every N steps, or every T seconds by rank 0's clock). Returns whether the run is done."""
         self._refuse_if_failed()
         dt = float((metrics or {}).get("step_time", time.perf_counter() - self._t_end))
+        self._loader_check.stop()
         self.state.step = step
         self._metrics = {**dict(metrics or {}), "step_time": round(dt, 6)}
         loss = self._metrics.get("loss")
@@ -850,7 +970,7 @@ class Resumable:
         different across jobs, and not the global RNG, which belongs to the training loop."""
         while not (outcome := self._save_now()).committed:
             rng = random.Random(f"{self._hb.launch_id}:{outcome.failures}")
-            self._wait_beating(backoff_s(outcome.failures, rng), Phase.SAVE)
+            self._wait_beating(STORAGE_BACKOFF.wait_s(outcome.failures, rng), Phase.SAVE)
 
     def _wait_beating(self, seconds: float, phase: Phase) -> None:
         end = time.monotonic() + seconds
@@ -860,8 +980,17 @@ class Resumable:
 
     def final_fields(self) -> dict[str, Any]:
         """Entries a trainer adds to ``final.json`` (the reference trainer: its EMA's digest,
-        hashed with a ``digest_tracker``). Called on every rank: it may gather."""
-        return {}
+        hashed with a ``digest_tracker``). Called on every rank: it may gather. By default, each
+        module saved beside the model (an ``AveragedModel`` as ``"ema"``) as ``<name>_sha256``,
+        its whole ``state_dict`` hashed: the drill compares an ``ema_sha256`` with golden's too."""
+        others = getattr(self.state, "others", {})
+        return {
+            f"{k}_sha256": tensors_digest(
+                v.state_dict().items(), self.digest_tracker(v.state_dict().values())
+            )
+            for k, v in others.items()
+            if isinstance(v, torch.nn.Module)
+        }
 
     def digest_tracker(self, tensors: Iterable[torch.Tensor]) -> Progress:
         """Phase DIGEST's progress, in bytes of ``tensors`` hashed: a large model's digest is a

@@ -36,7 +36,7 @@ from supervisor.format.exitcodes import Exit
 from supervisor.format.heartbeat import ENV_LAUNCH_ID, HeartbeatWriter, Phase
 from supervisor.format.layout import step_dirname
 from supervisor.format.manifest import Manifest, ManifestError, ProgressFn, read_manifest
-from supervisor.ioerrors import Evidence, backoff_s, describe
+from supervisor.ioerrors import STORAGE_BACKOFF, Evidence, describe
 from supervisor.resumable import _agree, _tiering
 from supervisor.resumable._progress_io import PROGRESS_CHUNK
 from supervisor.resumable._tiering import RemoteOptions
@@ -290,7 +290,7 @@ class _Retry:
             )
             return
         self.attempt += 1
-        wait = min(backoff_s(self.attempt, self.rng), max(0.0, self.io_retry_s - elapsed))
+        wait = min(STORAGE_BACKOFF.wait_s(self.attempt, self.rng), max(0.0, self.io_retry_s - elapsed))
         log.warning(
             "resume: rank %d: %s, not proof of corruption; retrying the choice in %.1fs (%.0fs of %.0fs)",
             v.rank,

@@ -45,31 +45,57 @@ def epoch_permutation(num_samples: int, seed: int, epoch: int) -> list[int]:
 
 
 class ResumableBatchSampler(Sampler[list[SampleKey]]):
-    """Yields this rank's share of each global batch, forever, from the position at ``iter``.
+    """Yields this rank's share of each global batch from the position at ``iter``: forever
+    (``endless``, the default), or to the end of the position's epoch (``Resumable.loader``'s,
+    so a loop over epochs sees each one end; ``len`` is the batches of one epoch).
 
-    The DataLoader runs ahead of training (prefetch), so the consumed position is advanced by the
-    trainer (``advance``) once a batch has been used, not by iteration.
+    The DataLoader runs ahead of training (prefetch), so the consumed position is advanced once a
+    batch has been used, not by iteration: by ``Resumable.loader``/``prepare``'s loader as it
+    hands each batch over, or by the trainer (``advance``) around a plain DataLoader.
+    ``shuffle=False`` takes the samples in order every epoch.
     """
 
-    def __init__(self, num_samples: int, global_batch: int, rank: int, world_size: int, seed: int):
+    def __init__(
+        self,
+        num_samples: int,
+        global_batch: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        *,
+        shuffle: bool = True,
+        endless: bool = True,
+    ):
         if global_batch % world_size:
             raise ValueError(f"global batch {global_batch} does not split over {world_size} ranks")
         if num_samples < global_batch:
             raise ValueError(f"{num_samples} samples cannot fill one global batch of {global_batch}")
         self.num_samples, self.global_batch = num_samples, global_batch
         self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.shuffle, self.endless = shuffle, endless
         self.per_rank = global_batch // world_size
         self.batches_per_epoch = num_samples // global_batch
         self.epoch, self.batch = 0, 0
 
+    def __len__(self) -> int:
+        return self.batches_per_epoch
+
+    def order(self, epoch: int) -> list[int]:
+        """The samples of ``epoch`` in the order the global batches take them."""
+        if not self.shuffle:
+            return list(range(self.num_samples))
+        return epoch_permutation(self.num_samples, self.seed, epoch)
+
     def __iter__(self) -> Iterator[list[SampleKey]]:
         epoch, batch = self.epoch, self.batch
         while True:
-            perm = epoch_permutation(self.num_samples, self.seed, epoch)
+            perm = self.order(epoch)
             while batch < self.batches_per_epoch:
                 lo = batch * self.global_batch + self.rank * self.per_rank
                 yield [SampleKey(epoch, batch, s) for s in perm[lo : lo + self.per_rank]]
                 batch += 1
+            if not self.endless:
+                return
             epoch, batch = epoch + 1, 0
 
     def advance(self) -> None:

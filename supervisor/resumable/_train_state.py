@@ -37,6 +37,7 @@ from supervisor.resumable._devices import cuda_rng_record, cuda_rng_to_restore, 
 from supervisor.resumable._progress_io import naming
 from supervisor.resumable._resume import split_by_size
 from supervisor.resumable._sampler import ResumableBatchSampler, mix_seed
+from supervisor.resumable._workers import seed_all
 
 SHARED_ITEMS = ("optimizer", "scheduler", "sampler", "ema")
 RANK_ITEMS = ("python_rng", "numpy_rng", "torch_rng")
@@ -71,6 +72,7 @@ class TrainState(Stateful):
         self.ablate = ablate
         self.replicated = replicated
         self.ema: Stateful | None = None  # the parameters' moving average, where the trainer keeps one
+        self.data: dict[str, Stateful] = {}  # loaders' positions (Resumable.loader/prepare), by name
         self.names = CanonicalNames(model)  # wrapped before it got here: its names stay
 
     def saving(self, rank: int, world_size: int) -> Stateful:
@@ -82,6 +84,16 @@ class TrainState(Stateful):
         if not self.replicated or world_size == 1:
             return self
         return _Share(self, rank, world_size)
+
+    def keep(self, name: str, obj: Stateful) -> None:
+        if name in self.data:
+            raise ValueError(
+                f"Resumable: a loader named '{name}' is saved already; give this one another name="
+            )
+        self.data[name] = obj
+
+    def saves(self, obj: object) -> bool:
+        return obj is self.sampler or any(v is obj for v in self.data.values())
 
     def state_dict(self) -> dict[str, Any]:
         with self.names.kept():
@@ -97,6 +109,7 @@ class TrainState(Stateful):
             "sampler": self.sampler.state_dict(),
             "step": self.step,
             "ema": self.ema.state_dict() if self.ema else None,
+            "data": {k: v.state_dict() for k, v in self.data.items()} or None,
         }
         return {k: v for k, v in sd.items() if v is not None and _item_of(k) not in self.ablate}
 
@@ -116,6 +129,8 @@ class TrainState(Stateful):
             self.sampler.load_state_dict(sd["sampler"])
         if self.ema and "ema" in sd:
             self.ema.load_state_dict(sd["ema"])
+        for k, v in self.data.items():
+            v.load_state_dict(sd["data"][k])
         self.step = int(sd["step"])
 
 
@@ -256,7 +271,4 @@ class RankState:
 def seed_rank_rng(seed: int, rank: int, step: int) -> None:
     """Derive every RNG of one rank from (seed, rank, step): a fresh run (step 0), or a resume on
     a new world size where the saved per-rank streams do not map onto the new ranks."""
-    s = mix_seed(seed, rank, step)
-    random.seed(s)
-    np.random.seed(s % 2**32)
-    torch.manual_seed(s)
+    seed_all(mix_seed(seed, rank, step))

@@ -30,8 +30,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt
 
+from supervisor.backoff import Backoff
 from supervisor.format.atomic import atomic_write_json
 from supervisor.format.capped import RECORD_MAX, read_capped
 from supervisor.format.eventnames import EventName
@@ -301,7 +302,7 @@ class Uploader:
         p = self.policy
         return Retrying(
             stop=stop_after_attempt(p.attempts),
-            wait=wait_exponential(multiplier=p.backoff_initial_s, max=p.backoff_max_s),
+            wait=lambda rs: Backoff(p.backoff_initial_s, p.backoff_max_s).wait_s(rs.attempt_number),
             retry=retry_if_exception_type((RemoteUnavailable, LocalUnreadable)),
             sleep=self._sleep,
             before_sleep=self._attempt_failed,

@@ -4,8 +4,8 @@ When one rank hangs, the others soon wait for it in a collective and every heart
 the same step, so silence cannot name the culprit. Where each rank waits can:
 
 - a rank *stopped* by a signal (state T) is the culprit (the others wait for it);
-- a rank whose main thread's innermost Python frame is inside ``torch.distributed`` is *waiting*
-  for its peers in a collective;
+- a rank whose main thread's innermost Python frame is inside ``torch.distributed`` (or autograd's
+  backward, where DDP's gradient all-reduce waits) is *waiting* for its peers in a collective;
 - a rank whose main thread is anywhere else (a read that never returns, a loop, a lock) is the
   culprit, when some rank waits in a collective or it is the only one there;
 - a rank that wrote no dump cannot be placed (in uninterruptible sleep, D, not even faulthandler's
@@ -24,6 +24,9 @@ from enum import Enum
 from typing import Any
 
 COLLECTIVE_PATH = "torch/distributed/"
+# DDP all-reduces gradients from autograd hooks in C++: a rank waiting for its peers' gradients
+# shows only the backward pass's entry into the engine as its innermost Python frame.
+BACKWARD = ("torch/autograd/", "_engine_run_backward")
 INNERMOST = 3  # frames of a culprit's stack named in the hang event; the full dump is in stack_dump
 
 _HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+.*\(most recent call first\):|^Stack \(most")
@@ -87,8 +90,12 @@ def _started_in_module(outermost: Frame) -> bool:
 
 
 def in_collective(frames: Sequence[Frame]) -> bool:
-    """The innermost Python frame is torch.distributed's: the rank waits for its peers."""
-    return bool(frames) and COLLECTIVE_PATH in frames[0].file.replace("\\", "/")
+    """The innermost Python frame is torch.distributed's, or autograd's backward (where DDP's
+    gradient all-reduce waits): the rank waits for its peers."""
+    if not frames:
+        return False
+    path = frames[0].file.replace("\\", "/")
+    return COLLECTIVE_PATH in path or (BACKWARD[0] in path and frames[0].func == BACKWARD[1])
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +42,19 @@ def become_subreaper() -> bool:
         "prctl", [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
     )
     return prctl is not None and prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def _ignoring(signals: tuple[int, ...]) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that ignores ``signals`` in the child (SIG_IGN survives exec); it sets
+    nothing but signal dispositions, so it is safe between fork and exec."""
+    if not signals:
+        return None
+
+    def ignore() -> None:
+        for s in signals:
+            signal.signal(s, signal.SIG_IGN)
+
+    return ignore
 
 
 def read_proc(pid: int) -> ProcInfo | None:
@@ -126,7 +139,12 @@ class Child:
         reap_timeout_s: float,
         abandoned: set[tuple[int, int]] | None = None,
         own_subtree: bool = False,
+        ignored: Iterable[int] = (),
     ) -> None:
+        """``ignored``: signals the command starts with ignored, and keeps across exec: the
+        preemption notice, which SLURM (``--signal`` without ``B:``) sends every process of the
+        job, torchrun's agent among them; it has no handler and would die of SIGUSR1 while its
+        ranks went on unsupervised. A rank installs its own handler (``install_signals``)."""
         self.reap_timeout_s = reap_timeout_s
         self.abandoned = set() if abandoned is None else abandoned
         self.unreaped: list[str] = []  # what kill() had to leave behind in this launch, described
@@ -134,7 +152,9 @@ class Child:
         # the running launch is every descendant but the trees rooted at ``excluded`` (a standby's).
         self.own_subtree = own_subtree
         self.excluded: set[int] = set()
-        self.popen = subprocess.Popen(argv, env=dict(env), start_new_session=True)
+        self.popen = subprocess.Popen(
+            argv, env=dict(env), start_new_session=True, preexec_fn=_ignoring(tuple(ignored))
+        )
         self.pid = self.popen.pid
         self.started = time.time()
         self.started_mono = time.monotonic()

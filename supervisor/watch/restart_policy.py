@@ -11,6 +11,7 @@ import signal
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from supervisor import backoff
 from supervisor.format.exitcodes import NON_RETRYABLE, Exit
 from supervisor.format.launches import FAILURES, LaunchRecord, Outcome
 from supervisor.options import nested, option
@@ -99,6 +100,9 @@ class Backoff:
         "up to this many random seconds added to each wait", DEFAULT_BACKOFF_JITTER_S, flag="--backoff-jitter"
     )
 
+    def schedule(self) -> backoff.Backoff:
+        return backoff.Backoff(self.initial_s, self.max_s, jitter_s=self.jitter_s)
+
 
 @dataclass(frozen=True)
 class RestartPolicy:
@@ -124,16 +128,8 @@ class Decision:
 
 def backoff_s(failures_in_a_row: int, b: Backoff) -> float:
     """Wait before relaunching after the n-th failure in a row without progress: none after the
-    first (a lone crash costs no time), then exponential with jitter via tenacity."""
-    if failures_in_a_row <= 1:
-        return 0.0
-    import tenacity  # here, not at the top: only a second failure in a row needs it
-
-    wait = tenacity.wait_exponential_jitter(initial=b.initial_s, max=b.max_s, jitter=b.jitter_s)
-    # a bare call state (no Retrying behind it): the wait strategy reads only attempt_number
-    state = tenacity.RetryCallState(retry_object=None, fn=None, args=(), kwargs={})  # type: ignore[arg-type]
-    state.attempt_number = failures_in_a_row - 1
-    return float(wait(state))
+    first (a lone crash costs no time), then exponential with up to ``jitter_s`` added."""
+    return b.schedule().wait_s(failures_in_a_row - 1)
 
 
 def failures_in_a_row(history: Sequence[LaunchRecord]) -> int:

@@ -1,0 +1,33 @@
+"""The docs' generated tables match the declarations they come from (supervisor/format/doctables.py):
+edit the declaration, run ``python -m supervisor.format.doctables``, commit both."""
+
+from __future__ import annotations
+
+import pytest
+
+from supervisor.format import doctables
+from supervisor.format.exitcodes import MEANINGS, Exit
+
+
+@pytest.mark.parametrize("name", doctables.FILES)
+def test_committed_docs_hold_the_tables_their_declarations_render(name: str) -> None:
+    text = (doctables.REPO / name).read_text()
+    assert "<!-- generated:" in text
+    assert doctables.rewrite(text) == text, f"{name} is stale: run python -m supervisor.format.doctables"
+
+
+def test_every_exit_code_has_a_meaning_and_the_table_says_each() -> None:
+    described = {m.code for m in MEANINGS}
+    assert {str(int(code)) for code in Exit} <= described
+    table = doctables.exit_codes()
+    assert all(f"| {m.code} | {m.who} |" in table for m in MEANINGS)
+
+
+def test_a_stale_block_is_rewritten_and_an_unknown_one_named() -> None:
+    stale = "x\n<!-- generated: exit-codes -->\nold\n<!-- end generated: exit-codes -->\ny\n"
+    assert (
+        doctables.rewrite(stale)
+        == f"x\n<!-- generated: exit-codes -->\n{doctables.exit_codes()}\n<!-- end generated: exit-codes -->\ny\n"
+    )
+    with pytest.raises(KeyError, match="nope"):
+        doctables.rewrite("<!-- generated: nope -->\n<!-- end generated: nope -->")

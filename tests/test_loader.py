@@ -1,0 +1,223 @@
+"""The data path (supervisor/resumable/_loader.py, _workers.py, _loader_check.py) in this process:
+a loader stopped after any batch and rebuilt from its state goes on with exactly the batches of an
+uninterrupted one (map-style and streams, 0/1/2 workers, random augmentation in the workers), never
+draws from the global RNG, and its workers outlive a SIGTERM or notice that their rank did not send.
+The ranks end to end: tests/test_preempt_all.py and the examples' drills."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import subprocess
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, get_worker_info
+from waiting import EVENT_TIMEOUT_S, wait_for
+
+from supervisor.resumable._loader import Rank, ResumableLoader, build, prepare
+from supervisor.resumable._loader_check import LoaderCheck, problems
+from supervisor.resumable._sampler import ResumableBatchSampler
+from supervisor.resumable._workers import WorkerInit
+
+WHERE = Rank(rank=0, world_size=1, seed=3)
+
+
+class Augmented(Dataset[torch.Tensor]):
+    """Each read draws from all three global RNGs, as augmentations do."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor(
+            [i, int(torch.randint(0, 10**6, ())), random.randrange(10**6), np.random.randint(10**6)]
+        )
+
+
+class Shards(IterableDataset[torch.Tensor]):
+    """Worker w of n reads items w, w+n, ...: worker 0 reads more (its share ends later)."""
+
+    def __iter__(self) -> Any:
+        info = get_worker_info()
+        w, n = (info.id, info.num_workers) if info else (0, 1)
+        for i in range(w, 37 + 8 * (w == 0), n):
+            yield torch.tensor([w, i, int(torch.randint(0, 10**6, ())), random.randrange(10**6)])
+
+
+def _opened(loader: ResumableLoader) -> ResumableLoader:
+    loader.resumed = True  # what Resumable.resume() does once it restored the position
+    return loader
+
+
+def _two_epochs(ds: Dataset[Any], workers: int, cut: int) -> list[torch.Tensor]:
+    """Two epochs' batches, the loader rebuilt from its state after ``cut`` batches."""
+    first = _opened(build(ds, 4, WHERE, shuffle=True, num_workers=workers))
+    it = iter(first)
+    got = [next(it) for _ in range(cut)]
+    state = first.state_dict()
+    del it
+    again = _opened(build(ds, 4, WHERE, shuffle=True, num_workers=workers))
+    again.load_state_dict(state)
+    for _ in range(2):
+        got += list(again)
+    return got
+
+
+@pytest.mark.parametrize("workers", [0, 1, 2])
+@pytest.mark.parametrize("ds", [Augmented(), Shards()], ids=["map-style", "stream"])
+def test_a_loader_rebuilt_from_its_state_goes_on_with_the_same_batches(
+    ds: Dataset[Any], workers: int
+) -> None:
+    want = _two_epochs(ds, workers, 0)
+    epoch = len(want) // 2
+    for cut in (1, 3, epoch - 3, epoch - 1, epoch):  # the stream's workers run dry at its end
+        torch.manual_seed(0)
+        before = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
+        got = _two_epochs(ds, workers, cut)
+        assert [t.tolist() for t in got[: len(want)]] == [t.tolist() for t in want], f"cut after {cut}"
+        after = torch.get_rng_state(), random.getstate(), np.random.get_state()[1]
+        assert torch.equal(before[0], after[0]) and before[1] == after[1] and (before[2] == after[2]).all(), (
+            "iterating moved the training process's own random streams"
+        )
+
+
+def test_a_map_style_sample_is_the_same_with_any_number_of_workers() -> None:
+    runs = [
+        [t.tolist() for t in _opened(build(Augmented(), 4, WHERE, shuffle=True, num_workers=w))]
+        for w in (0, 2)
+    ]
+    assert runs[0] == runs[1]
+
+
+def test_a_loader_is_not_iterated_before_resume() -> None:
+    with pytest.raises(RuntimeError, match=r"before r\.resume"):
+        iter(build(Augmented(), 4, WHERE))
+
+
+def _kill_from_elsewhere(pid: int, sig: signal.Signals) -> None:
+    """``sig`` sent by a process that is not the worker's parent, as SLURM or torchrun send it."""
+    subprocess.run(["kill", f"-{sig.name.removeprefix('SIG')}", str(pid)], check=True)
+
+
+def test_workers_outlive_sigterm_and_the_notice_from_others_and_exit_on_their_parents() -> None:
+    loader = _opened(build(Augmented(), 4, WHERE, num_workers=2))
+    it = iter(loader)
+    first = next(it)
+    workers = [w.pid for w in it.inner._workers]  # type: ignore[attr-defined]
+    for pid in workers:
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+            _kill_from_elsewhere(pid, sig)
+    rest = list(it)  # a dead worker would raise "DataLoader worker ... is killed by signal"
+    assert len(rest) == len(loader) - 1 and first is not None
+    it = iter(loader)  # the next epoch's workers
+    next(it)
+    pid = it.inner._workers[0].pid  # type: ignore[attr-defined]
+    os.kill(pid, signal.SIGTERM)  # from its parent, as multiprocessing's exit and torch's shutdown send it
+    it.inner._workers[0].join(EVENT_TIMEOUT_S)  # type: ignore[attr-defined]
+    assert it.inner._workers[0].exitcode == 0  # type: ignore[attr-defined]
+
+
+def _stateful_dataloader() -> Any:
+    return pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
+
+
+def test_prepare_gives_each_kind_of_loader_a_position_and_calm_workers() -> None:
+    data = Augmented()
+    made = prepare(DataLoader(data, batch_size=4, sampler=RandomSampler(data), num_workers=2), WHERE)
+    assert (
+        isinstance(made, ResumableLoader)
+        and made.num_workers == 2
+        and isinstance(made.worker_init_fn, WorkerInit)
+    )
+    assert isinstance(made.batch_sampler, ResumableBatchSampler) and made.batch_sampler.shuffle
+    stream = prepare(DataLoader(Shards(), batch_size=4), WHERE)
+    assert isinstance(stream, ResumableLoader) and stream.per_rank
+    with pytest.raises(TypeError, match="position cannot be saved"):
+        prepare(DataLoader(data, batch_sampler=[[0, 1], [2, 3]]), WHERE)
+    sdl = _stateful_dataloader()
+    theirs = sdl(data, batch_size=4, shuffle=True, num_workers=1)
+    assert prepare(theirs, WHERE) is theirs and theirs.generator is not None
+    assert isinstance(theirs.worker_init_fn, WorkerInit) and not problems(theirs)
+
+
+def test_a_stateful_dataloader_prepared_resumes_without_a_global_draw() -> None:
+    sdl = _stateful_dataloader()
+    data = Augmented()
+
+    def loader() -> Any:
+        torch.manual_seed(0)  # a script's start: torchdata's sampler seeds itself from the global RNG
+        return prepare(sdl(data, batch_size=4, shuffle=True, num_workers=2), WHERE)
+
+    want = [t.tolist() for t in loader()]
+    first = loader()
+    it = iter(first)
+    got = [next(it).tolist() for _ in range(3)]
+    state = first.state_dict()
+    del it
+    again = loader()
+    again.load_state_dict(state)
+    before = torch.get_rng_state()
+    got += [t.tolist() for t in again]
+    assert torch.equal(before, torch.get_rng_state())
+    assert [b[:, 0].tolist() for b in map(torch.tensor, got)] == [
+        b[:, 0].tolist() for b in map(torch.tensor, want)
+    ]
+
+
+def test_one_warning_names_what_an_unprepared_loader_loses_and_the_fix(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    said: list[str] = []
+    check = LoaderCheck(said.append)
+    check.start()
+    try:
+        iter(_opened(build(Augmented(), 4, WHERE)))
+        assert not said
+        data = Augmented()
+        plain = DataLoader(data, batch_size=4, shuffle=True, num_workers=1)
+        next(iter(plain))
+        next(iter(plain))
+    finally:
+        check.stop()
+    next(iter(DataLoader(data, batch_size=4)))  # after the first step_end: not looked at
+    assert len(said) == 1, said
+    line = said[0]
+    assert (
+        "global torch RNG" in line
+        and "1 workers die of the SIGTERM" in line
+        and "position is not saved" in line
+    )
+    assert "r.prepare(loader)" in line and "docs/adopting.md#data" in line
+    assert not caplog.records or all(r.levelno < logging.WARNING for r in caplog.records)
+
+
+def test_workers_of_a_prepared_loader_block_sigterm_in_every_thread() -> None:
+    """The worker's threads (its queue's feeder among them) inherit the blocked SIGTERM, so none
+    runs torch's re-raising handler; one thread waits for it (sigwaitinfo unblocks what it waits
+    for while it sleeps)."""
+    loader = _opened(build(Augmented(), 4, WHERE, num_workers=1))
+    it = iter(loader)
+    next(it)
+    pid = it.inner._workers[0].pid  # type: ignore[attr-defined]
+    bit = 1 << (signal.SIGTERM - 1)
+
+    def threads() -> dict[str, tuple[int, str]]:
+        out = {}
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigBlk:"))
+            with open(f"/proc/{pid}/task/{tid}/wchan") as f:
+                out[tid] = (mask, f.read())
+        return out
+
+    got = wait_for(
+        lambda: (t := threads()) and len(t) >= 3 and t, "the worker's threads", timeout=EVENT_TIMEOUT_S
+    )
+    waiting = [tid for tid, (_, wchan) in got.items() if "sigtimedwait" in wchan]
+    assert len(waiting) == 1, got
+    assert all(mask & bit for tid, (mask, _) in got.items() if tid not in waiting), got
