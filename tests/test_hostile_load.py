@@ -147,7 +147,7 @@ CASES: dict[str, tuple[Callable[[Path], None], str]] = {
         "not a file of this checkpoint",
     ),
     # 3: a length read off the index, allocated before any check (+2 GB RSS a rank)
-    "a record of 2 GiB": (lambda c: _set_record(c, WEIGHT, length=2**31), "ends at byte"),
+    "a record of 2 GiB": (lambda c: _set_record(c, WEIGHT, length=2**31), "bytes into the record"),
     # 6: what crashed the load with EINVAL, ValueError, AttributeError, IndexError
     "a negative offset": (lambda c: _set_record(c, WEIGHT, offset=-1), "not a place in a file"),
     "a negative length": (lambda c: _set_record(c, WEIGHT, length=-5), "not a place in a file"),
