@@ -29,6 +29,9 @@ class RunStatus(str, Enum):
     STOPPED = "stopped"
     FAILED = "failed"
 
+    def __str__(self) -> str:  # "running" in a message, as the value it replaced
+        return self.value
+
     @property
     def ended(self) -> bool:
         return not MOVES[self]
