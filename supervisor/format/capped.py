@@ -101,23 +101,31 @@ def regular_only(path: str, flags: int) -> int:
 
 def read_capped(path: str | os.PathLike[str], cap: int, *, follow: bool = True) -> bytes:
     """The whole regular file at ``path``, at most ``cap`` bytes: TooLarge when it is larger
-    (by its size, before anything is read; or by what a read found, when it grew), NotRegular
-    for anything but a regular file; any other OSError as raised. One ``os.read`` for a file
-    of less than 64 KiB (a short read past its size is its end): `status` reads thousands."""
-    fd, size = open_regular(path, follow=follow)
+    (by its size, before more than 64 KiB of it is read; or by what a read found, when it grew),
+    NotRegular for anything but a regular file; any other OSError as raised. A file of less than
+    64 KiB is one ``os.read`` (a short read of a regular file is its end) and nothing more:
+    `status` reads thousands. Only a read that fills 64 KiB, or finds nothing, asks what the file
+    is (``fstat``): a FIFO opens without blocking and reads as nothing, ``/dev/zero`` fills it."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    fd = os.open(path, flags)
     try:
-        if size > cap:
+        first = os.read(fd, min(_CHUNK, cap + 1))
+        if 0 < len(first) < _CHUNK and len(first) <= cap:
+            return first
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegular(path, st.st_mode)
+        if st.st_size > cap:
             raise TooLarge(path, f"larger than {cap} bytes")
-        chunks: list[bytes] = []
-        got = 0
-        while got <= cap:
-            want = min(max(size - got, _CHUNK), cap + 1 - got)
+        chunks, got = [first], len(first)
+        while first and got <= cap:
+            want = min(max(st.st_size - got, _CHUNK), cap + 1 - got)
             part = os.read(fd, want)
             if not part:
                 break
             chunks.append(part)
             got += len(part)
-            if got >= size and len(part) < want:  # all its size said, and a short read: the end
+            if got >= st.st_size and len(part) < want:  # all its size said, and a short read: the end
                 break
         if got > cap:
             raise TooLarge(path, f"grew past {cap} bytes while it was read")
