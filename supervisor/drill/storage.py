@@ -331,7 +331,7 @@ def _command(scene: Scene, argv: tuple[str, ...]) -> str:
         text = err.read().decode(errors="replace")
     name, rss = " ".join(argv), usage.ru_maxrss << 10
     if (
-        p.returncode in (0, 1)
+        p.returncode in (0, 1, 2)
         and "Traceback" not in text
         and len(text.splitlines()) <= 1
         and rss < HOSTILE_RSS_MAX

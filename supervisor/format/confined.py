@@ -107,9 +107,13 @@ def directory(
 ) -> Iterator[int]:
     """A descriptor of the directory ``path`` under ``root``, reached from ``root`` without following
     any link (made on the way when ``create``, the root too: it is the user's); closed on exit."""
-    if create:
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        if not create:
+            raise
         os.makedirs(root, exist_ok=True)
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         shown = Path(root)
         for name in parts_under(root, path):
