@@ -630,3 +630,34 @@ def test_fuzz_commands_on_hostile_run_dirs_stay_inside_bounded_and_calm(
         assert_calm(r, f"{' '.join(argv)} after {[(t, s) for t, s, _ in plants]}", worker)
         assert len(r.err.strip().splitlines()) <= 3, r.err  # a line or so, not a report of its own
         assert out.changes() == [], f"{' '.join(argv)} changed what is outside: {out.changes()}"
+
+
+# ---------------------------------------------------------------- the drill's hostile scenario
+
+
+def test_the_drills_hostile_plants_come_and_go_and_its_checks_judge_them(
+    tmp_path: Path, worker: Worker
+) -> None:
+    """What the drill plants (supervisor/drill/storage.py) is removed again, leaving the run dir as it
+    was; a command that is not calm, or a change outside, fails the scenario's checks."""
+    from supervisor.drill.judge import StorageFacts, _hostile_checks
+    from supervisor.drill.storage import plant_hostile, unplant_hostile
+
+    root = make_run(tmp_path / "run")
+    out = outside_of(root)
+    before = sorted(p.name for p in root.iterdir())
+    planted = plant_hostile(root, out)
+    assert {"quarantine", "step_99999990", "step_99999980.tmp.1.elsewhere"} <= set(planted)
+    for argv in (["status"], ["ckpt", "list"], ["ckpt", "verify", "--deep"]):
+        assert_calm(worker.run(argv=[*argv, "--ckpt-root", str(root)]), " ".join(argv), worker)
+    unplant_hostile(root, planted)
+    assert sorted(p.name for p in root.iterdir()) == before and out.changes() == []
+    calm = StorageFacts(planted=tuple(planted), commands=("status: calm",))
+    assert all(c.ok for c in _hostile_checks(calm, [], [], None))
+    for bad in (
+        StorageFacts(planted=tuple(planted), commands=("status: exit 99, Traceback",)),
+        StorageFacts(
+            planted=tuple(planted), commands=("status: calm",), outside_changed=(".bashrc: changed",)
+        ),
+    ):
+        assert not all(c.ok for c in _hostile_checks(bad, [], [], None))
