@@ -124,7 +124,7 @@ def main() -> int:
         # copy pays.
         subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "supervisor")], check=True)
         # The first call quick-checks every checkpoint and remembers those that pass
-        # (supervisor/quickcache.py); the timed ones find them unchanged. It also warms the page cache.
+        # (supervisor/store/quickcache.py); the timed ones find them unchanged. It also warms the page cache.
         first_wall, first_cpu = timed(status_cmd)
         runs: dict[str, list[tuple[float, float]]] = {"floor": [], "status": []}
         for _ in range(a.repeat):

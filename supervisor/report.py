@@ -2,7 +2,7 @@
 
 Only reads (no lock, no torch): the watchdogs' state files, heartbeats, checkpoints (quick check:
 manifest and file sizes), quarantine, disk use. Its one write: the quick checks that passed, to
-list an unchanged checkpoint next time without checking it again (supervisor/quickcache.py). A garbage file never stops it; it shows as unknown
+list an unchanged checkpoint next time without checking it again (supervisor/store/quickcache.py). A garbage file never stops it; it shows as unknown
 with the reason. So does storage that does not answer: a checkpoint that cannot be read is
 "unknown" (not invalid), a directory that cannot be listed is named in ``storage_problem``.
 """
@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING, Any
 from supervisor import store
 from supervisor.format import events
 from supervisor.format.atomic import hostname, pid_alive
-from supervisor.format.heartbeat import HeartbeatSnapshot, Phase, boot_id, read_heartbeats
-from supervisor.format.layout import RunDir, parse_state_filename, per_node_files
+from supervisor.format.heartbeat import Heartbeat, HeartbeatSnapshot, Phase, boot_id, read_heartbeats
+from supervisor.format.layout import RunDir, parse_state_filename, per_node_files, safe_host
 from supervisor.format.nodesummary import NodeSummary, newest_per_rank, read_summary, summary_paths
 from supervisor.format.runstatus import RunStatus
-from supervisor.ioerrors import Evidence, describe
-from supervisor.quickcache import QuickChecks
+from supervisor.store.ioerrors import Evidence, describe
+from supervisor.store.quickcache import QuickChecks
+from supervisor.watch import oom, rootcause
 from supervisor.watch.liveness import Clock, PhaseTimeouts, describe_progress, rank_stale
 
 if TYPE_CHECKING:
@@ -123,6 +124,8 @@ class RankRow:
     save_failures: int = 0  # failed saves in a row the rank reports
     last_error: str = ""
     exit_code: int | None = None  # set when the rank exited deliberately (its last heartbeat)
+    died_of: str = ""  # the exception that ended it (its last heartbeat)
+    gone: bool = False  # on this host, its process is gone without an exit code and not done
 
 
 @dataclass  # not frozen: see NodeRow
@@ -161,7 +164,7 @@ class StatusReport:
     current_step: int | None
     steps_per_s: float | None
     checkpoints: tuple[CheckpointRow, ...]
-    in_progress: tuple[str, ...]
+    in_progress: tuple[str, ...]  # checkpoints being written (tmp dirs of live writers)
     quarantined: tuple[QuarantineRow, ...]
     disk_bytes: int
     remote: RemoteStatus | None = None  # the uploader's last word (remote.json); no network call
@@ -169,6 +172,8 @@ class StatusReport:
     slurm: str = ""  # sbatch/job.sh's requeue budgets (supervisor/slurm.json), one line; "" if none
     retention: str = ""  # the trainer's retention policy (supervisor/retention.json), one line; "" if none
     rank_counts: RankCounts = RankCounts()
+    # tmp dirs nobody writes any more, each with why: "step_..tmp.12.vm (writer pid 12 gone)"
+    abandoned: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """Shallow per row: ``dataclasses.asdict`` deep-copies and costs 10x on 4096 ranks."""
@@ -177,6 +182,7 @@ class StatusReport:
         for key in ("nodes", "launches", "ranks", "checkpoints", "quarantined"):
             d[key] = [row.__dict__ for row in d[key]]
         d["in_progress"] = list(self.in_progress)
+        d["abandoned"] = list(self.abandoned)
         d["remote"] = dict(self.remote.__dict__, skipped=list(self.remote.skipped)) if self.remote else None
         return d
 
@@ -281,9 +287,10 @@ def _nodes(
 
 
 def _row(
-    snap: HeartbeatSnapshot, clock: Clock, timeouts: PhaseTimeouts, current: set[str], lost: str
+    snap: HeartbeatSnapshot, clock: Clock, timeouts: PhaseTimeouts, current: set[str], lost: str, me: str
 ) -> RankRow:
-    """One rank's row; ``lost`` says its node's summary is stale (its news may be old)."""
+    """One rank's row; ``lost`` says its node's summary is stale (its news may be old); a rank
+    of this host (``me``) whose process is gone without an exit code is ``gone``."""
     hb = snap.heartbeat
     if hb is None:
         return RankRow(snap.rank, "", None, None, UNKNOWN, None, None, True, snap.problem)
@@ -291,6 +298,11 @@ def _row(
     stale, note = rank_stale(hb, age, timeouts.for_beat(hb), current)
     if lost and hb.phase != Phase.DONE:
         stale, note = True, lost
+    gone = hb.host == me and hb.phase != Phase.DONE and hb.exit_code is None and not pid_alive(hb.pid)
+    if hb.died_of:
+        note = (note + "; " if note else "") + f"died of {hb.died_of}"
+    elif gone:
+        note = (note + "; " if note else "") + f"pid {hb.pid} gone without an exit code"
     if hb.exit_code is not None:
         note = (note + "; " if note else "") + f"exit code {hb.exit_code}"
     if hb.save_failures:
@@ -314,12 +326,15 @@ def _row(
         hb.save_failures,
         hb.last_error,
         hb.exit_code,
+        hb.died_of,
+        gone,
     )
 
 
 @dataclass
 class _RankView:
-    """What the heartbeats say: rows, counts, and the live steps and step times of the ranks."""
+    """What the heartbeats say: rows, counts, and the live steps and step times of the ranks;
+    ``failed``: the last beats of the ranks that failed (died of an exception, or gone)."""
 
     rows: list[RankRow]
     counts: RankCounts
@@ -327,6 +342,7 @@ class _RankView:
     step_times: list[float]
     summaries: dict[int, NodeSummary]
     summary_problems: dict[int, str]
+    failed: list[Heartbeat] = field(default_factory=list)
 
 
 def _summaries(root: Path) -> tuple[dict[int, NodeSummary], dict[int, str]]:
@@ -387,8 +403,11 @@ def _ranks(
             bad[node] = f"{s.path}: {e}"
             continue
         snaps += [x for x in node_snaps if keep is None or x.rank in keep]
-    rows = [_row(x, clock, timeouts, current, lost.get(x.path, "")) for x in newest_per_rank(snaps)]
-    return _RankView(rows, *_tally(rows, counted, complete), summaries, bad)
+    me = hostname()
+    newest = newest_per_rank(snaps)
+    rows = [_row(x, clock, timeouts, current, lost.get(x.path, ""), me) for x in newest]
+    failed = [x.heartbeat for x, r in zip(newest, rows, strict=True) if x.heartbeat and (r.died_of or r.gone)]
+    return _RankView(rows, *_tally(rows, counted, complete), summaries, bad, failed)
 
 
 def _tally(
@@ -453,7 +472,7 @@ def _with_summaries(nodes: list[NodeRow], view: _RankView, clock: Clock) -> list
 
 def _checkpoints(root: Path, now: float, disk: dict[str, int]) -> list[CheckpointRow]:
     """Raises OSError when the root cannot be listed. Quick checks that passed before on the same
-    files are remembered (supervisor/quickcache.py); ``disk`` gets the bytes under each checkpoint
+    files are remembered (supervisor/store/quickcache.py); ``disk`` gets the bytes under each checkpoint
     walked whole, by path, so the disk use need not walk them again."""
     latest = store.read_latest(root)
     cache = QuickChecks(root)
@@ -506,9 +525,33 @@ def _overall(nodes: list[NodeRow], view: _RankView) -> tuple[str, str]:
         return worst.status, worst.reason + where
     if nodes:
         return UNKNOWN, nodes[0].problem
-    if view.counts.total > view.counts.stale:
-        return RunStatus.RUNNING, "ranks are beating; no watchdog state (not started by `supervisor watch`?)"
+    return _without_watchdog(view)
+
+
+_NO_WATCHDOG = "no watchdog state (not started by `supervisor watch`?)"
+
+
+def _without_watchdog(view: _RankView) -> tuple[str, str]:
+    """The run's state from its heartbeats alone (plain torchrun): done when every rank's last
+    beat says so; failed when a rank died of an exception or, on this host, is gone without an
+    exit code (the first to fail named, by time, the others as its consequences: the same rule
+    as the watchdog's root cause, without torchelastic's error files, which torchrun keeps in a
+    temporary folder); running while ranks beat."""
+    c = view.counts
+    if c.total and dict(c.phases).get(Phase.DONE.value, 0) == c.total:
+        return RunStatus.DONE, f"every rank finished; {_NO_WATCHDOG}"
+    if view.failed:
+        gone = {hb.rank for hb in view.failed}
+        ends = rootcause.rank_ends(view.failed, gone, killed=_killed_here)
+        return RunStatus.FAILED, f"root cause {rootcause.describe_ends(ends)}; {_NO_WATCHDOG}"
+    if c.total > c.stale:
+        return RunStatus.RUNNING, f"ranks are beating; {_NO_WATCHDOG}"
     return UNKNOWN, "no watchdog state and no live heartbeat"
+
+
+def _killed_here(hb: Heartbeat) -> str:
+    """A rank of this host gone without an exception: the OOM killer when the kernel's log names it."""
+    return oom.killed_note(hb.pid, oom.kernel_kill_line(hb.pid), None, None) or rootcause.KILLED
 
 
 @dataclass(frozen=True)
@@ -565,6 +608,8 @@ def build_report(root: str | Path, now: float | None = None, all_ranks: bool = F
     live_steps, step_times = view.live_steps, view.step_times
     read = {s.path: s.size for s in view.summaries.values()}
     checkpoints, quarantined, storage_problem, disk_bytes = _stored(root, now, read)
+    tmps, me = store.list_tmp(root, now), hostname()
+    dead = [t for t in tmps if store.tmp_is_stale(t, me, pid_alive, store.STALE_TMP_AFTER_S)]
     return StatusReport(
         root=str(root),
         time=now,
@@ -576,7 +621,8 @@ def build_report(root: str | Path, now: float | None = None, all_ranks: bool = F
         current_step=max(live_steps, default=None),
         steps_per_s=1.0 / _median(step_times) if step_times else None,
         checkpoints=tuple(checkpoints),
-        in_progress=tuple(sorted(t.path.name for t in store.list_tmp(root, now))),
+        in_progress=tuple(sorted(t.path.name for t in tmps if t not in dead)),
+        abandoned=tuple(sorted(_abandoned(t) for t in dead)),
         quarantined=tuple(quarantined),
         disk_bytes=disk_bytes,
         remote=_remote_status(root),
@@ -585,6 +631,14 @@ def build_report(root: str | Path, now: float | None = None, all_ranks: bool = F
         retention=_retention_line(root),
         rank_counts=view.counts,
     )
+
+
+def _abandoned(t: store.TmpRef) -> str:
+    """A tmp dir nobody writes any more, and how that is known: its writer's pid is gone (this
+    host), or nothing in it changed for an hour (another host's: its pid cannot be checked)."""
+    if t.host == safe_host(hostname()):
+        return f"{t.path.name} (writer pid {t.pid} gone)"
+    return f"{t.path.name} (nothing written for {t.age_s / 3600:.1f} h by pid {t.pid} on {t.host})"
 
 
 def _retention_line(root: Path) -> str:

@@ -31,6 +31,8 @@ import io
 import pickle
 from typing import IO, Any, cast
 
+from supervisor.errors import IntegrityError
+
 _DCP = "torch.distributed.checkpoint"
 _TORCH_DTYPES = (  # every torch.dtype of torch 2.13, as it pickles: ("torch", "<name>")
     "bfloat16", "bits16", "bits1x8", "bits2x4", "bits4x2", "bits8", "bool", "complex128", "complex32",
@@ -64,7 +66,7 @@ DCP_METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset(
 WHY = "a tampered or foreign file, refused without running any of it"
 
 
-class UnsafePickle(ValueError):
+class UnsafePickle(IntegrityError, ValueError):
     """A pickle names something DCP's metadata is not made of; ``str(e)`` is one line naming the
     file, the name and the fix. Nothing of the file was run."""
 

@@ -8,7 +8,7 @@ import pytest
 from store_helpers import make_ckpt
 
 from supervisor.cli.main import main
-from supervisor.errors import UserError
+from supervisor.errors import Program, UserError, exit_code
 from supervisor.format.exitcodes import Exit
 from supervisor.signing import SigningKeyError
 from supervisor.slurm import SlurmError
@@ -17,7 +17,7 @@ from supervisor.store import StoreError
 
 def test_the_user_facing_errors_are_user_errors() -> None:
     for cls in (StoreError, SigningKeyError, SlurmError):
-        assert issubclass(cls, UserError) and cls.exit_code == Exit.USAGE
+        assert issubclass(cls, UserError) and exit_code(cls("x"), Program.COMMAND) == Exit.USAGE
 
 
 def _one_error_line(capsys: pytest.CaptureFixture[str], *argv: str) -> str:

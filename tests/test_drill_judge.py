@@ -31,6 +31,7 @@ from supervisor.drill.report import summary, verdict_table
 from supervisor.drill.runner import ScenarioRun
 from supervisor.drill.storage import PhaseClock, at_end, driver_for
 from supervisor.format.heartbeat import Heartbeat, Phase, write_heartbeat
+from supervisor.format.statediff import Comparison, ItemDiff, StepDiff
 
 STEPS, EVERY = 40, 10
 
@@ -125,6 +126,38 @@ def test_save_in_flight_doubles_the_bound():
     drill = curve("a", range(1, 20)) + curve("b", range(6, STEPS + 1))
     assert "steps redone within bound" in failed(verdict(drill, in_flight=[False]))
     assert "steps redone within bound" not in failed(verdict(drill, in_flight=[True]))
+
+
+def test_a_lost_preemption_checkpoint_names_what_ended_the_launch():
+    """SIGTERM to every process of the job killed a DataLoader worker: the rank died of it before
+    the step boundary that saves; the check says the checkpoint was lost and quotes the watchdog."""
+    drill = seen_after_fault(curve("a", range(1, 19)) + curve("b", range(11, STEPS + 1)))
+    end = (
+        "launch 1 ended after 9.1s at step 18: rank 1 (pid 77) died at step 18 without an exit code; root "
+        "cause rank 1: RuntimeError: DataLoader worker (pid(s) 4242) exited unexpectedly (t.py:40)"
+    )
+    events = [
+        {"event": "launch_end", "t": T0 - 5, "msg": "an earlier launch"},
+        {"event": "launch_end", "t": T0 + 2, "msg": end},
+    ]
+    preempt = Fault(Kind.PREEMPT, 17, 0)
+    v = verdict(drill, faults=[preempt], fault_times=[T0], events=events, scenario="preempt")
+    (check,) = [c for c in v.checks if c.name == "steps redone within bound"]
+    assert not check.ok
+    assert check.detail == f"preempt redid 8 steps (bound 0); the preemption checkpoint was lost: {end}"
+
+
+def test_a_differing_digest_gets_the_comparisons_verdict():
+    rng = ItemDiff("torch_rng", 1, "cpu", "values differ")
+    comparison = Comparison((StepDiff(10, ()), StepDiff(20, (rng,))))
+    v = verdict(faithful_run(), digest="other", comparison=comparison)
+    (check,) = [c for c in v.checks if c.name == "first state that differs from golden"]
+    assert not check.ok and check.detail.startswith(
+        "the global torch RNG of rank 1 differs from golden's at step 20"
+    )
+    assert "resume from step 10 (which equals golden's)" in check.detail
+    same = verdict(faithful_run(), comparison=comparison)  # an equal digest: nothing to explain
+    assert "first state that differs from golden" not in {c.name for c in same.checks}
 
 
 def test_fault_not_injected_fails():

@@ -38,7 +38,7 @@ from supervisor.format.layout import REASON, SIGNATURE, RunDir
 from supervisor.format.manifest import Manifest, ManifestError, parse_manifest
 from supervisor.format.metrics import parse_line
 from supervisor.format.nodesummary import parse_header, parse_records, read_summary
-from supervisor.slurm import parse_requeue_state
+from supervisor.slurm.requeue import parse_requeue_state
 from supervisor.tiers.uploader import read_remote_status
 from supervisor.watch import rootcause
 

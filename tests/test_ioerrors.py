@@ -1,4 +1,4 @@
-"""supervisor/ioerrors.py as pure functions: which errors are evidence, which are only the storage
+"""supervisor/store/ioerrors.py as pure functions: which errors are evidence, which are only the storage
 not answering, and the bounded retry (an injected clock and sleep: nothing waits for real)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from supervisor.ioerrors import (
+from supervisor.store.ioerrors import (
     RETRY_MAX_S,
     STORAGE_BACKOFF,
     STRUCTURAL_ERRNOS,

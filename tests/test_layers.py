@@ -114,3 +114,15 @@ def test_login_node_commands_load_no_torch(tmp_path: Path, command: list[str]) -
     imported = {ln.split("|")[-1].strip() for ln in p.stderr.splitlines() if ln.startswith("import time:")}
     assert "supervisor.cli.main" in imported, p.stderr[-2000:]  # the probe sees our own imports
     assert not {m for m in imported if m == "torch" or m.startswith(("torch.", "supervisor.resumable"))}
+
+
+def test_the_watchdog_knows_nothing_of_slurm() -> None:
+    """The watchdog runs anywhere (a while-true wrapper, torchrun alone); the SLURM glue sits above it
+    and the notice signal both share is declared in the format layer (supervisor/format/notice.py)."""
+    bad = [
+        f"{p.relative_to(REPO)}:{line} imports {mod}"
+        for p in (REPO / "supervisor" / "watch").glob("*.py")
+        for line, mod in _imports(p, top_level_only=False)
+        if mod.startswith("supervisor.slurm")
+    ]
+    assert not bad, bad

@@ -1,4 +1,4 @@
-"""`status`'s remembered quick checks (supervisor/quickcache.py): a checkpoint whose files changed
+"""`status`'s remembered quick checks (supervisor/store/quickcache.py): a checkpoint whose files changed
 after it passed is checked again, never listed from the cache."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from supervisor import store
 from supervisor.drill.corruption import DEEP_ONLY, Corruption, corrupt
 from supervisor.format.layout import RunDir
 from supervisor.format.nodesummary import write_summary
-from supervisor.quickcache import QuickChecks, fingerprint
 from supervisor.report import CheckpointRow, build_report
+from supervisor.store.quickcache import QuickChecks, fingerprint
 from supervisor.watch.liveness import Clock, PhaseTimeouts
 from supervisor.watch.node_summary import NodeFacts, build_summary
 

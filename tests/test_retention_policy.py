@@ -1,4 +1,4 @@
-"""The retention policy as a pure plan (supervisor/retention_policy.py): every kept step with its
+"""The retention policy as a pure plan (supervisor/store/retention_policy.py): every kept step with its
 reasons, property-based, plus the flags that build a policy and prune applying it on disk."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from store_helpers import committed_names, make_ckpt
 from supervisor import store
 from supervisor.cli.main import main
 from supervisor.report import build_report
-from supervisor.retention_policy import (
+from supervisor.store import StoreError
+from supervisor.store.retention_policy import (
     Candidate,
     KeepReason,
     RetentionPolicy,
@@ -24,7 +25,6 @@ from supervisor.retention_policy import (
     plan_retention,
     policy_from_args,
 )
-from supervisor.store import StoreError
 
 HOUR = 3600.0
 

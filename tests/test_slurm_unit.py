@@ -17,6 +17,7 @@ from supervisor.drill.corruption import Corruption, corrupt
 from supervisor.format.eventnames import RequeueEvent
 from supervisor.format.exitcodes import Exit
 from supervisor.format.manifest import META_SAVE_S
+from supervisor.format.notice import NoticeSignalError
 from supervisor.slurm import JobEnv, Knobs, SaveTime, SlurmError
 
 JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_NUM_NODES": "2"}
@@ -126,7 +127,7 @@ def test_requeue_signal_follows_into_the_watchdog_and_torchrun(tmp_path: Path) -
 def test_requeue_signal_that_would_kill_torchrun_or_mean_a_stack_dump_is_refused(
     tmp_path: Path, raw: str
 ) -> None:
-    with pytest.raises(SlurmError, match=rf"REQUEUE_SIGNAL='{raw}': use USR1 or URG") as e:
+    with pytest.raises(NoticeSignalError, match=rf"REQUEUE_SIGNAL='{raw}': use USR1 or URG") as e:
         Knobs.from_environ(knob_env(tmp_path, REQUEUE_SIGNAL=raw))
     assert "\n" not in str(e.value)
 

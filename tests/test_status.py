@@ -20,7 +20,7 @@ from supervisor.drill.corruption import Corruption, corrupt
 from supervisor.format.events import RunState, write_state
 from supervisor.format.heartbeat import Heartbeat, Phase, write_heartbeat
 from supervisor.format.launches import LaunchRecord, Outcome
-from supervisor.format.layout import RunDir
+from supervisor.format.layout import RunDir, tmp_dirname
 from supervisor.report import STATUS_SCHEMA, build_report
 
 LID = "vm-n0-1-2-abc"
@@ -238,3 +238,62 @@ def test_cli_watch_refreshes_until_interrupted(run_dir: Path):
         and out.count("\n--- ") + out.startswith("--- ") >= 2
     )
     assert p.returncode == 130
+
+
+def _dead_pid() -> int:
+    return int(
+        subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+        ).stdout
+    )
+
+
+def test_a_run_finished_under_plain_torchrun_is_done(tmp_path: Path):
+    """No watchdog state; every rank's last beat says done (its exit code 0), minutes ago."""
+    root = tmp_path / "run"
+    for rank in (0, 1):
+        hb = Heartbeat(rank, rank, "vm", 1000 + rank, 200, Phase.DONE, time.time() - 600, exit_code=0)
+        write_heartbeat(root, hb)
+    r = build_report(root)
+    assert (r.state, r.why) == (
+        "done",
+        "every rank finished; no watchdog state (not started by `supervisor watch`?)",
+    )
+    assert render(r).startswith(f"run {root}: DONE - every rank finished")
+
+
+def test_without_a_watchdog_the_first_rank_to_fail_is_named_with_how(tmp_path: Path):
+    """kill -9 of rank 0 under plain torchrun: its pid is gone, it recorded no exception; rank 1
+    died of the lost peer just after, its exception in its last heartbeat."""
+    root, me = tmp_path / "run", os.uname().nodename.split(".")[0]
+    killed = _dead_pid()
+    reset = "RuntimeError: Connection reset by peer (t.py:9)"
+    write_heartbeat(root, Heartbeat(0, 0, me, killed, 23, Phase.TRAIN, time.time() - 5))
+    write_heartbeat(root, Heartbeat(1, 1, me, _dead_pid(), 23, Phase.TRAIN, time.time() - 4.9, died_of=reset))
+    r = build_report(root)
+    assert r.state == "failed"
+    assert r.why.startswith(f"root cause rank 0 (pid {killed}) at step 23: killed by a signal"), r.why
+    assert "; then, as a consequence: rank 1 (pid " in r.why and reset in r.why
+    rows = {x.rank: x for x in r.ranks}
+    assert rows[0].gone and f"pid {killed} gone without an exit code" in rows[0].note
+    assert rows[1].died_of == reset and f"died of {reset}" in rows[1].note
+
+
+def test_a_dead_writers_tmp_is_abandoned_not_being_written(tmp_path: Path):
+    root = tmp_path / "run"
+    root.mkdir()
+    live = store.begin(root, 40)  # this process: a live writer
+    dead = _dead_pid()
+    (root / tmp_dirname(30, dead, os.uname().nodename.split(".")[0])).mkdir()
+    far = root / tmp_dirname(20, 1, "other-host")
+    far.mkdir()
+    os.utime(far, (time.time() - 7200, time.time() - 7200))  # nothing written there for 2 h
+    r = build_report(root)
+    assert r.in_progress == (live.name,)
+    assert r.abandoned == (
+        f"{far.name} (nothing written for 2.0 h by pid 1 on other-host)",
+        f"{tmp_dirname(30, dead, os.uname().nodename.split('.')[0])} (writer pid {dead} gone)",
+    )
+    text = render(r)
+    assert f"being written: {live.name}" in text and f"(writer pid {dead} gone)" in text
+    assert json.loads(json.dumps(r.to_dict()))["abandoned"] == list(r.abandoned)

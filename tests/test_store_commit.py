@@ -158,7 +158,7 @@ def test_opening_a_save_syncs_nothing_and_its_commit_syncs_the_tmp_dir_and_the_r
     """``begin`` runs in an async save's call, in the training loop: on ext4 a directory fsync
     there waited for the journal to take every unsynced file's data. The commit syncs what the
     rename needs durable: the tmp dir's entries before it, the root's after."""
-    from supervisor import store as store_module
+    from supervisor.store import commit_protocol as store_module
 
     synced: list[Path] = []
     real = store_module.fsync_dir

@@ -29,8 +29,8 @@ from supervisor.format.events import read_events
 from supervisor.format.exitcodes import Exit
 from supervisor.format.layout import REMOTE_EVENTS, RunDir, step_dirname
 from supervisor.format.manifest import CheckpointInfo
-from supervisor.ioerrors import Evidence
 from supervisor.report import build_report
+from supervisor.store.ioerrors import Evidence
 from supervisor.tiers.remote import LocalUnreadable, open_remote
 from supervisor.tiers.resume import prepare_resume
 from supervisor.tiers.uploader import Uploader, UploadPolicy

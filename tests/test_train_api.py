@@ -3,11 +3,14 @@ Exactness by final digests, as everywhere. The examples under the drill: tests/t
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
 from trainer_helpers import (
     EMA,
+    REPO,
     SEED,
     committed,
     copy_run,
@@ -19,6 +22,7 @@ from trainer_helpers import (
     run,
     run_ok,
     train_args,
+    trainer_env,
 )
 
 from supervisor.format.exitcodes import Exit
@@ -103,6 +107,33 @@ def test_the_metrics_of_the_saved_step_are_in_its_manifest(goldens):
     line = next(x for x in metrics(golden) if x.step == 20)
     assert m.metrics["loss"] == line.loss and m.metrics["lr"] == line.lr
     assert m.meta["identity"]["seed"] == SEED and m.meta["identity"]["amp"] == "off"
+
+
+def test_a_plain_loop_says_where_it_resumed_from_without_any_logging_config(tmp_path):
+    """examples/plain_loop.py configures no logging: rank 0 still says, once, that it starts at
+    step 0, then where it resumed from and what was verified."""
+    root = tmp_path / "run"
+    loop = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    loop += ["examples/plain_loop.py", "--ckpt-root", str(root), "--save-every", "10"]
+    env = trainer_env()
+    first = subprocess.run(
+        [*loop, "--steps", "20"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    said = [x for x in first.stderr.splitlines() if x.startswith("resumable: ")]
+    assert said == [f"resumable: no checkpoint in {root}: starting at step 0"], first.stderr[-3000:]
+    again = subprocess.run(
+        [*loop, "--steps", "25"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    (line,) = [x for x in again.stderr.splitlines() if x.startswith("resumable: ")]
+    files = len(read_manifest(root / "step_00000020").files)
+    assert line.startswith(
+        f"resumable: resumed from step_00000020, next step 21: {root / 'step_00000020'}, {files} files, "
+    ), line
+    assert line.endswith(
+        "; every checksum verified (deep, over 2 ranks); identity, data and global batch match"
+    )
 
 
 def test_init_from_starts_a_new_run_from_another_runs_weights(goldens, tmp_path):

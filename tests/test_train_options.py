@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.resumable import RemoteOptions, ResumeOptions, Saves
-from supervisor.retention_policy import RetentionPolicy
+from supervisor.store.retention_policy import RetentionPolicy
 from train_ref.train import TrainerOptions, parse_args, parser
 
 BASE = ["--ckpt-root", "/r", "--steps", "7"]

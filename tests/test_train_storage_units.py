@@ -26,7 +26,6 @@ from supervisor import store
 from supervisor.format.appender import LineAppender
 from supervisor.format.layout import dcp_shard_filename, rank_state_filename
 from supervisor.format.manifest import FileEntry, Manifest, checksum_file
-from supervisor.ioerrors import Evidence
 from supervisor.resumable import _progress_io
 from supervisor.resumable._checkpointer import CPU_STAGING, OrderedStager, _writer
 from supervisor.resumable._progress_io import (
@@ -54,6 +53,7 @@ from supervisor.resumable._save_policy import (
     save_error,
     storage_cause,
 )
+from supervisor.store.ioerrors import Evidence
 
 # ---------------------------------------------------------------- give-up policy
 

@@ -135,7 +135,7 @@ def test_a_throttled_verify_and_load_far_longer_than_their_timeouts_is_no_hang(g
 
 
 # The final save's tries fail until a rank reports this many in a row: the backoff before the
-# next try is then 4-8 s (supervisor.ioerrors.backoff_s), longer than SAVE_TIMEOUT_S by construction.
+# next try is then 4-8 s (supervisor.store.ioerrors.backoff_s), longer than SAVE_TIMEOUT_S by construction.
 FINAL_SAVE_FAILURES = 5
 SAVE_TIMEOUT_S = 3.0
 

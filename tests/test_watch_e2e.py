@@ -82,6 +82,35 @@ def test_kill9_worker_resumes_digest_equal(tmp_path, reference):
     assert not leftovers(root)
 
 
+def test_kill9_of_rank0_is_the_root_cause_the_peers_error_its_consequence(tmp_path):
+    """kill -9 of rank 0 (held after step 25, so by construction while the run runs): it records
+    nothing; rank 1, released, dies of the lost peer with an exception (its heartbeat and @record).
+    The root cause is rank 0, killed by a signal; rank 1's error a consequence; `status` says so.
+    (--dead-rank-grace 60: the watchdog waits for rank 1's own end rather than killing it.)"""
+    root, gate = tmp_path / "run", held_at(tmp_path)
+    extra = ("--max-restarts", "0", "--dead-rank-grace", "60")
+    p = start_watch(root, standalone(root), *extra, gate=gate)
+    victim = wait_held(gate, 2, HOLD_AT, proc=p)[0]["pid"]
+    os.kill(victim, signal.SIGKILL)
+    hold.release(gate)
+    rc, out = finish(p)
+    assert rc == Exit.BUDGET_EXHAUSTED, out[-3000:]
+    (cause,) = [e for e in events(root) if e["event"] == "root_cause"]
+    assert (cause["rank"], cause["pid"], cause["signal"]) == (0, victim, True)
+    at = cause["step"]  # its last heartbeat's (written at most once a second)
+    assert cause["how"].startswith("killed by"), cause["how"]
+    (then,) = cause["consequences"]
+    assert then.startswith("rank 1 (pid ") and "Error" in then, then
+    text = subprocess.run(
+        [sys.executable, "-m", "supervisor", "status", "--ckpt-root", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    assert f"root cause rank 0 (pid {victim}) at step {at}: killed by" in text, text
+    assert "then, as a consequence: rank 1" in text and not leftovers(root)
+
+
 def test_kill9_relaunch_taken_from_the_standby_digest_equal(tmp_path, reference):
     """--standby: once launch 1 trains, launch 2 is started ahead and its ranks wait, imports
     done; after a kill -9 the relaunch is that process (no new torchrun), its recovery shows the

@@ -23,6 +23,9 @@ the exit code) are tested on CPU; the run itself is owed to a machine with a GPU
 
 from __future__ import annotations
 
+import train_ref.needs_torch  # noqa: F401  (first: without torch, one line naming the extra)
+
+# isort: split
 import argparse
 import os
 import runpy

@@ -20,6 +20,9 @@ checkpoints in the store's layout; with --remote also ``supervisor/remote.json``
 
 from __future__ import annotations
 
+import train_ref.needs_torch  # noqa: F401  (first: without torch, one line naming the extra)
+
+# isort: split
 import argparse
 import atexit
 import contextlib
@@ -62,8 +65,8 @@ from supervisor.resumable import (
     refuse_start,
     wait_if_standby,
 )
-from supervisor.retention_policy import add_retention_args, policy_from_args
 from supervisor.signing import SigningKeyError, add_signing_key_arg, load_key
+from supervisor.store.retention_policy import add_retention_args, policy_from_args
 from train_ref.config import CONFIGS, TrainConfig, get_config
 from train_ref.data import Corpus, WindowDataset, collate
 from train_ref.ema import EMA

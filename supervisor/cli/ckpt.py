@@ -27,8 +27,6 @@ from supervisor.format.confined import Escape
 from supervisor.format.exitcodes import Exit
 from supervisor.format.layout import MANIFEST, RunDir, looks_like_run_dir, step_dirname
 from supervisor.format.manifest import NOT_LISTED, list_files
-from supervisor.ioerrors import describe, is_transient
-from supervisor.retention_policy import add_retention_args, policy_from_args
 from supervisor.store import (
     IO_RETRY_S,
     QUARANTINE_KEEP,
@@ -61,6 +59,8 @@ from supervisor.store import (
     unreadable_fix,
     validate,
 )
+from supervisor.store.ioerrors import describe, is_transient
+from supervisor.store.retention_policy import add_retention_args, policy_from_args
 
 JSON_SCHEMA = 1
 Handler = Callable[[argparse.Namespace], int]

@@ -19,7 +19,7 @@ from supervisor.drill import storage
 from supervisor.drill.faultctl import FaultFSError
 from supervisor.drill.judge import Case, StepRecord, Verdict, judge
 from supervisor.drill.report import json_report, plot, summary, verdict_table, write_report
-from supervisor.drill.runner import DrillConfig, ScenarioRun, run_golden, run_scenario
+from supervisor.drill.runner import DrillConfig, ScenarioRun, compare_with_golden, run_golden, run_scenario
 from supervisor.errors import UserError
 from supervisor.format.exitcodes import Exit
 
@@ -205,6 +205,9 @@ def _scenarios(
             r = run_scenario(cfg, s, faults, log, _Progress(cfg.steps))
         except FaultFSError as e:
             raise FaultFSError(f"{s}: {e}") from None
+        if r.digest is not None and r.digest != golden_digest:
+            _say(f"{s}: the final digest differs from golden's: comparing the checkpoints")
+            r.comparison = compare_with_golden(cfg, r)
         v = judge(Case(s, faults, r, golden, golden_digest, cfg.steps, cfg.save_every))
         _say(f"{s}: {v.result}")
         runs.append(r)

@@ -9,8 +9,9 @@ import os
 import sys
 from enum import Enum
 
+from supervisor.clash import foreign_supervisor
 from supervisor.display import printable
-from supervisor.errors import UserError
+from supervisor.errors import Program, ToolkitError, exit_code
 from supervisor.format.atomic import restrict_umask
 from supervisor.format.exitcodes import Exit
 
@@ -82,15 +83,19 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    clash = foreign_supervisor()  # before any command imports a module supervisord may have replaced
+    if clash:
+        print(f"error: {clash}", file=sys.stderr)
+        return Exit.USAGE
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
     args = parser.parse_args(argv)
     restrict_umask()  # nothing a command (or the trainer a watchdog starts) creates is world-writable
     try:
         return int(args.func(args))
-    except UserError as e:
+    except ToolkitError as e:  # a person's input, the storage, or bad bytes: its line and its code
         print(f"error: {printable(str(e))}", file=sys.stderr)
-        return e.exit_code
+        return exit_code(e, Program.COMMAND)
     except OSError as e:  # an unreadable or unwritable path: one line naming it, not a traceback
         print(printable(f"error: {e.filename or ''}: {e.strerror or e}"), file=sys.stderr)
         return Exit.USAGE

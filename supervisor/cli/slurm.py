@@ -28,6 +28,7 @@ from supervisor.format import events
 from supervisor.format.atomic import hostname
 from supervisor.format.eventnames import RequeueEvent
 from supervisor.format.exitcodes import Exit
+from supervisor.format.notice import DEFAULT_NOTICE_SIGNAL, NoticeSignalError, notice_signal
 from supervisor.redact import redact
 from supervisor.slurm import JobEnv, Knobs, SlurmError
 
@@ -55,7 +56,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     v = verbs.add_parser(
         "torchrun", help="exec torchrun with the notice's signal ignored (the watchdog's child)"
     )
-    v.add_argument("--ignore-signal", default=slurm.DEFAULT_NOTICE_SIGNAL, help="the notice's signal (USR1)")
+    v.add_argument("--ignore-signal", default=DEFAULT_NOTICE_SIGNAL, help="the notice's signal (USR1)")
     v.add_argument("args", nargs=argparse.REMAINDER, help="torchrun's arguments")
     v.set_defaults(func=_guarded(torchrun))
 
@@ -67,13 +68,14 @@ def say(msg: str) -> None:
 
 
 def _guarded(func: Handler) -> Handler:
-    """SlurmError -> one line in the job's output (stdout, stamped like every line of these hooks,
-    where cli.main would print it unstamped on stderr) and exit 2, no traceback."""
+    """A problem the operator must fix (SlurmError, a bad notice signal) -> one line in the job's
+    output (stdout, stamped like every line of these hooks, where cli.main would print it unstamped
+    on stderr) and exit 2, no traceback."""
 
     def run(args: argparse.Namespace) -> int:
         try:
             return int(func(args))
-        except SlurmError as e:
+        except (SlurmError, NoticeSignalError) as e:
             say(f"error: {e}")
             return Exit.USAGE
 
@@ -93,7 +95,7 @@ def _limits(knobs: Knobs) -> slurm.Budgets:
 
 def start(args: argparse.Namespace) -> int:
     job, knobs = _context(args)
-    if knobs.requeue_signal != slurm.DEFAULT_NOTICE_SIGNAL and shutil.which("scancel") is None:
+    if knobs.requeue_signal != DEFAULT_NOTICE_SIGNAL and shutil.which("scancel") is None:
         raise SlurmError(
             f"REQUEUE_SIGNAL={knobs.requeue_signal} reaches the ranks through scancel (srun forwards only "
             "USR1 and USR2), and scancel is not on PATH; use REQUEUE_SIGNAL=USR1 or make scancel available"
@@ -163,7 +165,7 @@ def _job_signal(script: Path | None) -> tuple[str | None, str]:
 def launch(args: argparse.Namespace) -> int:
     # A notice reaching this node before the watchdog installs its handler must not kill it; the
     # job script repeats the notice until the step ends, so ignoring one loses nothing.
-    signal.signal(slurm.notice_signal(os.environ.get("REQUEUE_SIGNAL", "")), signal.SIG_IGN)
+    signal.signal(notice_signal(os.environ.get("REQUEUE_SIGNAL", "")), signal.SIG_IGN)
     job, knobs = _context(args)
     hosts, host_note = slurm.hostnames(job.nodelist)
     if host_note:
@@ -178,7 +180,7 @@ def torchrun(args: argparse.Namespace) -> int:
     # SLURM delivers a step's signals to every process in it; torchrun has no handler for the
     # notice's signal and USR1 would kill it. Ignoring it here is inherited by torchrun and its
     # workers until the trainer installs its own handler.
-    signal.signal(slurm.notice_signal(args.ignore_signal, "--ignore-signal"), signal.SIG_IGN)
+    signal.signal(notice_signal(args.ignore_signal, "--ignore-signal"), signal.SIG_IGN)
     argv = list(args.args)
     if argv[:1] == ["--"]:
         argv = argv[1:]

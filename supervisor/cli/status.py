@@ -102,6 +102,8 @@ def render(r: StatusReport) -> str:
         out.append(f"STORAGE: {r.storage_problem}")
     if r.in_progress:
         out.append("being written: " + ", ".join(r.in_progress))
+    if r.abandoned:
+        out.append("abandoned, never committed: " + ", ".join(r.abandoned))
     if r.quarantined:
         out += ["", "quarantined:"]
         out.append(table(("name", "reason"), [(q.name, q.reason) for q in r.quarantined]))

@@ -8,6 +8,7 @@ injecting faults, then judge whether the faulted run is the same run.
     switch.py      the switch into the trainer for hangs a rank inflicts on itself
     runner.py      processes: the golden torchrun, the watchdog, injection while it runs
     judge.py       pure: the verdict over the runs' records
+    diverge.py     pure: where a resumed run's checkpoints left golden's, and the likely cause
     report.py      the verdict table and the Markdown + PNG report
     storage.py     storage faults: the run dir on the fault filesystem
     faultfs.py     the fault-injecting FUSE passthrough; faultrules.py its rules (pure);

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Protocol
 
+from supervisor.drill.diverge import diagnose
 from supervisor.drill.plan import (
     DISK_FULL_FAILURES,
     HANGS,
@@ -26,6 +27,7 @@ from supervisor.drill.switch import BLOCKING_FUNCTION
 from supervisor.format.eventnames import EventName
 from supervisor.format.exitcodes import Exit
 from supervisor.format.launches import Outcome
+from supervisor.format.statediff import Comparison
 
 # slow-storage: the resumed launch's verify + load must take this many times their timeout, or
 # the scenario proves nothing about long phases.
@@ -141,6 +143,8 @@ class Evidence(Protocol):
     def events(self) -> Sequence[dict[str, Any]]: ...  # the watchdog's: they judge hangs and storage
     @property
     def storage(self) -> StorageFacts | None: ...  # what a storage fault's driver saw
+    @property
+    def comparison(self) -> Comparison | None: ...  # its checkpoints vs golden's, when the digest differs
 
 
 @dataclass(frozen=True)
@@ -199,9 +203,22 @@ def steps_redone(case: Case) -> list[Check]:
     for res, (fault, in_flight) in zip(case.resumes, case.resumable, strict=False):
         bound = steps_redone_bound(fault.kind, case.save_every, in_flight)
         if res.redone > bound:
-            over.append(f"{fault.kind.value} redid {res.redone} steps (bound {bound})")
+            lost = f"; {lost_preemption(case, fault)}" if fault.kind == Kind.PREEMPT else ""
+            over.append(f"{fault.kind.value} redid {res.redone} steps (bound {bound}){lost}")
     redone = ", ".join(str(r.redone) for r in case.resumes) or "none"
     return [Check("steps redone within bound", not over, "; ".join(over) or f"redone: {redone}")]
+
+
+def lost_preemption(case: Case, fault: Fault) -> str:
+    """Why a preemption redid steps: its checkpoint was lost, and the watchdog's word on how the
+    launch ended (what died, with the root cause a rank recorded: a DataLoader worker killed by
+    the job's SIGTERM takes its rank down before the step boundary that would have saved)."""
+    t0 = next((t for f, t in zip(case.run.injected, case.run.fault_times, strict=False) if f == fault), 0.0)
+    end = next(
+        (e for e in case.run.events if e.get("event") == EventName.LAUNCH_END and e.get("t", 0) >= t0), None
+    )
+    how = str(end.get("msg")) if end else "the watchdog logged no end of the preempted launch"
+    return f"the preemption checkpoint was lost: {how}"
 
 
 def hangs(case: Case) -> list[Check]:
@@ -282,6 +299,15 @@ def digest_equal(case: Case) -> list[Check]:
     ]
 
 
+def first_difference(case: Case) -> list[Check]:
+    """When the digest differs: the first step and state item where the run's checkpoints left
+    golden's, and the likely cause (supervisor/drill/diverge.py)."""
+    if case.run.digest == case.golden_digest or case.run.comparison is None:
+        return []
+    line = diagnose(case.run.comparison, [r.ckpt_step for r in case.resumes])
+    return [Check("first state that differs from golden", False, line)]
+
+
 # The checks of every scenario, in the verdict table's order; each returns no Check when it does
 # not apply (hang checks without a hang, storage checks without a storage fault).
 CHECKS: tuple[Callable[[Case], list[Check]], ...] = (
@@ -295,6 +321,7 @@ CHECKS: tuple[Callable[[Case], list[Check]], ...] = (
     latest_complete,
     completed,
     digest_equal,
+    first_difference,
 )
 
 

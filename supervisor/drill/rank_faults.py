@@ -1,4 +1,5 @@
-"""Drill-only: a rank that hangs for real, at the step and place ``supervisor drill`` chose.
+"""Drill-only, at a rank's step boundary: a rank that hangs for real, at the step and place
+``supervisor drill`` chose; and in the golden run, rank 0 keeping every checkpoint it commits.
 
 Injected, not imported: the drill sets ``$SUPERVISOR_BOUNDARY_HOOK`` to ``switch.HOOK`` (this
 module's ``boundary_hook``) beside ``TRAIN_REF_DRILL_HANG`` (format and marker names:
@@ -8,35 +9,50 @@ never sends does, so no signal cures it: read(2) is interrupted, Python runs the
 retries it (PEP 475), and the SIGTERM handler only sets the preemption flag, which is looked at on a
 step boundary this rank never reaches again. The other ranks wait for it in the next collective.
 faulthandler's SIGUSR2 dump runs at C level, so the rank's stack still shows where it is stuck.
+
+Keeping (``switch.ENV_KEEP``): at every step boundary rank 0 hard-links each checkpoint committed
+since the last one into the keep folder, so the trainer's own retention, which goes on pruning
+the run dir, cannot take the golden checkpoints a faulted run is compared with. A checkpoint is
+pruned only once newer ones are committed (at least two are kept), each at a later boundary: the
+boundary after its commit always sees it.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from typing import NoReturn
 
-from supervisor.drill.switch import ENV, Switch
+from supervisor.drill.switch import ENV, ENV_KEEP, Keep, Switch
 from supervisor.format.atomic import atomic_write_json
 from supervisor.format.hooks import When
+from supervisor.store import list_checkpoints
 
 
 class DrillFaults:
-    def __init__(self, switch: Switch | None, rank: int, launch: str) -> None:
+    def __init__(self, switch: Switch | None, rank: int, launch: str, keep: Keep | None = None) -> None:
         self.launch = launch
         self.mine = [(h, switch.marker(h)) for h in switch.hangs if h.rank == rank] if switch else []
+        self.keep = keep if rank == 0 else None
+        self.kept: set[str] = set()
 
     @classmethod
     def from_env(cls, rank: int, launch: str) -> DrillFaults:
-        text = os.environ.get(ENV)
-        if not text:
-            return cls(None, rank, launch)
         try:
-            return cls(Switch.decode(text), rank, launch)
+            switch = Switch.decode(text) if (text := os.environ.get(ENV)) else None
+            keep = Keep.decode(text) if (text := os.environ.get(ENV_KEEP)) else None
         except ValueError as e:
             raise SystemExit(f"resumable: {e}") from None
+        return cls(switch, rank, launch, keep)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.mine) or self.keep is not None
 
     def __call__(self, step: int, when: When) -> None:
+        if self.keep is not None and when == When.STEP:
+            self.kept |= keep_committed(self.keep, self.kept)
         self.maybe_hang(step, when)
 
     def maybe_hang(self, step: int, when: When) -> None:
@@ -60,9 +76,41 @@ class DrillFaults:
 
 
 def boundary_hook(rank: int, launch: str) -> DrillFaults | None:
-    """The hook of supervisor/format/hooks.py: this rank's hangs, or None when it has none."""
+    """The hook of supervisor/format/hooks.py: this rank's hangs and keeping, or None when it has
+    neither."""
     faults = DrillFaults.from_env(rank, launch)
-    return faults if faults.mine else None
+    return faults if faults.active else None
+
+
+def keep_committed(keep: Keep, kept: set[str]) -> set[str]:
+    """Link each committed checkpoint of ``keep.root`` not yet in ``kept`` into ``keep.into``
+    (a copy where the file system cannot link); the names kept now. One that goes while it is
+    linked (pruned: it was kept at an earlier boundary) is skipped."""
+    done = set()
+    keep.into.mkdir(parents=True, exist_ok=True)
+    for ref in list_checkpoints(keep.root):
+        dst = keep.into / ref.name
+        if ref.name in kept or dst.exists():
+            done.add(ref.name)
+            continue
+        part = keep.into / f".{ref.name}.linking"
+        shutil.rmtree(part, ignore_errors=True)
+        try:
+            shutil.copytree(ref.path, part, copy_function=_link)
+            os.rename(part, dst)
+        except (OSError, shutil.Error):
+            shutil.rmtree(part, ignore_errors=True)
+            continue
+        done.add(ref.name)
+    return done
+
+
+def _link(src: str, dst: str) -> str:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+    return dst
 
 
 def stuck_read() -> NoReturn:  # named by switch.BLOCKING_FUNCTION (tests/test_hang_culprit.py)

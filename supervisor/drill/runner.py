@@ -25,11 +25,14 @@ from supervisor.format.events import events_path, read_events
 from supervisor.format.hooks import ENV_BOUNDARY_HOOK
 from supervisor.format.layout import MANIFEST, RunDir, parse_committed
 from supervisor.format.metrics import parse_line
+from supervisor.format.statediff import Comparison
 from supervisor.options import POSITIVE, option
 from supervisor.store import list_checkpoints
 from supervisor.watch.process import descendants, process_table, send
 
 POLL_S = 0.02
+GOLDEN = "golden"  # workdir/golden: the uninterrupted run
+GOLDEN_KEPT = "golden-kept"  # workdir/golden-kept: every checkpoint it committed (switch.Keep)
 MOUNTS = "mnt"  # workdir/mnt/<scenario>: where a storage scenario's fault filesystem is mounted
 # Test-only knob of the reference trainer: widens the async write so a kill lands inside it.
 ENV_SAVE_DELAY = "TRAIN_REF_SAVE_DELAY_S"
@@ -215,6 +218,7 @@ class ScenarioRun:
     latest_reads: int = 0
     events: list[dict[str, Any]] = field(default_factory=list)
     storage: StorageFacts | None = None  # what a storage fault's driver saw
+    comparison: Comparison | None = None  # its checkpoints vs golden's, when the digest differs
 
 
 def read_digest(root: Path) -> str | None:
@@ -229,15 +233,48 @@ def read_digest(root: Path) -> str | None:
 
 
 def run_golden(cfg: DrillConfig, log: Path) -> tuple[list[StepRecord], str]:
-    root = cfg.workdir / "golden"
+    """The uninterrupted run; every checkpoint it commits is kept (``GOLDEN_KEPT``), whatever its
+    retention, for a faulted run's comparison."""
+    root = cfg.workdir / GOLDEN
+    keep = switch.Keep(root, cfg.workdir / GOLDEN_KEPT)
+    env = {**cfg.env(), ENV_BOUNDARY_HOOK: switch.HOOK, switch.ENV_KEEP: keep.encode()}
     with open(log, "ab") as out:
-        rc = subprocess.run(
-            cfg.trainer_cmd(root), env=cfg.env(), stdout=out, stderr=subprocess.STDOUT
-        ).returncode
+        rc = subprocess.run(cfg.trainer_cmd(root), env=env, stdout=out, stderr=subprocess.STDOUT).returncode
     digest = read_digest(root)
     if rc != 0 or digest is None:
         raise RuntimeError(f"the golden run failed (exit {rc}); see {log}")
     return read_metrics(root), digest
+
+
+def golden_checkpoints(cfg: DrillConfig) -> dict[int, Path]:
+    """Golden's committed checkpoints by step: those kept aside, and those its run dir still holds."""
+    found: dict[int, Path] = {}
+    for folder in (cfg.workdir / GOLDEN_KEPT, cfg.workdir / GOLDEN):
+        found |= {ref.step: ref.path for ref in list_checkpoints(folder)}
+    return found
+
+
+def compare_with_golden(cfg: DrillConfig, run: ScenarioRun) -> Comparison:
+    """The run's checkpoints against golden's of the same steps, item by item, by the trainer's
+    python (``supervisor.resumable._compare`` loads them with torch; the drill never imports it)."""
+    golden = golden_checkpoints(cfg)
+    pairs = [(r.step, golden[r.step], r.path) for r in list_checkpoints(run.root) if r.step in golden]
+    if not pairs:
+        return Comparison()
+    cmd = [cfg.python, "-m", "supervisor.resumable._compare"]
+    for step, g, r in sorted(pairs):
+        cmd += ["--pair", str(step), str(g), str(r)]
+    what = "python -m supervisor.resumable._compare"
+    try:
+        p = subprocess.run(cmd, env=cfg.env(), capture_output=True, text=True, timeout=cfg.fault_timeout_s)
+    except subprocess.TimeoutExpired:
+        return Comparison(problems=(f"{what} took over {cfg.fault_timeout_s:.0f}s",))
+    last = (p.stdout.strip().splitlines() or [""])[-1]
+    try:
+        return Comparison.from_json(last)
+    except ValueError as e:
+        err = (p.stderr.strip().splitlines() or [str(e)])[-1]
+        return Comparison(problems=(f"{what} exited {p.returncode}: {err}",))
 
 
 @dataclass(frozen=True)

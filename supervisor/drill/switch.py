@@ -6,6 +6,8 @@ tells the trainer, in one environment variable, which rank blocks at which step,
 step boundary, or right after that step's async save started. The rank side
 (``supervisor/drill/rank_faults.py``, injected through ``supervisor/format/hooks.py``) writes a marker before it blocks, so the drill knows the fault
 happened, and a relaunch that reaches the step again runs on. Unset, the trainer ignores all this.
+The golden run gets another variable (``ENV_KEEP``): keep every checkpoint it commits, for the
+comparison with a faulted run's.
 
 Torch-free and pure apart from reading a marker: the one truth for the format, used by the drill
 and the trainer alike.
@@ -21,6 +23,9 @@ from typing import Any
 from supervisor.format.hooks import When
 
 ENV = "TRAIN_REF_DRILL_HANG"
+# The golden run's: rank 0 keeps every checkpoint it commits (hard links into another folder) for the
+# comparison with a faulted run's (supervisor/drill/diverge.py), whatever the trainer's retention.
+ENV_KEEP = "SUPERVISOR_DRILL_KEEP"
 # What the drill sets $SUPERVISOR_BOUNDARY_HOOK to (supervisor/format/hooks.py): the rank side.
 HOOK = "supervisor.drill.rank_faults:boundary_hook"
 # The function a rank blocks in; the judge looks for it in the culprit's stack.
@@ -63,6 +68,28 @@ class Switch:
 
     def marker(self, h: Hang) -> Path:
         return self.marker_dir / f"hang_rank_{h.rank:05d}_step_{h.step:08d}_{h.when.value}.json"
+
+
+@dataclass(frozen=True)
+class Keep:
+    """Keep every checkpoint committed in ``root``: linked into ``into`` under its own name."""
+
+    root: Path
+    into: Path
+
+    def encode(self) -> str:
+        return json.dumps({"root": str(self.root), "into": str(self.into)})
+
+    @classmethod
+    def decode(cls, text: str) -> Keep:
+        """Parse the variable's value; ValueError with one line saying what is wrong."""
+        try:
+            d = json.loads(text)
+            return cls(Path(d["root"]), Path(d["into"]))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(
+                f"{ENV_KEEP} is not a drill keep ({type(e).__name__}: {e}); unset it outside `supervisor drill`"
+            ) from None
 
 
 def read_marker(path: Path) -> dict[str, Any] | None:

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from supervisor.format import confined
-from supervisor.ioerrors import describe
+from supervisor.store.ioerrors import describe
 
 log = logging.getLogger(__name__)
 

@@ -115,6 +115,10 @@ class Heartbeat:
     phase_timeout_s: float = 0.0
     # Mark value -> wall time, for the watchdog's recovery breakdown.
     marks: dict[str, float] = field(default_factory=dict)
+    # The exception that ended the rank, one line ("RuntimeError: ... (train.py:88)"), written by
+    # its last beat (supervisor/resumable/_signals.py): a rank gone without it, and without an
+    # exit code, was killed by a signal.
+    died_of: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -212,6 +216,7 @@ def heartbeat_from_dict(d: Mapping[str, Any]) -> Heartbeat:
             phase_name=str(d.get("phase_name", "")),
             phase_timeout_s=_float(d.get("phase_timeout_s", 0.0)),
             marks=_marks(d.get("marks", {})),
+            died_of=str(d.get("died_of", "")),
         )
     except KeyError as e:
         raise ValueError(f"field {e} missing") from None
@@ -319,6 +324,8 @@ class HeartbeatWriter:
         self._pid = os.getpid()
         self._last_write = float("-inf")
         self._last_phase: tuple[Phase, tuple[str, float]] | None = None
+        self._last_step = 0
+        self._died_of = ""
 
     def beat(
         self,
@@ -371,8 +378,9 @@ class HeartbeatWriter:
             phase_name=custom[0],
             phase_timeout_s=custom[1],
             marks=dict(self.marks),
+            died_of=self._died_of,
         )
-        self._last_phase = (phase, custom)
+        self._last_phase, self._last_step = (phase, custom), step
         try:
             write_heartbeat_in(self.folder, hb, self.within)
         except OSError as e:
@@ -387,6 +395,13 @@ class HeartbeatWriter:
             self.write_errors = 0
         self._last_write = mono
         return True
+
+    def died(self, what: str) -> None:
+        """The rank's last beat, on its way out: the exception that ended it (one line), at the
+        step and phase of the beat before."""
+        self._died_of = what
+        phase = self._last_phase[0] if self._last_phase else Phase.STARTUP
+        self.beat(self._last_step, phase, force=True)
 
     def mark(self, mark: Mark, at: float | None = None) -> None:
         """Record when this launch reached ``mark`` (now by default; the first time only); the

@@ -73,13 +73,17 @@ REMOTE_STATUS = "remote.json"
 REMOTE_EVENTS = "events.remote.jsonl"
 REQUEUE_STATE = "slurm.json"
 RETENTION = "retention.json"
-# `status`'s remembered quick checks of committed checkpoints (supervisor/quickcache.py).
+# `status`'s remembered quick checks of committed checkpoints (supervisor/store/quickcache.py).
 STATUS_CACHE = "status_cache.json"
 # Under SUPERVISOR/LAUNCHES/<launch id>: torchelastic's error file for the launched command
 # (@record writes the root-cause exception there) and torchrun's log dir, where each worker's
 # @record writes its own ELASTIC_ERROR under <run id>/attempt_<n>/<local rank>/.
 LAUNCHES = "launches"
 ELASTIC_ERROR = "error.json"
+# torchelastic's variable naming a process's error file: torchrun sets it for each worker (under its
+# log dir), the watchdog for the launched command; @record, and Resumable for an uncaught exception
+# (supervisor/resumable/_signals.py), write the exception there.
+ELASTIC_ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 ELASTIC_LOGS = "elastic"
 # Written by the watchdog to start a standby launch's ranks (watch --standby).
 RELEASE = "release"

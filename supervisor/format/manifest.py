@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from supervisor.errors import IntegrityError
 from supervisor.format import confined
 from supervisor.format.capped import TooLarge, regular_only
 from supervisor.format.layout import MANIFEST, SIGNATURE
@@ -43,7 +44,7 @@ META_RECENT_LOSSES = "recent_losses"
 NOT_LISTED = frozenset({MANIFEST, SIGNATURE})
 
 
-class ManifestError(ValueError):
+class ManifestError(IntegrityError, ValueError):
     """The manifest is missing, unreadable or not of a known schema; the message says which."""
 
 
@@ -69,7 +70,7 @@ class CheckpointInfo:
     torch_version: str = ""
     meta: Mapping[str, Any] = field(default_factory=dict)
     # The training metrics of the saved step (e.g. {"loss": 2.31}): what best-metric retention
-    # ranks by (supervisor/retention.py). Empty: not recorded (older manifests read as empty).
+    # ranks by (supervisor/store/retention.py). Empty: not recorded (older manifests read as empty).
     metrics: Mapping[str, float] = field(default_factory=dict)
 
 

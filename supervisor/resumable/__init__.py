@@ -10,13 +10,19 @@ Extension hooks of ``Resumable`` (override in a subclass, as the reference train
 class docstring.
 """
 
+from supervisor.clash import foreign_supervisor as _foreign_supervisor
+
+if _clash := _foreign_supervisor():  # supervisord's files replaced modules this package imports
+    raise ImportError(_clash)
 try:
     import torch as _torch  # noqa: F401  (the one dependency of this package that the core install lacks)
-except ImportError as e:  # one line naming the extra, not a bare "No module named torch"
+except ModuleNotFoundError as e:  # one line naming the extra, not a bare "No module named torch"
+    if e.name != "torch":  # torch is there but broken (a missing CUDA library...): its own error
+        raise
     raise ImportError(
         "supervisor.resumable needs torch: pip install 'resumable-training[train]' "
         "(or bring your own torch, e.g. a CUDA build)"
-    ) from e
+    ) from None
 
 from supervisor.resumable._devices import DeviceError, device_index
 from supervisor.resumable._digest import full_tensor, params_digest, tensors_digest

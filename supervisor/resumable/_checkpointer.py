@@ -74,6 +74,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as TorchFuture
 
 from supervisor import store
+from supervisor.errors import StorageError
 from supervisor.format.heartbeat import HeartbeatWriter, Phase, Progress, Tracker
 from supervisor.format.layout import (
     dcp_index_filename,
@@ -83,6 +84,7 @@ from supervisor.format.layout import (
     step_dirname,
 )
 from supervisor.format.manifest import CHECKSUM_ALGO, META_SAVE_S, CheckpointInfo, FileEntry, hash_file
+from supervisor.format.statediff import SHARED
 from supervisor.resumable import _agree
 from supervisor.resumable._dcp_index import per_rank_index, tensor_bytes
 from supervisor.resumable._devices import DeviceError
@@ -255,7 +257,7 @@ def commit_reports(
     )
 
 
-class StorageGaveUp(Exception):
+class StorageGaveUp(StorageError):
     """The save policy stopped the launch (exit 74); ``str(e)`` is one line for the job log."""
 
 
@@ -443,7 +445,7 @@ class Checkpointer:
         if isinstance(tmp, SaveOutcome):
             return tmp
         rank_file = tmp / rank_state_filename(self.rank)
-        app = {"app": state.saving(self.rank, self.world_size).state_dict()}
+        app = {SHARED: state.saving(self.rank, self.world_size).state_dict()}
         alone = self._index_per_rank(app)
         if self.async_save and not blocking:
             rank_state = RankState.serialize(
@@ -932,7 +934,7 @@ class Checkpointer:
         with readahead(first), kept_alive(progress) as loading:
             prime_for_load(getattr(state, "optimizer", None))
             fs = ProgressFileSystem(self.root, loading)
-            load_dcp(ckpt, {"app": state}, self.dcp_group, fs=fs, listed=listed)
+            load_dcp(ckpt, {SHARED: state}, self.dcp_group, fs=fs, listed=listed)
             if not same_world:
                 return False
             with fs.create_stream(path, "rb") as f:

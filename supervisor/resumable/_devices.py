@@ -22,10 +22,12 @@ from typing import Any
 
 import torch
 
+from supervisor.errors import UserError
+
 ENV_VISIBLE = "CUDA_VISIBLE_DEVICES"
 
 
-class DeviceError(Exception):
+class DeviceError(UserError):
     """A device setup or saved CUDA state this rank cannot use; ``str(e)`` is one line with the fix."""
 
 

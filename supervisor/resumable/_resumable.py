@@ -52,15 +52,17 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import DataLoader, Dataset
 
 from supervisor import store
+from supervisor.display import human_bytes
+from supervisor.errors import Program, ToolkitError, exit_code
 from supervisor.format.appender import LineAppender
 from supervisor.format.atomic import atomic_write_json
 from supervisor.format.exitcodes import Exit
 from supervisor.format.heartbeat import HeartbeatWriter, Phase, Progress, stack_dump_path
 from supervisor.format.hooks import When
-from supervisor.format.layout import FINAL, RunDir, parse_committed, step_dirname
-from supervisor.format.manifest import META_RECENT_LOSSES, CheckpointInfo, Manifest
+from supervisor.format.layout import FINAL, RunDir, parse_committed
+from supervisor.format.manifest import META_RECENT_LOSSES, CheckpointInfo
 from supervisor.format.metrics import MetricsRecord
-from supervisor.ioerrors import STORAGE_BACKOFF, retry_transient
+from supervisor.format.statediff import RANK_LOADERS, RANK_OWN, SHARED
 from supervisor.options import nested, option
 from supervisor.resumable import _agree, _launch_marks, _tiering
 from supervisor.resumable._checkpointer import Checkpointer, CommitInfo, Saveable, SaveOutcome, StorageGaveUp
@@ -83,10 +85,11 @@ from supervisor.resumable._resume import (
 from supervisor.resumable._safe_load import CorruptRecord, PeerLoadFailed, load_dcp, one_line, refusal_line
 from supervisor.resumable._sanity import LOSS_WINDOW, ResumeSanity
 from supervisor.resumable._save_policy import DEFAULT_MAX_FAILED_SAVES, SavePolicy
-from supervisor.resumable._signals import PreemptionFlag, register_stack_dump
+from supervisor.resumable._signals import PreemptionFlag, on_uncaught, record_uncaught, register_stack_dump
 from supervisor.resumable._tiering import RemoteOptions
 from supervisor.resumable._train_state import RANK_ITEMS, seed_rank_rng
 from supervisor.safepickle import UnsafePickle
+from supervisor.store.ioerrors import STORAGE_BACKOFF, retry_transient
 from supervisor.tiers.uploader import Uploader
 
 log = logging.getLogger("resumable")
@@ -99,10 +102,12 @@ VERIFY = ("quick", "deep")
 
 
 def install_signals() -> str:
-    """Record SIGTERM/SIGUSR1 (and $REQUEUE_SIGNAL's) as a preemption notice; once per process.
-    Returns why $REQUEUE_SIGNAL is unusable, or ''."""
+    """Record SIGTERM/SIGUSR1 (and $REQUEUE_SIGNAL's) as a preemption notice, and an uncaught
+    exception in torchelastic's error file; once per process. Returns why $REQUEUE_SIGNAL is
+    unusable, or ''."""
     if not _installed:
         _installed.append(PREEMPTION.install())
+        record_uncaught()
     return _installed[0]
 
 
@@ -121,7 +126,7 @@ class Saves:
         "save in the background while training goes on (default)", True, off="--sync-save"
     )
     # The newest ``keep`` and the retention beyond it: the retention flags (--keep, --keep-every-s,
-    # --keep-best, --keep-all) of supervisor.retention_policy, shared with `ckpt prune`.
+    # --keep-best, --keep-all) of supervisor.store.retention_policy, shared with `ckpt prune`.
     keep: int = store.DEFAULT_KEEP
     max_failed_saves: int = option(
         "exit 74 after N failed saves in a row (a full disk, EIO...); until then training goes on",
@@ -332,6 +337,41 @@ def init_source(spec: str) -> Path | str:
     return f"{root}: {have} that passes its checks (ckpt list --ckpt-root {root})"
 
 
+def tell(line: str) -> None:
+    """A line every operator needs (where the run resumed from, and what was checked), on rank 0:
+    through the ``resumable`` logger when the trainer's logging shows it, else on stderr; once
+    either way, whatever the trainer did or did not configure."""
+    if log.isEnabledFor(logging.INFO) and log.hasHandlers():
+        log.info("%s", line)
+    else:
+        print(f"resumable: {line}", file=sys.stderr, flush=True)
+
+
+def resume_line(
+    choice: Choice, options: ResumeOptions, world_size: int, config_changed: bool, root: Path, step: int
+) -> str:
+    """'resumed from step_00000020, next step 21: runs/r1/step_00000020, 6 files, 1.2 MiB; every
+    checksum verified (deep, over 2 ranks); identity, data and global batch match'."""
+    m = choice.manifest
+    assert m is not None and choice.ckpt is not None
+    if choice.verified:
+        checked = "downloaded from the remote tier, every checksum verified"
+    elif options.verify == "deep":
+        checked = f"every checksum verified (deep, over {world_size} rank{'s' if world_size > 1 else ''})"
+    else:
+        checked = "file sizes checked (--verify quick: no checksum)"
+    signed = "; signature verified" if options.sign_key is not None else ""
+    same = "identity, data and global batch match"
+    if config_changed:
+        same = "--allow-config-change applied; data and global batch match"
+    ranks = "" if m.world_size == world_size else f"; world size {m.world_size} -> {world_size} (resharded)"
+    size = f"{len(m.files)} files, {human_bytes(m.total_bytes)}"
+    return (
+        f"resumed from {choice.ckpt.name}, next step {step + 1}: {choice.ckpt}, {size}; {checked}{signed}; "
+        f"{same}{ranks}"
+    )
+
+
 def deliberate_exit(
     hb: HeartbeatWriter, rank: int, step: int, phase: Phase, code: Exit, msg: str = ""
 ) -> int:
@@ -341,6 +381,11 @@ def deliberate_exit(
         print(f"resumable: {msg}", file=sys.stderr, flush=True)
     hb.beat(step, phase, exit_code=int(code))
     return int(code)
+
+
+def _code(e: ToolkitError) -> Exit:
+    """The trainer's exit code for one of the toolkit's errors (supervisor/errors.py's table)."""
+    return exit_code(e, Program.TRAINER)
 
 
 def refuse_start(root: str | Path, message: str, code: Exit = Exit.BAD_CONFIG) -> int:
@@ -372,15 +417,15 @@ class RankItems(Stateful):
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "own": self.own.state_dict() if self.own is not None else {},
-            "loaders": {k: v.state_dict() for k, v in self.loaders.items()},
+            RANK_OWN: self.own.state_dict() if self.own is not None else {},
+            RANK_LOADERS: {k: v.state_dict() for k, v in self.loaders.items()},
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         if self.own is not None:
-            self.own.load_state_dict(sd["own"])
+            self.own.load_state_dict(sd[RANK_OWN])
         for k, v in self.loaders.items():
-            v.load_state_dict(sd["loaders"][k])
+            v.load_state_dict(sd[RANK_LOADERS][k])
 
 
 class Resumable:
@@ -451,6 +496,7 @@ class Resumable:
         self._stacks = register_stack_dump(
             stack_dump_path(self._root, self.rank), self._hb.within
         )  # open until exit
+        on_uncaught(self._hb.died)  # the exception that ends this rank, in its last heartbeat
         self._problem = install_signals() or self._saves.problem() or self._remote_problem()
         self._uploader: Uploader | None = None  # rank 0 with a remote, from resume() on
         remote = bool(self._options.remote.url) and self.rank == 0
@@ -525,12 +571,12 @@ class Resumable:
         elif self._options.init_from:
             self._init_from(self._options.init_from)
         else:
-            log.info("no checkpoint in %s: starting at step 0", self._root)
+            self._fresh()
         if diff:
             self.apply_config_change(diff)
         self.start = self.state.step
         if choice.ckpt is not None and choice.manifest is not None:
-            self._resumed(choice.manifest, config_changed=bool(diff))
+            self._resumed(choice, config_changed=bool(diff))
         _launch_marks.loaded(self._hb)
         if self.rank == 0:
             self._metrics_file = LineAppender(RunDir.of(self._root).metrics, self._root)
@@ -625,18 +671,25 @@ class Resumable:
         self._rank_items.loaders[name] = obj
         self._ckpt.rank_extra = self._rank_items
 
-    def _resumed(self, manifest: Manifest, config_changed: bool) -> None:
+    def _resumed(self, choice: Choice, config_changed: bool) -> None:
         """The losses reported before the checkpoint continue the window; rank 0 says where the
-        run resumed and judges the first steps after it (the sanity step; not their LR against
-        the saved one when an ``allow_config_change`` was applied: it may have changed it)."""
+        run resumed and what was verified, and judges the first steps after it (the sanity step;
+        not their LR against the saved one when an ``allow_config_change`` was applied: it may
+        have changed it)."""
+        manifest = choice.manifest
+        assert manifest is not None
         saved = manifest.meta.get(META_RECENT_LOSSES)
         window = [float(x) for x in saved if isinstance(x, int | float)] if isinstance(saved, list) else []
         self._recent_losses.extend(window)
         if self.rank != 0:
             return
-        log.info("resumed from %s, next step %d", step_dirname(self.start), self.start + 1)
+        tell(resume_line(choice, self._options, self.world_size, config_changed, self._root, self.start))
         lr = None if config_changed else manifest.metrics.get("lr")
         self._sanity = ResumeSanity(window, lr, self.steps - self.start)
+
+    def _fresh(self) -> None:
+        if self.rank == 0:
+            tell(f"no checkpoint in {self._root}: starting at step 0")
 
     def _state_optimizer(self) -> torch.optim.Optimizer:
         opt = getattr(self.state, "optimizer", None)
@@ -679,9 +732,9 @@ class Resumable:
         line = one_line(e)
         self._load_failure = line
         if isinstance(e, UnsafePickle):  # nothing of it ran; every rank read the same file and refused it
-            self._stop(Exit.UNTRUSTED, Phase.LOAD, refusal_line(e, self._root, choice.ckpt))
+            self._stop(_code(e), Phase.LOAD, refusal_line(e, self._root, choice.ckpt))
         if isinstance(e, DeviceError):  # every rank's file has the same format: all refuse alike
-            self._stop(Exit.BAD_CONFIG, Phase.LOAD, f"cannot resume: {e}")
+            self._stop(_code(e), Phase.LOAD, f"cannot resume: {e}")
         if isinstance(e, CorruptRecord) and choice.ckpt is not None:
             self._stop(
                 RETRY_LATER, Phase.LOAD, f"cannot resume: {self._quarantine_failed(choice.ckpt, line)}"
@@ -730,13 +783,13 @@ class Resumable:
             with kept_alive(self._hb.tracker(Phase.LOAD, 0)) as loading:
                 load_dcp(
                     src,
-                    {"app": _Weights(self.state, self._options.init_optimizer)},
+                    {SHARED: _Weights(self.state, self._options.init_optimizer)},
                     self._ckpt.dcp_group,
                     fs=ProgressFileSystem(src.parent, loading),
                 )
         except UnsafePickle as e:
             self._load_failure = one_line(e)
-            self._stop(Exit.UNTRUSTED, Phase.LOAD, refusal_line(e, src.parent, src))
+            self._stop(_code(e), Phase.LOAD, refusal_line(e, src.parent, src))
         except Exception as e:  # another model's: one line, not a traceback
             first = self._load_failure = one_line(e)
             self._stop(
@@ -746,7 +799,7 @@ class Resumable:
             )
         self._init_source = str(src)
         if self.rank == 0:
-            log.info("new run: %s from %s (--init-from), starting at step 0", what, src)
+            tell(f"new run: {what} from {src} (--init-from), starting at step 0")
 
     def _load(self, choice: Choice) -> bool:
         """Load the chosen checkpoint; returns whether the per-rank state was restored (not on
@@ -851,7 +904,7 @@ class Resumable:
                 self._at_boundary(step, When.SAVE)
         except StorageGaveUp as e:  # raised on every rank at the same save
             self._close_uploader(0.0)
-            self._stop(Exit.STORAGE, Phase.SAVE, str(e))
+            self._stop(_code(e), Phase.SAVE, str(e))
         self._t_end = time.perf_counter()
         return done
 
@@ -952,7 +1005,7 @@ class Resumable:
             self._ckpt.close()
         except StorageGaveUp as e:
             self._close_uploader(0.0)
-            self._stop(Exit.STORAGE, Phase.SAVE, str(e))
+            self._stop(_code(e), Phase.SAVE, str(e))
         if self._metrics_file is not None:
             self._metrics_file.close()
             self._metrics_file = None

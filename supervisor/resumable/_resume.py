@@ -36,10 +36,10 @@ from supervisor.format.exitcodes import Exit
 from supervisor.format.heartbeat import ENV_LAUNCH_ID, HeartbeatWriter, Phase
 from supervisor.format.layout import step_dirname
 from supervisor.format.manifest import Manifest, ManifestError, ProgressFn, read_manifest
-from supervisor.ioerrors import STORAGE_BACKOFF, Evidence, describe
 from supervisor.resumable import _agree, _tiering
 from supervisor.resumable._progress_io import PROGRESS_CHUNK
 from supervisor.resumable._tiering import RemoteOptions
+from supervisor.store.ioerrors import STORAGE_BACKOFF, Evidence, describe
 from supervisor.tiers.remote import RemoteUnavailable
 
 log = logging.getLogger("resumable")

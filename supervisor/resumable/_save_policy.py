@@ -16,8 +16,8 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from supervisor.ioerrors import describe
 from supervisor.store import IncompleteCommit
+from supervisor.store.ioerrors import describe
 
 DEFAULT_MAX_FAILED_SAVES = 3
 

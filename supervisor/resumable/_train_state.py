@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from supervisor.format import confined
+from supervisor.format.statediff import NUMPY_RNG, PYTHON_RNG, RANK_USER_ITEMS, RNG_STREAMS, TORCH_RNG
 from supervisor.resumable._canonical_names import CanonicalNames
 from supervisor.resumable._devices import cuda_rng_record, cuda_rng_to_restore, current_cuda_device
 from supervisor.resumable._progress_io import naming
@@ -40,9 +41,9 @@ from supervisor.resumable._sampler import ResumableBatchSampler, mix_seed
 from supervisor.resumable._workers import seed_all
 
 SHARED_ITEMS = ("optimizer", "scheduler", "sampler", "ema")
-RANK_ITEMS = ("python_rng", "numpy_rng", "torch_rng")
+RANK_ITEMS = RNG_STREAMS  # the per-rank file's entries (supervisor/format/statediff.py)
 ABLATABLE = SHARED_ITEMS + RANK_ITEMS
-USER_ITEMS = "user"  # the per-rank file's entry for a trainer's own per-rank items
+USER_ITEMS = RANK_USER_ITEMS  # the per-rank file's entry for a trainer's own per-rank items
 
 log = logging.getLogger(__name__)
 
@@ -185,22 +186,22 @@ class RankState:
         assert isinstance(np_state, tuple), "numpy's global generator is not MT19937"
         np_name, np_keys, np_pos, np_has_gauss, np_gauss = np_state
         sd: dict[str, Any] = {
-            "python_rng": {
+            PYTHON_RNG: {
                 "version": py_version,
                 "state": torch.tensor(py_state, dtype=torch.int64),
                 "gauss": py_gauss,
             },
-            "numpy_rng": {
+            NUMPY_RNG: {
                 "keys": torch.from_numpy(np_keys.astype(np.int64)),
                 "pos": int(np_pos),
                 "has_gauss": int(np_has_gauss),
                 "gauss": float(np_gauss),
             },
-            "torch_rng": {"cpu": torch.get_rng_state()},
+            TORCH_RNG: {"cpu": torch.get_rng_state()},
         }
         dev = current_cuda_device()
         if dev is not None:
-            sd["torch_rng"]["cuda"] = cuda_rng_record(torch.cuda.get_rng_state(dev.index), dev)
+            sd[TORCH_RNG]["cuda"] = cuda_rng_record(torch.cuda.get_rng_state(dev.index), dev)
         assert np_name == "MT19937"
         return sd
 
@@ -209,16 +210,16 @@ class RankState:
         sd: dict[str, Any], skip: frozenset[str] = frozenset(), source: str = "per-rank state"
     ) -> None:
         """Raises DeviceError (one line naming ``source``) when the CUDA entry is not restorable."""
-        if "python_rng" not in skip:
-            p = sd["python_rng"]
+        if PYTHON_RNG not in skip:
+            p = sd[PYTHON_RNG]
             random.setstate((p["version"], tuple(p["state"].tolist()), p["gauss"]))
-        if "numpy_rng" not in skip:
-            n = sd["numpy_rng"]
+        if NUMPY_RNG not in skip:
+            n = sd[NUMPY_RNG]
             np.random.set_state(
                 ("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"])
             )
-        if "torch_rng" not in skip:
-            t = sd["torch_rng"]
+        if TORCH_RNG not in skip:
+            t = sd[TORCH_RNG]
             torch.set_rng_state(t["cpu"])
             dev = current_cuda_device()
             cuda, note = cuda_rng_to_restore(t.get("cuda"), dev, source)

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from supervisor.slurm import SlurmError, notice_signal
+from supervisor.format.notice import NoticeSignalError, notice_signal
 
 CALM_THREAD = "resumable-worker-sigterm"
 
@@ -41,7 +41,7 @@ CALM_THREAD = "resumable-worker-sigterm"
 def notice_signals(env: Mapping[str, str] = os.environ) -> set[int]:
     """The preemption notice's signals: SIGUSR1 and $REQUEUE_SIGNAL's (sbatch/job.sh)."""
     out = {int(signal.SIGUSR1)}
-    with contextlib.suppress(SlurmError):  # a bad one: the rank refuses to start (install_signals)
+    with contextlib.suppress(NoticeSignalError):  # a bad one: the rank refuses to start (install_signals)
         out.add(int(notice_signal(env.get("REQUEUE_SIGNAL", ""))))
     return out
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor.format.layout import step_dirname
-from supervisor.ioerrors import Evidence
 from supervisor.store import list_checkpoints, validate
+from supervisor.store.ioerrors import Evidence
 from supervisor.tiers.plan import RemoteState
 from supervisor.tiers.remote import RemoteTier, RemoteUnavailable
 from supervisor.tiers.uploader import RemoteStatus, read_remote_status

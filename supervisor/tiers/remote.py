@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
+from supervisor.errors import IntegrityError, StorageError
 from supervisor.format.capped import MANIFEST_MAX, RECORD_MAX, read_capped
 from supervisor.format.layout import (
     MANIFEST,
@@ -42,10 +43,10 @@ from supervisor.format.manifest import (
     hash_file,
     parse_manifest,
 )
-from supervisor.ioerrors import describe, is_transient
 from supervisor.redact import redact
 from supervisor.signing import BAD, DIGEST_ALGO
 from supervisor.store import STALE_TMP_AFTER_S, CheckpointRef, begin, commit
+from supervisor.store.ioerrors import describe, is_transient
 from supervisor.tiers.backends import Backend, open_backend
 from supervisor.tiers.plan import (
     RemotePrunePlan,
@@ -59,24 +60,25 @@ from supervisor.tiers.plan import (
 OnFile = Callable[[str, int], None]  # (relative path, bytes) after each object is transferred
 
 
-class RemoteUnavailable(Exception):
+class RemoteUnavailable(StorageError):
     """The remote did not answer or answered with an error: retry later, it is not corruption."""
 
 
-class IntegrityError(Exception):
-    """Bytes that do not match their manifest; the message names the checkpoint and the file."""
+class RemoteCorrupt(IntegrityError):
+    """Bytes that do not match their manifest: quarantined, the resume walks back; the message
+    names the checkpoint and the file."""
 
 
-class RemoteUntrusted(Exception):
+class RemoteUntrusted(IntegrityError):
     """With a signing key: a remote checkpoint not signed with it (unsigned, a bad signature, or
     bytes that differ from the signed digests). Skipped by a resume; never quarantined."""
 
 
-class LocalSourceError(Exception):
+class LocalSourceError(IntegrityError):
     """The local checkpoint to upload is gone (pruned) or does not match its own manifest."""
 
 
-class LocalUnreadable(Exception):
+class LocalUnreadable(StorageError):
     """A local file could not be read for a transient I/O error (EIO, ESTALE...): not uploaded
     now, tried again later; not a verdict on the checkpoint."""
 
@@ -101,7 +103,7 @@ def _remote_errors(url: str, what: str) -> Iterator[None]:
     """Anything a backend raises, other than our own verdicts, means: the remote is unavailable."""
     try:
         yield
-    except (IntegrityError, RemoteUntrusted, LocalSourceError, LocalUnreadable, RemoteUnavailable):
+    except (RemoteCorrupt, RemoteUntrusted, LocalSourceError, LocalUnreadable, RemoteUnavailable):
         raise
     except Exception as e:  # a backend's text may quote the URL, credentials included: redacted
         raise RemoteUnavailable(redact(f"{url}: {what} failed ({e.__class__.__name__}: {e})")) from e
@@ -250,17 +252,17 @@ class RemoteTier:
     def download(self, step: int, local_root: str | Path, on_file: OnFile | None = None) -> CheckpointRef:
         """Fetch a complete remote checkpoint into ``local_root`` and commit it there.
 
-        Raises IntegrityError (quarantine it and walk back), RemoteUntrusted (with a key: not
+        Raises RemoteCorrupt (quarantine it and walk back), RemoteUntrusted (with a key: not
         signed with it; skip it, never quarantine) or RemoteUnavailable (try later).
         """
         name = step_dirname(step)
         v = self.check(step)
         if v is None or v.state is RemoteState.INCOMPLETE:
-            raise IntegrityError(f"{name}: not a complete checkpoint on {self.url}")
+            raise RemoteCorrupt(f"{name}: not a complete checkpoint on {self.url}")
         if v.state is RemoteState.UNTRUSTED:
             raise RemoteUntrusted(v.reason)
         if not v.ok or v.manifest is None:
-            raise IntegrityError(v.reason)
+            raise RemoteCorrupt(v.reason)
         m = v.manifest
         signed = v.signature.files if v.signature is not None else None
         digests: dict[str, str] = {}
@@ -297,11 +299,11 @@ class RemoteTier:
             try:
                 self.backend.get_file(key, dest)
             except FileNotFoundError:
-                raise IntegrityError(f"{key} vanished from {self.url} while downloading") from None
+                raise RemoteCorrupt(f"{key} vanished from {self.url} while downloading") from None
         algos = (CHECKSUM_ALGO,) if signed is None else (CHECKSUM_ALGO, DIGEST_ALGO)
         size, (actual, *digest) = dest.stat().st_size, hash_file(dest, algos)
         if size != entry.size or actual != entry.checksum:
-            raise IntegrityError(
+            raise RemoteCorrupt(
                 f"{key}: downloaded {size} B with checksum {actual[:12]}.., manifest says "
                 f"{entry.size} B, {entry.checksum[:12]}.."
             )
@@ -338,7 +340,7 @@ class RemoteTier:
 
 
 def _local_read_failed(label: str, e: OSError) -> NoReturn:
-    """A transient error (supervisor/ioerrors.py) is tried again later; any other says the local
+    """A transient error (supervisor/store/ioerrors.py) is tried again later; any other says the local
     checkpoint is not what its manifest says (or is gone): it is never uploaded."""
     if is_transient(e):
         raise LocalUnreadable(

@@ -32,7 +32,6 @@ from pathlib import Path
 from supervisor.format.eventnames import EventName
 from supervisor.format.layout import QUARANTINE, RunDir
 from supervisor.format.manifest import Manifest
-from supervisor.ioerrors import IO_RETRY_S, Evidence, retry_transient
 from supervisor.store import (
     CheckpointRef,
     Expectation,
@@ -46,9 +45,10 @@ from supervisor.store import (
     no_usable_message,
     pick,
 )
+from supervisor.store.ioerrors import IO_RETRY_S, Evidence, retry_transient
 from supervisor.tiers.events import EmitFn, remote_event_log
 from supervisor.tiers.plan import RemoteState
-from supervisor.tiers.remote import IntegrityError, RemoteTier, RemoteUnavailable, RemoteUntrusted
+from supervisor.tiers.remote import RemoteCorrupt, RemoteTier, RemoteUnavailable, RemoteUntrusted
 
 log = logging.getLogger("supervisor.tiers")
 
@@ -217,7 +217,7 @@ def _from_remote(root: Path, remote: RemoteTier, local: ResumeResult, emit: Emit
             t0 = time.monotonic()
             try:
                 ref = remote.download(v.step, root)
-            except IntegrityError as e:
+            except RemoteCorrupt as e:
                 _quarantine(remote, v.name, str(e), quarantined, emit)
                 continue
             except RemoteUntrusted as e:

@@ -7,18 +7,18 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from supervisor import slurm
-from supervisor.ioerrors import IO_RETRY_S
+from supervisor.format.notice import notice_signal
 from supervisor.options import NOT_NEGATIVE, POSITIVE, nested, option
+from supervisor.store.ioerrors import IO_RETRY_S
 from supervisor.watch.liveness import DEFAULT_LEARN_FLOOR_S, PhaseTimeouts
 from supervisor.watch.restart_policy import RestartPolicy
 
 # torchrun + gloo: a restarted group that reuses the agent's TCPStore hangs or fails to connect
 # (see docs/watchdog.md); set in the child's environment unless the operator set it.
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-# Set per launch (layout: supervisor/launches/<id>/): where a rank's @record writes the exception
-# that ended it, and torchrun's log dir (unless the operator set one), which holds each worker's.
-ELASTIC_ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+# Set per launch (layout: supervisor/launches/<id>/): where a rank's @record (or Resumable) writes
+# the exception that ended it, and torchrun's log dir (unless the operator set one), which holds
+# each worker's.
 ELASTIC_LOG_DIR_ENV = "PET_LOG_DIR"
 DEFAULT_POLL_S = 0.5
 DEFAULT_KILL_GRACE_S = 10.0
@@ -47,7 +47,7 @@ REMOTE = "remote tier (docs/tiers.md); pass the same --remote to the trainer"
 
 
 def parse_notice_signal(raw: str) -> signal.Signals:
-    return slurm.notice_signal(raw, "--notice-signal")
+    return notice_signal(raw, "--notice-signal")
 
 
 @dataclass(frozen=True)

@@ -41,19 +41,26 @@ from supervisor.format.heartbeat import (
     read_heartbeat_folder,
 )
 from supervisor.format.launches import FAILURES, LaunchRecord, Outcome
-from supervisor.format.layout import HEARTBEAT_DIR_ENV, RunDir, launch_id, node_local_base
+from supervisor.format.layout import (
+    ELASTIC_ERROR_FILE_ENV,
+    HEARTBEAT_DIR_ENV,
+    RunDir,
+    launch_id,
+    node_local_base,
+)
 from supervisor.format.runstatus import RunStatus
-from supervisor.ioerrors import StorageUnavailable, describe, retry_transient
+from supervisor.store.ioerrors import StorageUnavailable, describe, retry_transient
 from supervisor.watch import (
     detectors,
     launch_dirs,
     node_summary,
+    oom,
     process,
     recovery,
     restart_policy,
     rootcause,
 )
-from supervisor.watch.config import ELASTIC_ERROR_FILE_ENV, ELASTIC_LOG_DIR_ENV, SHARE_STORE_ENV, WatchConfig
+from supervisor.watch.config import ELASTIC_LOG_DIR_ENV, SHARE_STORE_ENV, WatchConfig
 from supervisor.watch.hangs import Hangs
 from supervisor.watch.monitor import SIGNAL_POLL_S, Ended, Monitor
 from supervisor.watch.picker import Picker
@@ -97,6 +104,7 @@ class Watchdog:
         self.states = StateFile(initial, cfg.root, self.log, self._publish)
         self.picker = Picker(cfg, self.log, self._io, self._pick_retry, self._sleep)
         self.standby = Standby(cfg.root, self.host, self.log, lambda n: self._start_launch(n, standby=True))
+        self.oom_kills: int | None = None  # the memory cgroup's OOM kills when the launch started
 
     @property
     def state(self) -> RunState:
@@ -264,6 +272,7 @@ class Watchdog:
 
     def _launch_once(self, monitor: Monitor, resumed_from: int | None) -> tuple[LaunchRecord, Ended]:
         number = self.state.launch_count + 1
+        self.oom_kills = oom.cgroup_oom_kills()
         launch_id, child = self.standby.take(number) or self._start_launch(number)
         if self.recovering is not None:
             self.recovering[Moment.PROCESS_STARTED] = child.started
@@ -300,9 +309,9 @@ class Watchdog:
         self.recovering = {Moment.DETECTED: ended.detected or killed, Moment.TREE_KILLED: killed}
         self.recovering.update(failed_at(ended, beats))
         cls = self._classify(ended, beats)
-        cause = self._root_cause(launch_id, number, beats) if cls.outcome in FAILURES else None
-        if cause is not None:
-            cls = replace(cls, reason=f"{cls.reason}; root cause {cause.describe()}")
+        cause = self._root_cause(launch_id, number, beats, ended.dead) if cls.outcome in FAILURES else ""
+        if cause:
+            cls = replace(cls, reason=f"{cls.reason}; root cause {cause}")
         if child.unreaped:
             cls = replace(
                 cls, reason=f"{cls.reason}; left behind, SIGKILL could not end: {'; '.join(child.unreaped)}"
@@ -435,11 +444,40 @@ class Watchdog:
         if self.publisher is not None:
             self.publisher.update(**facts)
 
-    def _root_cause(self, launch_id: str, number: int, beats: list[Heartbeat]) -> rootcause.RootCause | None:
-        """The exception that ended the launch, from torchelastic's error files (ranks that use
-        @record write them), as a root_cause event; None when no rank wrote one."""
+    def _root_cause(
+        self, launch_id: str, number: int, beats: list[Heartbeat], dead: list[detectors.DeadRank]
+    ) -> str:
+        """How the launch failed, as a root_cause event: the first rank to fail (by time: an
+        exception when it was raised, a kill at the rank's last beat) with its exception, from its
+        heartbeat or torchelastic's error file, or the signal that killed it (and the OOM killer's
+        word, where readable); the others' failures as its consequences. Without a rank known to
+        have failed, the launched command's own error file. '' when nothing is known."""
         run = RunDir.of(self.cfg.root)
         local = {b.local_rank: b.rank for b in beats if b.host == self.host}
+        causes, problems = rootcause.worker_causes(run.elastic_logs(launch_id), local)
+        unusable = f" (unusable: {'; '.join(problems)})" if problems else ""
+        after = oom.cgroup_oom_kills()
+
+        def killed(hb: Heartbeat) -> str:
+            kernel = oom.kernel_kill_line(hb.pid) if hb.host == self.host else ""
+            return oom.killed_note(hb.pid, kernel, self.oom_kills, after) or rootcause.KILLED
+
+        ends = rootcause.rank_ends(beats, {d.rank for d in dead}, causes, killed)
+        if ends:
+            line, first = rootcause.describe_ends(ends), ends[0]
+            self.log.emit(
+                EventName.ROOT_CAUSE,
+                f"launch {number}: root cause {line}{unusable}",
+                launch=number,
+                problems=problems,
+                rank=first.rank,
+                pid=first.pid,
+                step=first.step,
+                how=first.how,
+                signal=first.signal,
+                consequences=[e.describe() for e in ends[1:]],
+            )
+            return line
         cause, problems = rootcause.find_root_cause(
             run.error_file(launch_id), run.elastic_logs(launch_id), local
         )
@@ -447,10 +485,11 @@ class Watchdog:
         if cause is not None:
             msg = f"launch {number}: root cause {cause.describe()}{unusable}"
             self.log.emit(EventName.ROOT_CAUSE, msg, launch=number, problems=problems, **cause.fields())
-        elif problems:
+            return cause.describe()
+        if problems:
             msg = f"launch {number}: no root cause: error files unusable: {'; '.join(problems)}"
             self.log.emit(EventName.ROOT_CAUSE, msg, launch=number, problems=problems)
-        return cause
+        return ""
 
     def _classify(self, ended: Ended, beats: list[Heartbeat]) -> restart_policy.Classification:
         """A rank's deliberate exit code (non-retryable, requeue) wins: the deaths and hangs of

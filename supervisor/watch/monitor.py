@@ -137,9 +137,10 @@ class Monitor:
         return ended
 
     def _errored(self, launch_id: str, beats: list[Heartbeat]) -> set[int]:
-        """This host's ranks that wrote torchelastic's error file: they ended by an exception."""
+        """This host's ranks that recorded the exception that ended them (their last heartbeat,
+        torchelastic's error file): no clean exit."""
         local = rootcause.errored_local_ranks(RunDir.of(self.cfg.root).elastic_logs(launch_id))
-        return {b.rank for b in beats if b.host == self.host and b.local_rank in local}
+        return {b.rank for b in beats if b.host == self.host and (b.died_of or b.local_rank in local)}
 
     def _report_saves(self, beats: list[Heartbeat], seen: dict[int, int]) -> dict[int, int]:
         """save_failed / save_recovered events for what this node's ranks report."""

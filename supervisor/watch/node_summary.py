@@ -24,7 +24,7 @@ from supervisor.format import events
 from supervisor.format.heartbeat import Heartbeat, HeartbeatSnapshot, Phase, boot_id, read_heartbeat_folder
 from supervisor.format.layout import RunDir, job_key, node_heartbeat_dir
 from supervisor.format.nodesummary import RankProblem, SummaryHeader, stale_after, write_summary
-from supervisor.ioerrors import describe
+from supervisor.store.ioerrors import describe
 from supervisor.watch.liveness import Clock, PhaseTimeouts, rank_stale
 
 # At exit, how long to wait for the publisher thread (a write blocked on a hung shared
@@ -71,7 +71,7 @@ def build_summary(
         phases[hb.label] = phases.get(hb.label, 0) + 1
         steps.append(hb.step)
         stale, _ = rank_stale(hb, clock.age(hb), timeouts.for_beat(hb), current)
-        if stale or hb.exit_code is not None or hb.save_failures:
+        if stale or hb.exit_code is not None or hb.save_failures or hb.died_of:
             attention.append(hb.rank)
         else:
             fine.append(hb)

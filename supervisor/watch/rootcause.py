@@ -17,12 +17,14 @@ with a top-level ``timestamp``. Files are parsed as JSON, size-capped; nothing i
 from __future__ import annotations
 
 import json
+import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from supervisor.format.capped import read_capped
+from supervisor.format.heartbeat import Heartbeat
 from supervisor.format.layout import ELASTIC_ERROR
 
 MAX_ERROR_FILE_BYTES = 1 << 20  # a traceback; anything larger is not one of these files
@@ -40,6 +42,7 @@ class RootCause:
     local_rank: int | None = None  # from a worker's file's path
     timestamp: int = 0
     source: str = ""  # the file it was read from
+    at: float = 0.0  # when the file was written (its mtime: ``timestamp`` has whole seconds only)
 
     def describe(self) -> str:
         """'rank 1: ValueError: boom (train_ref/train.py:123)'."""
@@ -100,7 +103,7 @@ def parse_error_file(text: bytes | str) -> RootCause:
 def _read(path: Path) -> RootCause:
     """Capped (a TooLarge is a ValueError), regular files only: a FIFO planted there never blocks."""
     rc = parse_error_file(read_capped(path, MAX_ERROR_FILE_BYTES))
-    return replace(rc, source=str(path))
+    return replace(rc, source=str(path), at=os.stat(path).st_mtime)
 
 
 def errored_local_ranks(worker_logs: Path) -> set[int]:
@@ -110,14 +113,10 @@ def errored_local_ranks(worker_logs: Path) -> set[int]:
     return {int(p.parent.name) for p in paths if p.parent.name.isdigit()}
 
 
-def find_root_cause(
-    error_file: Path, worker_logs: Path, global_rank: Mapping[int, int]
-) -> tuple[RootCause | None, list[str]]:
-    """The launch's root cause: the earliest of its workers' error files under ``worker_logs``
-    (torchrun's rule; ``global_rank`` maps this host's local ranks to global ones, from their
-    heartbeats), else the
-    launched command's own ``error_file``; and one problem line per file that could not be used
-    (named, with why: the verdict says so rather than guess)."""
+def worker_causes(worker_logs: Path, global_rank: Mapping[int, int]) -> tuple[list[RootCause], list[str]]:
+    """Every worker's error file under ``worker_logs`` (``global_rank`` maps this host's local
+    ranks to global ones, from their heartbeats), and one problem line per file that could not be
+    used (named, with why)."""
     found: list[RootCause] = []
     problems: list[str] = []
     workers = sorted(worker_logs.glob(f"*/attempt_*/*/{ELASTIC_ERROR}")) if worker_logs.is_dir() else []
@@ -130,11 +129,84 @@ def find_root_cause(
         local = int(path.parent.name) if path.parent.name.isdigit() else None
         rank = global_rank.get(local) if local is not None else None
         found.append(replace(rc, rank=rank, local_rank=local))
+    return found, problems
+
+
+def find_root_cause(
+    error_file: Path, worker_logs: Path, global_rank: Mapping[int, int]
+) -> tuple[RootCause | None, list[str]]:
+    """The launch's root cause as the error files tell it: the earliest of its workers' under
+    ``worker_logs`` (torchrun's rule), else the launched command's own ``error_file``; and one
+    problem line per file that could not be used (the verdict says so rather than guess).
+    ``first_failures`` weighs them with the ranks that wrote none."""
+    found, problems = worker_causes(worker_logs, global_rank)
     if found:
-        return min(found, key=lambda r: (r.timestamp, r.local_rank or 0)), problems
+        return min(found, key=lambda r: (r.timestamp, r.at, r.local_rank or 0)), problems
     try:
         return _read(error_file), problems
     except FileNotFoundError:
         return None, problems
     except (OSError, ValueError) as e:
         return None, [*problems, f"{error_file}: {e}"]
+
+
+# What a rank gone without an exception and without an exit code died of, when nothing more is known.
+KILLED = (
+    "killed by a signal (no exception recorded, no exit code): SIGKILL (signal 9)? the OOM killer "
+    "or an operator"
+)
+
+
+@dataclass(frozen=True)
+class RankEnd:
+    """How one rank of a failed launch ended, and when: of an exception (its last heartbeat's
+    ``died_of``, or its error file) at ``t``; or, gone with neither and without an exit code,
+    killed by a signal (``signal``) some time after ``t``, its last beat. Every rank that beats runs
+    Resumable, which records an uncaught exception in both (supervisor/resumable/_signals.py):
+    nothing else ends a Python process without one."""
+
+    rank: int
+    pid: int
+    step: int
+    t: float
+    how: str
+    signal: bool = False
+
+    def describe(self) -> str:
+        """'rank 1 (pid 77) at step 18: RuntimeError: boom (t.py:40)'."""
+        return f"rank {self.rank} (pid {self.pid}) at step {self.step}: {self.how}"
+
+
+def rank_ends(
+    beats: Iterable[Heartbeat],
+    gone: Collection[int],
+    causes: Iterable[RootCause] = (),
+    killed: Callable[[Heartbeat], str] = lambda hb: KILLED,
+) -> list[RankEnd]:
+    """How each rank that failed ended: those ``gone`` (vanished without an exit code), and those
+    whose heartbeat or error file names the exception that ended them; ``killed`` says what is
+    known of a rank killed by a signal (the OOM killer's word, when readable). First to fail
+    first: an exception at its time, a signal at its rank's last beat, the earliest it can have
+    struck (so a kill is never ranked after the error it caused in its peers), ties to the signal."""
+    by_rank = {c.rank: c for c in causes if c.rank is not None}
+    ends = []
+    for hb in beats:
+        cause = by_rank.get(hb.rank)
+        if hb.died_of:
+            ends.append(RankEnd(hb.rank, hb.pid, hb.step, hb.wall_time, hb.died_of))
+        elif cause is not None:
+            what = f"{cause.type}: {cause.message}" if cause.type else cause.message
+            at = f" ({cause.file}:{cause.line})" if cause.file else ""
+            ends.append(RankEnd(hb.rank, hb.pid, hb.step, cause.at or hb.wall_time, what + at))
+        elif hb.rank in gone:
+            ends.append(RankEnd(hb.rank, hb.pid, hb.step, hb.wall_time, killed(hb), signal=True))
+    return sorted(ends, key=lambda e: (e.t, not e.signal, e.rank))
+
+
+def describe_ends(ends: Sequence[RankEnd]) -> str:
+    """The first failure, then the others as its consequences, in one line."""
+    if not ends:
+        return ""
+    first, rest = ends[0], ends[1:]
+    then = f"; then, as a consequence: {'; '.join(e.describe() for e in rest)}" if rest else ""
+    return first.describe() + then

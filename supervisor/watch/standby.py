@@ -13,7 +13,7 @@ from supervisor.format.eventnames import EventName
 from supervisor.format.events import EventLog
 from supervisor.format.heartbeat import Heartbeat, Mark
 from supervisor.format.layout import RunDir
-from supervisor.ioerrors import describe
+from supervisor.store.ioerrors import describe
 from supervisor.watch import process
 
 # Starts launch N as a standby: its id and process.

@@ -13,7 +13,7 @@ from supervisor.format import confined, events
 from supervisor.format.eventnames import EventName
 from supervisor.format.events import EventLog, RunState
 from supervisor.format.runstatus import RunStatus, check_move
-from supervisor.ioerrors import describe
+from supervisor.store.ioerrors import describe
 
 T = TypeVar("T")
 Publish = Callable[..., None]  # news for the node summary: field=value

@@ -1,10 +1,10 @@
 """Retention: which checkpoints, leftovers and quarantined checkpoints may go, and ``prune``, which
-removes them. Re-exported by supervisor/store.py (callers use ``store.prune``).
+removes them. Re-exported by supervisor/store/ (callers use ``store.prune``).
 
 Space comes back from what nobody can use first: tmp dirs of dead writers (on this host a dead pid
 is proof at once; on another host only an hour of silence is), then the oldest quarantined
 checkpoints beyond the quarantine's own retention, then valid checkpoints the ``RetentionPolicy``
-does not keep (supervisor/retention_policy.py, re-exported here). Nothing that could not be read is
+does not keep (supervisor/store/retention_policy.py, re-exported here). Nothing that could not be read is
 ever deleted or quarantined; nothing is hashed under the lock.
 """
 
@@ -18,14 +18,6 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from supervisor.checkpoints import (
-    StoreError,
-    list_checkpoints,
-    quarantine_locked,
-    require_root,
-    root_lock,
-    validate,
-)
 from supervisor.format import confined
 from supervisor.format.atomic import atomic_write_json, fsync_dir, hostname, pid_alive
 from supervisor.format.capped import RECORD_MAX, TooLarge, read_capped
@@ -40,8 +32,16 @@ from supervisor.format.layout import (
     parse_tmp,
     safe_host,
 )
-from supervisor.ioerrors import Evidence
-from supervisor.retention_policy import (
+from supervisor.store.checkpoints import (
+    StoreError,
+    list_checkpoints,
+    quarantine_locked,
+    require_root,
+    root_lock,
+    validate,
+)
+from supervisor.store.ioerrors import Evidence
+from supervisor.store.retention_policy import (
     DEFAULT_KEEP,
     MIN_KEEP,
     Candidate,

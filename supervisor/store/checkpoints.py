@@ -1,9 +1,9 @@
 """Committed checkpoints: discovery, validation with its evidence, the ``latest`` pointer,
-quarantine, and the root's lock. The base of the store (supervisor/store.py re-exports all of it;
+quarantine, and the root's lock. The base of the store (supervisor/store/ re-exports all of it;
 callers use ``store.<name>``).
 
 Validation never raises OSError: what it could not read makes the checkpoint UNKNOWN (retried by
-``pick``, never quarantined); only content evidence makes it CORRUPT (supervisor/ioerrors.py).
+``pick``, never quarantined); only content evidence makes it CORRUPT (supervisor/store/ioerrors.py).
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from supervisor.errors import UserError
+from supervisor.errors import UserError, refine
 from supervisor.format import confined
 from supervisor.format.atomic import atomic_write_text, fsync_dir
 from supervisor.format.capped import MANIFEST_MAX, RECORD_MAX, TooLarge, file_kind_problem, read_capped
+from supervisor.format.exitcodes import Exit
 from supervisor.format.layout import (
     MANIFEST,
     QUARANTINE_DELETING_PREFIX,
@@ -43,7 +44,7 @@ from supervisor.format.manifest import (
     list_files,
     parse_manifest,
 )
-from supervisor.ioerrors import Evidence, describe, evidence_of, is_transient
+from supervisor.store.ioerrors import Evidence, describe, evidence_of, is_transient
 
 if TYPE_CHECKING:
     from filelock import BaseFileLock
@@ -60,6 +61,8 @@ class StoreError(UserError):
 
 class MismatchError(StoreError):
     """The newest valid checkpoint was made with another model config or data: not corruption."""
+
+    codes = refine(StoreError.codes, trainer=Exit.MISMATCH)
 
 
 @dataclass(frozen=True)

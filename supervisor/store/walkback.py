@@ -1,49 +1,40 @@
-"""The checkpoint store: commit protocol, walk-back (pick); discovery, validation and quarantine
-(supervisor/checkpoints.py) and retention (supervisor/retention.py) are re-exported here, so
-callers use ``store.<name>`` for all of it.
-
-Commit: the writer fills ``step_N.tmp.<pid>.<host>/``, then ``commit`` fsyncs every file, checks
-that every rank's reported files are there, writes ``manifest.json`` last, fsyncs, renames the
-directory to ``step_N/``, fsyncs the root, and only then points ``latest`` at it (tmp file, fsync,
-``os.replace``, fsync dir) under the root's lock. A crash at any point leaves the old state or the
-new one: a tmp dir is never listed, and a directory without a valid manifest is never picked.
+"""The walk-back before a resume: ``pick`` chooses the newest *valid* checkpoint, quarantining the
+corrupt ones it walks past (content evidence only), and points ``latest`` at it; ``rollback`` and
+``quarantine_step`` move checkpoints aside by hand.
 
 Mutations (pointer update, quarantine, prune) hold the root's file lock; readers take no lock, so
-every mutation a reader can see is one rename: commit renames tmp -> final, quarantine moves the
-whole directory, prune renames a checkpoint to ``step_N.deleting.*`` before removing its files.
-Nothing is hashed under the lock (deep checksums in ``pick`` run before it is taken), and files
-are removed after it is released, so a trainer's commit never waits behind a login-node command.
+every mutation a reader can see is one rename. Nothing is hashed under the lock (deep checksums run
+before it is taken), so a trainer's commit never waits behind a login-node command.
 
-An error that is not proof of corruption (supervisor/ioerrors.py) makes a checkpoint unknown:
-``pick`` retries the whole walk for ``io_retry_s``, then raises StorageUnavailable; it never
-quarantines for it and never gives up the run's progress without being told to.
+An error that is not proof of corruption (ioerrors.py) makes a checkpoint unknown: ``pick`` retries
+the whole walk for ``io_retry_s``, then raises StorageUnavailable; it never quarantines for it and
+never gives up the run's progress without being told to.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from supervisor.checkpoints import (
-    LOCK_TIMEOUT_S,
-    REASON_LOST,
+from supervisor.errors import refine
+from supervisor.format.exitcodes import Exit
+from supervisor.format.layout import parse_committed, step_dirname
+from supervisor.format.manifest import (
+    ProgressFn,
+)
+from supervisor.store.checkpoints import (
     CheckpointRef,
     Expectation,
-    MismatchError,
-    QuarantinedRef,
     StoreError,
     Verdict,
     backfill_reasons,
     check_compatible,
-    check_files,
-    file_lock,
     identity,
     latest_raw,
     list_checkpoints,
     list_quarantined,
-    quarantine,
     quarantine_locked,
     read_latest,
     require_root,
@@ -51,106 +42,14 @@ from supervisor.checkpoints import (
     validate,
     write_latest,
 )
-from supervisor.format import confined
-from supervisor.format.atomic import fsync_dir, fsync_tree, hostname
-from supervisor.format.confined import remove_tree
-from supervisor.format.layout import MANIFEST, parse_committed, step_dirname, tmp_dirname
-from supervisor.format.manifest import (
-    CheckpointInfo,
-    FileEntry,
-    ProgressFn,
-    build_manifest,
-    file_sizes,
-    writers_problem,
-)
-from supervisor.ioerrors import IO_RETRY_S, Evidence, StorageUnavailable, retry_transient
-from supervisor.retention import (
-    DEFAULT_KEEP,
-    MIN_KEEP,
-    QUARANTINE_KEEP,
-    STALE_TMP_AFTER_S,
-    Candidate,
-    KeepReason,
-    PruneResult,
-    QuarantineEntry,
-    RetentionPolicy,
-    TmpRef,
-    disk_usage,
-    list_deleting,
-    list_tmp,
-    plan_quarantine,
-    plan_retention,
-    prune,
-    read_policy,
-    record_policy,
-    tmp_is_stale,
-)
-
-__all__ = [
-    "DEFAULT_KEEP",
-    "IO_RETRY_S",
-    "LOCK_TIMEOUT_S",
-    "MIN_KEEP",
-    "QUARANTINE_KEEP",
-    "REASON_LOST",
-    "STALE_TMP_AFTER_S",
-    "Candidate",
-    "CheckpointRef",
-    "Evidence",
-    "Expectation",
-    "IncompleteCommit",
-    "KeepReason",
-    "MismatchError",
-    "NoUsableCheckpoint",
-    "PickResult",
-    "PruneResult",
-    "QuarantineEntry",
-    "QuarantinedRef",
-    "RetentionPolicy",
-    "RollbackResult",
-    "StorageUnavailable",
-    "StoreError",
-    "TmpRef",
-    "Verdict",
-    "begin",
-    "check_compatible",
-    "check_files",
-    "commit",
-    "disk_usage",
-    "file_lock",
-    "list_checkpoints",
-    "list_deleting",
-    "list_quarantined",
-    "list_tmp",
-    "no_usable_message",
-    "pick",
-    "plan_quarantine",
-    "plan_retention",
-    "prune",
-    "quarantine",
-    "quarantine_step",
-    "read_latest",
-    "read_policy",
-    "record_policy",
-    "remove_tree",
-    "require_root",
-    "rollback",
-    "root_lock",
-    "tmp_is_stale",
-    "unreadable_fix",
-    "validate",
-    "write_latest",
-]
-
-
-class IncompleteCommit(StoreError):
-    """A rank's reported file is not in the committing process's view (or not at its size):
-    nothing was committed; the message names the rank and the file."""
+from supervisor.store.ioerrors import IO_RETRY_S, Evidence, retry_transient
 
 
 class NoUsableCheckpoint(StoreError):
     """No valid checkpoint, but the run has history (quarantined or unusable checkpoints): starting
     from step 0 would silently drop its progress. ``result`` is what the pick did."""
+
+    codes = refine(StoreError.codes, command=Exit.FOUND_PROBLEM, trainer=Exit.NO_USABLE_CHECKPOINT)
 
     def __init__(self, msg: str, result: PickResult):
         super().__init__(msg)
@@ -168,100 +67,6 @@ class PickResult:
     dry_run: bool = False
     # With a signing key: (name, reason) of the checkpoints skipped as untrusted, newest first.
     untrusted: tuple[tuple[str, str], ...] = ()
-
-
-# ---------------------------------------------------------------- commit protocol
-
-
-def begin(root: str | Path, step: int) -> Path:
-    """Create and return the tmp dir the writer fills for ``step``.
-
-    Nothing is synced here: a tmp dir lost in a crash loses only a save that was not committed,
-    and ``commit`` syncs the tmp dir before renaming it and the root after. A sync here sat in
-    the training loop's path (an async save's call) and, on ext4, waits for the journal to commit
-    the data of every file written since the last one, any file: 31 ms median with 64 MB left
-    unsynced beside it, 0.3 ms without."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)  # the root itself: the user's to choose
-    tmp = root / tmp_dirname(step, os.getpid(), hostname())
-    if os.path.lexists(tmp):  # this pid's own leftover (through no link: a planted one is refused)
-        remove_tree(root, tmp)
-    confined.make_dirs(root, tmp)
-    return tmp
-
-
-def commit(  # noqa: PLR0913  keyword-only options, each for one kind of caller
-    root: str | Path,
-    tmp_dir: str | Path,
-    info: CheckpointInfo,
-    *,
-    known: Mapping[str, FileEntry] | None = None,
-    writers: Mapping[int, Collection[str]] | None = None,
-    on_phase: Callable[[str], None] | None = None,
-    sign_key: bytes | None = None,
-    digests: Mapping[str, str] | None = None,
-    files_synced: bool = False,
-) -> CheckpointRef:
-    """Make ``tmp_dir`` the committed checkpoint ``step_N`` (N = ``info.step``) and point ``latest``
-    at it; ``info`` is what its manifest records besides the files.
-
-    ``writers`` (rank -> the files it wrote, relative to the tmp dir) is recorded in the manifest;
-    every rank of ``world_size`` must have reported a file and every reported file must be in this
-    process's view of the tmp dir, at the size in ``known`` when it is there, else
-    IncompleteCommit and nothing is committed (the tmp dir is left as it is, for the caller to
-    remove or a person to inspect). ``on_phase`` is called with "fsync", "manifest", "rename",
-    "latest": crash-injection tests use it to die at every point of the protocol.
-
-    ``sign_key``: also write ``manifest.sig`` after the manifest (supervisor/signing.py), with the
-    SHA-256 of every file (``digests`` holds those already computed, e.g. by a download).
-
-    ``files_synced``: every file's writer fsynced it before reporting (the trainer's ranks do, in
-    parallel), so only the directory entries are synced here. One process fsyncing every rank's
-    files in turn cost ~4 ms a file even when clean (a cache flush each): 30 s at 4,096 ranks
-    (bench/commit_scale.py).
-    """
-    root, tmp, step = Path(root), Path(tmp_dir), info.step
-    phase = on_phase or (lambda _p: None)
-    phase("fsync")
-    fsync_tree(tmp, files=not files_synced)
-    phase("manifest")
-    sizes = file_sizes(tmp)
-    problem = writers_problem(writers, info.world_size, sizes, known) if writers is not None else ""
-    if problem:
-        raise IncompleteCommit(
-            f"{tmp}: {problem} as this process (pid {os.getpid()} on {hostname()}) sees it; "
-            f"step {step} not committed: check that every rank writes to the same shared file system"
-        )
-    manifest = build_manifest(tmp, info, known=known, writers=writers, sizes=sizes)
-    manifest_bytes = manifest.to_json().encode()
-    confined.write_new(root, tmp / MANIFEST, manifest_bytes)
-    if sign_key is not None:
-        from supervisor.signing import write_signature
-
-        write_signature(root, tmp, manifest_bytes, manifest.files, sign_key, digests)
-    fsync_dir(tmp)
-    final = root / step_dirname(step)
-    with root_lock(root):
-        if os.path.lexists(final):
-            old = validate(CheckpointRef(step, final), key=sign_key)  # kept, and what it was said
-            quarantine_locked(root, CheckpointRef(step, final), replaced_reason(old))
-        phase("rename")
-        confined.rename(root, tmp, final)
-        fsync_dir(root)
-        phase("latest")
-        newest = next(iter(list_checkpoints(root)), None)
-        if newest is None or newest.step <= step:
-            write_latest(root, final.name)
-    return CheckpointRef(step, final)
-
-
-def replaced_reason(old: Verdict) -> str:
-    """Why a committed checkpoint is moved aside by a new commit of its step, with what it was:
-    a checkpoint skipped as untrusted or found corrupt keeps that evidence in its reason.txt."""
-    why = "replaced by a new commit of the same step"
-    if old.ok:
-        return f"{why} (it passed its quick check{', signed' if old.signature else ''})"
-    return f"{why}; it was {old.evidence.value}: {old.reason}"
 
 
 # ---------------------------------------------------------------- pick

@@ -31,7 +31,7 @@ from supervisor import store
 from supervisor.format.atomic import atomic_write_bytes
 from supervisor.format.capped import CACHE_MAX, read_capped
 from supervisor.format.layout import RunDir
-from supervisor.ioerrors import Evidence
+from supervisor.store.ioerrors import Evidence
 
 # 2: the key hashes the entries' marshal bytes (their repr in 1: 5x slower, 5 ms of 500 checkpoints)
 CACHE_VERSION = 2

@@ -4,7 +4,7 @@ Pure: one frozen ``RetentionPolicy`` (the newest N, every M-th step, one per per
 the best K by a metric, or all), ``plan_retention`` (checkpoint facts + policy -> kept steps with
 their reasons), and the one place that turns command-line flags into a policy
 (``add_retention_args`` / ``policy_from_args``: `ckpt prune`, `ckpt list`, and any trainer).
-``supervisor/retention.py`` applies it on disk and re-exports it.
+``supervisor/store/retention.py`` applies it on disk and re-exports it.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any
 
-from supervisor.checkpoints import StoreError
 from supervisor.format.manifest import Manifest
+from supervisor.store.checkpoints import StoreError
 
 DEFAULT_KEEP = 3
 MIN_KEEP = 2

@@ -21,6 +21,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, TypeVar
 
 from supervisor.backoff import Backoff
+from supervisor.errors import StorageError
 from supervisor.format.capped import NotRegular, TooLarge
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ class Evidence(str, Enum):
     UNTRUSTED = "untrusted"
 
 
-class StorageUnavailable(Exception):
+class StorageUnavailable(StorageError):
     """Transient I/O errors outlasted the retry window; ``str(e)`` is one line naming the path,
     the errno, how long it was retried and the fix."""
 
