@@ -56,9 +56,23 @@ def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
+MADE: list[Resumable] = []  # this test's Resumables, left as a process that exits would leave them
+
+
+@pytest.fixture(autouse=True)
+def _stop_what_was_made() -> Iterator[None]:
+    """A Resumable that resumed and never reached step_end watches every DataLoader iterated in
+    the process (its loader check): stopped here, newest first, so no later test meets it."""
+    yield
+    while MADE:
+        r = MADE.pop()
+        r._loader_check.stop()
+        r._ckpt.close()
+
+
 def resumable(root: Path, key: bytes | None = None, verify: str = "deep") -> Resumable:
     model, opt = _model()
-    return Resumable(
+    r = Resumable(
         root,
         {"model": model, "optimizer": opt},
         steps=STEPS,
@@ -66,6 +80,8 @@ def resumable(root: Path, key: bytes | None = None, verify: str = "deep") -> Res
         saves=Saves(every_steps=2, async_save=False),
         options=ResumeOptions(verify=verify, sign_key=key, io_retry_s=0.0),
     )
+    MADE.append(r)
+    return r
 
 
 def train(r: Resumable, until: int = STEPS) -> str | None:
