@@ -1,11 +1,27 @@
-"""Output for a person: aligned tables, ages as "12s ago", sizes, a progress bar on a terminal."""
+"""Output for a person: aligned tables, ages as "12s ago", sizes, a progress bar on a terminal,
+and ``printable``, which every line shown to a person goes through."""
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from collections.abc import Sequence
 from typing import TextIO
+
+# What a terminal acts on instead of showing: C0 controls but newline and tab (ESC starts colour,
+# cursor moves, window titles, OSC 52 clipboard writes), DEL, C1 controls (U+009B is a one-byte
+# CSI), and the bidirectional overrides that reorder what a line seems to say.
+_UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """``text`` as a terminal shows it harmlessly: every character a terminal would act on
+    (``_UNPRINTABLE``: ESC sequences in a heartbeat's host, a state's reason, a manifest field)
+    written as its escape (``\\x1b``), and a lone surrogate (JSON's ``"\\ud800"``, which a
+    terminal's encoding refuses) as ``\\ud800``; newlines and tabs kept."""
+    out = _UNPRINTABLE.sub(lambda m: repr(m.group())[1:-1], text)
+    return out.encode("utf-8", "backslashreplace").decode("utf-8") if not out.isascii() else out
 
 
 def human_bytes(n: float) -> str:

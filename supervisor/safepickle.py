@@ -10,9 +10,15 @@ resolves through ``find_class``. So both readers here resolve only ``DCP_METADAT
 - ``check`` (torch-free, used by deep validation and ``ckpt verify --deep``) resolves each allowed
   name to an inert placeholder and refuses any other name: nothing in the file is ever called,
   and torch is never imported.
-- ``load_restricted`` (the trainer's ``SafeFileSystemReader``) resolves the allowed names to the
-  real classes and refuses any other, so the object DCP gets is the one ``pickle.load`` would have
-  built, and a tampered file fails at the first foreign name, before anything of it runs.
+- ``load_restricted`` (the trainer's ``SafeFileSystemReader``) runs ``check`` on the bytes it
+  then loads, resolving the allowed names to the real classes: the object DCP gets is the one
+  ``pickle.load`` would have built, and a tampered file fails before anything of it runs.
+
+Naming only allowed globals is not enough: pickle's BUILD sets attributes on whatever is on its
+stack, and a global *is* the real class (or function) there. A ``.metadata`` that builds state
+onto ``pathlib.PosixPath`` replaces its ``__truediv__`` for the whole process. So ``check`` lets a
+pickle set state only on an instance it built itself: never on a class or function it named, nor
+on what an Enum or ``_get_layout`` returns (a member, a layout: objects the process shares).
 
 The allowlist was read off the ``.metadata`` of real DDP, FSDP2 and resharded checkpoints of the
 reference trainer (tests/test_security_pickle.py keeps it that way); every torch dtype is in it
@@ -23,7 +29,7 @@ from __future__ import annotations
 
 import io
 import pickle
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from supervisor.errors import IntegrityError
 
@@ -71,21 +77,68 @@ def refusal(label: str, module: str, name: str) -> UnsafePickle:
 
 # ---------------------------------------------------------------- torch-free check
 
+# Allowed callables whose call returns an object the whole process shares, not a new one: an
+# Enum's member, a torch layout. A pickle may set state only on what it built itself.
+_SHARED_RESULTS = frozenset(
+    {(f"{_DCP}.metadata", "_MEM_FORMAT_ENCODING"), ("torch.serialization", "_get_layout")}
+)
 
-class _Inert:
-    """Stands for an allowed global: takes any arguments and any state, runs nothing."""
 
-    def __new__(cls, *_args: Any, **_kwargs: Any) -> _Inert:
-        return object.__new__(cls)
+# Allowed classes whose own ``__setstate__`` takes what BUILD gives it (TensorProperties pickles its
+# fields as a tuple): their placeholder takes any state too.
+_OWN_SETSTATE = frozenset({(f"{_DCP}.metadata", "TensorProperties")})
+
+
+class _SharedState(Exception):
+    """A pickle sets state (BUILD) on a class, function or shared object, not on an instance of
+    its own making: in the real load that would change it for the whole process."""
+
+    def __init__(self, what: str):
+        super().__init__(what)
+        self.what = what
+
+
+class _Fixed(type):
+    """The placeholders' metaclass: no attribute of a placeholder class can be set. BUILD with a
+    slot state sets attributes of whatever it is given, and in the real load that is the real
+    class (``PosixPath.__truediv__``); a dict state on a class fails by itself (its ``__dict__``
+    cannot be written)."""
+
+    real = ""  # module.name of the global a placeholder stands for
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        raise _SharedState(cls.real)
+
+
+class _Inert(metaclass=_Fixed):
+    """Stands for an allowed global: takes any arguments, and any state on an instance of its own
+    making (pickle's BUILD fills the instance's ``__dict__`` in C: no Python runs per object, so
+    the check costs about what the real load does), runs nothing."""
 
     def __init__(self, *_args: Any, **_kwargs: Any) -> None:
         pass
 
-    def __setstate__(self, _state: Any) -> None:
-        pass
+
+def _takes_any_state(self: _Inert, _state: Any) -> None:
+    """A placeholder's ``__setstate__`` where the real class has its own: any state, on an
+    instance (on the class, called with the state alone, it fails: refused)."""
 
 
-_PLACEHOLDERS = {g: type(f"Inert_{g[1]}", (_Inert,), {"__module__": __name__}) for g in DCP_METADATA_GLOBALS}
+def _shared(self: _Inert, _state: Any = None) -> None:
+    """The ``__setstate__`` of what a call of a ``_SHARED_RESULTS`` global returns: refused."""
+    raise _SharedState(f"what {getattr(type(self), 'real', 'an allowed global')}() returns")
+
+
+def _placeholder(g: tuple[str, str]) -> type[_Inert]:
+    body: dict[str, Any] = {"__module__": __name__, "real": f"{g[0]}.{g[1]}"}
+    if g in _SHARED_RESULTS:
+        body["__setstate__"] = _shared
+    elif g in _OWN_SETSTATE:
+        body["__setstate__"] = _takes_any_state
+    return cast("type[_Inert]", _Fixed(f"Inert_{g[1]}", (_Inert,), body))
+
+
+_PLACEHOLDERS = {g: _placeholder(g) for g in DCP_METADATA_GLOBALS}
 
 
 class _CheckingUnpickler(pickle.Unpickler):
@@ -106,16 +159,22 @@ class _CheckingUnpickler(pickle.Unpickler):
 
 
 def check(data: bytes, label: str) -> None:
-    """Raise UnsafePickle when ``data`` names a global outside the allowlist, or fails after one
-    was resolved (a placeholder may then have steered it away from what ``pickle.load`` would do,
-    so what follows is unknown: refused). A file that fails before naming any global is harmless
-    to ``pickle.load`` too (it fails at the same opcode, having called nothing): that is the
-    checksums' business, not this check's. Never calls anything the file names."""
+    """Raise UnsafePickle when ``data`` names a global outside the allowlist, sets state on
+    anything but an instance it built (a class, a function, a shared object: pickle's BUILD would
+    change it for the whole process), or fails after a global was resolved (a placeholder may
+    then have steered it away from what ``pickle.load`` would do, so what follows is unknown:
+    refused). A file that fails before naming any global is harmless to ``pickle.load`` too (it
+    fails at the same opcode, having called nothing): that is the checksums' business, not this
+    check's. Never calls anything the file names."""
     u = _CheckingUnpickler(io.BytesIO(data), label)
     try:
         u.load()
     except UnsafePickle:
         raise
+    except _SharedState as e:
+        raise UnsafePickle(
+            f"{label}: sets attributes of {e.what}, which the whole process shares ({WHY})"
+        ) from None
     except Exception as e:  # a broken pickle raises anything: UnpicklingError, EOFError, TypeError...
         if u.first_global is not None:
             module, name = u.first_global
@@ -141,7 +200,11 @@ class _RestrictedUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{self.label}: persistent ids are not part of DCP metadata")
 
 
-def load_restricted(f: IO[bytes], label: str) -> Any:
-    """``pickle.load(f)`` that resolves only the allowlist (the real classes); UnsafePickle at the
-    first other name, before anything the file names has run."""
-    return _RestrictedUnpickler(f, label).load()
+def load_restricted(data: bytes, label: str) -> Any:
+    """``pickle.loads(data)`` that resolves only the allowlist (the real classes): ``check``ed
+    first, on these same bytes, so UnsafePickle before anything the file names has run, and
+    before a BUILD could set attributes of a real class (``PosixPath.__truediv__``), function
+    or shared object for the whole process; then loaded. A file that fails to parse raises what
+    ``pickle.loads`` raises (the caller names it)."""
+    check(data, label)
+    return _RestrictedUnpickler(io.BytesIO(data), label).load()

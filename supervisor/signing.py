@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor.errors import UserError
+from supervisor.format import confined
 from supervisor.format.layout import SIGNATURE
 from supervisor.format.manifest import hash_files
 
@@ -111,7 +112,7 @@ def verify(manifest_bytes: bytes, sig_bytes: bytes | None, names: Collection[str
     if d.get("key_id") != mine:
         raise Untrusted(BAD, f"signed with another key (key id {d.get('key_id')}; this key is {mine})")
     given = d.pop("hmac")
-    if not hmac.compare_digest(given, _mac(key, d)):
+    if not _same(given, _mac(key, d)):
         raise Untrusted(BAD, f"{SIGNATURE}'s HMAC does not verify: it was altered, or made without this key")
     if d.get("manifest_sha256") != hashlib.sha256(manifest_bytes).hexdigest():
         raise Untrusted(BAD, "manifest.json was changed after it was signed")
@@ -122,10 +123,16 @@ def verify(manifest_bytes: bytes, sig_bytes: bytes | None, names: Collection[str
     return Signature(mine, d["manifest_sha256"], files)
 
 
+def _same(given: str, expected: str) -> bool:
+    """``hmac.compare_digest`` of two strings as UTF-8: it refuses a ``str`` with non-ASCII
+    characters (TypeError), which a signature file can hold."""
+    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), expected.encode())
+
+
 def check_digests(sig: Signature, actual: Mapping[str, str]) -> None:
     """The deep check: every file's SHA-256 is the signed one. Raises Untrusted naming the file."""
     for name, digest in sorted(actual.items()):
-        if not hmac.compare_digest(sig.files.get(name, ""), digest):
+        if not _same(sig.files.get(name, ""), digest):
             raise Untrusted(
                 BAD, f"{name}'s {DIGEST_ALGO} differs from the signed one: its bytes were replaced"
             )
@@ -139,20 +146,19 @@ def digest_files(ckpt_dir: Path, names: Iterable[str]) -> dict[str, str]:
 
 
 def write_signature(
+    root: Path,
     ckpt_dir: Path,
     manifest_bytes: bytes,
     names: Collection[str],
     key: bytes,
     known: Mapping[str, str] | None = None,
 ) -> None:
-    """Sign a checkpoint being committed: digests of ``names`` (``known`` ones reused: a download
-    computed them while verifying), then ``manifest.sig``, fsynced. The caller fsyncs the directory."""
+    """Sign a checkpoint being committed in the run directory ``root``: digests of ``names``
+    (``known`` ones reused: a download computed them while verifying), then ``manifest.sig``,
+    fsynced, written through no link (confined.py). The caller fsyncs the directory."""
     known = {n: d for n, d in (known or {}).items() if n in names}
     digests = {**known, **digest_files(ckpt_dir, set(names) - set(known))}
-    with open(ckpt_dir / SIGNATURE, "wb") as f:
-        f.write(sign(manifest_bytes, digests, key))
-        f.flush()
-        os.fsync(f.fileno())
+    confined.write_new(root, ckpt_dir / SIGNATURE, sign(manifest_bytes, digests, key))
 
 
 # ---------------------------------------------------------------- the key

@@ -83,7 +83,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="hold inside the save, beating as a rank waiting for its peers does (no progress)",
     )
-    p.add_argument("--fault", choices=("crash", "stop", "exit", "startup-hang", "read"), default=None)
+    p.add_argument(
+        "--fault", choices=("crash", "stop", "exit", "startup-hang", "read", "quarantine"), default=None
+    )
     p.add_argument("--fault-step", type=int, default=0)
     p.add_argument("--fault-rank", type=int, default=0, help="rank 0 saves: its faults follow its commits")
     p.add_argument("--fault-code", type=int, default=1)
@@ -227,6 +229,11 @@ def worker(a: argparse.Namespace, rank: int) -> int:
                 read_file(a.root, a.read_file, step, hb)
             if a.fault == "crash":
                 os._exit(1)
+            if a.fault == "quarantine":  # as a rank whose load found its checkpoint corrupt
+                newest = store.list_checkpoints(a.root)[0]
+                store.quarantine(a.root, newest, f"{newest.name}: a record failed at load (fake trainer)")
+                hb.beat(step, Phase.LOAD, exit_code=1)
+                return 1
             if a.fault == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
             if a.fault == "exit":

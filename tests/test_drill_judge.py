@@ -572,9 +572,15 @@ def test_storage_scenarios_run_when_asked_for():
     assert (
         not set(chosen(None, False)) & {k.value for k in STORAGE_KINDS} and chosen(None, False)[-1] == CHAOS
     )
-    assert chosen(None, True)[-3:] == ["io-error", "disk-full", "slow-storage"]
-    assert chosen(["storage"], False) == ["io-error", "disk-full", "slow-storage"]
-    assert chosen(["kill9", "disk-full"], True) == ["kill9", "disk-full", "io-error", "slow-storage"]
+    assert chosen(None, True)[-4:] == ["io-error", "disk-full", "slow-storage", "hostile"]
+    assert chosen(["storage"], False) == ["io-error", "disk-full", "slow-storage", "hostile"]
+    assert chosen(["kill9", "disk-full"], True) == [
+        "kill9",
+        "disk-full",
+        "io-error",
+        "slow-storage",
+        "hostile",
+    ]
     assert driver_for([IO_ERROR]).kinds == {Kind.IO_ERROR} and driver_for([HUNG]) is None
 
 

@@ -177,7 +177,7 @@ from supervisor.drill.rank_faults import DrillFaults, When
 from supervisor.resumable._signals import PreemptionFlag, register_stack_dump
 flag = PreemptionFlag()
 flag.install()
-stacks = register_stack_dump(Path(sys.argv[1]))
+stacks = register_stack_dump(Path(sys.argv[1]), Path(sys.argv[1]).parent)
 DrillFaults.from_env(1, sys.argv[2]).maybe_hang(37, When.STEP)
 print("ran on past step 37", flush=True)
 """

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from supervisor.format.capped import read_capped
 from supervisor.format.heartbeat import (
     ENV_LAUNCH_ID,
     ENV_RESTART_COUNT,
@@ -20,7 +21,6 @@ from supervisor.format.heartbeat import (
     parse_heartbeat,
     read_heartbeat,
     read_heartbeats,
-    read_small,
     write_heartbeat,
 )
 from supervisor.format.layout import RunDir
@@ -85,11 +85,11 @@ def test_bad_files_read_as_unknown_with_a_reason(tmp_path: Path, content: bytes,
 
 
 @pytest.mark.parametrize("size", [0, 1, (1 << 16) - 1, 1 << 16, (1 << 16) + 1, 3 << 16])
-def test_read_small_reads_a_file_whole_at_any_size(tmp_path: Path, size: int) -> None:
+def test_read_capped_reads_a_file_whole_at_any_size(tmp_path: Path, size: int) -> None:
     """One read per small file: it must still read on past a read that filled its buffer."""
     data = os.urandom(size)
     (tmp_path / "f").write_bytes(data)
-    assert read_small(tmp_path / "f") == data
+    assert read_capped(tmp_path / "f", 3 << 16) == data
 
 
 def test_missing_and_directory_read_as_unknown(tmp_path: Path) -> None:

@@ -221,7 +221,7 @@ def test_a_disk_that_fills_mid_shard_is_a_storage_failure_on_every_rank(small_tm
 
 def test_lines_written_while_the_disk_is_full_arrive_in_order_once_it_is_freed(small_tmpfs):
     path = small_tmpfs.path / "metrics.jsonl"
-    log = LineAppender(path)
+    log = LineAppender(path, path.parent)
     lines = [json.dumps({"step": s, "pad": "x" * 5000}) for s in (1, 2, 3, 4)]  # > a page each
     assert log.append(lines[0])
     small_tmpfs.fill()
@@ -238,7 +238,7 @@ def test_lines_written_while_the_disk_is_full_arrive_in_order_once_it_is_freed(s
 
 def test_a_short_write_resumes_where_it_stopped_and_no_byte_is_written_twice(small_tmpfs):
     path = small_tmpfs.path / "samples.jsonl"
-    log = LineAppender(path)
+    log = LineAppender(path, path.parent)
     small_tmpfs.fill()
     os.truncate(small_tmpfs.filler, os.path.getsize(small_tmpfs.filler) - 8192)  # two pages free
     big = json.dumps({"step": 1, "ids": list(range(10_000))})  # ~59 kB: lands in part only
@@ -254,7 +254,7 @@ def test_a_short_write_resumes_where_it_stopped_and_no_byte_is_written_twice(sma
 def test_a_line_left_half_written_by_a_killed_writer_does_not_swallow_the_next(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n{"step": 2, "lo')  # killed mid-line
-    log = LineAppender(path)
+    log = LineAppender(path, path.parent)
     log.append(json.dumps({"step": 3}))
     log.close()
     assert path.read_text().splitlines()[-1] == '{"step": 3}'

@@ -362,8 +362,7 @@ class Trainer:
         with contextlib.ExitStack() as files:
             if self.opts.log_samples:
                 samples = RunDir.of(self.opts.ckpt_root).samples(self.d.rank)
-                samples.parent.mkdir(exist_ok=True)
-                self.samples_file = LineAppender(samples)
+                self.samples_file = LineAppender(samples, self.opts.ckpt_root)
                 files.callback(self.samples_file.close)
             self.loop()
 

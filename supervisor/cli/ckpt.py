@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from supervisor import display
+from supervisor.display import printable
 from supervisor.format.atomic import hostname, pid_alive
+from supervisor.format.confined import Escape
 from supervisor.format.exitcodes import Exit
 from supervisor.format.layout import MANIFEST, RunDir, looks_like_run_dir, step_dirname
 from supervisor.format.manifest import NOT_LISTED, list_files
@@ -104,6 +106,8 @@ def _one_line_errors(func: Handler) -> Handler:
                 raise StoreError(
                     f"{args.ckpt_root}: another process holds the root's lock (.lock); retry when it is done"
                 ) from None
+            if isinstance(e, Escape):  # a planted link: its line says what to do
+                raise StoreError(str(e)) from None
             where = e.filename or args.ckpt_root
             raise StoreError(f"{where}: {e.strerror or e}; check the path and its permissions") from None
 
@@ -126,7 +130,7 @@ def _signing_key(args: argparse.Namespace, root: Path) -> bytes | None:
 
 
 def _unreadable(line: str) -> int:
-    print(f"error: {line}", file=sys.stderr)
+    print(f"error: {printable(line)}", file=sys.stderr)
     return Exit.UNREADABLE
 
 
@@ -247,7 +251,7 @@ def _emit(args: argparse.Namespace, doc: dict[str, Any], human: str) -> None:
         json.dump({"schema": JSON_SCHEMA, "command": args.ckpt_command, **doc}, sys.stdout, indent=1)
         sys.stdout.write("\n")
     elif human:
-        print(human)
+        print(printable(human))  # names, reasons and fields come from the run directory
 
 
 @contextmanager
@@ -431,7 +435,7 @@ def cmd_pick(args: argparse.Namespace) -> int:
                 dry_run=args.dry_run,
                 progress=progress,
                 io_retry_s=args.io_retry,
-                on_retry=lambda msg: print(f"warning: {msg}", file=sys.stderr, flush=True),
+                on_retry=lambda msg: print(f"warning: {printable(msg)}", file=sys.stderr, flush=True),
                 allow_fresh_start=args.allow_fresh_start,
                 key=key,
             )

@@ -10,6 +10,7 @@ import sys
 from enum import Enum
 
 from supervisor.clash import foreign_supervisor
+from supervisor.display import printable
 from supervisor.errors import Program, ToolkitError, exit_code
 from supervisor.format.atomic import restrict_umask
 from supervisor.format.exitcodes import Exit
@@ -93,10 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except ToolkitError as e:  # a person's input, the storage, or bad bytes: its line and its code
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {printable(str(e))}", file=sys.stderr)
         return exit_code(e, Program.COMMAND)
     except OSError as e:  # an unreadable or unwritable path: one line naming it, not a traceback
-        print(f"error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        print(printable(f"error: {e.filename or ''}: {e.strerror or e}"), file=sys.stderr)
         return Exit.USAGE
     except KeyboardInterrupt:
         return 130

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from supervisor.display import human_age, human_bytes, human_duration, table
+from supervisor.display import human_age, human_bytes, human_duration, printable, table
 from supervisor.report import FULL_RANKS, StatusReport, build_report
 from supervisor.watch import recovery
 
@@ -76,7 +76,9 @@ def _run(args: argparse.Namespace) -> None:
 
 
 def _show(report: StatusReport, as_json: bool) -> None:
-    print(json.dumps(report.to_dict()) if as_json else render(report))
+    # JSON escapes every control character itself; a person's table is made printable (a host, a
+    # reason, a field of the run directory may hold ESC sequences)
+    print(json.dumps(report.to_dict()) if as_json else printable(render(report)))
 
 
 def _opt(v: object, fmt: Callable[[Any], str] = str) -> str:

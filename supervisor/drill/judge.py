@@ -73,6 +73,9 @@ class StorageFacts:
     load_s: float | None = None
     beat_gap_s: float = 0.0  # slow-storage: the largest gap between two beats of a rank in them
     timeout_s: float = 0.0  # slow-storage: the watchdog's --verify-timeout and --load-timeout
+    planted: tuple[str, ...] = ()  # hostile: what was planted in the run dir
+    outside_changed: tuple[str, ...] = ()  # hostile: what changed in the sentinel beside the run dir
+    commands: tuple[str, ...] = ()  # hostile: how the login-node commands ended on the planted run dir
 
 
 @dataclass(frozen=True)
@@ -562,6 +565,29 @@ def _slow_storage_checks(
     ]
 
 
+def _hostile_checks(
+    facts: StorageFacts,
+    events: Sequence[dict[str, Any]],
+    after: Sequence[dict[str, Any]],
+    resume: Resume | None,
+) -> list[Check]:
+    calm = [c for c in facts.commands if not c.endswith(": calm")]
+    return [
+        Check(
+            "nothing outside the run dir touched",
+            bool(facts.planted) and not facts.outside_changed,
+            "; ".join(facts.outside_changed)
+            or f"planted {', '.join(facts.planted)}; the sentinel is as it was",
+        ),
+        Check(
+            "commands calm on the planted run dir",
+            bool(facts.commands) and not calm,
+            "; ".join(calm)
+            or f"{len(facts.commands)} command(s): no traceback, exit 0, 1 or 2, a line at most on stderr",
+        ),
+    ]
+
+
 def _steps(steps: Sequence[int]) -> str:
     return ", ".join(map(str, steps)) or "none"
 
@@ -570,4 +596,5 @@ _STORAGE_CHECKS = {
     Kind.IO_ERROR: _io_error_checks,
     Kind.DISK_FULL: _disk_full_checks,
     Kind.SLOW_STORAGE: _slow_storage_checks,
+    Kind.HOSTILE: _hostile_checks,
 }

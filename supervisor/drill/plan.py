@@ -21,6 +21,7 @@ class Kind(str, Enum):
     IO_ERROR = "io-error"
     DISK_FULL = "disk-full"
     SLOW_STORAGE = "slow-storage"
+    HOSTILE = "hostile"
 
 
 # Hangs the trainer inflicts on itself through the drill switch (switch.py): no signal cures them.
@@ -31,7 +32,7 @@ HANGS = frozenset({Kind.SIGSTOP, *SELF_INFLICTED})
 IN_SAVE = frozenset({Kind.DURING_SAVE, Kind.HANG_DURING_SAVE})
 # Faults of the storage under the run dir (the fault filesystem, storage.py): they need /dev/fuse,
 # run only when asked for (--storage, --scenario storage) and chaos does not draw them.
-STORAGE = (Kind.IO_ERROR, Kind.DISK_FULL, Kind.SLOW_STORAGE)
+STORAGE = (Kind.IO_ERROR, Kind.DISK_FULL, Kind.SLOW_STORAGE, Kind.HOSTILE)
 # Faults the job survives without a relaunch: nothing to resume from, nothing redone.
 NO_RESUME = frozenset({Kind.DISK_FULL})
 # A full disk lasts until this many saves in a row have failed; it needs an interval for each, and
@@ -86,6 +87,7 @@ class Fault:
                 f"moment of a save) until {DISK_FULL_FAILURES} saves have failed"
             ),
             Kind.SLOW_STORAGE: f"throttle checkpoint reads and writes, then kill -9 rank {self.rank}",
+            Kind.HOSTILE: f"plant links out of the run dir, a deep tmp dir, sparse files; kill -9 rank {self.rank}",
         }[self.kind]
         return f"{what} after step {self.at_step}"
 

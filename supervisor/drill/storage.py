@@ -12,10 +12,13 @@ import dataclasses
 import importlib.util
 import itertools
 import os
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from supervisor.drill import hostile
 from supervisor.drill.drivers import Driver
 from supervisor.drill.faultctl import fuse_unavailable
 from supervisor.drill.judge import StorageFacts
@@ -245,11 +248,108 @@ class PhaseClock:
         return max((sum(spans) for spans in per_rank if spans), default=None)
 
 
+class Hostile(Driver):
+    """What an attacker with write access to the run dir plants there while the job runs (issue 39;
+    the shapes are supervisor/drill/hostile.py's), then kill -9 a rank, so the watchdog's pick, the
+    trainer's resume, verify, saves and prunes meet them, and `status`, `ckpt list`, `ckpt verify
+    --deep` run on the run dir before and after the resume. Nothing outside the run dir may change
+    (a sentinel folder beside it, ``Outside``), nothing is quarantined for what was planted, the
+    commands stay calm, and the run ends bit-identical. The plants are removed once the run resumed."""
+
+    kinds = frozenset({Kind.HOSTILE})
+
+    def drive(self, scene: Scene, fault: Fault) -> StorageFacts | None:
+        launch = scene.reach(fault, MIN_COMMITTED)
+        if launch is None:
+            return None
+        out = hostile.Outside(scene.cfg.workdir / "outside" / scene.run.scenario)
+        planted = plant_hostile(scene.root, out)
+        t0, in_flight = time.time(), scene.save_in_flight()
+        scene.note(f"planted at step {scene.step()}: {', '.join(planted)}")
+        if not scene.kill(fault, launch):
+            unplant_hostile(scene.root, planted)
+            return None
+        scene.struck(fault, t0, in_flight)
+        commands = [_command(scene, argv) for argv in HOSTILE_COMMANDS]
+        scene.await_resume(fault, launch)
+        commands += [_command(scene, argv) for argv in HOSTILE_COMMANDS]
+        unplant_hostile(scene.root, planted)
+        changed = out.changes()
+        scene.note(
+            f"after the resume: {'; '.join(commands)}; outside the run dir: "
+            + ("; ".join(changed) or "unchanged")
+        )
+        return StorageFacts(
+            rule_hits=len(planted),
+            planted=tuple(planted),
+            outside_changed=tuple(changed),
+            commands=tuple(commands),
+        )
+
+
+# The hostile plants (what, where under the run dir); a name the run already has is left alone.
+QUARANTINE_LINK = "quarantine"  # -> another user's quarantine/: nothing moved there, nothing deleted
+STEP_LINK = "step_99999990"  # -> another user's checkpoint: never listed, picked, loaded or moved
+DEEP_TMP = "step_99999980.tmp.1.elsewhere"  # 1,200 nested dirs: os.walk's RecursionError in a prune
+SPARSE = ("supervisor/retention.json", "heartbeats/node_00099.json")  # 2 GiB each: never read whole
+HOSTILE_COMMANDS = (("status",), ("ckpt", "list"), ("ckpt", "verify", "--deep"))
+# A command's peak RSS on the planted run dir stays under this (reading a 2 GiB plant whole: 2 GiB).
+HOSTILE_RSS_MAX = 256 << 20
+
+
+def plant_hostile(root: Path, out: hostile.Outside) -> list[str]:
+    """Plant into the run dir ``root``; the names planted."""
+    planted = []
+    if not os.path.lexists(root / QUARANTINE_LINK):
+        hostile.plant_link(root / QUARANTINE_LINK, out.victim / "quarantine")
+        planted.append(QUARANTINE_LINK)
+    hostile.plant_link(root / STEP_LINK, out.victim / "step_00000020")
+    hostile.plant_nest(root / DEEP_TMP)
+    planted += [STEP_LINK, DEEP_TMP]
+    for rel in SPARSE:
+        hostile.plant_sparse(root / rel)
+        planted.append(rel)
+    return planted
+
+
+def unplant_hostile(root: Path, planted: list[str]) -> None:
+    """Remove what is still as it was planted (a record the run wrote over it since is its own)."""
+    for rel in planted:
+        p = root / rel
+        if p.is_symlink() or (rel in SPARSE and p.is_file() and p.stat().st_size == hostile.GIB * 2):
+            p.unlink()
+        elif rel == DEEP_TMP and p.is_dir():
+            hostile.remove_deep(p)
+
+
+def _command(scene: Scene, argv: tuple[str, ...]) -> str:
+    """``python -m supervisor ARGV --ckpt-root ROOT`` on the run dir as the job sees it: how it
+    ended, "<command>: calm" when it exited 0, 1 (a problem found) or 2 (a refusal: `ckpt list`
+    refuses a linked quarantine/ in one line naming it) with no traceback, at most one line on
+    stderr and its peak RSS under HOSTILE_RSS_MAX."""
+    cmd = [scene.cfg.python, "-m", "supervisor", *argv, "--ckpt-root", str(scene.job.root)]
+    with tempfile.TemporaryFile() as err:
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=scene.cfg.env())
+        _, status, usage = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        err.seek(0)
+        text = err.read().decode(errors="replace")
+    name, rss = " ".join(argv), usage.ru_maxrss << 10
+    if (
+        p.returncode in (0, 1, 2)
+        and "Traceback" not in text
+        and len(text.splitlines()) <= 1
+        and rss < HOSTILE_RSS_MAX
+    ):
+        return f"{name}: calm"
+    return f"{name}: exit {p.returncode}, peak RSS {rss >> 20} MiB, {text.strip()[-300:] or 'no output'}"
+
+
 def _secs(s: float | None) -> str:
     return "?" if s is None else f"{s:.1f}s"
 
 
-DRIVERS: dict[Kind, type[Driver]] = {k: d for d in (IoError, DiskFull, SlowStorage) for k in d.kinds}
+DRIVERS: dict[Kind, type[Driver]] = {k: d for d in (IoError, DiskFull, SlowStorage, Hostile) for k in d.kinds}
 assert set(DRIVERS) == set(STORAGE), "a driver for every storage fault kind"
 
 

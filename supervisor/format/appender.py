@@ -15,16 +15,18 @@ import logging
 import os
 from pathlib import Path
 
+from supervisor.format import confined
 from supervisor.store.ioerrors import describe
 
 log = logging.getLogger(__name__)
 
 
 class LineAppender:
-    """One writer's lines to ``path``; ``append`` and ``flush`` never raise OSError."""
+    """One writer's lines to ``path`` in the run directory ``root`` (opened through no link below
+    it: supervisor/format/confined.py); ``append`` and ``flush`` never raise OSError."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, path: Path, root: Path) -> None:
+        self.path, self.root = path, root
         self.fd: int | None = None
         self.pending = bytearray()  # queued bytes not yet in the file, from a line boundary on
         self.failing = False  # in a streak of failed writes (warned once)
@@ -39,7 +41,7 @@ class LineAppender:
         """Write queued bytes; True when none is left. A failure is warned once per streak."""
         try:
             if self.fd is None:
-                self.fd = _open_for_append(self.path, self.pending)
+                self.fd = _open_for_append(self.root, self.path, self.pending)
             while self.pending:
                 n = os.write(self.fd, self.pending)
                 del self.pending[:n]
@@ -69,10 +71,10 @@ class LineAppender:
             self.fd = None
 
 
-def _open_for_append(path: Path, pending: bytearray) -> int:
+def _open_for_append(root: Path, path: Path, pending: bytearray) -> int:
     """An O_APPEND descriptor; when the file ends inside a line (its writer was killed), a newline
     is queued first so that line cannot swallow the next one."""
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = confined.open_append(root, path)
     try:
         size = os.fstat(fd).st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":

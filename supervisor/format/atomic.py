@@ -2,7 +2,8 @@
 
 A write is atomic and durable when it is written to a temporary name in the same directory,
 fsynced, renamed over the target with ``os.replace``, and the directory is fsynced so the rename
-itself survives a power loss.
+itself survives a power loss. Given the run directory's ``root``, the write cannot leave it: its
+directories are reached from the root without following a link (supervisor/format/confined.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+
+from supervisor.format import confined
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -34,34 +37,43 @@ def fsync_file(path: str | os.PathLike[str]) -> None:
 def fsync_tree(path: str | os.PathLike[str], *, files: bool = True) -> None:
     """Persist every file under ``path`` and every directory entry, deepest first; ``files=False``:
     the directory entries only (each file's writer persisted it)."""
-    for dirpath, _dirnames, filenames in os.walk(path, topdown=False):
+    folders = list(confined.walk(path, onerror=_raise))
+    for dirpath, _dirnames, filenames in reversed(folders):
         for name in filenames if files else ():
             fsync_file(os.path.join(dirpath, name))
         fsync_dir(dirpath)
 
 
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write ``data`` to ``path`` so a reader sees the old content or the new, never a mix."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.urandom(6).hex()}.tmp")  # not uuid: its import costs `status`
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+def _raise(e: OSError) -> None:
+    raise e
 
 
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    atomic_write_bytes(path, text.encode())
+def atomic_write_bytes(
+    path: str | os.PathLike[str],
+    data: bytes,
+    root: str | os.PathLike[str] | None = None,
+    make_dirs: bool = True,
+) -> None:
+    """Write ``data`` to ``path`` so a reader sees the old content or the new, never a mix. With
+    ``root`` (the run directory ``path`` is in), through no link below it (``confined.Escape``),
+    its directories made when missing (unless not ``make_dirs``); without, in ``path``'s
+    directory as it is."""
+    confined.write_atomic(Path(path).parent if root is None else root, path, data, make_dirs)
 
 
-def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+def atomic_write_text(
+    path: str | os.PathLike[str], text: str, root: str | os.PathLike[str] | None = None
+) -> None:
+    atomic_write_bytes(path, text.encode(), root)
+
+
+def atomic_write_json(
+    path: str | os.PathLike[str], obj: Any, root: str | os.PathLike[str] | None = None
+) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode(), root)
+
+
+PID_MAX = 1 << 22  # Linux's largest pid (/proc/sys/kernel/pid_max can be at most this)
 
 
 def restrict_umask() -> int:
@@ -82,8 +94,9 @@ def hostname() -> str:
 
 
 def pid_alive(pid: int) -> bool:
-    """True when a process with this pid exists on this host (zombies count as dead)."""
-    if pid <= 0:
+    """True when a process with this pid exists on this host (zombies count as dead). A pid
+    outside what Linux gives (a state file may say ``2**70``) is no process."""
+    if not 0 < pid <= PID_MAX:
         return False
     try:
         os.kill(pid, 0)

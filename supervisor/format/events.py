@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -17,7 +18,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
+from supervisor.format import confined
 from supervisor.format.atomic import atomic_write_json
+from supervisor.format.capped import LOG_MAX, RECORD_MAX, read_capped, read_tail
 from supervisor.format.eventnames import EventName
 from supervisor.format.launches import LaunchRecord, Outcome
 from supervisor.format.layout import RunDir
@@ -106,9 +109,10 @@ _KINDS: dict[str, tuple[tuple[type, ...], str]] = {
 }
 
 
-def _typed(d: dict[str, Any], types: dict[str, str], where: str) -> dict[str, Any]:
-    """The known fields of ``d``, each checked against ``types``; ValueError naming the first
-    wrong one."""
+def typed(d: dict[str, Any], types: dict[str, str], where: str) -> dict[str, Any]:
+    """The known fields of ``d``, each checked against ``types`` ("int", "float", "str"; "?": may be
+    null); ValueError naming the first wrong one. A float that is not finite (JSON's ``1e400``)
+    is refused: no record of the run holds one, and arithmetic on it overflows."""
     out: dict[str, Any] = {}
     for key, kind in types.items():
         if key not in d:
@@ -119,7 +123,11 @@ def _typed(d: dict[str, Any], types: dict[str, str], where: str) -> dict[str, An
             continue
         base = kind.rstrip("?")
         allowed, noun = _KINDS[base]
-        if isinstance(v, bool) or not isinstance(v, allowed):
+        if (
+            isinstance(v, bool)
+            or not isinstance(v, allowed)
+            or (isinstance(v, float) and not math.isfinite(v))
+        ):
             raise ValueError(f"{where}'{key}' is {v!r}, not {noun}")
         out[key] = float(d[key]) if base == "float" else v  # d[key]: v is narrowed to object
     return out
@@ -137,7 +145,7 @@ def parse_state(d: Any) -> RunState:
     (not an object, a field of the wrong type, a bad launch record)."""
     if not isinstance(d, dict):
         raise ValueError("not a JSON object")
-    fields = _typed(d, _STATE_TYPES, "")
+    fields = typed(d, _STATE_TYPES, "")
     launches = []
     for i, r in enumerate(_list(d, "launches")):
         if not isinstance(r, dict):
@@ -149,7 +157,7 @@ def parse_state(d: Any) -> RunState:
             outcome = Outcome(r.get("outcome"))
         except ValueError:
             raise ValueError(f"launch record {i}: outcome {r.get('outcome')!r} is unknown") from None
-        launches.append(LaunchRecord(**_typed(r, _LAUNCH_TYPES, f"launch record {i}: "), outcome=outcome))
+        launches.append(LaunchRecord(**typed(r, _LAUNCH_TYPES, f"launch record {i}: "), outcome=outcome))
     try:
         fields["status"] = RunStatus(fields.get("status", RunStatus.RESTARTING.value))
     except ValueError:
@@ -183,7 +191,7 @@ def read_state(path: str | Path) -> RunState | None:
     """The state file's content, or None when missing; ValueError when it is garbage (an
     OSError reading it propagates: unreadable storage is not garbage)."""
     try:
-        text = Path(path).read_bytes()
+        text = read_capped(path, RECORD_MAX)
     except FileNotFoundError:
         return None
     try:
@@ -195,16 +203,18 @@ def read_state(path: str | Path) -> RunState | None:
 def write_state(root: str | Path, state: RunState) -> None:
     from supervisor.redact import redact_obj  # here: `status` reads state and writes none (logging)
 
-    path = state_path(root, state.node)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(path, redact_obj(replace(state, updated=time.time()).to_dict()))
+    atomic_write_json(
+        state_path(root, state.node), redact_obj(replace(state, updated=time.time()).to_dict()), root
+    )
 
 
 def say(line: str, stream: TextIO | None = None) -> None:
     """One line to stderr (or ``stream``) that never raises: the fallback when a file cannot be
     written must not fail in turn (a closed or full stderr)."""
+    from supervisor.display import printable  # here: `status` reads events and never says one
+
     with contextlib.suppress(OSError, ValueError):
-        print(line, file=stream or sys.stderr, flush=True)
+        print(printable(line), file=stream or sys.stderr, flush=True)
 
 
 class EventLog:
@@ -218,6 +228,7 @@ class EventLog:
     MAX_PENDING_BYTES = 4 << 20
 
     def __init__(self, root: str | Path, node: int = 0, echo: TextIO | None = sys.stderr) -> None:
+        self.root = Path(root)
         self.path = events_path(root, node)
         self.node = node
         self.echo = echo
@@ -270,11 +281,7 @@ class EventLog:
         return True
 
     def _append(self) -> None:
-        try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        except FileNotFoundError:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = confined.open_append(self.root, self.path)  # through no link: never outside the run dir
         try:
             while self.pending:
                 n = os.write(fd, self.pending)
@@ -288,22 +295,16 @@ def read_events(path: str | Path, tail_bytes: int | None = None) -> list[dict[st
     """Events in order; garbage lines are skipped, a missing file gives []. ``tail_bytes`` reads
     only the end of a long log (its first, possibly partial, line is dropped)."""
     try:
-        with open(path, "rb") as f:
-            if tail_bytes is not None:
-                size = f.seek(0, os.SEEK_END)
-                f.seek(max(0, size - tail_bytes))
-                data = f.read()
-                if size > tail_bytes:
-                    data = data.split(b"\n", 1)[-1]
-            else:
-                data = f.read()
+        data, cut = read_tail(path, LOG_MAX if tail_bytes is None else min(tail_bytes, LOG_MAX))
     except OSError:
         return []
+    if cut:
+        data = data.split(b"\n", 1)[-1]
     out = []
     for line in data.splitlines():
         try:
             rec = json.loads(line)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             continue
         if isinstance(rec, dict):
             out.append(rec)

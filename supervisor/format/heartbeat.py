@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from supervisor.format.atomic import atomic_write_json, hostname
+from supervisor.format.capped import RECORD_MAX, read_capped
 from supervisor.format.layout import (
     HEARTBEAT_DIR_ENV,
     HEARTBEATS,
@@ -192,13 +193,13 @@ def stack_dump_path(root: str | Path, rank: int) -> Path:
 
 def write_heartbeat(root: str | Path, hb: Heartbeat) -> None:
     """Into the run directory (a rank without a watchdog, tests, benchmarks)."""
-    write_heartbeat_in(RunDir.of(root).heartbeats, hb)
+    write_heartbeat_in(RunDir.of(root).heartbeats, hb, root)
 
 
-def write_heartbeat_in(folder: Path, hb: Heartbeat) -> None:
-    path = folder / heartbeat_filename(hb.rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(path, hb.to_dict())
+def write_heartbeat_in(folder: Path, hb: Heartbeat, within: str | Path | None = None) -> None:
+    """Into ``folder``, made when missing, through no link below ``within`` (the run directory;
+    by default ``folder``'s parent, as a node-local folder is handed over: confined.py)."""
+    atomic_write_json(folder / heartbeat_filename(hb.rank), hb.to_dict(), within or folder.parent)
 
 
 def parse_heartbeat(text: str | bytes) -> Heartbeat:
@@ -283,26 +284,9 @@ def _log() -> logging.Logger:
     return logging.getLogger(__name__)
 
 
-_SMALL = 1 << 16
-
-
-def read_small(path: str | Path) -> bytes:
-    """Whole file via os.read: half the cost of open().read(), which matters for `status` over
-    thousands of ranks. A read that returns less than asked is the end of a regular file
-    (POSIX): one read per file, not a second one to see the end (2,048 summaries: 6 ms)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        chunks = [os.read(fd, _SMALL)]
-        while len(chunks[-1]) == _SMALL:
-            chunks.append(os.read(fd, _SMALL))
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
 def read_heartbeat(path: str | Path, rank: int) -> HeartbeatSnapshot:
     try:
-        record = load_object(read_small(path))
+        record = load_object(read_capped(path, RECORD_MAX))
         hb = heartbeat_from_dict(record)
     except FileNotFoundError:
         return HeartbeatSnapshot(rank, str(path), None, "missing")
@@ -354,6 +338,8 @@ class HeartbeatWriter:
     ) -> None:
         self.root = Path(root)
         self.folder = heartbeat_folder(root)
+        # what a write may not leave: the run directory, or where the node-local folder was handed
+        self.within = self.root if self.folder.is_relative_to(self.root) else self.folder.parent
         self.rank = rank
         self.local_rank = local_rank
         self.world_size = world_size
@@ -445,7 +431,7 @@ class HeartbeatWriter:
         )
         self._last_phase, self._last_step = (phase, custom), step
         try:
-            write_heartbeat_in(self.folder, hb)
+            write_heartbeat_in(self.folder, hb, self.within)
         except OSError as e:
             if self.write_errors == 0:
                 _log().warning("rank %d: heartbeat not written (%s); retrying at the next beat", self.rank, e)

@@ -312,6 +312,17 @@ def dcp_index_filename(rank: int | None = None) -> str:
     return DCP_METADATA if rank is None else f"__{rank}_index{DCP_METADATA}"
 
 
+# The files of a checkpoint one rank writes: its shards, its own index, its per-rank state.
+_RANK_FILE_RE = re.compile(r"__([0-9]+)_(?:[0-9]+\.distcp|index\.metadata)|rank_([0-9]+)\.state\.pt")
+
+
+def file_rank(name: str) -> int | None:
+    """The rank whose own file ``name`` (relative to its checkpoint) is, by the names above:
+    ``__3_0.distcp``, ``__3_index.metadata``, ``rank_00003.state.pt``; None for another name."""
+    m = _RANK_FILE_RE.fullmatch(name)
+    return None if m is None else int(m.group(1) or m.group(2))
+
+
 def is_dcp_index(name: str) -> bool:
     """``name`` (relative to the checkpoint) is one of DCP's pickled indexes."""
     return _DCP_INDEX_RE.fullmatch(name) is not None

@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.errors import IntegrityError
+from supervisor.format import confined
+from supervisor.format.capped import TooLarge, regular_only
 from supervisor.format.layout import MANIFEST, SIGNATURE
 
 FORMAT_VERSION = 2
@@ -275,17 +277,27 @@ def checksum_hasher() -> Any:
 
 
 def hash_file(
-    path: str | Path, algos: Sequence[str], progress: ProgressFn | None = None, chunk: int = READ_CHUNK
+    path: str | Path,
+    algos: Sequence[str],
+    progress: ProgressFn | None = None,
+    chunk: int = READ_CHUNK,
+    limit: int | None = None,
 ) -> list[str]:
     """Hex digests of one file, one per algorithm in ``algos``, from a single read in chunks of
     ``chunk`` bytes into one reused buffer (every algorithm is fed the same chunk; ``progress``
     hears of each: a caller that beats a heartbeat per chunk picks a chunk small enough for a slow
-    file system)."""
+    file system). Only a regular file is read (``capped.NotRegular`` for a FIFO, which would block
+    the open, or a link to ``/dev/zero``, which would never end), and never past ``limit`` bytes
+    (the size a manifest lists): ``capped.TooLarge`` when there is more."""
     hashers = [_hasher(a) for a in algos]
     buf = bytearray(chunk)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
+    done = 0
+    with open(path, "rb", buffering=0, opener=regular_only) as f:
         while n := f.readinto(buf):
+            done += n
+            if limit is not None and done > limit:
+                raise TooLarge(path, f"longer than its listed {limit} bytes")
             for h in hashers:
                 h.update(view[:n])
             if progress:
@@ -314,11 +326,13 @@ def hash_files(
     progress: ProgressFn | None = None,
     threads: int = VERIFY_THREADS,
     chunk: int = READ_CHUNK,
+    limits: Sequence[int] | None = None,
 ) -> list[list[str]]:
-    """``hash_file`` of many files, in order, by up to ``threads`` threads. Raises the OSError of
-    the first unreadable file (in ``paths`` order); ``progress`` is called under a lock."""
+    """``hash_file`` of many files, in order, by up to ``threads`` threads (each read no further
+    than its ``limits`` entry, when given). Raises the OSError of the first unreadable file (in
+    ``paths`` order); ``progress`` is called under a lock."""
     results: list[list[str]] = [[] for _ in paths]
-    errors: dict[int, OSError] = {}
+    errors: dict[int, BaseException] = {}  # an OSError, or what the progress raised (an interruption)
     lock = threading.Lock()
     todo = iter(range(len(paths)))
 
@@ -331,10 +345,13 @@ def hash_files(
             if i is None:
                 return
             try:
-                results[i] = hash_file(paths[i], algos, tick, chunk)
+                results[i] = hash_file(paths[i], algos, tick, chunk, None if limits is None else limits[i])
             except OSError as e:
                 e.filename = e.filename or os.fspath(paths[i])  # a failed read() names no file
                 errors[i] = e
+            except BaseException as e:  # raised again by the calling thread
+                errors[i] = e
+                return
 
     n = min(threads, len(paths))
     if n <= 1:  # in the calling thread: a read that never returns shows in its stack and syscall
@@ -368,7 +385,7 @@ def list_files(ckpt_dir: str | Path) -> list[str]:
     root = os.fspath(ckpt_dir)
     out: list[str] = []
     # plain strings: `ckpt list` runs this per checkpoint
-    for dirpath, _dirs, names in os.walk(root, onerror=_raise):
+    for dirpath, _dirs, names in confined.walk(root, onerror=_raise):  # no deeper than a layout makes
         rel = os.path.relpath(dirpath, root)
         prefix = "" if rel == "." else rel.replace(os.sep, "/") + "/"
         out.extend(prefix + n for n in names)

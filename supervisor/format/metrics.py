@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from supervisor.format.capped import LOG_MAX, read_tail
+
 # Keys of the record itself; every other key of a line is one of the trainer's own metrics.
 _OWN = ("step", "loss", "lr", "grad_norm", "step_time", "restart_count", "launch")
 
@@ -62,14 +64,16 @@ def parse_line(line: str | bytes) -> MetricsRecord | None:
             launch=str(d.get("launch", "")),
             extra={k: float(v) for k, v in d.items() if k not in _OWN and isinstance(v, int | float)},
         )
-    except (ValueError, KeyError, TypeError, AttributeError):
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError):
         return None
 
 
 def read_metrics(path: Path) -> list[MetricsRecord]:
     """Every whole record of a metrics file, in file order ([] when there is none yet)."""
     try:
-        text = path.read_bytes()
+        text, cut = read_tail(path, LOG_MAX)  # a log grown past it: its newest records
     except FileNotFoundError:
         return []
+    if cut:
+        text = text.split(b"\n", 1)[-1]
     return [r for line in text.splitlines() if (r := parse_line(line)) is not None]

@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.format.atomic import atomic_write_bytes
+from supervisor.format.capped import SUMMARY_MAX, read_capped
 from supervisor.format.heartbeat import (
     HeartbeatSnapshot,
     heartbeat_from_dict,
     load_object,
     read_heartbeat_folder,
     read_heartbeats,
-    read_small,
 )
 from supervisor.format.layout import (
     HEARTBEATS,
@@ -107,9 +107,9 @@ def summary_bytes(header: SummaryHeader, records: list[dict[str, Any]], problems
 def write_summary(
     root: str | Path, header: SummaryHeader, records: list[dict[str, Any]], problems: list[RankProblem]
 ) -> None:
-    path = RunDir.of(root).node_summary(header.node)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path, summary_bytes(header, records, problems))
+    atomic_write_bytes(
+        RunDir.of(root).node_summary(header.node), summary_bytes(header, records, problems), root
+    )
 
 
 _NUM = (int, float)
@@ -231,7 +231,7 @@ class NodeSummary:
 def read_summary(path: str | Path) -> NodeSummary:
     """The summary at ``path``. Raises OSError (cannot be read) or ValueError (not a summary: a
     foreign or damaged file, with the reason)."""
-    data = read_small(path)
+    data = read_capped(path, SUMMARY_MAX)
     head, _, body = data.partition(b"\n")
     return NodeSummary(str(path), parse_header(head), body, len(data))
 

@@ -97,6 +97,7 @@ from supervisor.format.statediff import SHARED
 from supervisor.resumable import _agree
 from supervisor.resumable._bounds import as_timedelta, wait_bound_s
 from supervisor.resumable._dcp_index import per_rank_index, tensor_bytes
+from supervisor.resumable._devices import DeviceError
 from supervisor.resumable._optim_state import prime_for_load
 from supervisor.resumable._progress_io import (
     PROGRESS_CHUNK,
@@ -109,7 +110,7 @@ from supervisor.resumable._progress_io import (
     written_key,
 )
 from supervisor.resumable._readahead import readahead
-from supervisor.resumable._safe_load import load_dcp, one_line, weights_only_refusal
+from supervisor.resumable._safe_load import corrupt, load_dcp, one_line, read_listed, weights_only_refusal
 from supervisor.resumable._save_policy import (
     SaveError,
     SavePolicy,
@@ -782,7 +783,7 @@ class Checkpointer:
             return
         progress = self.hb.tracker(Phase.SAVE, step)
         for tmp in list(self.leftovers):
-            store.remove_tree(tmp, progress)
+            store.remove_tree(self.root, tmp, progress)
             if not os.path.lexists(tmp):
                 self.leftovers.remove(tmp)
         if self.failures:
@@ -859,7 +860,7 @@ class Checkpointer:
         with self._exchange("every rank's removal of its files"):
             dist.barrier(group=self.dcp_group)
         if self.rank == 0:
-            store.remove_tree(tmp, progress)
+            store.remove_tree(self.root, tmp, progress)
             if not os.path.lexists(tmp):
                 self.leftovers.remove(tmp)
 
@@ -942,7 +943,7 @@ class Checkpointer:
         """Rank 0: a failed save's tmp dir goes (a full disk gets that space back), a beat per
         file removed (a large one on a slow file system is a long phase). True when some of it
         is left; it is kept in ``leftovers`` and tried again before the next save."""
-        store.remove_tree(tmp, progress)
+        store.remove_tree(self.root, tmp, progress)
         if os.path.lexists(tmp):
             self.leftovers.append(tmp)
             return True
@@ -1041,6 +1042,7 @@ class Checkpointer:
         saved_world_size: int,
         skip: frozenset[str],
         progress: Progress,
+        listed: Mapping[str, int] | None = None,
     ) -> bool:
         """Load shards (DCP reshards to this world size), then this rank's RNG file, every read
         counted into ``progress``, which also beats while this rank waits for its peers inside
@@ -1061,13 +1063,20 @@ class Checkpointer:
         with readahead(first), kept_alive(progress, self.wait_s) as loading:
             prime_for_load(getattr(state, "optimizer", None))
             fs = ProgressFileSystem(self.root, loading)
-            load_dcp(ckpt, {SHARED: state}, self.dcp_group, fs=fs)
+            load_dcp(ckpt, {SHARED: state}, self.dcp_group, fs=fs, listed=listed)
             if not same_world:
                 return False
+            with fs.create_stream(path, "rb") as f:
+                # torch types the stream as IOBase; it is the binary file opened "rb" here
+                data = read_listed(cast(IO[bytes], f), path, listed)
             try:
-                with fs.create_stream(path, "rb") as f:
-                    # torch types the stream as IOBase; it is the binary file opened "rb" here
-                    RankState.load(cast(IO[bytes], f), skip, str(path), self.rank_extra)
+                RankState.load(io.BytesIO(data), skip, str(path), self.rank_extra)
             except pickle.UnpicklingError as e:
                 raise weights_only_refusal(str(path), e) from None
+            except DeviceError:
+                raise
+            except Exception as e:  # a broken zip, a dict of other keys, a wrong-typed state
+                raise corrupt(
+                    f"{path}: not a per-rank state file this toolkit wrote ({one_line(e)})"
+                ) from None
         return True

@@ -20,21 +20,26 @@ rank's index to load).
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     STORAGE_TYPES,
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    TensorProperties,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["REPLICATED_MAX", "merged", "per_rank_index", "tensor_bytes", "uncovered"]
+__all__ = ["REPLICATED_MAX", "index_problem", "merged", "per_rank_index", "tensor_bytes", "uncovered"]
 
 # With an index per rank, every rank writes its own copy of what is replicated: allowed while all
 # the copies together stay within this share of the checkpoint (the sharded bytes).
@@ -70,6 +75,91 @@ def per_rank_index(replicated: int, sharded: int, world_size: int) -> bool:
     """Whether a save writes an index per rank: the state is sharded, and the copies of what is
     replicated, one per rank, cost at most ``REPLICATED_MAX`` of the sharded bytes."""
     return sharded > 0 and replicated * world_size <= REPLICATED_MAX * sharded
+
+
+def index_problem(md: Any, listed: Mapping[str, int] | None, ckpt: Path = Path()) -> str:
+    """Why ``md``, as unpickled from a checkpoint's index, cannot be one ('' when it can). DCP's
+    planner and readers take every field of it as it is: a record "in" ``../step_10/__0_0.distcp``
+    was read from another checkpoint, a negative offset or length failed deep inside them (EINVAL,
+    ValueError), a length past the file's end allocated that much before reading. So every
+    record must lie in a file of this checkpoint by its plain name (one the manifest lists, when
+    ``listed`` holds its files' sizes), at offset and length >= 0 within the file's listed size;
+    every tensor's chunks within its size, of its rank. A record past its file's end is named as
+    a read would name it: ``ckpt/<file> (item <fqn>): the file ends ...``."""
+    if not isinstance(md, Metadata):
+        return f"holds {type(md).__name__}, not DCP's Metadata"
+    items: Any = md.state_dict_metadata  # as unpickled: any type at all
+    records: Any = md.storage_data
+    if not isinstance(items, dict) or not isinstance(records, dict):
+        return "its item table or its storage table is not a table"
+    for fqn, item in items.items():
+        if not isinstance(fqn, str):
+            return f"an item named {type(fqn).__name__}, not by a string"
+        if isinstance(item, TensorStorageMetadata):
+            if problem := _tensor_problem(item):
+                return f"{fqn}: {problem}"
+        elif not isinstance(item, BytesStorageMetadata):
+            return f"{fqn}: neither a tensor nor a value ({type(item).__name__})"
+    for index, info in records.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
+            return f"a record keyed by {type(index).__name__}, not by an item"
+        if problem := _record_problem(info, listed, index.fqn, ckpt):
+            return problem
+    return ""
+
+
+def _is_size(v: Any, rank: int | None = None) -> bool:
+    """A sequence of ints >= 0 (of ``rank`` of them, when given), as DCP's sizes and offsets are
+    (a torch.Size holds ints only: one ``min`` tells, in C; 800 tensors are checked per load)."""
+    if type(v) is torch.Size:
+        return (rank is None or len(v) == rank) and (not v or min(v) >= 0)
+    return (
+        isinstance(v, tuple | list)
+        and (rank is None or len(v) == rank)
+        and all(type(x) is int and x >= 0 for x in v)
+    )
+
+
+def _tensor_problem(item: TensorStorageMetadata) -> str:
+    props, size, chunks = cast(Any, item.properties), cast(Any, item.size), cast(Any, item.chunks)
+    if not isinstance(props, TensorProperties) or not isinstance(props.dtype, torch.dtype):
+        return "no dtype"
+    if not _is_size(size) or not isinstance(chunks, list):
+        return "a size or chunk list that is not one"
+    rank = len(size)
+    for c in chunks:
+        if (
+            not isinstance(c, ChunkStorageMetadata)
+            or not _is_size(c.offsets, rank)
+            or not _is_size(c.sizes, rank)
+            or any(map(operator.gt, map(operator.add, c.offsets, c.sizes), size))
+        ):
+            return f"a chunk outside its size {tuple(size)}"
+    return ""
+
+
+def _record_problem(info: Any, listed: Mapping[str, int] | None, fqn: str, ckpt: Path) -> str:
+    if not isinstance(info, _StorageInfo):
+        return f"{fqn}: its record is a {type(info).__name__}"
+    name, offset, length = cast(Any, info.relative_path), cast(Any, info.offset), cast(Any, info.length)
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\x00" in name:
+        return f"{fqn}: its record is in {name!r}, not a file of this checkpoint"
+    if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+        return f"{fqn}: its record in {name} is at offset {offset!r}, {length!r} bytes: not a place in a file"
+    transforms: Any = info.transform_descriptors
+    if not isinstance(transforms, list | tuple | None):
+        return f"{fqn}: its record in {name} names no transforms but {type(transforms).__name__}"
+    if listed is None:
+        return ""
+    size = listed.get(name)
+    if size is None:
+        return f"{fqn}: its record is in {name}, not one of the checkpoint's files"
+    if offset + length > size:
+        return (
+            f"{ckpt / name} (item {fqn}): the file ends {max(0, size - offset)} of {length} bytes into the "
+            f"record at offset {offset}"
+        )
+    return ""
 
 
 def merged(indexes: Sequence[Metadata]) -> Metadata:

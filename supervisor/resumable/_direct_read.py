@@ -44,9 +44,12 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from supervisor.resumable._progress_io import PROGRESS_CHUNK, next_write_chunk, read_at
 from supervisor.resumable._tensor_record import bytes_as_shown, plain_frame
 
-__all__ = ["Record", "plan", "read"]
+__all__ = ["OBJECT_RECORD_MAX", "Record", "plan", "read"]
 
 IOV_MAX = 1024  # Linux's limit on buffers per preadv
+# A non-tensor item's record (the step, a scheduler's or sampler's state, param groups) is no
+# larger: its length comes from the index, and is allocated before the read.
+OBJECT_RECORD_MAX = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ def plan(flat: Mapping[str, Any], index: Metadata) -> list[Record] | None:
             info = (
                 index.storage_data.get(MetadataIndex(fqn)) if isinstance(meta, BytesStorageMetadata) else None
             )
-            if info is None or info.transform_descriptors:
+            if info is None or info.transform_descriptors or info.length > OBJECT_RECORD_MAX:
                 return None
             records.append(Record(fqn, info.relative_path, info.offset, info.length))
             continue

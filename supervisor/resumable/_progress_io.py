@@ -45,10 +45,12 @@ from concurrent.futures import Future, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from supervisor.format import confined
+from supervisor.format.capped import regular_only
 from supervisor.format.heartbeat import Progress, Tracker
 from supervisor.format.manifest import FileEntry, checksum_hasher
 from supervisor.libc import libc_function
@@ -174,7 +176,8 @@ class ProgressFile(io.FileIO):
         mode: str = "rb",
         digest: bool = False,
     ):
-        super().__init__(path, mode)
+        # written: never through a link (ELOOP); read: a regular file only, opened without blocking
+        super().__init__(path, mode, opener=confined.no_follow if "w" in mode else regular_only)
         self.progress, self.chunk = progress, chunk
         self.size = 0  # bytes written
         self.written_back = 0  # ... whose writeback was started
@@ -282,9 +285,9 @@ class ProgressFileSystem(FileSystem):
                 # closed (flushed) without an error: all its bytes went through ``raw``
                 if (entry := raw.hashed()) is not None:
                     self.written[written_key(path)] = entry
-            else:
-                with super().create_stream(path, mode) as stream:
-                    yield stream
+            else:  # DCP's own, opened as above
+                with open(path, mode, opener=confined.no_follow if "w" in mode else regular_only) as stream:
+                    yield cast(io.IOBase, stream)
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
         with self._on(path):

@@ -60,7 +60,7 @@ from supervisor.format.atomic import atomic_write_json
 from supervisor.format.exitcodes import Exit
 from supervisor.format.heartbeat import HeartbeatWriter, Phase, Progress, stack_dump_path
 from supervisor.format.hooks import When
-from supervisor.format.layout import FINAL, RunDir
+from supervisor.format.layout import FINAL, RunDir, parse_committed
 from supervisor.format.manifest import META_RECENT_LOSSES, CheckpointInfo
 from supervisor.format.metrics import MetricsRecord
 from supervisor.format.statediff import RANK_LOADERS, RANK_OWN, SHARED
@@ -84,12 +84,13 @@ from supervisor.resumable._progress_io import ProgressFileSystem, kept_alive
 from supervisor.resumable._resume import (
     RETRY_LATER,
     Choice,
+    Interrupted,
     Request,
     choose_checkpoint,
     describe_diff,
     identity_diff,
 )
-from supervisor.resumable._safe_load import load_dcp, one_line, refusal_line
+from supervisor.resumable._safe_load import CorruptRecord, PeerLoadFailed, load_dcp, one_line, refusal_line
 from supervisor.resumable._sanity import LOSS_WINDOW, ResumeSanity
 from supervisor.resumable._save_policy import DEFAULT_MAX_FAILED_SAVES, SavePolicy
 from supervisor.resumable._signals import PreemptionFlag, on_uncaught, record_uncaught, register_stack_dump
@@ -410,6 +411,11 @@ def refuse_start(root: str | Path, message: str, code: Exit = Exit.BAD_CONFIG) -
     return deliberate_exit(hb, rank, 0, Phase.STARTUP, code, message)
 
 
+class LoadFailed(RuntimeError):
+    """A resume's load failed and the process went on: its state is part of a checkpoint and part
+    of what was there before, and it may not be trained on or saved (``Resumable._load_failed``)."""
+
+
 class RankItems(Stateful):
     """The trainer's items in the per-rank file once a loader keeps its position per rank (a
     stream's, a ``StatefulDataLoader``'s): the user's ``rank_items`` and those positions."""
@@ -496,7 +502,9 @@ class Resumable:
         )
         _launch_marks.started(self._hb)  # process start, torch imported, process group up: recovery breakdown
         self._hb.beat(0, Phase.STARTUP)
-        self._stacks = register_stack_dump(stack_dump_path(self._root, self.rank))  # open until exit
+        self._stacks = register_stack_dump(
+            stack_dump_path(self._root, self.rank), self._hb.within
+        )  # open until exit
         on_uncaught(self._hb.died)  # the exception that ends this rank, in its last heartbeat
         self._problem = install_signals() or self._saves.problem() or self._remote_problem()
         self._uploader: Uploader | None = None  # rank 0 with a remote, from resume() on
@@ -539,7 +547,10 @@ class Resumable:
         self._last_save = time.monotonic()
         self._t_end = time.perf_counter()
         # The staging wait, before every optimizer step, so no caller can forget it.
-        self._state_optimizer().register_step_pre_hook(lambda *_: self._ckpt.before_optimizer_step())
+        self._state_optimizer().register_step_pre_hook(lambda *_: self._before_optimizer_step())
+        # Why the load failed, once it did: the state holds part of a checkpoint from then on, and
+        # nothing may train on it or save it (``_refuse_if_failed``).
+        self._load_failure = ""
 
     # ------------------------------------------------------------ resume
 
@@ -550,10 +561,7 @@ class Resumable:
         with the next one. Stops the process with the right exit code when it may not go on."""
         if self._problem:
             self._stop(Exit.BAD_CONFIG, Phase.STARTUP, f"refused: bad config: {self._problem}")
-        choice = choose_checkpoint(self._args(), self._expectation(), self.identity, self._hb)
-        if choice.error:
-            why = "cannot resume" if choice.code in (RETRY_LATER, Exit.STORAGE) else "refused"
-            self._stop(choice.code, Phase.STARTUP, f"{why}: {choice.error}")
+        choice = self._choose()
         self.launch = choice.launch
         self._at_boundary = boundary_hook(self.rank, self.launch)  # injected: supervisor/format/hooks.py
         if self._options.remote.url and self.rank == 0:
@@ -581,11 +589,31 @@ class Resumable:
             self._resumed(choice, config_changed=bool(diff))
         _launch_marks.loaded(self._hb)
         if self.rank == 0:
-            self._metrics_file = LineAppender(RunDir.of(self._root).metrics)
+            self._metrics_file = LineAppender(RunDir.of(self._root).metrics, self._root)
         self._hb.beat(self.start, Phase.TRAIN, force=True)
         self._last_save, self._t_end = time.monotonic(), time.perf_counter()
         self._open_loaders()
         return self.start
+
+    def _choose(self) -> Choice:
+        """The checkpoint to load (``choose_checkpoint``), or the exit that says why none. The
+        signal handlers only record a notice; the verify asks at every chunk it hashes, so a
+        notice there stops it (exit 75: nothing trained yet) instead of a verify hashing on."""
+        try:
+            choice = choose_checkpoint(
+                self._args(), self._expectation(), self.identity, self._hb, stop=lambda: PREEMPTION.set
+            )
+        except Interrupted:
+            PREEMPTION.ignore_further()
+            self._stop(
+                Exit.REQUEUE,
+                Phase.VERIFY,
+                "preemption notice during the resume's verify: nothing trained yet",
+            )
+        if choice.error:
+            why = "cannot resume" if choice.code in (RETRY_LATER, Exit.STORAGE) else "refused"
+            self._stop(choice.code, Phase.STARTUP, f"{why}: {choice.error}")
+        return choice
 
     # ------------------------------------------------------------ data
 
@@ -680,13 +708,11 @@ class Resumable:
         return opt
 
     def _load_checked(self, choice: Choice) -> None:
-        """Load, turning a refused pickle (77) or a foreign per-rank file (78) into its exit."""
+        """Load; a load that fails stops the process (``_load_failed``)."""
         try:
             restored = self._load(choice)
-        except UnsafePickle as e:  # nothing of it ran; every rank read the same file and refused it
-            self._stop(_code(e), Phase.LOAD, refusal_line(e, self._root, choice.ckpt))
-        except DeviceError as e:  # every rank's file has the same format: all refuse alike
-            self._stop(_code(e), Phase.LOAD, f"cannot resume: {e}")
+        except Exception as e:
+            self._load_failed(choice, e)
         if not restored and self.identity.seed is not None:
             seed_rank_rng(self.identity.seed, self.rank, self.state.step)
             if self.rank == 0:
@@ -696,6 +722,62 @@ class Resumable:
                     self.world_size,
                     self.state.step,
                 )
+
+    def _load_failed(self, choice: Choice, e: Exception) -> NoReturn:
+        """A load that failed on any rank stops every rank: its reads went straight into the
+        model's and optimizer's own memory (no second copy of the state: a resume costs no memory
+        and no time over the state itself), so what they hold now is part of the checkpoint and
+        part of what was there before. Nothing may train on that or save it: from here on every
+        optimizer step, ``step_end``, save and ``finish`` of this Resumable raises ``LoadFailed``,
+        and ``resume()`` raises SystemExit with the exit code the watchdog acts on (not an
+        Exception, which an ``except Exception`` around ``resume()`` would swallow):
+
+        - a refused pickle: 77, not retried (nothing of it ran);
+        - a foreign per-rank file (another device): 78;
+        - a record or index that cannot be read (CorruptRecord, on every rank alike): the
+          checkpoint is moved to quarantine/ with that line as its reason, and the relaunch
+          resumes from the one before (exit 1, retried);
+        - storage that did not answer (an OSError; a peer's failure): 74, retried;
+        - anything else is raised as it is (a traceback names it), the state refused all the same."""
+        line = one_line(e)
+        self._load_failure = line
+        if isinstance(e, UnsafePickle):  # nothing of it ran; every rank read the same file and refused it
+            self._stop(_code(e), Phase.LOAD, refusal_line(e, self._root, choice.ckpt))
+        if isinstance(e, DeviceError):  # every rank's file has the same format: all refuse alike
+            self._stop(_code(e), Phase.LOAD, f"cannot resume: {e}")
+        if isinstance(e, CorruptRecord) and choice.ckpt is not None:
+            self._stop(
+                RETRY_LATER, Phase.LOAD, f"cannot resume: {self._quarantine_failed(choice.ckpt, line)}"
+            )
+        if isinstance(e, OSError | PeerLoadFailed):
+            self._stop(Exit.STORAGE, Phase.LOAD, f"cannot resume: the load failed: {line}; retryable")
+        raise e
+
+    def _quarantine_failed(self, ckpt: Path, line: str) -> str:
+        """Move a checkpoint that failed at load aside (every rank raised the same line; the first
+        to get the root's lock moves it) and say so."""
+        step = parse_committed(ckpt.name)
+        if step is None:
+            return f"{line}; move {ckpt} aside"
+        try:
+            store.quarantine(self._root, store.CheckpointRef(step, ckpt), line)
+        except FileNotFoundError:
+            pass  # another rank moved it first
+        except OSError as e:
+            return f"{line}; not moved to quarantine ({e}): move it aside by hand"
+        return f"{line}; moved to quarantine/, the relaunch resumes from the checkpoint before it"
+
+    def _before_optimizer_step(self) -> None:
+        self._refuse_if_failed()
+        self._ckpt.before_optimizer_step()
+
+    def _refuse_if_failed(self) -> None:
+        """LoadFailed when a load left the state half read (``_load_failed``)."""
+        if self._load_failure:
+            raise LoadFailed(
+                f"resume failed ({self._load_failure}): the model and optimizer hold part of a checkpoint; "
+                "nothing may train on them or save them: exit, and let the next launch resume"
+            )
 
     def _init_from(self, spec: str) -> None:
         """A new run starts from another run's weights (and optimizer): its own identity, step 0."""
@@ -717,9 +799,10 @@ class Resumable:
                     fs=ProgressFileSystem(src.parent, loading),
                 )
         except UnsafePickle as e:
+            self._load_failure = one_line(e)
             self._stop(_code(e), Phase.LOAD, refusal_line(e, src.parent, src))
         except Exception as e:  # another model's: one line, not a traceback
-            first = one_line(e)
+            first = self._load_failure = one_line(e)
             self._stop(
                 Exit.BAD_CONFIG,
                 Phase.LOAD,
@@ -739,6 +822,7 @@ class Resumable:
             saved_world_size=choice.world_size,
             skip=frozenset(getattr(self.state, "ablate", ())) & frozenset(RANK_ITEMS),
             progress=self._hb.tracker(Phase.LOAD, choice.manifest.step if choice.manifest else 0),
+            listed={n: e.size for n, e in choice.manifest.files.items()} if choice.manifest else None,
         )
 
     def _identity_change(self, choice: Choice) -> dict[str, tuple[Any, Any]]:
@@ -800,6 +884,7 @@ class Resumable:
         measured one), beats the heartbeat, commits a finished async save, acts on a preemption
         notice agreed by all ranks (a synchronous save, then exit 75), starts a save when one is
         due (every N steps, or every T seconds by rank 0's clock). Returns whether the run is done."""
+        self._refuse_if_failed()
         dt = float((metrics or {}).get("step_time", time.perf_counter() - self._t_end))
         self._loader_check.stop()
         self.state.step = step
@@ -894,6 +979,7 @@ class Resumable:
         }
 
     def _save(self, blocking: bool) -> SaveOutcome | None:
+        self._refuse_if_failed()
         self._hb.beat(self.state.step, Phase.SAVE)
         self._last_save = time.monotonic()
         outcome = self._ckpt.save(self.state, self.save_meta(), blocking=blocking)
@@ -930,6 +1016,7 @@ class Resumable:
         """The end of training on every rank: the final save (retried with backoff while the save
         policy allows), the final parameter digest and ``final.json``, the remote flushed, the
         heartbeat says done. Returns the digest (sha256 of the full parameters, any sharding)."""
+        self._refuse_if_failed()
         try:
             if self.state.step > self.start:
                 self._final_save()
@@ -1006,7 +1093,7 @@ class Resumable:
         }
         try:
             retry_transient(
-                lambda: atomic_write_json(RunDir.of(self._root).final, final),
+                lambda: atomic_write_json(RunDir.of(self._root).final, final, self._root),
                 deadline_s=self._options.io_retry_s,
                 what=f"writing {FINAL}",
                 fix=lambda _e: "the checkpoint is committed; the digest is in this log",

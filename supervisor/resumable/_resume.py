@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from supervisor import store
+from supervisor.format import confined
 from supervisor.format.exitcodes import Exit
 from supervisor.format.heartbeat import ENV_LAUNCH_ID, HeartbeatWriter, Phase
 from supervisor.format.layout import step_dirname
@@ -139,18 +140,44 @@ def combine(verdicts: list[ShareVerdict]) -> ShareVerdict:
 # ---------------------------------------------------------------- the choice, on every rank
 
 
-def choose_checkpoint(args: Request, expect: store.Expectation, cfg: Batch, hb: HeartbeatWriter) -> Choice:
+class Interrupted(Exception):
+    """A preemption notice (SIGTERM...) arrived while this rank verified: it stops at the next
+    chunk read instead of hashing on, however long the files (the caller exits 75)."""
+
+
+def choose_checkpoint(
+    args: Request,
+    expect: store.Expectation,
+    cfg: Batch,
+    hb: HeartbeatWriter,
+    stop: Callable[[], bool] = lambda: False,
+) -> Choice:
     """Every rank: the checkpoint to load (verified as ``--verify`` says), or why none may be.
+    ``stop()``: a preemption notice arrived (the trainer's signal handlers only record it):
+    checked at every chunk hashed, Interrupted then.
 
     Ends back in phase STARTUP: what comes next until the load (building the model, the optimizer,
     the parallel wrappers: seconds, minutes for a large model, without a beat) is startup work,
     held to the startup timeout, not to the verify timeout of the last file checked."""
-    choice = _choose_verified(args, expect, cfg, hb)
+    choice = _choose_verified(args, expect, cfg, hb, stop)
     hb.beat(0, Phase.STARTUP, force=True)
     return choice
 
 
-def _choose_verified(args: Request, expect: store.Expectation, cfg: Batch, hb: HeartbeatWriter) -> Choice:
+def _stoppable(progress: ProgressFn, stop: Callable[[], bool]) -> ProgressFn:
+    """``progress``, raising Interrupted once ``stop()`` says a notice arrived."""
+
+    def tick(n: int) -> None:
+        if stop():
+            raise Interrupted()
+        progress(n)
+
+    return tick
+
+
+def _choose_verified(
+    args: Request, expect: store.Expectation, cfg: Batch, hb: HeartbeatWriter, stop: Callable[[], bool]
+) -> Choice:
     rank0 = dist.get_rank() == 0
     retry = _Retry(args.ckpt_root, args.io_retry) if rank0 else None
     launch = (
@@ -168,12 +195,12 @@ def _choose_verified(args: Request, expect: store.Expectation, cfg: Batch, hb: H
         hb.beat(0, Phase.VERIFY, force=True)
         mine = None
         if retry is not None:
-            progress = hb.tracker(Phase.VERIFY, 0) if args.sign_key is not None else None
+            progress = _stoppable(hb.tracker(Phase.VERIFY, 0), stop) if args.sign_key is not None else None
             mine = retry.gave_up or _choose(args, expect, cfg, launch, on_retry, progress)
         choice: Choice = _agree.broadcast(mine, None, beat)
         if choice.error or choice.ckpt is None or choice.verified or args.verify != "deep":
             return choice
-        v = verify_spread(choice, args.ckpt_root, hb)
+        v = verify_spread(choice, args.ckpt_root, hb, stop)
         if v.evidence is Evidence.OK:
             return choice
         if retry is not None:
@@ -183,8 +210,11 @@ def _choose_verified(args: Request, expect: store.Expectation, cfg: Batch, hb: H
 SHARES = "every rank's verdict on its share of the verify"
 
 
-def verify_spread(choice: Choice, root: Path, hb: HeartbeatWriter) -> ShareVerdict:
-    """Every rank checks its share of ``choice``'s files; the combined verdict, on every rank."""
+def verify_spread(
+    choice: Choice, root: Path, hb: HeartbeatWriter, stop: Callable[[], bool] = lambda: False
+) -> ShareVerdict:
+    """Every rank checks its share of ``choice``'s files; the combined verdict, on every rank.
+    Interrupted at the first chunk after ``stop()`` says a preemption notice arrived."""
     assert choice.ckpt is not None and choice.manifest is not None
     m = choice.manifest
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -194,7 +224,7 @@ def verify_spread(choice: Choice, root: Path, hb: HeartbeatWriter) -> ShareVerdi
     mine = ShareVerdict(rank, Evidence.OK)
     for name in names:
         progress.set_path(os.path.relpath(choice.ckpt / name, root))
-        v = store.check_files(ref, m, [name], progress, chunk=PROGRESS_CHUNK)
+        v = store.check_files(ref, m, [name], _stoppable(progress, stop), chunk=PROGRESS_CHUNK)
         if not v.ok:
             mine = ShareVerdict(rank, v.evidence, v.reason, name, v.error)
             break
@@ -293,45 +323,12 @@ def _choose(
     root = args.ckpt_root
     on_retry = on_retry or (lambda msg: log.warning("resume: %s", msg))
     signed_deep = args.verify == "deep" and args.sign_key is not None
-    downloaded = None
     try:
-        if args.remote is not None:
-            res = _tiering.resume(
-                root,
-                args.remote,
-                expect,
-                deep=signed_deep,
-                key=args.sign_key,
-                io_retry_s=args.io_retry,
-                allow_fresh_start=args.allow_fresh_start,
-                on_retry=on_retry,
-            )
-            downloaded = res.chosen.step if res.source == "remote" and res.chosen else None
-        load_step = args.load_step
-        v = (
-            pick_step(root, load_step, expect, args.sign_key)
-            if load_step is not None
-            else store.pick(
-                root,
-                deep=signed_deep and args.remote is None,  # with --remote, checked by the tier resume
-                expect=expect,
-                progress=progress,
-                io_retry_s=args.io_retry,
-                on_retry=on_retry,
-                allow_fresh_start=args.allow_fresh_start,
-                key=args.sign_key,
-            ).chosen
-        )
+        v, downloaded = _picked(args, expect, on_retry, progress)
     except store.MismatchError as e:
         return Choice(launch, error=str(e) + mismatch_fields(root, args.identity), code=Exit.MISMATCH)
-    except store.NoUsableCheckpoint as e:
-        return Choice(launch, error=str(e), code=Exit.NO_USABLE_CHECKPOINT)
-    except store.StorageUnavailable as e:
-        return Choice(launch, error=str(e), code=Exit.STORAGE)
-    except store.StoreError as e:
-        return Choice(launch, error=str(e), code=Exit.BAD_CONFIG)
-    except RemoteUnavailable as e:
-        return Choice(launch, error=str(e), code=RETRY_LATER)
+    except (store.StoreError, store.StorageUnavailable, RemoteUnavailable, OSError) as e:
+        return Choice(launch, error=_one_line(e, root), code=_refusal_code(e))
     if v is None or v.manifest is None:
         return Choice(launch)
     problem = batch_problem(v.ref.name, v.manifest.parallelism.get("global_batch"), cfg)
@@ -342,11 +339,72 @@ def _choose(
     return Choice(launch, v.ref.path, v.manifest.world_size, manifest=v.manifest, verified=verified)
 
 
-def batch_problem(name: str, saved: int | None, cfg: Batch) -> str:
+def _picked(
+    args: Request, expect: store.Expectation, on_retry: Callable[[str], None], progress: ProgressFn | None
+) -> tuple[store.Verdict | None, int | None]:
+    """The chosen checkpoint's verdict (None: none) and the step downloaded for it (None: none)."""
+    root = args.ckpt_root
+    signed_deep = args.verify == "deep" and args.sign_key is not None
+    downloaded = None
+    if args.remote is not None:
+        tiers = _tiering.resume(
+            root,
+            args.remote,
+            expect,
+            deep=signed_deep,
+            key=args.sign_key,
+            io_retry_s=args.io_retry,
+            allow_fresh_start=args.allow_fresh_start,
+            on_retry=on_retry,
+        )
+        downloaded = tiers.chosen.step if tiers.source == "remote" and tiers.chosen else None
+    if args.load_step is not None:
+        return pick_step(root, args.load_step, expect, args.sign_key), downloaded
+    res = store.pick(
+        root,
+        deep=signed_deep and args.remote is None,  # with --remote, checked by the tier resume
+        expect=expect,
+        progress=progress,
+        io_retry_s=args.io_retry,
+        on_retry=on_retry,
+        allow_fresh_start=args.allow_fresh_start,
+        key=args.sign_key,
+    )
+    for name, why in res.untrusted:  # skipped and left where it is: said, never silently
+        log.warning("resume: skipped %s, not trusted: %s", name, why)
+    return res.chosen, downloaded
+
+
+def _refusal_code(e: Exception) -> Exit:
+    """The exit of a pick that raised ``e``."""
+    if isinstance(e, confined.Escape):  # a link planted in the run directory: a person must look
+        return Exit.UNTRUSTED
+    if isinstance(e, store.NoUsableCheckpoint):
+        return Exit.NO_USABLE_CHECKPOINT
+    if isinstance(e, store.StorageUnavailable | OSError):  # OSError: not transient (those were retried)
+        return Exit.STORAGE
+    if isinstance(e, RemoteUnavailable):
+        return RETRY_LATER
+    return Exit.BAD_CONFIG  # another StoreError
+
+
+def _one_line(e: Exception, root: Path) -> str:
+    if isinstance(e, OSError) and not isinstance(e, confined.Escape):
+        return f"{e.filename or root}: {describe(e)}"
+    return str(e)
+
+
+def batch_problem(name: str, saved: object, cfg: Batch) -> str:
     """The sampler's position counts global batches, so it cannot map onto another global batch
-    size (not even with --allow-config-change): one line naming both values, or ''."""
-    if saved is None or int(saved) == cfg.global_batch:
+    size (not even with --allow-config-change): one line naming both values, or ''. A manifest
+    whose global batch is not a number (``"eight"``) says so, one line."""
+    if saved is None or saved == cfg.global_batch:
         return ""
+    if isinstance(saved, bool) or not isinstance(saved, int):
+        return (
+            f"{name}: its manifest's parallelism.global_batch is {str(saved)[:40]!r}, not a number: "
+            f"not a manifest this toolkit wrote; move it aside with `python -m supervisor ckpt quarantine`"
+        )
     return (
         f"{name} was saved with global batch {saved} but config '{cfg.name}' has global batch "
         f"{cfg.global_batch}; the data position cannot carry over: use a config with global batch "

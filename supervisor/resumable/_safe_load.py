@@ -26,11 +26,12 @@ from __future__ import annotations
 import gc
 import io
 import itertools
+import math
 import os
 import pickle
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -57,9 +58,12 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.futures import Future
 
-from supervisor.format.layout import dcp_index_filename, parse_committed
+from supervisor.format.capped import MANIFEST_MAX, read_capped
+from supervisor.format.layout import MANIFEST, dcp_index_filename, parse_committed
+from supervisor.format.manifest import parse_manifest
 from supervisor.resumable import _agree, _direct_read
-from supervisor.resumable._dcp_index import merged, uncovered
+from supervisor.resumable._dcp_index import index_problem, merged, uncovered
+from supervisor.resumable._direct_read import OBJECT_RECORD_MAX
 from supervisor.resumable._tensor_record import plain_tensor, read_in_place
 from supervisor.safepickle import WHY, UnsafePickle, load_restricted
 
@@ -68,6 +72,9 @@ _GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 # Records from this size up are read in place, into the tensor they load into (three reads: head,
 # tail, data); smaller ones in one read into a buffer, whose copy costs less than two more reads.
 IN_PLACE_MIN = 64 << 10
+# A record's bytes around a tensor chunk's (torch.save's zip: ~1 KB): a record may be this much
+# longer than its chunk, no more (its length is read off the index before anything is allocated).
+RECORD_SLACK = 1 << 20
 _SHORT = "short"  # the failure kind of a rank whose own index does not hold all it loads
 _Failed = tuple[int, tuple[str, str]]  # a failed rank and what failed there (``_failure``)
 
@@ -95,11 +102,19 @@ class SafeFileSystemReader(FileSystemReader):
     ``torch.load`` (``plain_tensor``), which was most of a load's CPU (bench/checkpoint.py has
     the load against a raw read; docs/trainer.md the numbers)."""
 
-    def __init__(self, path: str | os.PathLike[str], rank: int | None = None, index: Metadata | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        rank: int | None = None,
+        index: Metadata | None = None,
+        listed: Mapping[str, int] | None = None,
+    ):
         """``rank``: this rank, whose own index it reads when the checkpoint has one per rank
-        (supervisor/resumable/_dcp_index.py); ``index``: every rank's, merged (``every_index``), instead."""
+        (supervisor/resumable/_dcp_index.py); ``index``: every rank's, merged (``every_index``), instead.
+        ``listed``: the size of each file, as the checkpoint's manifest lists them (``listed_sizes``):
+        what an index may say of its records, and how much of an index is read."""
         super().__init__(path)
-        self.own_rank, self.merged_index = rank, index
+        self.own_rank, self.merged_index, self.listed = rank, index, listed
         self.index = Path(path) / dcp_index_filename()  # the index read, for a line naming it
         self.own_index = False  # ... is this rank's own, which holds only what it wrote
         # The first refusal: DCP catches a read_metadata error and tries the per-rank index, then
@@ -138,9 +153,12 @@ class SafeFileSystemReader(FileSystemReader):
 
     def _read_index(self, path: Path) -> Metadata:
         try:
-            return read_index(self.fs, path)
+            return read_index(self.fs, path, self.listed)
         except UnsafePickle as e:
             self.refused = e
+            raise
+        except CorruptRecord as e:
+            self.corrupt = self.corrupt or e
             raise
 
     def set_up_storage_reader(
@@ -181,6 +199,11 @@ class SafeFileSystemReader(FileSystemReader):
             and self._in_place(stream, req, planner, label)
         ):
             return
+        cap = self._record_cap(req)
+        if info.length > cap:  # before anything is allocated: the index says the length
+            raise self._corrupt(
+                f"{label}: a record of {info.length} bytes, where the item takes at most {cap}"
+            )
         stream.seek(info.offset)
         rec = bytearray(info.length)
         got = stream.readinto(rec)  # counted, when ``fs`` counts
@@ -191,14 +214,31 @@ class SafeFileSystemReader(FileSystemReader):
         if req.type == LoadItemType.BYTE_IO:
             planner.load_bytes(req, io.BytesIO(rec))
             return
-        tensor = narrow_tensor_by_index(self._tensor(rec, req, label), req.storage_offsets, req.lengths)
+        chunk = self._tensor(rec, req, label)
         target = planner.resolve_tensor(req).detach()
-        if target.size() != tensor.size():
+        try:
+            tensor = narrow_tensor_by_index(chunk, req.storage_offsets, req.lengths)
+        except (RuntimeError, IndexError, ValueError) as e:
+            raise self._corrupt(
+                f"{label}: holds a chunk of {tuple(chunk.size())}, not one the index says ({e})"
+            ) from None
+        if target.size() != tensor.size():  # another dtype is converted by the copy, as DCP does
             raise self._corrupt(
                 f"{label}: holds a chunk of {tuple(tensor.size())}, the index says {tuple(target.size())}"
             )
         target.copy_(tensor)
         planner.commit_tensor(req, target)
+
+    def _record_cap(self, req: ReadItem) -> int:
+        """The most bytes ``req``'s record may take: its chunk's bytes and a zip's frame around
+        them (a tensor), or ``OBJECT_RECORD_MAX`` (a non-tensor item)."""
+        if req.type == LoadItemType.BYTE_IO:
+            return OBJECT_RECORD_MAX
+        md = self.tensors.get(req.storage_index.fqn)
+        chunk = _chunk(md, req.storage_index) if isinstance(md, TensorStorageMetadata) else None
+        if md is None or chunk is None:
+            return 0
+        return math.prod(chunk.sizes) * md.properties.dtype.itemsize + RECORD_SLACK
 
     def _in_place(self, stream: io.BufferedIOBase, req: ReadItem, planner: LoadPlanner, label: str) -> bool:
         """A whole chunk in the plain layout, read straight into the tensor it loads into
@@ -232,12 +272,15 @@ class SafeFileSystemReader(FileSystemReader):
             if plain is not None:
                 return plain
         try:
-            return cast(torch.Tensor, torch.load(io.BytesIO(rec), map_location="cpu", weights_only=True))
+            got = torch.load(io.BytesIO(rec), map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as e:
             self.refused = self.refused or weights_only_refusal(label, e)
             raise self.refused from None
-        except RuntimeError as e:  # torch's zip reader: "PytorchStreamReader failed reading ..."
+        except Exception as e:  # torch's zip reader: "PytorchStreamReader failed reading ..."; and more
             raise self._corrupt(f"{label}: not a readable tensor record ({one_line(e)})") from None
+        if not isinstance(got, torch.Tensor):  # a data.pkl of a dict, a number...
+            raise self._corrupt(f"{label}: holds a {type(got).__name__}, not a tensor")
+        return got
 
     def _corrupt(self, what: str) -> CorruptRecord:
         self.corrupt = self.corrupt or corrupt(what)
@@ -251,6 +294,8 @@ class SafeFileSystemReader(FileSystemReader):
         except pickle.UnpicklingError as e:
             self.refused = self.refused or weights_only_refusal(label, e)
             raise self.refused from None
+        except Exception as e:  # a broken zip, a truncated pickle: one line, not torch's traceback
+            raise self._corrupt(f"{label}: not a readable record ({one_line(e)})") from None
 
 
 def corrupt(what: str) -> CorruptRecord:
@@ -261,11 +306,54 @@ def corrupt(what: str) -> CorruptRecord:
     )
 
 
-def read_index(fs: FileSystem, path: Path) -> Metadata:
-    """One DCP index, unpickled through the allowlist (``UnsafePickle`` names ``path``)."""
+def read_index(fs: FileSystem, path: Path, listed: Mapping[str, int] | None = None) -> Metadata:
+    """One DCP index, unpickled through the allowlist (``UnsafePickle`` names ``path``), and
+    checked to be one (``dcp_index.index_problem``: its records in files of this checkpoint, at
+    offsets and lengths that are places in them): CorruptRecord, one line, otherwise. At most its
+    size in ``listed`` is read (the manifest's), else its own size."""
     with fs.create_stream(path, "rb") as f:
         # torch types the stream as IOBase; it is the binary file opened "rb" above
-        return cast(Metadata, load_restricted(cast(IO[bytes], f), str(path)))
+        data = read_listed(cast(IO[bytes], f), path, listed)
+    try:
+        md = load_restricted(data, str(path))
+    except UnsafePickle:
+        raise
+    except Exception as e:  # a pickle that fails to parse, before naming anything
+        raise corrupt(f"{path}: not a readable DCP index ({one_line(e)})") from None
+    problem = index_problem(md, listed, path.parent)
+    if problem:
+        raise corrupt(f"{path}: {problem}")
+    return cast(Metadata, md)
+
+
+def read_listed(stream: IO[bytes], path: Path, listed: Mapping[str, int] | None) -> bytes:
+    """The whole file ``stream`` reads (``path``, in a checkpoint), read only when it is the size
+    the manifest lists (``listed``; without one, its own size): a file grown, or one the manifest
+    does not list, is CorruptRecord before a byte of it is read, never read past that size."""
+    size = os.fstat(stream.fileno()).st_size
+    cap = size if listed is None else listed.get(path.name, -1)
+    if cap < 0:
+        raise corrupt(f"{path}: a file its manifest does not list")
+    if size > cap:
+        raise corrupt(f"{path}: {size} bytes, but its manifest lists {cap}")
+    data = stream.read(cap + 1)
+    if len(data) > cap:
+        raise corrupt(f"{path}: grew past its {cap} bytes while it was read")
+    return data
+
+
+def listed_sizes(ckpt: Path) -> dict[str, int]:
+    """The size of each file of ``ckpt`` as its manifest lists it; without a readable one (a bare
+    DCP directory), each regular file's own size: what an index's records must lie within."""
+    try:
+        m = parse_manifest(read_capped(ckpt / MANIFEST, MANIFEST_MAX))
+    except (OSError, ValueError):  # ManifestError, TooLarge; no manifest
+        try:
+            with os.scandir(ckpt) as entries:
+                return {e.name: e.stat().st_size for e in entries if e.is_file(follow_symlinks=False)}
+        except OSError:
+            return {}
+    return {n: e.size for n, e in m.files.items()}
 
 
 def _chunk(md: TensorStorageMetadata, index: MetadataIndex) -> ChunkStorageMetadata | None:
@@ -316,10 +404,12 @@ def load_dcp(
     state_dict: dict[str, Any],
     process_group: dist.ProcessGroup | None,
     fs: FileSystem | None = None,
+    listed: Mapping[str, int] | None = None,
 ) -> None:
     """``dcp.load`` through the safe reader and planner; UnsafePickle (one line) on a refusal.
     ``fs``: the file system the reader opens files with (the trainer's counts the bytes it reads,
-    supervisor/resumable/_progress_io.py).
+    supervisor/resumable/_progress_io.py). ``listed``: each file's size as the manifest lists it
+    (``listed_sizes`` of ``ckpt`` when not given): an index's records must lie in them.
 
     Each rank plans and reads alone (DCP's ``no_dist``): DCP's global load plan is the identity
     (``create_default_global_load_plan``), yet with a process group it gathers every rank's local
@@ -339,17 +429,18 @@ def load_dcp(
     read each element a rank holds."""
     together = process_group is not None or dist.is_initialized()
     rank = dist.get_rank(process_group) if dist.is_initialized() else None
+    listed = listed_sizes(ckpt) if listed is None else listed
     with no_gc():
         # read in place into each Stateful's state dict (DCP's own first step, done here so that
         # the state is applied only once every rank read its part)
         loaded = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
-        reader, error = _read(ckpt, loaded, rank, None, fs)
+        reader, error = _read(ckpt, loaded, rank, None, fs, listed)
         first = _agreed(reader, error, process_group) if together else None
         short = first[1][0] == _SHORT if first is not None else isinstance(error, OwnIndexShort)
         if short:  # saved in another layout: every rank's index, merged
-            index = every_index(ckpt, fs or FileSystem(), process_group if together else None)
+            index = every_index(ckpt, fs or FileSystem(), process_group if together else None, listed)
             if error is not None:  # a rank whose own index held all it loads keeps what it read
-                reader, error = _read(ckpt, loaded, rank, index, fs)
+                reader, error = _read(ckpt, loaded, rank, index, fs, listed)
             first = _agreed(reader, error, process_group) if together else None
         ours = reader.refused or reader.corrupt  # one line of ours, for what DCP raised
         if error is None and first is not None:
@@ -366,11 +457,16 @@ def load_dcp(
 
 
 def _read(
-    ckpt: Path, loaded: dict[str, Any], rank: int | None, index: Metadata | None, fs: FileSystem | None
+    ckpt: Path,
+    loaded: dict[str, Any],
+    rank: int | None,
+    index: Metadata | None,
+    fs: FileSystem | None,
+    listed: Mapping[str, int] | None,
 ) -> tuple[SafeFileSystemReader, BaseException | None]:
     """``dcp.load`` of this rank's part into ``loaded``, alone; the reader and what it raised
     (OwnIndexShort, before anything is read, when every rank's index is needed merged)."""
-    reader = SafeFileSystemReader(ckpt, rank, index)
+    reader = SafeFileSystemReader(ckpt, rank, index, listed)
     if fs is not None:
         reader.fs = fs
     try:
@@ -410,7 +506,9 @@ def _agreed(
     return _agree.first_failure(_failure(reader.refused or reader.corrupt or error), group, lambda: None)
 
 
-def every_index(ckpt: Path, fs: FileSystem, group: dist.ProcessGroup | None) -> Metadata:
+def every_index(
+    ckpt: Path, fs: FileSystem, group: dist.ProcessGroup | None, listed: Mapping[str, int] | None = None
+) -> Metadata:
     """Every rank's own index in ``ckpt``, merged (``dcp_index.merged``), on every rank of
     ``group`` (None: this process alone), each index file read once over the job.
 
@@ -426,7 +524,7 @@ def every_index(ckpt: Path, fs: FileSystem, group: dist.ProcessGroup | None) -> 
     world, me = (dist.get_world_size(group), dist.get_rank(group)) if together else (1, 0)
     mine: BaseException | None = None
     try:
-        part = _index_part(ckpt, fs, me, world)
+        part = _index_part(ckpt, fs, me, world, listed)
     except (OSError, UnsafePickle, CorruptRecord) as e:
         mine, part = e, _Part([], None, _failure(e))
     outcome = _assembled(ckpt, [part] if world == 1 else _agree.all_gather(part, group, lambda: None))
@@ -444,7 +542,9 @@ class _Part(NamedTuple):
     failure: tuple[str, str] | None
 
 
-def _index_part(ckpt: Path, fs: FileSystem, me: int, world: int) -> _Part:
+def _index_part(
+    ckpt: Path, fs: FileSystem, me: int, world: int, listed: Mapping[str, int] | None = None
+) -> _Part:
     """Rank ``me`` of ``world``'s share: indexes me, me + world, ... up to the first missing."""
     ranks, indexes = [], []
     for r in itertools.count(me, world):
@@ -452,7 +552,7 @@ def _index_part(ckpt: Path, fs: FileSystem, me: int, world: int) -> _Part:
         if not fs.exists(path):
             break
         ranks.append(r)
-        indexes.append(read_index(fs, path))
+        indexes.append(read_index(fs, path, listed))
     try:
         return _Part(ranks, merged(indexes) if indexes else None, None)
     except ValueError as e:

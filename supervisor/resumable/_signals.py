@@ -22,6 +22,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
+from supervisor.format import confined
 from supervisor.format.layout import ELASTIC_ERROR_FILE_ENV
 from supervisor.format.notice import NoticeSignalError, notice_signal
 
@@ -61,10 +62,12 @@ class PreemptionFlag:
         return self.signum is not None
 
 
-def register_stack_dump(path: Path) -> IO[str]:
-    """Dump all threads' stacks to ``path`` (appended) on SIGUSR2; keep the returned file open."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    f = open(path, "a")  # noqa: SIM115 - must outlive this call; faulthandler writes to its fd
+def register_stack_dump(path: Path, within: Path) -> IO[str]:
+    """Dump all threads' stacks to ``path`` (appended; opened through no link below ``within``,
+    supervisor/format/confined.py) on SIGUSR2; keep the returned file open."""
+    f = os.fdopen(
+        confined.open_append(within, path), "a"
+    )  # must outlive this call: faulthandler writes to it
     faulthandler.register(STACK_DUMP_SIGNAL, file=f, all_threads=True, chain=False)
     return f
 
@@ -80,7 +83,7 @@ def record_uncaught(env: Mapping[str, str] = os.environ) -> None:
 
     def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         if os.getpid() == pid:  # not a forked child's (a DataLoader worker)
-            if path and not os.path.exists(path):  # not @record's
+            if path and not os.path.lexists(path):  # not @record's (nor a link planted there)
                 write_error_file(path, kind, value, tb)
             for tell in _TOLD:
                 tell(exception_line(kind, value, tb))
@@ -124,7 +127,7 @@ def write_error_file(
         }
     }
     try:
-        with open(path, "w") as f:
+        with open(path, "w", opener=confined.no_follow) as f:  # never through a link planted there
             json.dump(data, f)
     except OSError:
         pass

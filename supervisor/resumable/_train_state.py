@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from supervisor.format import confined
 from supervisor.format.statediff import NUMPY_RNG, PYTHON_RNG, RANK_USER_ITEMS, RNG_STREAMS, TORCH_RNG
 from supervisor.resumable._canonical_names import CanonicalNames
 from supervisor.resumable._devices import cuda_rng_record, cuda_rng_to_restore, current_cuda_device
@@ -248,7 +249,7 @@ class RankState:
         """Written by Python: a full disk is an OSError naming the file (torch.save's own writer
         reports a RuntimeError without the errno). Synced here, by its writer: the commit does not
         fsync every rank's files from rank 0."""
-        with naming(path), open(path, "wb") as f:
+        with naming(path), open(path, "wb", opener=confined.no_follow) as f:  # never through a link
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

@@ -8,7 +8,6 @@ files and run ``scontrol``. Torch-free, like everything in ``supervisor/``.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 from collections.abc import Mapping
@@ -16,7 +15,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from supervisor.format import confined
 from supervisor.format.atomic import atomic_write_json
+from supervisor.format.capped import RECORD_MAX, TooLarge, read_capped
 from supervisor.format.eventnames import RequeueEvent
 from supervisor.format.exitcodes import Exit
 from supervisor.format.layout import RunDir
@@ -175,7 +176,7 @@ def parse_requeue_state(d: Any) -> RequeueState:
             history=history,
             version=int(d.get("version", REQUEUE_VERSION)),
         )
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, OverflowError) as e:  # OverflowError: int(1e400)
         raise ValueError(f"bad field ({e})") from None
 
 
@@ -191,9 +192,15 @@ def _is_preempt_requeue(h: Any, job_id: str) -> bool:
 def read_requeue_state(root: str | Path) -> RequeueState | None:
     """The file as it is (None when there is none); ValueError or OSError when it cannot be used."""
     try:
-        return parse_requeue_state(json.loads(requeue_path(root).read_text()))
+        text = read_capped(requeue_path(root), RECORD_MAX)
     except FileNotFoundError:
         return None
+    except TooLarge as e:  # garbage, not unreadable storage
+        raise ValueError(str(e)) from None
+    try:
+        return parse_requeue_state(json.loads(text))
+    except RecursionError:
+        raise ValueError("nested too deep to be a requeue record") from None
 
 
 def load_requeue_state(root: str | Path, job: JobEnv, limits: Budgets) -> tuple[RequeueState, str]:
@@ -210,7 +217,7 @@ def load_requeue_state(root: str | Path, job: JobEnv, limits: Budgets) -> tuple[
         return replace(fresh, preempt_requeues=n, failure_requeues=n), note
     except ValueError as e:
         bad = path.with_name(path.name + ".bad")
-        os.replace(path, bad)
+        confined.rename(root, path, bad)
         return fresh, f"{path} was unreadable ({e}); kept as {bad.name}, the requeue counts start over"
     if prev is None:
         return fresh, ""
@@ -225,11 +232,10 @@ def load_requeue_state(root: str | Path, job: JobEnv, limits: Budgets) -> tuple[
 
 def save_requeue_state(root: str | Path, state: RequeueState) -> None:
     path = requeue_path(root)
-    path.parent.mkdir(parents=True, exist_ok=True)
     d = asdict(state)
     d["history"] = list(state.history)
     d["requeues"] = state.preempt_requeues + state.failure_requeues  # what version 1 readers count
-    atomic_write_json(path, d)
+    atomic_write_json(path, d, root)
 
 
 def why_not_requeue(info: Mapping[str, str] | None, restart_count: int) -> str:

@@ -26,6 +26,7 @@ quarantines for it and never gives up the run's progress without being told to.
 
 from __future__ import annotations
 
+from supervisor.format.confined import remove_tree  # the store's removals: through no link
 from supervisor.store.checkpoints import (
     LOCK_TIMEOUT_S,
     REASON_LOST,
@@ -76,7 +77,6 @@ from supervisor.store.retention import (
     prune,
     read_policy,
     record_policy,
-    remove_tree,
     tmp_is_stale,
 )
 from supervisor.store.walkback import (

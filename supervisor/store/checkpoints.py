@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from supervisor.errors import UserError, refine
+from supervisor.format import confined
 from supervisor.format.atomic import atomic_write_text, fsync_dir
+from supervisor.format.capped import MANIFEST_MAX, RECORD_MAX, TooLarge, file_kind_problem, read_capped
 from supervisor.format.exitcodes import Exit
 from supervisor.format.layout import (
     MANIFEST,
@@ -26,6 +28,7 @@ from supervisor.format.layout import (
     REASON,
     SIGNATURE,
     RunDir,
+    file_rank,
     is_dcp_index,
     parse_committed,
     quarantined_dirname,
@@ -150,10 +153,10 @@ def write_latest(root: str | Path, name: str | None) -> None:
     path = RunDir.of(root).latest
     if name is None:
         if os.path.lexists(path):  # lexists: a dangling symlink left by another tool counts too
-            path.unlink()
+            confined.unlink(root, path)  # a link itself, never what it points to
             fsync_dir(path.parent)
         return
-    atomic_write_text(path, name + "\n")
+    atomic_write_text(path, name + "\n", root)
 
 
 def latest_raw(root: str | Path) -> str | None:
@@ -165,8 +168,8 @@ def latest_raw(root: str | Path) -> str | None:
     if path.is_symlink():
         return "<symlink>"
     try:
-        return path.read_text(errors="replace")
-    except OSError:
+        return read_capped(path, RECORD_MAX).decode(errors="replace")
+    except (OSError, TooLarge):
         return "<unreadable>"
 
 
@@ -175,8 +178,10 @@ def read_latest(root: str | Path) -> str | None:
     A path (``ckpt/step_00000050``) or a symlink, as other tools write it, reads as its last part."""
     path = RunDir.of(root).latest
     try:
-        text = os.readlink(path) if path.is_symlink() else path.read_text(errors="replace")
-    except OSError:
+        text = (
+            os.readlink(path) if path.is_symlink() else read_capped(path, RECORD_MAX).decode(errors="replace")
+        )
+    except (OSError, TooLarge):
         return None
     name = text.strip().rstrip("/").rsplit("/", 1)[-1]
     return name if parse_committed(name) is not None else None
@@ -186,7 +191,9 @@ def read_latest(root: str | Path) -> str | None:
 
 
 def list_checkpoints(root: str | Path) -> list[CheckpointRef]:
-    """Committed checkpoint directories, newest first. Tmp dirs are never checkpoints.
+    """Committed checkpoint directories, newest first. Tmp dirs are never checkpoints, nor is a
+    symbolic link named like one: what it points to is not this run's (it is never loaded, moved
+    or deleted; `ckpt quarantine` of its step says so).
 
     A root that cannot be listed raises its OSError (an unreadable root must never read as "no
     checkpoints": that would start the run from step 0). An entry whose type cannot be read is
@@ -203,7 +210,7 @@ def list_checkpoints(root: str | Path) -> list[CheckpointRef]:
             if step is None:
                 continue
             try:
-                is_dir = entry.is_dir()
+                is_dir = entry.is_dir(follow_symlinks=False)
             except OSError as e:
                 is_dir = is_transient(e)
             if is_dir:
@@ -223,7 +230,9 @@ def validate(
     ``manifest.sig`` (quick: the HMAC over the manifest; deep: every file's SHA-256, from the same
     read as the checksums): UNTRUSTED when it is unsigned or the signature is bad."""
     try:
-        raw = (ref.path / MANIFEST).read_bytes()
+        raw = read_capped(ref.path / MANIFEST, MANIFEST_MAX)
+    except TooLarge:
+        return _corrupt(ref, f"{MANIFEST} is larger than any manifest ({MANIFEST_MAX} bytes)")
     except OSError as e:
         return _unreadable(ref, e, MANIFEST)
     try:
@@ -261,14 +270,22 @@ def _check_listing(ref: CheckpointRef, m: Manifest) -> Verdict | None:
         if name not in present:
             return _corrupt(ref, f"{name} is missing")
         try:
-            size = os.stat(os.path.join(ref.path, name)).st_size
+            st = os.stat(os.path.join(ref.path, name))
         except OSError as e:
             return _unreadable(ref, e, name)
-        if size != entry.size:
-            return _corrupt(ref, f"{name} is {size} bytes, manifest says {entry.size}")
+        if kind := file_kind_problem(st.st_mode):  # a FIFO, a link to /dev/zero: never read
+            return _corrupt(ref, f"{name} is {kind}, not a regular file")
+        if st.st_size != entry.size:
+            return _corrupt(ref, f"{name} is {st.st_size} bytes, manifest says {entry.size}")
     unlisted = sorted(present - set(m.files))
     if unlisted:
         return _corrupt(ref, f"{unlisted[0]} is not listed in {MANIFEST}")
+    outside = next(
+        ((n, r) for n in sorted(m.files) if (r := file_rank(n)) is not None and r >= m.world_size), None
+    )
+    if outside is not None:  # a manifest edited to another world size than its files were written by
+        name, rank = outside
+        return _corrupt(ref, f"{name} is rank {rank}'s, but {MANIFEST} says world size {m.world_size}")
     return None
 
 
@@ -280,9 +297,11 @@ def _check_signature(
     from supervisor import signing
 
     try:
-        sig_bytes = (ref.path / SIGNATURE).read_bytes()
+        sig_bytes: bytes | None = read_capped(ref.path / SIGNATURE, MANIFEST_MAX)
     except FileNotFoundError:
         sig_bytes = None
+    except TooLarge:
+        return None, signing.Untrusted(signing.BAD, f"{SIGNATURE} is larger than any signature")
     except OSError as e:
         return _unreadable(ref, e, SIGNATURE)
     try:
@@ -308,14 +327,20 @@ def check_files(
 
     algos = (CHECKSUM_ALGO, DIGEST_ALGO) if sig is not None else (CHECKSUM_ALGO,)
     try:
-        sums = hash_files([os.path.join(ref.path, n) for n in names], algos, progress, chunk=chunk)
+        sums = hash_files(
+            [os.path.join(ref.path, n) for n in names],
+            algos,
+            progress,
+            chunk=chunk,
+            limits=[m.files[n].size for n in names],  # a file that grew is not hashed on and on
+        )
     except OSError as e:
         return _unreadable(ref, e, _rel(ref, e.filename, "a file"))
     for name, (actual, *_) in zip(names, sums, strict=True):
         expected = m.files[name].checksum
         if actual != expected:
             return _corrupt(ref, f"{name} checksum {actual[:12]}.. differs from manifest {expected[:12]}..")
-    problem = _pickles_problem(ref, names)
+    problem = _pickles_problem(ref, m, names)
     if isinstance(problem, OSError):
         return _unreadable(ref, problem, _rel(ref, problem.filename, "a file"))
     if problem:
@@ -328,7 +353,7 @@ def check_files(
     return Verdict(ref, Evidence.OK, "", m, signature="ok" if sig is not None else "")
 
 
-def _pickles_problem(ref: CheckpointRef, names: Sequence[str]) -> str | OSError:
+def _pickles_problem(ref: CheckpointRef, m: Manifest, names: Sequence[str]) -> str | OSError:
     """Why a pickled DCP index of the checkpoint may not be loaded ('' when none), or the OSError
     that kept it from being read."""
     from supervisor import safepickle
@@ -336,7 +361,9 @@ def _pickles_problem(ref: CheckpointRef, names: Sequence[str]) -> str | OSError:
     for name in names:
         if is_dcp_index(name):
             try:
-                data = (ref.path / name).read_bytes()
+                data = read_capped(ref.path / name, m.files[name].size)
+            except TooLarge:
+                return f"{name} grew past its listed {m.files[name].size} bytes"
             except OSError as e:
                 e.filename = e.filename or os.path.join(ref.path, name)
                 return e
@@ -426,26 +453,33 @@ def quarantine(root: str | Path, ref: CheckpointRef, reason: str) -> Path:
 
 
 def quarantine_locked(root: Path, ref: CheckpointRef, reason: str) -> Path:
-    """``quarantine`` for a caller that holds the root's lock."""
+    """``quarantine`` for a caller that holds the root's lock. Through no link (confined.py): a
+    ``quarantine/`` or a ``step_N`` that is a symbolic link is refused (confined.Escape, one line
+    naming it), so nothing is moved out of the run directory nor written through a link."""
     qdir = RunDir.of(root).quarantine
-    qdir.mkdir(exist_ok=True)
+    confined.make_dirs(root, qdir)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     n = 1
-    while (dest := qdir / quarantined_dirname(ref.name, stamp, n)).exists():
+    while os.path.lexists(dest := qdir / quarantined_dirname(ref.name, stamp, n)):
         n += 1
-    os.rename(ref.path, dest)
+    confined.rename(root, ref.path, dest)
     fsync_dir(root)
-    atomic_write_text(dest / REASON, reason.rstrip("\n") + "\n")
+    atomic_write_text(dest / REASON, reason.rstrip("\n") + "\n", root)
     fsync_dir(qdir)
     return dest
 
 
 def backfill_reasons(root: Path) -> None:
     """A crash between the move and ``reason.txt`` leaves a quarantined checkpoint without a
-    reason; give it one so every quarantined checkpoint explains itself."""
-    for q in list_quarantined(root):
-        if q.path.is_dir() and not (q.path / REASON).exists():
-            atomic_write_text(q.path / REASON, REASON_LOST + "\n")
+    reason; give it one so every quarantined checkpoint explains itself. A repair: a quarantine
+    that cannot be listed (a planted link, confined.Escape) is left as it is."""
+    try:
+        found = list_quarantined(root)
+    except OSError:
+        return
+    for q in found:
+        if q.path.is_dir() and not q.path.is_symlink() and not os.path.lexists(q.path / REASON):
+            atomic_write_text(q.path / REASON, REASON_LOST + "\n", root)
 
 
 @dataclass(frozen=True)
@@ -459,20 +493,23 @@ class QuarantinedRef:
 
 def list_quarantined(root: str | Path) -> list[QuarantinedRef]:
     """Quarantined checkpoints, newest name first. A quarantine directory that cannot be listed
-    raises its OSError: "nothing quarantined" is what lets a resume start from step 0."""
+    raises its OSError: "nothing quarantined" is what lets a resume start from step 0; one that is
+    a symbolic link, confined.Escape (what it points to is not this run's)."""
     qdir = RunDir.of(root).quarantine
     try:
-        names = sorted(os.listdir(qdir), reverse=True)
-    except (FileNotFoundError, NotADirectoryError):
+        names = sorted(confined.listdir(root, qdir), reverse=True)
+    except FileNotFoundError:
         return []
     out = []
     for name in names:
         if name.startswith(QUARANTINE_DELETING_PREFIX):  # being removed by retention
             continue
         try:
-            reason = (qdir / name / REASON).read_text(errors="replace").strip()
+            reason = read_capped(qdir / name / REASON, RECORD_MAX).decode(errors="replace").strip()
         except FileNotFoundError:
             reason = f"(no {REASON})"
+        except TooLarge:
+            reason = f"({REASON} larger than {RECORD_MAX} bytes)"
         except OSError as e:
             reason = f"({REASON} unreadable: {describe(e)})"
         out.append(QuarantinedRef(name, qdir / name, reason))

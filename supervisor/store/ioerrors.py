@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from supervisor.backoff import Backoff
 from supervisor.errors import StorageError
+from supervisor.format.capped import NotRegular, TooLarge
 
 if TYPE_CHECKING:
     import random
@@ -55,15 +56,22 @@ class StorageUnavailable(StorageError):
         self.path, self.error, self.retried_s = path, error, retried_s
 
 
+def is_structural(e: OSError) -> bool:
+    """The path is not what the layout says: a structural errno, something other than a regular
+    file where one must be (a FIFO, a device: ``capped.NotRegular``), or a file larger than its
+    kind or its listing allows (``capped.TooLarge``)."""
+    return isinstance(e, NotRegular | TooLarge) or e.errno in STRUCTURAL_ERRNOS
+
+
 def evidence_of(e: OSError) -> Evidence:
     """What an OSError met while reading a checkpoint proves about it."""
-    return Evidence.CORRUPT if e.errno in STRUCTURAL_ERRNOS else Evidence.UNKNOWN
+    return Evidence.CORRUPT if is_structural(e) else Evidence.UNKNOWN
 
 
 def is_transient(e: BaseException) -> bool:
     """Worth retrying: an OSError with an errno that is not structural. An OSError without errno
     (filelock's Timeout: another process holds a lock) is not a storage failure and is not."""
-    return isinstance(e, OSError) and e.errno is not None and e.errno not in STRUCTURAL_ERRNOS
+    return isinstance(e, OSError) and e.errno is not None and not is_structural(e)
 
 
 def describe(e: OSError) -> str:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from supervisor import store
 from supervisor.format.atomic import atomic_write_bytes
+from supervisor.format.capped import CACHE_MAX, read_capped
 from supervisor.format.layout import RunDir
 from supervisor.store.ioerrors import Evidence
 
@@ -97,6 +98,7 @@ class QuickChecks:
     """The cache of one run directory: ``check`` each checkpoint, then ``save``."""
 
     def __init__(self, root: Path) -> None:
+        self.root = root
         self.path = RunDir.of(root).status_cache
         self.known = _load(self.path)
         self.passed: dict[str, _Passed] = {}
@@ -127,13 +129,15 @@ class QuickChecks:
         }
         # A read-only run directory or a full disk: the next call checks again, as without cache.
         with suppress(OSError):
-            atomic_write_bytes(self.path, json.dumps(body, separators=(",", ":")).encode())
+            atomic_write_bytes(
+                self.path, json.dumps(body, separators=(",", ":")).encode(), self.root, make_dirs=False
+            )
 
 
 def _load(path: Path) -> dict[str, _Passed]:
     """The remembered checkpoints; a cache that cannot be read or is not one is empty."""
     try:
-        d = json.loads(path.read_bytes())
+        d = json.loads(read_capped(path, CACHE_MAX))
         if d.get("version") != CACHE_VERSION:
             return {}
         return {
@@ -141,5 +145,5 @@ def _load(path: Path) -> dict[str, _Passed]:
             for n, (key, wall, size) in d["passed"].items()
             if isinstance(key, str) and isinstance(size, int)
         }
-    except (OSError, ValueError, TypeError, AttributeError, KeyError, RecursionError):
+    except (OSError, ValueError, TypeError, AttributeError, KeyError, RecursionError, OverflowError):
         return {}

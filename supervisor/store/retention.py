@@ -18,7 +18,9 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from supervisor.format import confined
 from supervisor.format.atomic import atomic_write_json, fsync_dir, hostname, pid_alive
+from supervisor.format.capped import RECORD_MAX, TooLarge, read_capped
 from supervisor.format.heartbeat import Tracker
 from supervisor.format.layout import (
     QUARANTINE_DELETING_PREFIX,
@@ -145,7 +147,7 @@ def _newest_mtime(path: Path) -> float | None:
         newest = path.stat().st_mtime
     except OSError:
         return None
-    for dirpath, dirs, names in os.walk(path):
+    for dirpath, dirs, names in confined.walk(path, onerror=lambda _e: None):  # no deeper than a layout's
         for n in dirs + names:
             with suppress(OSError):
                 newest = max(newest, os.lstat(os.path.join(dirpath, n)).st_mtime)
@@ -239,7 +241,7 @@ def prune(
     qdir = RunDir.of(root).quarantine
     # Sizes walk every file of every quarantined checkpoint: before the lock, not under it.
     sizes = _quarantine_sizes(root) if quarantine_max_bytes is not None else {}
-    tick = progress or _Unheard()
+    tick = progress or confined.Unheard()
     with root_lock(root):
         verdicts = []
         for ref in list_checkpoints(root):
@@ -271,20 +273,20 @@ def prune(
         if not dry_run:
             for v in bad_old:
                 quarantine_locked(root, v.ref, v.reason)
-            for name in q_doomed:
+            for name in q_doomed:  # renames through no link: never out of the run directory
                 dest = qdir / f"{QUARANTINE_DELETING_PREFIX}{name}.{os.urandom(4).hex()}"
-                os.rename(qdir / name, dest)
+                confined.rename(root, qdir / name, dest)
                 trash.append(dest)
             if q_doomed:
                 fsync_dir(qdir)
             for r in doomed:
                 dest = root / deleting_dirname(r.step, os.getpid(), me)
-                os.rename(r.path, dest)
+                confined.rename(root, r.path, dest)
                 trash.append(dest)
             if doomed:
                 fsync_dir(root)
     if not dry_run:
-        trash += [p for p in _quarantine_leftovers(qdir) if p not in trash]  # a crashed prune's
+        trash += [p for p in _quarantine_leftovers(root) if p not in trash]  # a crashed prune's
         _remove(root, trash, tick)
     gone = {r.step for r in doomed} | {v.ref.step for v in bad_old}
     return PruneResult(
@@ -300,48 +302,12 @@ def prune(
     )
 
 
-def _remove(root: Path, trash: list[Path], progress: Tracker) -> None:
-    """The doomed directories, renamed under the lock, removed after it."""
+def _remove(root: Path, trash: list[Path], progress: confined.Tick) -> None:
+    """The doomed directories, renamed under the lock, removed after it (through no link)."""
     for path in trash:
-        remove_tree(path, progress)
+        confined.remove_tree(root, path, progress)
     if trash:
         fsync_dir(root)
-
-
-def remove_tree(top: Path, progress: Tracker) -> None:
-    """``shutil.rmtree(top, ignore_errors=True)`` that reports each file removed to ``progress``
-    (a checkpoint of tens of thousands of files on a busy metadata server is minutes of unlinks)
-    and names ``top`` as its path meanwhile. Like rmtree's own safe walk, ``os.fwalk`` works by
-    directory fds and follows no symlink: a link inside ``top`` is removed, never what it points
-    to. What cannot be removed is left, as rmtree leaves it; the caller looks for leftovers."""
-    progress.set_path(str(top))
-    for _dir, dirs, files, fd in os.fwalk(top, topdown=False):
-        for name in files:
-            with suppress(OSError):
-                os.unlink(name, dir_fd=fd)
-            progress(1)
-        for name in dirs:  # a symlink to a directory is listed here, and not walked
-            with suppress(OSError):
-                try:
-                    os.rmdir(name, dir_fd=fd)
-                except NotADirectoryError:
-                    os.unlink(name, dir_fd=fd)
-    with suppress(OSError):
-        os.rmdir(top)
-    progress.set_path("")
-
-
-class _Unheard:
-    """The ``Tracker`` of a prune nobody waits on."""
-
-    def __call__(self, n: int) -> None:
-        pass
-
-    def set_path(self, path: str) -> None:
-        pass
-
-    def wait(self, what: str, until: float = 0.0) -> None:
-        pass
 
 
 def _policy(policy: RetentionPolicy | None, keep: int | None) -> RetentionPolicy:
@@ -361,11 +327,10 @@ def record_policy(root: str | Path, policy: RetentionPolicy) -> None:
     changed, so a trainer can call this at every start."""
     path = RunDir.of(root).retention
     doc = {"schema": 1, "policy": policy.to_dict()}
-    with suppress(OSError, ValueError):
-        if json.loads(path.read_text()) == doc:
+    with suppress(OSError, ValueError, RecursionError):  # garbage ("[[[..."): written anew
+        if json.loads(read_capped(path, RECORD_MAX)) == doc:
             return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(path, doc)
+    atomic_write_json(path, doc, root)
 
 
 def read_policy(root: str | Path) -> RetentionPolicy | None:
@@ -373,22 +338,26 @@ def read_policy(root: str | Path) -> RetentionPolicy | None:
     StoreError naming the file (an unreadable one its OSError)."""
     path = RunDir.of(root).retention
     try:
-        text = path.read_text()
+        text = read_capped(path, RECORD_MAX)
     except FileNotFoundError:
         return None
+    except TooLarge as e:
+        raise StoreError(f"{path}: {e}; remove it (the trainer writes it again at its next start)") from None
     try:
         doc = json.loads(text)
         if not isinstance(doc, dict) or not isinstance(doc.get("policy"), dict):
             raise ValueError("not a retention record")
         return RetentionPolicy.from_dict(doc["policy"])
-    except (ValueError, StoreError) as e:
+    except RecursionError:
+        raise StoreError(f"{path}: nested too deep to be a retention record; remove it") from None
+    except (ValueError, TypeError, StoreError) as e:
         raise StoreError(f"{path}: {e}; remove it (the trainer writes it again at its next start)") from None
 
 
 def _quarantine_sizes(root: Path) -> dict[str, int]:
     qdir = RunDir.of(root).quarantine
     try:
-        names = os.listdir(qdir)
+        names = confined.listdir(root, qdir)
     except FileNotFoundError:
         return {}
     return {n: disk_usage(qdir / n) for n in names if parse_quarantined(n) is not None}
@@ -398,7 +367,7 @@ def _quarantine_entries(root: Path, sizes: dict[str, int], need_sizes: bool) -> 
     """Entries this layout named (a directory someone put there by hand is never touched)."""
     qdir = RunDir.of(root).quarantine
     try:
-        names = os.listdir(qdir)
+        names = confined.listdir(root, qdir)
     except FileNotFoundError:
         return []
     out = []
@@ -410,9 +379,10 @@ def _quarantine_entries(root: Path, sizes: dict[str, int], need_sizes: bool) -> 
     return out
 
 
-def _quarantine_leftovers(qdir: Path) -> list[Path]:
+def _quarantine_leftovers(root: Path) -> list[Path]:
+    qdir = RunDir.of(root).quarantine
     try:
-        return [qdir / n for n in os.listdir(qdir) if n.startswith(QUARANTINE_DELETING_PREFIX)]
+        return [qdir / n for n in confined.listdir(root, qdir) if n.startswith(QUARANTINE_DELETING_PREFIX)]
     except OSError:
         return []
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from supervisor.format import confined
 from supervisor.format.atomic import (
     atomic_write_bytes,
     fsync_dir,
@@ -117,7 +118,7 @@ class DirBackend:
     def sizes(self, prefix: str) -> dict[str, int]:
         base = self._p(prefix)
         out = {}
-        for dirpath, _dirs, files in os.walk(base):
+        for dirpath, _dirs, files in confined.walk(base):  # iterative, and no deeper than a layout makes
             for n in files:
                 p = Path(dirpath) / n
                 out[p.relative_to(base).as_posix()] = p.stat().st_size

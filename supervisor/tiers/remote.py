@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from supervisor.errors import IntegrityError, StorageError
+from supervisor.format.capped import MANIFEST_MAX, RECORD_MAX, read_capped
 from supervisor.format.layout import (
     MANIFEST,
     QUARANTINE,
@@ -133,10 +134,16 @@ class RemoteTier:
             sizes = self.backend.sizes(name)
             if not sizes:
                 return None
-            raw = self.backend.read(f"{name}/{MANIFEST}") if MANIFEST in sizes else None
+            # never read past what a manifest or signature can be (capped.py): a larger one reads as
+            # empty, and is judged as a manifest that does not parse, a signature that is not one
+            raw = self._small(name, MANIFEST, sizes) if MANIFEST in sizes else None
             signed = self.key is not None and raw is not None and SIGNATURE in sizes
-            sig = self.backend.read(f"{name}/{SIGNATURE}") if signed else None
+            sig = self._small(name, SIGNATURE, sizes) if signed else None
         return judge_listing(name, step, sizes, raw, self.key, sig)
+
+    def _small(self, name: str, file: str, sizes: dict[str, int]) -> bytes:
+        """``name/file``, when its listed size is at most a manifest's cap; else nothing."""
+        return self.backend.read(f"{name}/{file}") if sizes[file] <= MANIFEST_MAX else b""
 
     def scan(self) -> list[RemoteVerdict]:
         """Every checkpoint prefix on the remote (complete, incomplete or corrupt), newest first."""
@@ -157,7 +164,8 @@ class RemoteTier:
             for entry in sorted({rel.split("/", 1)[0] for rel in sizes}, reverse=True):
                 key = f"{QUARANTINE}/{entry}/{REASON}"
                 has_reason = f"{entry}/{REASON}" in sizes
-                reason = self.backend.read(key).decode(errors="replace").strip() if has_reason else ""
+                small = has_reason and sizes[f"{entry}/{REASON}"] <= RECORD_MAX
+                reason = self.backend.read(key).decode(errors="replace").strip() if small else ""
                 out.append(RemoteQuarantined(entry, reason or f"(no {REASON})"))
         return out
 
@@ -170,7 +178,7 @@ class RemoteTier:
         t0 = time.monotonic()
         name = ref.name
         try:
-            raw = (ref.path / MANIFEST).read_bytes()
+            raw = read_capped(ref.path / MANIFEST, MANIFEST_MAX)
             manifest = parse_manifest(raw)
         except OSError as e:
             _local_read_failed(f"{name}/{MANIFEST}", e)
@@ -344,10 +352,10 @@ def _local_read_failed(label: str, e: OSError) -> NoReturn:
 def _read_local(path: Path, label: str) -> bytes | None:
     """A small local file of a checkpoint (its signature), None when it has none."""
     try:
-        return path.read_bytes()
+        return read_capped(path, MANIFEST_MAX)
     except FileNotFoundError:
         return None
-    except OSError as e:
+    except OSError as e:  # capped.TooLarge too: structural, never retried
         _local_read_failed(label, e)
 
 

@@ -34,7 +34,9 @@ from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_aft
 
 from supervisor.backoff import Backoff
 from supervisor.format.atomic import atomic_write_json
+from supervisor.format.capped import RECORD_MAX, read_capped
 from supervisor.format.eventnames import EventName
+from supervisor.format.events import typed
 from supervisor.format.layout import REMOTE_STATUS, RunDir, step_dirname
 from supervisor.format.manifest import ManifestError, read_manifest
 from supervisor.redact import redact_obj
@@ -98,11 +100,34 @@ def read_remote_status(root: str | Path) -> RemoteStatus | None:
     """The uploader's last status, or None when there is none (or it is unreadable)."""
     path = RunDir.of(root).remote_status
     try:
-        d = json.loads(path.read_text())
-        d["skipped"] = tuple(d.get("skipped", ()))
-        return RemoteStatus(**d)
-    except (OSError, ValueError, TypeError):
+        d = json.loads(read_capped(path, RECORD_MAX))
+        if not isinstance(d, dict):
+            return None
+        skipped = d.get("skipped", [])
+        if not isinstance(skipped, list) or not all(type(s) is int for s in skipped):
+            return None
+        return RemoteStatus(**typed(d, _STATUS_TYPES, ""), skipped=tuple(skipped))
+    except (OSError, ValueError, TypeError, RecursionError):  # unreadable, garbage, too deep
         return None
+
+
+# Field types of remote.json, checked on read (events.typed): `status` formats every one.
+_STATUS_TYPES = {
+    "url": "str",
+    "state": "str",
+    "in_flight": "int?",
+    "newest_local": "int?",
+    "newest_remote": "int?",
+    "lag_steps": "int",
+    "lag_s": "float",
+    "last_success_step": "int?",
+    "last_success_time": "float?",
+    "last_upload_mb_s": "float?",
+    "last_error": "str",
+    "last_error_time": "float?",
+    "failures": "int",
+    "updated": "float",
+}
 
 
 class _Stopped(Exception):
@@ -454,12 +479,6 @@ class Uploader:
             self._s.status = replace(self._s.status, updated=time.time(), **changes)
             st = self._s.status
         try:
-            atomic_write_json(_status_path(self.root), redact_obj(asdict(st)))
+            atomic_write_json(RunDir.of(self.root).remote_status, redact_obj(asdict(st)), self.root)
         except OSError as e:
             log.warning("remote: cannot write %s (%s)", REMOTE_STATUS, e)
-
-
-def _status_path(root: Path) -> Path:
-    run = RunDir.of(root)
-    run.supervisor.mkdir(parents=True, exist_ok=True)
-    return run.remote_status

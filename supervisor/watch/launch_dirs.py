@@ -11,9 +11,9 @@ that cannot be removed now is tried again after the next launch).
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Collection, Iterable
 
+from supervisor.format import confined
 from supervisor.format.layout import LAUNCHES, RunDir, launch_node, safe_host
 
 
@@ -33,8 +33,11 @@ def prune(run: RunDir, node: int, keep: Collection[str]) -> list[str]:
         return []  # none made yet, or unreadable now: next time
     failed = []
     for name in stale(names, node, keep):
-        try:
-            shutil.rmtree(base / name)
+        try:  # through no link: a planted supervisor/launches/ must not lead the removal elsewhere
+            confined.remove_tree(run.root, base / name)
         except OSError as e:
             failed.append(f"{name}: {e.strerror or e}")
+            continue
+        if os.path.lexists(base / name):
+            failed.append(f"{name}: not all of it could be removed")
     return failed

@@ -27,7 +27,7 @@ from dataclasses import replace
 from typing import TypeVar
 
 from supervisor import store
-from supervisor.format import events
+from supervisor.format import confined, events
 from supervisor.format.atomic import hostname
 from supervisor.format.eventnames import EventName
 from supervisor.format.events import EventLog, RunState
@@ -188,7 +188,7 @@ class Watchdog:
         """The state a previous watchdog left, the start event, the node-local heartbeat folder;
         returns the monitor that watches each launch in it."""
         subreaper = process.become_subreaper()
-        self.cfg.root.mkdir(parents=True, exist_ok=True)
+        self.cfg.root.mkdir(parents=True, exist_ok=True)  # the root itself: the user's to choose
         self.states.load(self._io, reset=self.cfg.reset_budget)
         carried = len(self.state.restart_times)
         self.log.emit(
@@ -375,7 +375,7 @@ class Watchdog:
             env.setdefault(SHARE_STORE_ENV, "1")
         run = RunDir.of(self.cfg.root)
         try:
-            run.launch_dir(launch_id).mkdir(parents=True, exist_ok=True)
+            confined.make_dirs(run.root, run.launch_dir(launch_id))  # through no link below the root
         except OSError as e:
             events.say(
                 f"[supervisor] {run.launch_dir(launch_id)} not created ({describe(e)}): "

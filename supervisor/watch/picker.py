@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 from supervisor import store
+from supervisor.format import confined
 from supervisor.format.eventnames import EventName
 from supervisor.format.events import EventLog
 from supervisor.format.exitcodes import Exit
@@ -31,6 +32,9 @@ class Picker:
         """``io``: a listing retried on transient storage errors; ``on_retry``: a pick's retry
         (raises Interrupted on a stop signal); ``sleep``: a backoff that says False when cut short."""
         self.cfg, self.log, self.io, self.on_retry, self.sleep = cfg, log, io, on_retry, sleep
+        # quarantine/'s entries as last seen: one that a launch's ranks added (a checkpoint that
+        # failed their verify or their load) is logged, with its reason, before the relaunch.
+        self.quarantined: set[str] | None = None
 
     @property
     def how(self) -> str:
@@ -39,6 +43,7 @@ class Picker:
     def pick(self, first_launch: bool) -> int | None:
         """Step to resume from (None: from scratch, or a signal cut the pick short: the loop acts
         on it). An unreadable checkpoint is retried for --io-retry, then StorageUnavailable."""
+        self._log_quarantined_by_the_ranks()
         if self.cfg.remote:
             return self._across_tiers(self.cfg.remote)
         if first_launch:  # the trainer picks on its first start: only for the record
@@ -60,7 +65,10 @@ class Picker:
         except store.NoUsableCheckpoint as e:
             self._log_skipped(e.result)
             raise Stop(Exit.CHILD_NONRETRYABLE, str(e)) from None
+        except confined.Escape as e:  # a link planted where the pick must move: a person looks
+            raise Stop(Exit.CHILD_NONRETRYABLE, str(e)) from None
         self._log_skipped(res)
+        self._note_quarantined()  # what the pick itself moved is logged above, not again
         chosen = res.chosen.ref if res.chosen else None
         msg = (
             f"resume from {chosen.name} ({self.how} check passed)"
@@ -69,6 +77,31 @@ class Picker:
         )
         self.log.emit(EventName.PICK, msg, checkpoint=chosen.name if chosen else None, verify=self.how)
         return chosen.step if chosen else None
+
+    def _log_quarantined_by_the_ranks(self) -> None:
+        """A ``quarantine`` event for each entry of quarantine/ not there at the last look (the
+        first look only takes note): the ranks move a checkpoint aside themselves when its deep
+        verify or its load finds it corrupt, and the walk-back that follows is said here, with
+        their reason. Best effort: a quarantine that cannot be listed is the pick's to report."""
+        before = self.quarantined
+        now = self._note_quarantined()
+        if now is None or before is None:
+            return
+        for name in sorted(set(now) - before):
+            step, why = name.split("-", 1)[0], now[name]
+            self.log.emit(
+                EventName.QUARANTINE, f"quarantined {step} (by the ranks): {why}", checkpoint=step, why=why
+            )
+
+    def _note_quarantined(self) -> dict[str, str] | None:
+        """quarantine/'s entries now (name -> reason), taken note of for the next look; None when
+        it cannot be listed."""
+        try:
+            now = {q.name: q.reason for q in store.list_quarantined(self.cfg.root)}
+        except OSError:
+            return None
+        self.quarantined = set(now)
+        return now
 
     def _log_skipped(self, res: store.PickResult) -> None:
         """What the pick walked past: quarantined (corrupt) and untrusted (not signed) ones."""
@@ -106,7 +139,7 @@ class Picker:
                 return None
             except store.MismatchError as e:
                 raise Stop(Exit.CHILD_NONRETRYABLE, f"checkpoint does not match this run: {e}") from None
-            except store.NoUsableCheckpoint as e:
+            except (store.NoUsableCheckpoint, confined.Escape) as e:
                 raise Stop(Exit.CHILD_NONRETRYABLE, str(e)) from None
             except RemoteUnavailable as e:
                 # Every failed attempt is logged, the last one too: a slow refusal (client retries)
@@ -124,6 +157,7 @@ class Picker:
                     return None
                 wait = min(wait * 2, self.cfg.policy.backoff.max_s)
                 continue
+            self._note_quarantined()  # what the pick itself moved it logged itself
             chosen = res.chosen
             msg = (
                 f"resume from {chosen.name} ({res.source}, {self.how} check passed)"

@@ -23,6 +23,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from supervisor.format.capped import read_capped
 from supervisor.format.heartbeat import Heartbeat
 from supervisor.format.layout import ELASTIC_ERROR
 
@@ -88,20 +89,20 @@ def parse_error_file(text: bytes | str) -> RootCause:
     if not (sep and kind.replace(".", "").replace("_", "").isalnum()):
         kind, rest = "", first
     frames = _FRAME_RE.findall(stack)
-    file, line = (frames[-1][0], int(frames[-1][1])) if frames else ("", 0)
+    try:
+        file, line = (frames[-1][0], int(frames[-1][1])) if frames else ("", 0)
+    except ValueError:  # more digits than int() takes
+        file, line = frames[-1][0], 0
     try:
         timestamp = int(stamp)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: 1e400 parses as infinity
         timestamp = 0
     return RootCause(kind, rest[:MAX_MESSAGE_CHARS], file, line, timestamp=timestamp)
 
 
 def _read(path: Path) -> RootCause:
-    with open(path, "rb") as f:
-        text = f.read(MAX_ERROR_FILE_BYTES + 1)
-    if len(text) > MAX_ERROR_FILE_BYTES:
-        raise ValueError(f"larger than {MAX_ERROR_FILE_BYTES} bytes")
-    rc = parse_error_file(text)
+    """Capped (a TooLarge is a ValueError), regular files only: a FIFO planted there never blocks."""
+    rc = parse_error_file(read_capped(path, MAX_ERROR_FILE_BYTES))
     return replace(rc, source=str(path), at=os.stat(path).st_mtime)
 
 

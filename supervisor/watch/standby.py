@@ -60,7 +60,7 @@ class Standby:
         why = why or (f"made for launch {made_for}" if made_for != number else "")
         if not why:
             try:
-                atomic_write_text(self.run.release_file(launch_id), f"{time.time()}\n")
+                atomic_write_text(self.run.release_file(launch_id), f"{time.time()}\n", self.run.root)
             except OSError as e:
                 why = f"its release file could not be written: {describe(e)}"
         if why:

@@ -4,13 +4,12 @@ change. Each status change is checked against the run's transition table (format
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
 
-from supervisor.format import events
+from supervisor.format import confined, events
 from supervisor.format.eventnames import EventName
 from supervisor.format.events import EventLog, RunState
 from supervisor.format.runstatus import RunStatus, check_move
@@ -40,7 +39,7 @@ class StateFile:
         except ValueError as e:
             bad = self.path.with_suffix(".json.bad")
             try:
-                os.replace(self.path, bad)
+                confined.rename(self.root, self.path, bad)  # through no link below the run dir
                 kept = f"the old file is kept as {bad.name}"
             except OSError as err:
                 kept = f"the old file could not be moved aside ({describe(err)})"
