@@ -25,6 +25,7 @@ from store_helpers import make_ckpt
 
 from supervisor import store
 from supervisor.drill.hostile import Outside, remove_deep
+from supervisor.format import eventtypes as ev
 from supervisor.format.events import EventLog, RunState, write_state
 from supervisor.format.heartbeat import Heartbeat, Phase, write_heartbeat
 from supervisor.format.layout import RunDir
@@ -66,7 +67,9 @@ def make_run(root: Path) -> Path:
         make_ckpt(root, step, parallelism={"mode": "ddp", "world_size": 2, "global_batch": 8})
     store.record_policy(root, store.RetentionPolicy(keep=2))
     write_state(root, RunState(node=0, host="vm", watchdog_pid=os.getpid(), status="running", command=("x",)))
-    EventLog(root, echo=None).emit("pick", "resume from step_00000020")  # type: ignore[arg-type]
+    EventLog(root, echo=None).emit(
+        ev.Pick(checkpoint="step_00000020", verify="quick"), "resume from step_00000020"
+    )
     for rank in (0, 1):
         write_heartbeat(
             root,

@@ -31,3 +31,12 @@ def test_a_stale_block_is_rewritten_and_an_unknown_one_named() -> None:
     )
     with pytest.raises(KeyError, match="nope"):
         doctables.rewrite("<!-- generated: nope -->\n<!-- end generated: nope -->")
+
+
+def test_the_events_table_lists_every_event_with_its_fields() -> None:
+    from supervisor.format import eventtypes
+
+    table = doctables.events()
+    for cls in eventtypes.BY_NAME.values():
+        assert f"| `{cls.NAME.value}` |" in table
+    assert "`checkpoint`: str or None" in table  # Pick's, its union spelled without a table pipe

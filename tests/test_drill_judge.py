@@ -31,6 +31,8 @@ from supervisor.drill.plan import (
 from supervisor.drill.report import summary, verdict_table
 from supervisor.drill.runner import ScenarioRun
 from supervisor.drill.storage import PhaseClock, at_end, driver_for
+from supervisor.format import eventtypes as ev
+from supervisor.format.eventtypes import Logged
 from supervisor.format.heartbeat import Heartbeat, Phase, write_heartbeat
 from supervisor.format.statediff import Comparison, ItemDiff, StepDiff
 
@@ -138,8 +140,8 @@ def test_a_lost_preemption_checkpoint_names_what_ended_the_launch():
         "cause rank 1: RuntimeError: DataLoader worker (pid(s) 4242) exited unexpectedly (t.py:40)"
     )
     events = [
-        {"event": "launch_end", "t": T0 - 5, "msg": "an earlier launch"},
-        {"event": "launch_end", "t": T0 + 2, "msg": end},
+        logged(T0 - 5, end_of(1, "crash"), "an earlier launch"),
+        logged(T0 + 2, end_of(2, "crash"), end),
     ]
     preempt = Fault(Kind.PREEMPT, 17, 0)
     v = verdict(drill, faults=[preempt], fault_times=[T0], events=events, scenario="preempt")
@@ -230,6 +232,29 @@ HUNG = Fault(Kind.HANG, 17, 1)
 T0 = 1000.0
 
 
+def logged(t: float, event: ev.Event, msg: str = "") -> Logged:
+    """One line of the watchdog's log as the judge reads it (messages elided unless a check quotes one)."""
+    return Logged(t, 0, msg, event)
+
+
+def launch(n: int) -> ev.Launch:
+    return ev.Launch(launch=n, launch_id=f"L{n}", pid=4200 + n, resumed_from=None)
+
+
+def end_of(
+    n: int, outcome: str, newest: int | None = None, exit_codes: dict[str, int] | None = None
+) -> ev.LaunchEnd:
+    return ev.LaunchEnd(
+        launch=n,
+        launch_id=f"L{n}",
+        outcome=outcome,
+        returncode=1,
+        rank_exit_codes=exit_codes or {},
+        last_step=None,
+        newest_checkpoint=newest,
+    )
+
+
 def hang_events(
     *,
     culprit_rank: int = 1,
@@ -238,23 +263,17 @@ def hang_events(
     exit_codes=None,
     newest: int = 10,
     outcome: str = "hang",
-) -> list[dict]:
-    """The watchdog's events for one hang, as it writes them (fields only; messages elided)."""
+) -> list[Logged]:
+    """The watchdog's events for one hang, typed as the judge reads them."""
     frames = [{"func": f, "file": f"/w/{f}.py", "line": 1} for f in funcs]
     culprits = [{"rank": culprit_rank, "pid": 4242, "where": "elsewhere", "frames": frames}] if funcs else []
     return [
-        {"t": T0 - 5, "event": "launch", "launch": 1},
-        {"t": T0 + 5, "event": "hang", "culprits": culprits, "waiting_ranks": [0]},
-        {"t": T0 + 6, "event": "stack_dump", "rank": 0},
-        {"t": T0 + 16, "event": "kill", "msg": "hung launch killed", "sigkilled": sigkilled},
-        {
-            "t": T0 + 16,
-            "event": "launch_end",
-            "outcome": outcome,
-            "rank_exit_codes": exit_codes or {},
-            "newest_checkpoint": newest,
-        },
-        {"t": T0 + 17, "event": "launch", "launch": 2},
+        logged(T0 - 5, launch(1)),
+        logged(T0 + 5, ev.Hang(ranks=[culprit_rank], detected=T0 + 5, culprits=culprits, waiting_ranks=[0])),
+        logged(T0 + 6, ev.StackDump(rank=0, pid=4241, path="/w/stacks_0", stacks="...")),
+        logged(T0 + 16, ev.Kill(sigkilled=sigkilled), "hung launch killed"),
+        logged(T0 + 16, end_of(1, outcome, newest, exit_codes or {})),
+        logged(T0 + 17, launch(2)),
     ]
 
 
@@ -298,7 +317,7 @@ def test_a_real_hang_judged_right_passes():
             "lacks stuck_read",
         ),
         (
-            [e for e in hang_events() if e["event"] != "hang"],
+            [e for e in hang_events() if not isinstance(e.event, ev.Hang)],
             "hang verdict names the culprit and its stack",
             "no hang event",
         ),
@@ -324,7 +343,7 @@ def test_a_hang_judged_wrong_fails_with_its_reason(events, failing, says):
 
 def test_a_culprit_without_its_stack_fails():
     events = hang_events()
-    events[1]["culprits"][0]["frames"] = []
+    events[1].event.culprits[0]["frames"] = []
     v = hang_verdict(events)
     assert failed(v) == {"hang verdict names the culprit and its stack"}
     assert "named without its stack" in v.failures()[0]
@@ -400,7 +419,7 @@ def test_the_disk_fills_at_a_random_moment_of_a_save():
     } == {0}
 
 
-def storage_verdict(fault: Fault, events: list[dict], facts: StorageFacts, drill=None) -> Verdict:
+def storage_verdict(fault: Fault, events: list[Logged], facts: StorageFacts, drill=None) -> Verdict:
     drill = drill if drill is not None else faithful_run()
     return verdict(
         seen_after_fault(drill),
@@ -415,13 +434,13 @@ def storage_verdict(fault: Fault, events: list[dict], facts: StorageFacts, drill
 IO_ERROR = Fault(Kind.IO_ERROR, 17, 1)
 
 
-def io_events(newest: int = 10) -> list[dict]:
+def io_events(newest: int = 10) -> list[Logged]:
     return [
-        {"t": T0 - 20, "event": "launch", "launch": 1},
-        {"t": T0 + 2, "event": "launch_end", "outcome": "crash", "newest_checkpoint": newest},
-        {"t": T0 + 3, "event": "io_retry", "msg": "step_00000010/manifest.json: EIO"},
-        {"t": T0 + 5, "event": "pick", "checkpoint": "step_00000010"},
-        {"t": T0 + 5, "event": "launch", "launch": 2},
+        logged(T0 - 20, launch(1)),
+        logged(T0 + 2, end_of(1, "crash", newest)),
+        logged(T0 + 3, ev.IoRetry(), "step_00000010/manifest.json: EIO"),
+        logged(T0 + 5, ev.Pick(checkpoint="step_00000010", verify="quick")),
+        logged(T0 + 5, launch(2)),
     ]
 
 
@@ -452,7 +471,10 @@ def test_an_eio_burst_met_and_ridden_out_passes():
         (
             [
                 *io_events(),
-                {"t": T0 + 4, "event": "quarantine", "why": "step_00000010: manifest.json unreadable"},
+                logged(
+                    T0 + 4,
+                    ev.Quarantine(checkpoint="step_00000010", why="step_00000010: manifest.json unreadable"),
+                ),
             ],
             StorageFacts(rule_hits=3),
             "nothing quarantined",
@@ -476,21 +498,20 @@ DISK_FULL = Fault(Kind.DISK_FULL, 12, 0)
 FILLED = StorageFacts(rule_hits=10, committed_before=(5, 10), committed_after=(5, 10))
 
 
-def disk_events(*, recovered: bool = True, most: int = 2) -> list[dict]:
-    evs = [{"t": T0 - 20, "event": "launch", "launch": 1}]
+def disk_events(*, recovered: bool = True, most: int = 2) -> list[Logged]:
+    evs = [logged(T0 - 20, launch(1))]
     evs += [
-        {
-            "t": T0 + n,
-            "event": "save_failed",
-            "save_failures": n,
-            "last_error": "rank 0: ENOSPC",
-            "step": 10 * n,
-        }
+        logged(
+            T0 + n,
+            ev.SaveFailed(rank=0, ranks=[0], step=10 * n, save_failures=n, last_error="rank 0: ENOSPC"),
+        )
         for n in range(1, most + 1)
     ]
     if recovered:
-        evs.append({"t": T0 + 5, "event": "save_recovered", "save_failures": 0, "step": 40})
-    return [*evs, {"t": T0 + 9, "event": "launch_end", "outcome": "done", "newest_checkpoint": 40}]
+        evs.append(
+            logged(T0 + 5, ev.SaveRecovered(rank=0, ranks=[0], step=40, save_failures=0, last_error=""))
+        )
+    return [*evs, logged(T0 + 9, end_of(1, "done", 40))]
 
 
 def test_a_full_disk_ridden_out_in_one_launch_passes():
@@ -508,7 +529,7 @@ def test_a_full_disk_ridden_out_in_one_launch_passes():
         (disk_events(recovered=False), FILLED, GOLDEN, {"saves failed, then recovered"}),
         (disk_events(most=1), FILLED, GOLDEN, {"saves failed, then recovered"}),
         (
-            [*disk_events(), {"t": T0 + 6, "event": "launch", "launch": 2}],
+            [*disk_events(), logged(T0 + 6, launch(2))],
             FILLED,
             faithful_run(),
             {"one launch, no relaunch"},
@@ -525,15 +546,12 @@ SLOW = Fault(Kind.SLOW_STORAGE, 17, 1)
 THROTTLED = StorageFacts(rule_hits=400, verify_s=6.0, load_s=9.0, beat_gap_s=1.5, timeout_s=4.0)
 
 
-def slow_events(*, hang: bool = False, resumed_outcome: str = "done") -> list[dict]:
-    evs = [
-        {"t": T0 - 20, "event": "launch", "launch": 1},
-        {"t": T0 + 2, "event": "launch_end", "outcome": "crash", "newest_checkpoint": 10},
-        {"t": T0 + 9, "event": "launch", "launch": 2},
-    ]
+def slow_events(*, hang: bool = False, resumed_outcome: str = "done") -> list[Logged]:
+    evs = [logged(T0 - 20, launch(1)), logged(T0 + 2, end_of(1, "crash", 10)), logged(T0 + 9, launch(2))]
     if hang:
-        evs.append({"t": T0 + 20, "event": "hang", "msg": "rank 0 made no progress for 4.2s in phase verify"})
-    return [*evs, {"t": T0 + 60, "event": "launch_end", "outcome": resumed_outcome}]
+        hung = ev.Hang(ranks=[0], detected=T0 + 20)
+        evs.append(logged(T0 + 20, hung, "rank 0 made no progress for 4.2s in phase verify"))
+    return [*evs, logged(T0 + 60, end_of(2, resumed_outcome, 10))]
 
 
 def test_slow_storage_that_progresses_passes():

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.format import eventtypes as ev
 from supervisor.format.events import (
     EventLog,
     RunState,
     events_path,
     parse_state,
-    read_events,
+    read_logged,
     read_state,
     state_path,
 )
@@ -82,41 +83,41 @@ def test_read_state_says_which_file(tmp_path: Path):
 def test_event_log_keeps_lines_while_it_cannot_write_and_appends_them_in_order(tmp_path: Path):
     echo = io.StringIO()
     log = EventLog(tmp_path, echo=echo)
-    log.emit("a", "first")
+    log.emit(ev.IoRetry(), "first")
     sup = events_path(tmp_path).parent
     shutil.rmtree(sup)
     sup.write_text("not a directory")  # every append now fails for real: ENOTDIR
-    log.emit("b", "second")
-    log.emit("c", "third")
+    log.emit(ev.Stop(), "second")
+    log.emit(ev.StateUnreadable(), "third")
     assert log.pending and log.error is not None
     assert "second" in echo.getvalue() and "third" in echo.getvalue()  # the message still reaches a person
     sup.unlink()
     sup.mkdir()
-    log.emit("d", "fourth")
+    log.emit(ev.RemoteUnavailable(), "fourth")
     assert not log.pending and log.error is None
-    assert [e["event"] for e in read_events(events_path(tmp_path))] == [
-        "b",
-        "c",
-        "d",
-    ]  # "a" went with the dir
+    assert [e.event for e in read_logged(events_path(tmp_path))] == [
+        ev.Stop(),
+        ev.StateUnreadable(),
+        ev.RemoteUnavailable(),
+    ]  # the first went with the dir
 
 
 def test_event_log_rides_out_a_full_disk(small_tmpfs, capfd):
     root = small_tmpfs.path / "run"
     log = EventLog(root, echo=None)
-    log.emit("before", "before the disk ran full")
+    log.emit(ev.IoRetry(), "before the disk ran full")
     small_tmpfs.fill()
     for i in range(50):
-        log.emit("during", f"while full {i}", i=i)
+        log.emit(ev.Relaunch(wait_s=0.0, restarts=i), f"while full {i}")
     assert log.pending
     err = capfd.readouterr().err
     assert err.count("not written") == 1 and "No space left on device" in err  # once per streak
     small_tmpfs.free()
-    log.emit("after", "space again")
+    log.emit(ev.Stop(), "space again")
     assert "written again" in capfd.readouterr().err
-    evs = read_events(events_path(root))
-    assert [e["event"] for e in evs] == ["before", *["during"] * 50, "after"]
-    assert [e["i"] for e in evs if e["event"] == "during"] == list(range(50))
+    evs = read_logged(events_path(root))
+    assert [e.event.NAME for e in evs] == ["io_retry", *["relaunch"] * 50, "stop"]
+    assert [e.event.restarts for e in ev.every(evs, ev.Relaunch)] == list(range(50))
 
 
 def test_event_log_buffer_is_bounded(tmp_path: Path, monkeypatch):
@@ -124,13 +125,13 @@ def test_event_log_buffer_is_bounded(tmp_path: Path, monkeypatch):
     (tmp_path / "supervisor").write_text("not a directory")
     log = EventLog(tmp_path, echo=None)
     for i in range(100):
-        log.emit("e", "x" * 50, i=i)
+        log.emit(ev.Relaunch(wait_s=0.0, restarts=i), "x" * 50)
     assert len(log.pending) <= 2000 and log.dropped > 0
     kept = len(log.pending.splitlines())
     (tmp_path / "supervisor").unlink()
-    log.emit("e", "back")
-    evs = read_events(events_path(tmp_path))
-    assert len(evs) == kept + 1 and evs[0]["i"] == 0  # the oldest are kept: the story's beginning
+    log.emit(ev.Stop(), "back")
+    evs = read_logged(events_path(tmp_path))
+    assert len(evs) == kept + 1 and evs[0].event == ev.Relaunch(wait_s=0.0, restarts=0)  # the oldest are kept
 
 
 def test_state_round_trip(tmp_path: Path):

@@ -30,6 +30,7 @@ from store_helpers import make_ckpt
 
 from supervisor import safepickle, signing, store
 from supervisor.drill.hostile import GIB, Outside, plant_fifo, plant_link, plant_nest, plant_sparse
+from supervisor.format import eventtypes as ev
 from supervisor.format.appender import LineAppender
 from supervisor.format.events import EventLog, RunState, parse_state, read_events, read_state, write_state
 from supervisor.format.exitcodes import Exit
@@ -113,7 +114,7 @@ def test_f2_event_log_and_metrics_are_never_appended_through_a_link(
     plant_link(RunDir.of(run).events(0), outside.bashrc)
     plant_link(RunDir.of(run).metrics, outside.key)
     log = EventLog(run, echo=None)
-    log.emit("pick", "resume from step_00000020")  # type: ignore[arg-type]
+    log.emit(ev.Pick(checkpoint="step_00000020", verify="quick"), "resume from step_00000020")
     assert log.pending  # kept in memory, not appended through the link
     assert "a symbolic link in the run directory" in capfd.readouterr().err
     metrics = LineAppender(RunDir.of(run).metrics, run)

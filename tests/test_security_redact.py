@@ -17,6 +17,7 @@ from store_helpers import make_ckpt
 from waiting import wait_for
 
 from supervisor.drill.report import write_report
+from supervisor.format import eventtypes as ev
 from supervisor.format.events import EventLog, RunState, events_path, read_events, state_path, write_state
 from supervisor.format.exitcodes import Exit
 from supervisor.format.layout import RunDir
@@ -121,15 +122,15 @@ def test_event_log_state_and_echo_are_redacted(tmp_path: Path) -> None:
     echo = tmp_path / "echo.txt"
     with open(echo, "w") as f:
         EventLog(tmp_path, echo=f).emit(
-            "remote_unavailable", f"{URL} unreachable", url=URL, cmd=["x", ENDPOINT]
+            ev.RemoteDown(url=URL, error=f"{ENDPOINT} refused", lag_steps=None), f"{URL} unreachable"
         )
     write_state(tmp_path, RunState(command=("torchrun", "--remote", URL, "--remote-endpoint", ENDPOINT)))
     for path in (events_path(tmp_path), state_path(tmp_path), echo):
         text = path.read_text()
         assert leaks(text) == [], (path, text)
         assert REDACTED in text
-    (ev,) = read_events(events_path(tmp_path))
-    assert ev["url"] == "s3://REDACTED@bucket/run"
+    (rec,) = read_events(events_path(tmp_path))
+    assert rec["url"] == "s3://REDACTED@bucket/run"
 
 
 def test_backend_errors_and_remote_json_are_redacted(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Protocol
+from typing import Protocol
 
 from supervisor.drill.diverge import diagnose
 from supervisor.drill.plan import (
@@ -24,7 +24,8 @@ from supervisor.drill.plan import (
     steps_redone_bound,
 )
 from supervisor.drill.switch import BLOCKING_FUNCTION
-from supervisor.format.eventnames import EventName
+from supervisor.format import eventtypes as ev
+from supervisor.format.eventtypes import Event, Logged
 from supervisor.format.exitcodes import Exit
 from supervisor.format.launches import Outcome
 from supervisor.format.statediff import Comparison
@@ -140,7 +141,7 @@ class Evidence(Protocol):
     @property
     def latest_violations(self) -> Sequence[str]: ...
     @property
-    def events(self) -> Sequence[dict[str, Any]]: ...  # the watchdog's: they judge hangs and storage
+    def events(self) -> Sequence[Logged[Event]]: ...  # the watchdog's: they judge hangs and storage
     @property
     def storage(self) -> StorageFacts | None: ...  # what a storage fault's driver saw
     @property
@@ -214,10 +215,8 @@ def lost_preemption(case: Case, fault: Fault) -> str:
     launch ended (what died, with the root cause a rank recorded: a DataLoader worker killed by
     the job's SIGTERM takes its rank down before the step boundary that would have saved)."""
     t0 = next((t for f, t in zip(case.run.injected, case.run.fault_times, strict=False) if f == fault), 0.0)
-    end = next(
-        (e for e in case.run.events if e.get("event") == EventName.LAUNCH_END and e.get("t", 0) >= t0), None
-    )
-    how = str(end.get("msg")) if end else "the watchdog logged no end of the preempted launch"
+    end = next((e for e in ev.every(case.run.events, ev.LaunchEnd) if e.t >= t0), None)
+    how = end.msg if end else "the watchdog logged no end of the preempted launch"
     return f"the preemption checkpoint was lost: {how}"
 
 
@@ -326,20 +325,20 @@ CHECKS: tuple[Callable[[Case], list[Check]], ...] = (
 
 
 def fault_windows(
-    events: Sequence[dict[str, Any]], fault_times: Sequence[float], resumes: Sequence[Resume]
-) -> list[list[dict[str, Any]]]:
+    events: Sequence[Logged[Event]], fault_times: Sequence[float], resumes: Sequence[Resume]
+) -> list[list[Logged[Event]]]:
     """The watchdog's events from each fault to the first step resumed after it (to the end for a
     fault not followed by a resume)."""
     ends = [r.first_seen for r in resumes]
     return [
-        [e for e in events if t0 <= e.get("t", 0) <= (ends[i] if i < len(ends) else float("inf"))]
+        [e for e in events if t0 <= e.t <= (ends[i] if i < len(ends) else float("inf"))]
         for i, t0 in enumerate(fault_times)
     ]
 
 
 def hang_checks(
     injected: Sequence[Fault],
-    windows: Sequence[Sequence[dict[str, Any]]],
+    windows: Sequence[Sequence[Logged[Event]]],
     resumes: Sequence[Resume],
     save_every: int,
 ) -> list[Check]:
@@ -370,16 +369,12 @@ def _check(name: str, results: Sequence[tuple[bool, str]]) -> Check:
     )
 
 
-def _first(window: Sequence[dict[str, Any]], event: EventName) -> dict[str, Any] | None:
-    return next((e for e in window if e.get("event") == event), None)
-
-
-def _culprit_named(fault: Fault, window: Sequence[dict[str, Any]]) -> tuple[bool, str]:
+def _culprit_named(fault: Fault, window: Sequence[Logged[Event]]) -> tuple[bool, str]:
     kind = fault.kind.value
-    hang = _first(window, EventName.HANG)
+    hang = ev.first(window, ev.Hang)
     if hang is None:
         return False, f"{kind}: no hang event after the fault"
-    culprits = hang.get("culprits") or []
+    culprits = [c for c in hang.event.culprits if isinstance(c, dict)]
     ranks = [c.get("rank") for c in culprits]
     if ranks != [fault.rank]:
         return False, f"{kind}: the drill hung rank {fault.rank}, the watchdog named {ranks or 'no culprit'}"
@@ -396,27 +391,28 @@ def _culprit_named(fault: Fault, window: Sequence[dict[str, Any]]) -> tuple[bool
     return True, f"{kind}: culprit rank {fault.rank} (pid {c.get('pid')}, {c.get('where')}): {stack}"
 
 
-def _sigkilled(fault: Fault, window: Sequence[dict[str, Any]]) -> tuple[bool, str]:
-    kill = _first(window, EventName.KILL)
-    n = int((kill or {}).get("sigkilled") or 0)
+def _sigkilled(fault: Fault, window: Sequence[Logged[Event]]) -> tuple[bool, str]:
+    kill = ev.first(window, ev.Kill)
+    n = kill.event.sigkilled if kill else 0
     if n <= 0:
-        how = kill.get("msg") if kill else "no kill event"
+        how = kill.msg if kill else "no kill event"
         return False, f"{fault.kind.value}: SIGTERM ended a hang no signal should cure ({how})"
     return True, f"{fault.kind.value}: {n} process(es) SIGKILLed after SIGTERM's grace"
 
 
 def _resumed_periodic(
-    fault: Fault, window: Sequence[dict[str, Any]], resume: Resume | None, save_every: int
+    fault: Fault, window: Sequence[Logged[Event]], resume: Resume | None, save_every: int
 ) -> tuple[bool, str]:
     kind = fault.kind.value
-    end = _first(window, EventName.LAUNCH_END)
-    if end is None or resume is None:
+    logged = ev.first(window, ev.LaunchEnd)
+    if logged is None or resume is None:
         return False, f"{kind}: no end of the hung launch and resume seen"
-    codes = sorted({int(c) for c in (end.get("rank_exit_codes") or {}).values()})
-    newest = end.get("newest_checkpoint")
+    end = logged.event
+    codes = sorted(set(end.rank_exit_codes.values()))
+    newest = end.newest_checkpoint
     problems = []
-    if end.get("outcome") != Outcome.HANG:
-        problems.append(f"the launch ended as {end.get('outcome')}, not a hang")
+    if end.outcome != Outcome.HANG:
+        problems.append(f"the launch ended as {end.outcome}, not a hang")
     if Exit.REQUEUE in codes:
         problems.append(f"a rank exited {int(Exit.REQUEUE)}: it checkpointed, so it was not stuck")
     if resume.ckpt_step != newest or resume.ckpt_step % save_every:
@@ -429,7 +425,7 @@ def _resumed_periodic(
 def storage_checks(
     injected: Sequence[Fault],
     facts: StorageFacts,
-    events: Sequence[dict[str, Any]],
+    events: Sequence[Logged[Event]],
     fault_times: Sequence[float],
     resumes: Sequence[Resume],
 ) -> list[Check]:
@@ -438,18 +434,14 @@ def storage_checks(
     checks = [_nothing_quarantined(facts, events)]
     for i, (fault, t0) in enumerate(zip(injected, fault_times, strict=False)):
         if fault.kind in _STORAGE_CHECKS:
-            after = [e for e in events if e.get("t", 0) >= t0]
+            after = [e for e in events if e.t >= t0]
             resume = resumes[i] if i < len(resumes) else None
             checks += _STORAGE_CHECKS[fault.kind](facts, events, after, resume)
     return checks
 
 
-def _events(events: Sequence[dict[str, Any]], name: EventName) -> list[dict[str, Any]]:
-    return [e for e in events if e.get("event") == name]
-
-
-def _nothing_quarantined(facts: StorageFacts, events: Sequence[dict[str, Any]]) -> Check:
-    moved = [str(e.get("why")) for e in _events(events, EventName.QUARANTINE)] + list(facts.quarantined)
+def _nothing_quarantined(facts: StorageFacts, events: Sequence[Logged[Event]]) -> Check:
+    moved = [e.event.why for e in ev.every(events, ev.Quarantine)] + list(facts.quarantined)
     return Check(
         "nothing quarantined",
         not moved,
@@ -459,11 +451,11 @@ def _nothing_quarantined(facts: StorageFacts, events: Sequence[dict[str, Any]]) 
 
 def _io_error_checks(
     facts: StorageFacts,
-    events: Sequence[dict[str, Any]],
-    after: Sequence[dict[str, Any]],
+    events: Sequence[Logged[Event]],
+    after: Sequence[Logged[Event]],
     resume: Resume | None,
 ) -> list[Check]:
-    retries = len(_events(after, EventName.IO_RETRY))
+    retries = len(ev.every(after, ev.IoRetry))
     hit = Check(
         "EIO met by the resume",
         facts.rule_hits > 0,
@@ -471,8 +463,8 @@ def _io_error_checks(
         if facts.rule_hits
         else "the EIO rule never fired: no checkpoint file was read after it was set (nothing was tested)",
     )
-    end = _first(after, EventName.LAUNCH_END)
-    newest = end.get("newest_checkpoint") if end else None
+    end = ev.first(after, ev.LaunchEnd)
+    newest = end.event.newest_checkpoint if end else None
     if resume is None or newest is None:
         detail = "no end of the faulted launch and resume seen"
     else:
@@ -491,14 +483,14 @@ def _io_error_checks(
 
 def _disk_full_checks(
     facts: StorageFacts,
-    events: Sequence[dict[str, Any]],
-    after: Sequence[dict[str, Any]],
+    events: Sequence[Logged[Event]],
+    after: Sequence[Logged[Event]],
     resume: Resume | None,
 ) -> list[Check]:
-    failed, recovered = _events(after, EventName.SAVE_FAILED), _events(after, EventName.SAVE_RECOVERED)
-    most = max((int(e.get("save_failures") or 0) for e in failed), default=0)
-    recovered = [e for e in recovered if failed and e.get("t", 0) >= failed[-1].get("t", 0)]
-    launches = _events(events, EventName.LAUNCH)
+    failed, recovered = ev.every(after, ev.SaveFailed), ev.every(after, ev.SaveRecovered)
+    most = max((e.event.save_failures for e in failed), default=0)
+    recovered = [e for e in recovered if failed and e.t >= failed[-1].t]
+    launches = ev.every(events, ev.Launch)
     before, kept = facts.committed_before, facts.committed_after
     lost = sorted(set(before) - set(kept))
     return [
@@ -506,10 +498,8 @@ def _disk_full_checks(
             "saves failed, then recovered",
             most >= DISK_FULL_FAILURES and bool(recovered),
             f"{len(failed)} save_failed event(s), up to {most} failed in a row"
-            + (f" ({failed[-1].get('last_error')})" if failed else "")
-            + (
-                f"; save_recovered at step {recovered[0].get('step')}" if recovered else "; no save_recovered"
-            ),
+            + (f" ({failed[-1].event.last_error})" if failed else "")
+            + (f"; save_recovered at step {recovered[0].event.step}" if recovered else "; no save_recovered"),
         ),
         Check(
             "one launch, no relaunch",
@@ -532,13 +522,13 @@ def _disk_full_checks(
 
 def _slow_storage_checks(
     facts: StorageFacts,
-    events: Sequence[dict[str, Any]],
-    after: Sequence[dict[str, Any]],
+    events: Sequence[Logged[Event]],
+    after: Sequence[Logged[Event]],
     resume: Resume | None,
 ) -> list[Check]:
-    hangs = _events(after, EventName.HANG)
-    ends = _events(after, EventName.LAUNCH_END)  # the faulted launch's, then the resumed one's
-    outcome = ends[1].get("outcome") if len(ends) > 1 else None
+    hangs = ev.every(after, ev.Hang)
+    ends = ev.every(after, ev.LaunchEnd)  # the faulted launch's, then the resumed one's
+    outcome = ends[1].event.outcome if len(ends) > 1 else None
     t = facts.timeout_s
     if facts.verify_s is None or facts.load_s is None:
         slow, how = False, "the resumed launch's verify and load were not seen in its heartbeats"
@@ -555,7 +545,7 @@ def _slow_storage_checks(
         Check(
             "no hang verdict on slow storage",
             not hangs,
-            str(hangs[0].get("msg")) if hangs else "no hang event after the throttle: progress kept it alive",
+            hangs[0].msg if hangs else "no hang event after the throttle: progress kept it alive",
         ),
         Check(
             "resumed launch finished",
@@ -567,8 +557,8 @@ def _slow_storage_checks(
 
 def _hostile_checks(
     facts: StorageFacts,
-    events: Sequence[dict[str, Any]],
-    after: Sequence[dict[str, Any]],
+    events: Sequence[Logged[Event]],
+    after: Sequence[Logged[Event]],
     resume: Resume | None,
 ) -> list[Check]:
     calm = [c for c in facts.commands if not c.endswith(": calm")]

@@ -12,6 +12,7 @@ from typing import Any
 from supervisor.display import table
 from supervisor.drill.judge import StepRecord, Verdict, fault_windows, short_digest
 from supervisor.drill.runner import ScenarioRun
+from supervisor.format import eventtypes as ev
 from supervisor.format.eventnames import EventName
 from supervisor.format.layout import step_dirname
 from supervisor.redact import redact, redact_obj
@@ -66,14 +67,10 @@ def resume_table(run: ScenarioRun, v: Verdict) -> str:
     in_flight = list_tmp(run.root)  # saves a fault interrupted: their writer died, so they stay
     rows = []
     for res, fault in zip(v.resumes, run.injected, strict=False):
-        picks = [
-            e for e in run.events if e.get("event") == EventName.PICK and e.get("t", 0) <= res.first_seen
-        ]
-        used = picks[-1].get("checkpoint") if picks else f"step {res.ckpt_step}"
-        skipped = [
-            str(e.get("why"))  # the reason already names the checkpoint
-            for e in run.events
-            if e.get("event") == EventName.QUARANTINE and e.get("t", 0) <= res.first_seen
+        picks = [e for e in ev.every(run.events, ev.Pick) if e.t <= res.first_seen]
+        used = picks[-1].event.checkpoint if picks else f"step {res.ckpt_step}"
+        skipped = [  # the reason already names the checkpoint
+            e.event.why for e in ev.every(run.events, ev.Quarantine) if e.t <= res.first_seen
         ]
         skipped += [
             f"{step_dirname(t.step)}: save in flight at the fault, left as {t.path.name} (never listed)"
@@ -93,8 +90,8 @@ def timeline(run: ScenarioRun, v: Verdict) -> str:
         lines.append(f"**{fault.describe()}** (t0 = {time.strftime('%H:%M:%S', time.localtime(t0))})")
         lines.append("")
         for e in window:
-            if e.get("event") in TIMELINE_EVENTS:
-                lines.append(f"- +{e['t'] - t0:6.2f}s  {e['event']}: {e.get('msg', '')}")
+            if e.event.NAME in TIMELINE_EVENTS:
+                lines.append(f"- +{e.t - t0:6.2f}s  {e.event.NAME}: {e.msg}")
         if i < len(v.resumes):
             t_end = v.resumes[i].first_seen
             lines.append(

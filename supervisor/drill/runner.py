@@ -14,14 +14,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from supervisor.drill import inject, storage, switch
 from supervisor.drill.drivers import DRIVERS, Driver, switch_hang
 from supervisor.drill.faultctl import Controller, FaultFS
 from supervisor.drill.judge import StepRecord, StorageFacts
 from supervisor.drill.plan import PREEMPT_AS, PREEMPT_SLURM, SELF_INFLICTED, Fault, Kind
-from supervisor.format.events import events_path, read_events
+from supervisor.format.events import events_path, read_logged
+from supervisor.format.eventtypes import Event, Logged
 from supervisor.format.hooks import ENV_BOUNDARY_HOOK
 from supervisor.format.layout import MANIFEST, RunDir, parse_committed
 from supervisor.format.metrics import parse_line
@@ -216,7 +216,7 @@ class ScenarioRun:
     exit_codes: list[int] = field(default_factory=list)
     latest_violations: list[str] = field(default_factory=list)
     latest_reads: int = 0
-    events: list[dict[str, Any]] = field(default_factory=list)
+    events: list[Logged[Event]] = field(default_factory=list)
     storage: StorageFacts | None = None  # what a storage fault's driver saw
     comparison: Comparison | None = None  # its checkpoints vs golden's, when the digest differs
 
@@ -476,7 +476,7 @@ def run_scenario(
     run.digest = read_digest(root)
     run.latest_violations = monitor.violations
     run.latest_reads = monitor.reads
-    run.events = read_events(events_path(root))
+    run.events = read_logged(events_path(root))
     if run.storage is not None:
         run.storage = storage.at_end(run.storage, root)
     return run

@@ -23,8 +23,8 @@ from supervisor.drill.drivers import Driver
 from supervisor.drill.faultctl import fuse_unavailable
 from supervisor.drill.judge import StorageFacts
 from supervisor.drill.plan import DISK_FULL_FAILURES, STORAGE, Fault, Kind
-from supervisor.format.eventnames import EventName
-from supervisor.format.events import events_path, read_events
+from supervisor.format import eventtypes as ev
+from supervisor.format.events import events_path, read_logged
 from supervisor.format.heartbeat import Phase
 from supervisor.format.layout import COMMITTED_GLOB, DCP_SHARD_GLOB, STEP_PREFIX, TMP_GLOB
 from supervisor.format.nodesummary import read_run_heartbeats
@@ -153,10 +153,8 @@ class DiskFull(Driver):
         def failures() -> int:
             """Failed saves in a row as the watchdog logged them: the disk stays full until the
             watchdog has seen them (a streak shorter than its poll would otherwise pass unseen)."""
-            logged = [
-                e for e in read_events(events_path(scene.root)) if e.get("event") == EventName.SAVE_FAILED
-            ]
-            return max((int(e.get("save_failures") or 0) for e in logged if e.get("t", 0) >= t0), default=0)
+            logged = ev.every(read_logged(events_path(scene.root)), ev.SaveFailed)
+            return max((e.event.save_failures for e in logged if e.t >= t0), default=0)
 
         reported = scene.wait(lambda: failures() >= DISK_FULL_FAILURES)
         after, hits, seen = committed_steps(scene.root), scene.fs.hits(rule), failures()

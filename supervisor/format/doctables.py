@@ -8,15 +8,18 @@ write). To add one: a function returning the Markdown, an entry in ``TABLES``, t
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import get_type_hints
 
+from supervisor.format import eventtypes
 from supervisor.format.exitcodes import MEANINGS
 
 REPO = Path(__file__).resolve().parents[2]
-FILES = ("README.md",)
+FILES = ("README.md", "docs/watchdog.md")
 
 
 def markdown_table(header: Iterable[str], rows: Iterable[Iterable[str]]) -> str:
@@ -30,7 +33,26 @@ def exit_codes() -> str:
     return markdown_table(("code", "who", "meaning"), ((m.code, m.who, m.text) for m in MEANINGS))
 
 
-TABLES: dict[str, Callable[[], str]] = {"exit-codes": exit_codes}
+def events() -> str:
+    """Every event of the logs: its name, when it is written, its fields (format/eventtypes.py)."""
+
+    def fields(cls: type[eventtypes.Event]) -> str:
+        hints = get_type_hints(cls)
+        shown = [f"`{f.name}`: {_type(hints[f.name])}" for f in dataclasses.fields(cls)]
+        return ", ".join(shown) or "-"
+
+    rows = (
+        (f"`{c.NAME.value}`", (c.__doc__ or "").strip().replace("\n", " "), fields(c))
+        for c in eventtypes.BY_NAME.values()
+    )
+    return markdown_table(("event", "when", "fields"), rows)
+
+
+def _type(hint: object) -> str:
+    return str(hint).replace("typing.", "").replace("<class '", "").replace("'>", "").replace(" | ", " or ")
+
+
+TABLES: dict[str, Callable[[], str]] = {"exit-codes": exit_codes, "events": events}
 
 
 def rewrite(text: str) -> str:

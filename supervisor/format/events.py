@@ -21,7 +21,7 @@ from typing import Any, TextIO
 from supervisor.format import confined
 from supervisor.format.atomic import atomic_write_json
 from supervisor.format.capped import LOG_MAX, RECORD_MAX, read_capped, read_tail
-from supervisor.format.eventnames import EventName
+from supervisor.format.eventtypes import Event, Logged, parse
 from supervisor.format.launches import LaunchRecord, Outcome
 from supervisor.format.layout import RunDir
 from supervisor.format.runstatus import RunStatus
@@ -236,7 +236,9 @@ class EventLog:
         self.dropped = 0  # events not kept while failing: the buffer was full
         self.error: OSError | None = None  # the current failure streak's first error
 
-    def emit(self, event: EventName, msg: str, **fields: Any) -> dict[str, Any]:
+    def emit(self, event: Event, msg: str) -> dict[str, Any]:
+        """Append ``event`` (format/eventtypes.py) with ``msg``, a line for an operator; returns the
+        record as written."""
         from supervisor.redact import redact, redact_obj  # here: see write_state
 
         now = time.time()
@@ -244,9 +246,9 @@ class EventLog:
             "t": round(now, 3),
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
             "node": self.node,
-            "event": event,
+            "event": event.NAME,
             "msg": redact(msg),  # a URL in a message or a field may carry credentials
-            **redact_obj(fields),
+            **redact_obj(event.fields()),
         }
         line = (json.dumps(rec, sort_keys=False, default=str) + "\n").encode()
         if len(self.pending) + len(line) > self.MAX_PENDING_BYTES:
@@ -289,6 +291,11 @@ class EventLog:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def read_logged(path: str | Path, tail_bytes: int | None = None) -> list[Logged[Event]]:
+    """The log's events, typed (format/eventtypes.py); lines that are not one are skipped."""
+    return [e for e in map(parse, read_events(path, tail_bytes)) if e is not None]
 
 
 def read_events(path: str | Path, tail_bytes: int | None = None) -> list[dict[str, Any]]:

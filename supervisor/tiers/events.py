@@ -12,17 +12,17 @@ import logging
 from pathlib import Path
 from typing import Any, Protocol
 
-from supervisor.format.eventnames import EventName
 from supervisor.format.events import EventLog
+from supervisor.format.eventtypes import Event
 from supervisor.format.layout import RunDir
 
 log = logging.getLogger("supervisor.tiers")
 
 
 class EmitFn(Protocol):
-    """``EventLog.emit``'s shape: an event name, a line for an operator, fields for tools."""
+    """``EventLog.emit``'s shape: a typed event (format/eventtypes.py) and a line for an operator."""
 
-    def __call__(self, event: EventName, msg: str, **fields: Any) -> Any: ...
+    def __call__(self, event: Event, msg: str) -> Any: ...
 
 
 def remote_event_log(root: str | Path) -> EmitFn:
@@ -30,11 +30,11 @@ def remote_event_log(root: str | Path) -> EmitFn:
     elog = EventLog(root, echo=None)
     elog.path = RunDir.of(root).remote_events
 
-    def emit(event: EventName, msg: str, **fields: Any) -> Any:
+    def emit(event: Event, msg: str) -> Any:
         try:
-            return elog.emit(event, msg, **fields)
+            return elog.emit(event, msg)
         except OSError as e:
-            log.warning("remote: cannot append event %s to %s (%s)", event, elog.path, e)
+            log.warning("remote: cannot append event %s to %s (%s)", event.NAME, elog.path, e)
             return None
 
     return emit

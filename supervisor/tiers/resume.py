@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from supervisor.format.eventnames import EventName
+from supervisor.format import eventtypes as ev
 from supervisor.format.layout import QUARANTINE, RunDir
 from supervisor.format.manifest import Manifest
 from supervisor.store import (
@@ -103,16 +103,9 @@ def prepare_resume(  # noqa: PLR0913  keyword-only options, as store.pick's plus
     def local_pick() -> PickResult:
         res = pick(root, deep=deep, io_retry_s=io_retry_s, on_retry=on_retry, allow_fresh_start=True, key=key)
         for name, reason in res.quarantined:
-            emit(
-                EventName.LOCAL_QUARANTINED, f"{name} quarantined locally: {reason}", name=name, reason=reason
-            )
+            emit(ev.LocalQuarantined(name=name, reason=reason), f"{name} quarantined locally: {reason}")
         for name, reason in res.untrusted:
-            emit(
-                EventName.UNTRUSTED,
-                f"{name} skipped locally, not trusted: {reason}",
-                name=name,
-                reason=reason,
-            )
+            emit(ev.Untrusted(checkpoint=name, why=reason), f"{name} skipped locally, not trusted: {reason}")
         return res
 
     def newer_than(step: int) -> bool:
@@ -151,7 +144,7 @@ def _download_lock(root: Path, timeout_s: float, emit: EmitFn) -> Iterator[None]
     except TimeoutError:  # filelock.Timeout: another process downloads into this run dir
         msg = f"another process is resuming {root} from the remote; waiting for it (at most {timeout_s:.0f}s)"
         log.info("remote: %s", msg)
-        emit(EventName.DOWNLOAD_WAIT, msg, lock=str(path))
+        emit(ev.DownloadWait(lock=str(path)), msg)
         try:
             lock.acquire(timeout=timeout_s)
         except TimeoutError:
@@ -203,7 +196,7 @@ def _from_remote(root: Path, remote: RemoteTier, local: ResumeResult, emit: Emit
     def skip(name: str, reason: str) -> None:
         where = f"{remote.url}/{name}"
         untrusted.append((where, reason))
-        emit(EventName.UNTRUSTED, f"remote {where} skipped, not trusted: {reason}", name=name, reason=reason)
+        emit(ev.Untrusted(checkpoint=name, why=reason), f"remote {where} skipped, not trusted: {reason}")
 
     try:
         candidates = [v for v in remote.scan() if v.step > floor and v.state is not RemoteState.INCOMPLETE]
@@ -229,9 +222,7 @@ def _from_remote(root: Path, remote: RemoteTier, local: ResumeResult, emit: Emit
                 f"resuming from {v.name} downloaded from {remote.url} ({size} B in {seconds:.2f}s, verified)"
             )
             log.info("remote: %s", msg)
-            emit(
-                EventName.DOWNLOADED, msg, name=v.name, bytes=size, seconds=round(seconds, 3), url=remote.url
-            )
+            emit(ev.Downloaded(name=v.name, bytes=size, seconds=round(seconds, 3), url=remote.url), msg)
             return ResumeResult(
                 ref, "remote", local.local_quarantined, tuple(quarantined), "", size, seconds, v.manifest,
                 tuple(untrusted),
@@ -244,7 +235,7 @@ def _from_remote(root: Path, remote: RemoteTier, local: ResumeResult, emit: Emit
             ) from e
         msg = f"{e}; resuming from local {local.chosen.name}; a newer remote one, if any, is not used"
         log.warning("remote: %s", msg)
-        emit(EventName.REMOTE_UNREACHABLE, msg, error=str(e), resuming_from=local.chosen.name)
+        emit(ev.RemoteUnreachable(error=str(e), resuming_from=local.chosen.name), msg)
         return ResumeResult(
             local.chosen,
             "local",
@@ -269,4 +260,4 @@ def _quarantine(remote: RemoteTier, name: str, reason: str, out: list[tuple[str,
     out.append((name, reason))
     msg = f"remote {name} quarantined to {remote.url}/{dest}: {reason}"
     log.warning("remote: %s", msg)
-    emit(EventName.REMOTE_QUARANTINED, msg, name=name, reason=reason, moved_to=dest, url=remote.url)
+    emit(ev.RemoteQuarantined(name=name, reason=reason, moved_to=dest, url=remote.url), msg)

@@ -33,10 +33,11 @@ from typing import Any
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt
 
 from supervisor.backoff import Backoff
+from supervisor.format import eventtypes as ev
 from supervisor.format.atomic import atomic_write_json
 from supervisor.format.capped import RECORD_MAX, read_capped
-from supervisor.format.eventnames import EventName
 from supervisor.format.events import typed
+from supervisor.format.eventtypes import Event
 from supervisor.format.layout import REMOTE_STATUS, RunDir, step_dirname
 from supervisor.format.manifest import ManifestError, read_manifest
 from supervisor.redact import redact_obj
@@ -286,9 +287,7 @@ class Uploader:
             return True
         except LocalUnreadable as e:  # transient: the next cycle (a submit, the final flush) retries
             self._update(in_flight=None, last_error=str(e), last_error_time=time.time())
-            self._report(
-                logging.WARNING, EventName.UPLOAD_DEFERRED, f"{ref.name}: {e}", step=ref.step, reason=str(e)
-            )
+            self._report(logging.WARNING, ev.UploadDeferred(step=ref.step, reason=str(e)), f"{ref.name}: {e}")
             return False
         except RemoteUnavailable as e:
             self._down(e)
@@ -335,10 +334,8 @@ class Uploader:
         if st.failures:
             self._report(
                 logging.INFO,
-                EventName.REMOTE_BACK,
+                ev.RemoteBack(url=self.remote.url, failed_cycles=st.failures),
                 f"remote {self.remote.url} reachable again after {st.failures} failed cycles; catching up",
-                url=self.remote.url,
-                failed_cycles=st.failures,
             )
             self._update(failures=0, state="behind")
 
@@ -353,11 +350,8 @@ class Uploader:
         )
         self._report(
             logging.INFO,
-            EventName.UPLOAD_OK,
+            ev.UploadOk(step=t.step, bytes=t.bytes, seconds=round(t.seconds, 3)),
             f"{t.name} uploaded to {self.remote.url} ({t.bytes} B in {t.seconds:.2f}s)",
-            step=t.step,
-            bytes=t.bytes,
-            seconds=round(t.seconds, 3),
         )
 
     def _down(self, e: RemoteUnavailable) -> None:
@@ -382,12 +376,7 @@ class Uploader:
         )
         if st.state != "down":
             self._report(
-                logging.WARNING,
-                EventName.REMOTE_DOWN,
-                msg,
-                url=self.remote.url,
-                error=str(e),
-                lag_steps=lag.steps,
+                logging.WARNING, ev.RemoteDown(url=self.remote.url, error=str(e), lag_steps=lag.steps), msg
             )
         else:
             log.warning("remote: %s", msg)
@@ -397,17 +386,13 @@ class Uploader:
         if not ref.path.exists():  # pruned by local retention mid-upload: the next cycle moves on
             self._report(
                 logging.INFO,
-                EventName.UPLOAD_SKIPPED,
+                ev.UploadSkipped(step=ref.step, reason="removed locally"),
                 f"{ref.name} not uploaded: removed locally before its upload finished",
-                step=ref.step,
-                reason="removed locally",
             )
             return
         self._bad_local.add(ref.step)  # does not match its own manifest: never retried
         self._update(last_error=str(e), last_error_time=time.time())
-        self._report(
-            logging.ERROR, EventName.UPLOAD_REFUSED, f"not uploaded: {e}", step=ref.step, reason=str(e)
-        )
+        self._report(logging.ERROR, ev.UploadRefused(step=ref.step, reason=str(e)), f"not uploaded: {e}")
 
     def _note_skipped(self, skipped: tuple[int, ...]) -> None:
         known = set(self.status().skipped)
@@ -415,10 +400,8 @@ class Uploader:
             if s not in known:
                 self._report(
                     logging.INFO,
-                    EventName.UPLOAD_SKIPPED,
+                    ev.UploadSkipped(step=s, reason="superseded by a newer checkpoint"),
                     f"{step_dirname(s)} not uploaded: superseded by a newer checkpoint (busy policy skip)",
-                    step=s,
-                    reason="superseded by a newer checkpoint",
                 )
         merged = tuple(sorted(known | set(skipped)))[-SKIPPED_SHOWN:]
         self._update(skipped=merged)
@@ -431,11 +414,9 @@ class Uploader:
             if pruned.delete or pruned.clean:
                 self._report(
                     logging.INFO,
-                    EventName.REMOTE_PRUNED,
+                    ev.RemotePruned(deleted=list(pruned.delete), cleaned=list(pruned.clean)),
                     f"remote retention: deleted {', '.join(pruned.delete) or 'none'}; "
                     f"cleaned leftovers {', '.join(pruned.clean) or 'none'}",
-                    deleted=list(pruned.delete),
-                    cleaned=list(pruned.clean),
                 )
         except RemoteUnavailable as e:
             log.warning("remote: retention skipped (%s)", e)
@@ -460,14 +441,13 @@ class Uploader:
         if res.deleted:
             self._report(
                 logging.INFO,
-                EventName.LOCAL_PRUNED,
+                ev.LocalPruned(deleted=list(res.deleted)),
                 f"local retention: deleted {', '.join(res.deleted)}",
-                deleted=list(res.deleted),
             )
 
-    def _report(self, level: int, event: EventName, msg: str, **fields: Any) -> None:
+    def _report(self, level: int, event: Event, msg: str) -> None:
         log.log(level, "remote: %s", msg)
-        self._emit(event, msg, **fields)
+        self._emit(event, msg)
 
     def _set_busy(self, busy: bool) -> None:
         with self._cond:

@@ -179,14 +179,6 @@ class Diagnosis:
             )
         return "; ".join(parts)
 
-    def fields(self) -> dict[str, Any]:
-        """For the hang event: who is to blame, and where everyone else is."""
-        return {
-            "culprits": [f.to_dict() for f in self.culprits],
-            "suspects": [f.to_dict() for f in self.suspects],
-            "waiting_ranks": self.waiting,
-        }
-
 
 def _ranks(ranks: Sequence[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"

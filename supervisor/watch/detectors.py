@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from supervisor.format.eventnames import EventName
+from supervisor.format import eventtypes as ev
 from supervisor.format.exitcodes import Exit
 from supervisor.format.heartbeat import Heartbeat, HeartbeatSnapshot, Phase
 from supervisor.watch.liveness import Clock, PhaseTimeouts, describe_progress, describe_wait, silences
@@ -211,8 +211,15 @@ class SaveNews:
     last_error: str
 
     @property
-    def event(self) -> EventName:
-        return EventName.SAVE_FAILED if self.failures else EventName.SAVE_RECOVERED
+    def event(self) -> ev.SaveFailed | ev.SaveRecovered:
+        kind = ev.SaveFailed if self.failures else ev.SaveRecovered
+        return kind(
+            rank=self.ranks[0],
+            ranks=list(self.ranks),
+            step=self.step,
+            save_failures=self.failures,
+            last_error=self.last_error,
+        )
 
     @property
     def msg(self) -> str:

@@ -9,7 +9,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from supervisor.format.eventnames import EventName
+from supervisor.format import eventtypes as ev
 from supervisor.format.events import EventLog
 from supervisor.format.heartbeat import Heartbeat, HeartbeatSnapshot, Phase, boot_id, read_heartbeat_folder
 from supervisor.format.layout import stack_dump_filename
@@ -64,10 +64,8 @@ class Hangs:
         hangs, note = self.gave_up(beats)
         if hangs:
             self.log.emit(
-                EventName.HANG,
+                ev.Hang(ranks=[h.rank for h in hangs], detected=round(detected, 3)),
                 f"{note}; " + "; ".join(h.reason for h in hangs) + "; the launch had ended: no stack dumps",
-                ranks=[h.rank for h in hangs],
-                detected=round(detected, 3),
             )
         return hangs
 
@@ -81,13 +79,8 @@ class Hangs:
             if where:
                 h = replace(h, blocked=where)
                 self.log.emit(
-                    EventName.BLOCKED_IO,
+                    ev.BlockedIo(rank=h.rank, pid=h.pid, phase=h.label, io_path=h.io_path, blocked=where),
                     f"rank {h.rank} (pid {h.pid}) is blocked in {where}",
-                    rank=h.rank,
-                    pid=h.pid,
-                    phase=h.label,
-                    io_path=h.io_path,
-                    blocked=where,
                 )
             out.append(h)
         return out
@@ -108,23 +101,26 @@ class Hangs:
         diag = culprit.diagnose(culprit.Probe(r, pid, *procs[r], dumps.get(r)) for r, pid in targets.items())
         who = diag.summary()
         self.log.emit(
-            EventName.HANG,
+            ev.Hang(
+                ranks=[h.rank for h in hangs],
+                stopped_ranks=sorted(r for r, pid in targets.items() if pid in stopped),
+                stopped_pids=sorted(stopped),
+                detected=round(detected, 3),
+                culprits=[f.to_dict() for f in diag.culprits],
+                suspects=[f.to_dict() for f in diag.suspects],
+                waiting_ranks=diag.waiting,
+            ),
             (f"{note}; " if note else "") + "; ".join(h.reason for h in hangs) + (f"; {who}" if who else ""),
-            ranks=[h.rank for h in hangs],
-            stopped_ranks=sorted(r for r, pid in targets.items() if pid in stopped),
-            stopped_pids=sorted(stopped),
-            detected=round(detected, 3),  # the verdict's time; the event's is after the dumps
-            **diag.fields(),
         )
         for rank, pid in sorted(targets.items()):
             text = dumps.get(rank)
             msg = f"stack dump of rank {rank} (pid {pid}), from {paths[rank]}"
             if text is None:
                 msg = f"rank {rank} (pid {pid}) wrote no stack dump within {self.cfg.dump_wait_s:g}s"
-            self.log.emit(EventName.STACK_DUMP, msg, rank=rank, pid=pid, path=str(paths[rank]), stacks=text)
+            self.log.emit(ev.StackDump(rank=rank, pid=pid, path=str(paths[rank]), stacks=text), msg)
         note = child.kill(self.cfg.kill_grace_s)
         self.log.emit(
-            EventName.KILL, f"hung launch killed: {note}", sigkilled=child.sigkilled, unreaped=child.unreaped
+            ev.Kill(sigkilled=child.sigkilled, unreaped=child.unreaped), f"hung launch killed: {note}"
         )
         return "; ".join(f"culprit {f.describe()}" for f in diag.culprits) or who
 

@@ -28,8 +28,8 @@ from typing import TypeVar
 
 from supervisor import store
 from supervisor.format import confined, events
+from supervisor.format import eventtypes as ev
 from supervisor.format.atomic import hostname
-from supervisor.format.eventnames import EventName
 from supervisor.format.events import EventLog, RunState
 from supervisor.format.exitcodes import Exit
 from supervisor.format.heartbeat import (
@@ -129,7 +129,7 @@ class Watchdog:
         )
 
     def _io_retry(self, msg: str) -> None:
-        self.log.emit(EventName.IO_RETRY, msg)
+        self.log.emit(ev.IoRetry(), msg)
         self._save(reason=f"storage trouble, retrying: {msg}")
 
     def _pick_retry(self, msg: str) -> None:
@@ -175,10 +175,7 @@ class Watchdog:
                 failed = RunStatus.STOPPED if ended.stop_signal else RunStatus.FAILED
                 return self._finish(d.exit_code, _FINAL_STATUS.get(d.exit_code, failed), d.reason)
             self.log.emit(
-                EventName.RELAUNCH,
-                d.reason,
-                wait_s=round(d.wait_s, 3),
-                restarts=len(self.state.restart_times),
+                ev.Relaunch(wait_s=round(d.wait_s, 3), restarts=len(self.state.restart_times)), d.reason
             )
             self._save(RunStatus.RESTARTING, reason=d.reason, child_pid=None)
             if not self._sleep(d.wait_s):
@@ -192,13 +189,11 @@ class Watchdog:
         self.states.load(self._io, reset=self.cfg.reset_budget)
         carried = len(self.state.restart_times)
         self.log.emit(
-            EventName.WATCHDOG_START,
+            ev.WatchdogStart(
+                pid=os.getpid(), command=list(self.cfg.command), restarts_carried=carried, subreaper=subreaper
+            ),
             f"watchdog pid {os.getpid()} on {self.host} node {self.cfg.node}: {' '.join(self.cfg.command)}"
             + (f" ({carried} earlier restarts count against the budget)" if carried else ""),
-            pid=os.getpid(),
-            command=list(self.cfg.command),
-            restarts_carried=carried,
-            subreaper=subreaper,
         )
         self._node_local()
         self._save(reason="starting")
@@ -211,7 +206,7 @@ class Watchdog:
         the run directory, as without a watchdog)."""
         base = self.cfg.node_dir or node_local_base()
         self.hb_dir, msg = node_summary.choose_folder(base, self.cfg.root, self.cfg.node)
-        self.log.emit(EventName.HEARTBEAT_DIR, msg, path=str(self.hb_dir))
+        self.log.emit(ev.HeartbeatDir(path=str(self.hb_dir)), msg)
         if self.hb_dir == RunDir.of(self.cfg.root).heartbeats:
             return
         facts = node_summary.NodeFacts(self.cfg.node, self.host, os.getpid(), self.cfg.summary_interval_s)
@@ -253,7 +248,9 @@ class Watchdog:
         return self._finish(128 + self.signals.stop, RunStatus.STOPPED, f"stopped {stop_when}")
 
     def _finish(self, code: int, status: RunStatus, reason: str) -> int:
-        self.log.emit(EventName.EXIT, f"watchdog exits {code}: {reason}", exit_code=code, status=status.value)
+        self.log.emit(
+            ev.WatchdogExit(exit_code=code, status=status.value), f"watchdog exits {code}: {reason}"
+        )
         self._save(status, reason=reason, exit_code=code, child_pid=None)
         if self.log.pending:
             events.say(f"[supervisor] {self.log.path} could not be written: the last events are only above")
@@ -289,13 +286,9 @@ class Watchdog:
                 exit_code=None,
             )
             self.log.emit(
-                EventName.LAUNCH,
+                ev.Launch(launch=number, launch_id=launch_id, pid=child.pid, resumed_from=resumed_from),
                 f"launch {number} (id {launch_id}) pid {child.pid}, resuming from "
                 + ("scratch" if resumed_from is None else f"step {resumed_from}"),
-                launch=number,
-                launch_id=launch_id,
-                pid=child.pid,
-                resumed_from=resumed_from,
             )
             self._publish(launch_id=launch_id)
             ended = monitor.watch(child, launch_id, self._on_beats)
@@ -303,7 +296,7 @@ class Watchdog:
             note = child.finish()
             if note:
                 self.log.emit(
-                    EventName.KILL, f"launch {number}: killed what was left: {note}", unreaped=child.unreaped
+                    ev.Kill(unreaped=child.unreaped), f"launch {number}: killed what was left: {note}"
                 )
         killed = time.time()
         beats = detectors.launch_heartbeats(read_heartbeat_folder(self.hb_dir), launch_id)
@@ -332,16 +325,17 @@ class Watchdog:
             last_step=died_at(beats),
         )
         self.log.emit(
-            EventName.LAUNCH_END,
+            ev.LaunchEnd(
+                launch=number,
+                launch_id=launch_id,
+                outcome=cls.outcome.value,
+                returncode=ended.returncode,
+                rank_exit_codes={str(b.rank): b.exit_code for b in beats if b.exit_code is not None},
+                last_step=rec.last_step,
+                newest_checkpoint=rec.newest_after,
+            ),
             f"launch {number} ended after {rec.ended - rec.started:.1f}s "
             f"{restart_policy.where_died(rec.last_step)}: {cls.reason}",
-            launch=number,
-            launch_id=launch_id,
-            outcome=cls.outcome.value,
-            returncode=ended.returncode,
-            rank_exit_codes={b.rank: b.exit_code for b in beats if b.exit_code is not None},
-            last_step=rec.last_step,
-            newest_checkpoint=rec.newest_after,
         )
         self._save(launches=self.state.with_launch(rec).launches)
         self._prune_launch_dirs()
@@ -436,10 +430,8 @@ class Watchdog:
         self.recovering = None
         phases = recovery.breakdown(at)
         self.log.emit(
-            EventName.RECOVERY,
+            ev.Recovery(launch=number, phases=phases),
             f"launch {number} recovery: {recovery.describe(phases)}",
-            launch=number,
-            phases=phases,
         )
         self._save(recovery=phases)
 
@@ -470,16 +462,17 @@ class Watchdog:
         if ends:
             line, first = rootcause.describe_ends(ends), ends[0]
             self.log.emit(
-                EventName.ROOT_CAUSE,
+                ev.RootCause(
+                    launch=number,
+                    problems=problems,
+                    rank=first.rank,
+                    pid=first.pid,
+                    step=first.step,
+                    how=first.how,
+                    signal=first.signal,
+                    consequences=[e.describe() for e in ends[1:]],
+                ),
                 f"launch {number}: root cause {line}{unusable}",
-                launch=number,
-                problems=problems,
-                rank=first.rank,
-                pid=first.pid,
-                step=first.step,
-                how=first.how,
-                signal=first.signal,
-                consequences=[e.describe() for e in ends[1:]],
             )
             return line
         cause, problems = rootcause.find_root_cause(
@@ -488,11 +481,24 @@ class Watchdog:
         unusable = f" (unusable: {'; '.join(problems)})" if problems else ""
         if cause is not None:
             msg = f"launch {number}: root cause {cause.describe()}{unusable}"
-            self.log.emit(EventName.ROOT_CAUSE, msg, launch=number, problems=problems, **cause.fields())
+            self.log.emit(
+                ev.RootCause(
+                    launch=number,
+                    problems=problems,
+                    rank=cause.rank,
+                    local_rank=cause.local_rank,
+                    type=cause.type,
+                    message=cause.message,
+                    file=cause.file,
+                    line=cause.line,
+                    error_file=cause.source,
+                ),
+                msg,
+            )
             return cause.describe()
         if problems:
             msg = f"launch {number}: no root cause: error files unusable: {'; '.join(problems)}"
-            self.log.emit(EventName.ROOT_CAUSE, msg, launch=number, problems=problems)
+            self.log.emit(ev.RootCause(launch=number, problems=problems), msg)
         return ""
 
     def _classify(self, ended: Ended, beats: list[Heartbeat]) -> restart_policy.Classification:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from supervisor.format.eventnames import EventName
+from supervisor.format import eventtypes as ev
 from supervisor.format.events import EventLog
 from supervisor.format.heartbeat import (
     Heartbeat,
@@ -139,20 +139,19 @@ class Monitor:
         ended.stop_signal = signum
         grace = self.cfg.stop_grace_s or self.cfg.kill_grace_s
         self.log.emit(
-            EventName.STOP, f"received {signal.Signals(signum).name}: stopping the child (grace {grace:g}s)"
+            ev.Stop(), f"received {signal.Signals(signum).name}: stopping the child (grace {grace:g}s)"
         )
-        self.log.emit(EventName.KILL, child.kill(grace), unreaped=child.unreaped)
+        self.log.emit(ev.Kill(unreaped=child.unreaped), child.kill(grace))
         ended.returncode = child.returncode()
         return ended
 
     def _rank_died(self, child: process.Child, ended: Ended, dead: list[detectors.DeadRank]) -> Ended:
         ended.dead, ended.detected = dead, time.time()
         self.log.emit(
-            EventName.RANK_DIED,
+            ev.RankDied(ranks=[d.rank for d in dead]),
             "; ".join(d.reason for d in dead) + ": killing the rest of the launch",
-            ranks=[d.rank for d in dead],
         )
-        self.log.emit(EventName.KILL, child.kill(DEAD_RANK_KILL_GRACE_S), unreaped=child.unreaped)
+        self.log.emit(ev.Kill(unreaped=child.unreaped), child.kill(DEAD_RANK_KILL_GRACE_S))
         ended.returncode = child.returncode()
         return ended
 
@@ -166,15 +165,7 @@ class Monitor:
         """save_failed / save_recovered events for what this node's ranks report."""
         news, seen = detectors.save_news((b for b in beats if b.host == self.host), seen)
         for n in news:
-            self.log.emit(
-                n.event,
-                n.msg,
-                rank=n.ranks[0],
-                ranks=list(n.ranks),
-                step=n.step,
-                save_failures=n.failures,
-                last_error=n.last_error,
-            )
+            self.log.emit(n.event, n.msg)
         return seen
 
     def _forward_preemption(self, child: process.Child, launch_id: str) -> bool:
@@ -198,7 +189,7 @@ class Monitor:
             return False
         process.send(pids, self.cfg.notice_signal)
         name = signal.Signals(self.cfg.notice_signal).name
-        self.log.emit(EventName.PREEMPT, f"preemption notice ({name}) forwarded to {who}", pids=pids)
+        self.log.emit(ev.Preempt(pids=pids), f"preemption notice ({name}) forwarded to {who}")
         return True
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from supervisor import store
 from supervisor.format import confined
-from supervisor.format.eventnames import EventName
+from supervisor.format import eventtypes as ev
 from supervisor.format.events import EventLog
 from supervisor.format.exitcodes import Exit
 from supervisor.watch.config import WatchConfig
@@ -75,7 +75,7 @@ class Picker:
             if chosen
             else "no valid checkpoint: start from scratch"
         )
-        self.log.emit(EventName.PICK, msg, checkpoint=chosen.name if chosen else None, verify=self.how)
+        self.log.emit(ev.Pick(checkpoint=chosen.name if chosen else None, verify=self.how), msg)
         return chosen.step if chosen else None
 
     def _log_quarantined_by_the_ranks(self) -> None:
@@ -90,7 +90,7 @@ class Picker:
         for name in sorted(set(now) - before):
             step, why = name.split("-", 1)[0], now[name]
             self.log.emit(
-                EventName.QUARANTINE, f"quarantined {step} (by the ranks): {why}", checkpoint=step, why=why
+                ev.Quarantine(checkpoint=step, why=why), f"quarantined {step} (by the ranks): {why}"
             )
 
     def _note_quarantined(self) -> dict[str, str] | None:
@@ -106,11 +106,9 @@ class Picker:
     def _log_skipped(self, res: store.PickResult) -> None:
         """What the pick walked past: quarantined (corrupt) and untrusted (not signed) ones."""
         for name, why in res.quarantined:
-            self.log.emit(EventName.QUARANTINE, f"quarantined {name}: {why}", checkpoint=name, why=why)
+            self.log.emit(ev.Quarantine(checkpoint=name, why=why), f"quarantined {name}: {why}")
         for name, why in res.untrusted:
-            self.log.emit(
-                EventName.UNTRUSTED, f"skipped {name}, not trusted: {why}", checkpoint=name, why=why
-            )
+            self.log.emit(ev.Untrusted(checkpoint=name, why=why), f"skipped {name}, not trusted: {why}")
 
     def _across_tiers(self, url: str) -> int | None:
         """Before every launch, the first included (after node loss nothing is local): the newest
@@ -146,7 +144,7 @@ class Picker:
                 # can use up the whole wait in one attempt.
                 giving_up = time.monotonic() >= deadline
                 then = "giving up" if giving_up else f"retrying in {wait:.0f}s"
-                self.log.emit(EventName.REMOTE_UNAVAILABLE, f"{e}; nothing valid locally: {then}")
+                self.log.emit(ev.RemoteUnavailable(), f"{e}; nothing valid locally: {then}")
                 if giving_up:
                     raise Stop(
                         Exit.STORAGE_UNAVAILABLE,
@@ -165,10 +163,6 @@ class Picker:
                 else "no valid checkpoint on either tier: start from scratch"
             )
             self.log.emit(
-                EventName.PICK,
-                msg,
-                checkpoint=chosen.name if chosen else None,
-                verify=self.how,
-                source=res.source,
+                ev.Pick(checkpoint=chosen.name if chosen else None, verify=self.how, source=res.source), msg
             )
             return chosen.step if chosen else None

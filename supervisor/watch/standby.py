@@ -8,8 +8,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from supervisor.format import eventtypes as ev
 from supervisor.format.atomic import atomic_write_text
-from supervisor.format.eventnames import EventName
 from supervisor.format.events import EventLog
 from supervisor.format.heartbeat import Heartbeat, Mark
 from supervisor.format.layout import RunDir
@@ -42,11 +42,8 @@ class Standby:
         self.spare = (number, launch_id, spare)
         running.excluded = {spare.pid}
         self.log.emit(
-            EventName.STANDBY,
+            ev.Standby(launch=number, launch_id=launch_id, pid=spare.pid),
             f"standby for launch {number} (id {launch_id}) started, pid {spare.pid}: released on a relaunch",
-            launch=number,
-            launch_id=launch_id,
-            pid=spare.pid,
         )
 
     def take(self, number: int) -> tuple[str, process.Child] | None:
@@ -64,7 +61,7 @@ class Standby:
             except OSError as e:
                 why = f"its release file could not be written: {describe(e)}"
         if why:
-            self.log.emit(EventName.KILL, f"standby {launch_id} not used ({why}): {spare.kill(0.0)}")
+            self.log.emit(ev.Kill(), f"standby {launch_id} not used ({why}): {spare.kill(0.0)}")
             return None
         spare.own_subtree = False
         spare.started, spare.started_mono = time.time(), time.monotonic()
@@ -75,4 +72,4 @@ class Standby:
         if self.spare is not None:
             _, launch_id, spare = self.spare
             self.spare = None
-            self.log.emit(EventName.KILL, f"standby {launch_id} not needed: {spare.kill(0.0)}")
+            self.log.emit(ev.Kill(), f"standby {launch_id} not needed: {spare.kill(0.0)}")

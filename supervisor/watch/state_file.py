@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from supervisor.format import confined, events
-from supervisor.format.eventnames import EventName
+from supervisor.format import eventtypes as ev
 from supervisor.format.events import EventLog, RunState
 from supervisor.format.runstatus import RunStatus, check_move
 from supervisor.store.ioerrors import describe
@@ -43,7 +43,7 @@ class StateFile:
                 kept = f"the old file is kept as {bad.name}"
             except OSError as err:
                 kept = f"the old file could not be moved aside ({describe(err)})"
-            self.log.emit(EventName.STATE_UNREADABLE, f"{e}; starting with a fresh budget ({kept})")
+            self.log.emit(ev.StateUnreadable(), f"{e}; starting with a fresh budget ({kept})")
             prev = None
         self.loaded = True
         if prev is not None and not reset:
