@@ -10,8 +10,8 @@ import pytest
 from trainer_helpers import REPO, trainer_env
 from waiting import PATIENCE_S
 
+from supervisor.format.commitstep import CommitStep
 from supervisor.format.layout import rank_state_filename
-from supervisor.resumable._checkpointer import COMMIT_STEPS
 
 pytestmark = pytest.mark.slow
 
@@ -83,5 +83,5 @@ def test_gather_reaches_rank_0_only_flags_reach_every_rank_and_an_async_commit_r
         sizes = d["async"]["sizes"]
         shard, rank_file, index = sizes.values()
         written = shard + (index if rank == 0 else 0)
-        steps = len(COMMIT_STEPS) if rank == 0 else 0
+        steps = len(CommitStep) if rank == 0 else 0
         assert d["async"]["counted"] == [written + rank_file + steps] * 2, (rank, d["async"])

@@ -83,6 +83,7 @@ from torch.futures import Future as TorchFuture
 
 from supervisor import store
 from supervisor.errors import StorageError
+from supervisor.format.commitstep import CommitStep
 from supervisor.format.exitcodes import Exit
 from supervisor.format.heartbeat import HeartbeatWriter, Phase, Progress, Tracker
 from supervisor.format.layout import (
@@ -126,7 +127,6 @@ from supervisor.store.ioerrors import describe
 
 log = logging.getLogger(__name__)
 
-COMMIT_STEPS = ("fsync", "manifest", "rename", "latest")  # store.commit's on_phase calls
 # What a rank waits for in each of a save's exchanges (its heartbeat's ``waiting``).
 OPENING = "rank 0 to open the save"
 REPORTS = "every rank's report of the save"
@@ -253,7 +253,7 @@ def commit_reports(
     tmp: Path,
     info: CheckpointInfo,
     reports: Sequence[RankFiles],
-    on_phase: Callable[[str], None] | None = None,
+    on_phase: Callable[[CommitStep], None] | None = None,
     sign_key: bytes | None = None,
 ) -> store.CheckpointRef:
     """Rank 0: commit ``tmp`` with every rank's report (by rank) as ``store.commit``'s ``known``,
@@ -809,7 +809,7 @@ class Checkpointer:
         whatever failed where: one agreed outcome per save; a bug in rank 0's decision is agreed
         as a fatal outcome too (``_apply`` raises it everywhere)."""
         # added to what it counts already (bytes written and hashed)
-        progress.total += len(COMMIT_STEPS) if self.rank == 0 else 0
+        progress.total += len(CommitStep) if self.rank == 0 else 0
         progress.set_path("")  # waiting for the peers, not in a read
         with self._exchange(REPORTS):
             gathered = _agree.gather_to_root(mine, self.dcp_group, self._waiting(progress, REPORTS))

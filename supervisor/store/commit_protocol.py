@@ -16,6 +16,7 @@ from pathlib import Path
 from supervisor.errors import StorageError
 from supervisor.format import confined
 from supervisor.format.atomic import fsync_dir, fsync_tree, hostname
+from supervisor.format.commitstep import CommitStep
 from supervisor.format.layout import MANIFEST, step_dirname, tmp_dirname
 from supervisor.format.manifest import CheckpointInfo, FileEntry, build_manifest, file_sizes, writers_problem
 from supervisor.store.checkpoints import (
@@ -58,7 +59,7 @@ def commit(  # noqa: PLR0913  keyword-only options, each for one kind of caller
     *,
     known: Mapping[str, FileEntry] | None = None,
     writers: Mapping[int, Collection[str]] | None = None,
-    on_phase: Callable[[str], None] | None = None,
+    on_phase: Callable[[CommitStep], None] | None = None,
     sign_key: bytes | None = None,
     digests: Mapping[str, str] | None = None,
     files_synced: bool = False,
@@ -70,8 +71,8 @@ def commit(  # noqa: PLR0913  keyword-only options, each for one kind of caller
     every rank of ``world_size`` must have reported a file and every reported file must be in this
     process's view of the tmp dir, at the size in ``known`` when it is there, else
     IncompleteCommit and nothing is committed (the tmp dir is left as it is, for the caller to
-    remove or a person to inspect). ``on_phase`` is called with "fsync", "manifest", "rename",
-    "latest": crash-injection tests use it to die at every point of the protocol.
+    remove or a person to inspect). ``on_phase`` is called with each ``CommitStep`` as it
+    starts: crash-injection tests use it to die at every point of the protocol.
 
     ``sign_key``: also write ``manifest.sig`` after the manifest (supervisor/signing.py), with the
     SHA-256 of every file (``digests`` holds those already computed, e.g. by a download).
@@ -83,9 +84,9 @@ def commit(  # noqa: PLR0913  keyword-only options, each for one kind of caller
     """
     root, tmp, step = Path(root), Path(tmp_dir), info.step
     phase = on_phase or (lambda _p: None)
-    phase("fsync")
+    phase(CommitStep.FSYNC)
     fsync_tree(tmp, files=not files_synced)
-    phase("manifest")
+    phase(CommitStep.MANIFEST)
     sizes = file_sizes(tmp)
     problem = writers_problem(writers, info.world_size, sizes, known) if writers is not None else ""
     if problem:
@@ -106,10 +107,10 @@ def commit(  # noqa: PLR0913  keyword-only options, each for one kind of caller
         if os.path.lexists(final):
             old = validate(CheckpointRef(step, final), key=sign_key)  # kept, and what it was said
             quarantine_locked(root, CheckpointRef(step, final), replaced_reason(old))
-        phase("rename")
+        phase(CommitStep.RENAME)
         confined.rename(root, tmp, final)
         fsync_dir(root)
-        phase("latest")
+        phase(CommitStep.LATEST)
         newest = next(iter(list_checkpoints(root)), None)
         if newest is None or newest.step <= step:
             write_latest(root, final.name)
