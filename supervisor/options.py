@@ -222,3 +222,32 @@ def _value(f: dataclasses.Field[Any], raw: Any) -> Any:
     if flag_of(f).startswith("--no-") and isinstance(raw, bool):
         return not raw
     return raw
+
+
+def table(cls: type) -> list[tuple[str, str, str]]:
+    """(flag, default, help) of every visible option of ``cls`` and its nested configs, in field
+    order: what ``--help`` says, for a generated docs table (supervisor/docgen.py)."""
+    rows: list[tuple[str, str, str]] = []
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if NESTED in f.metadata:
+            rows += table(hints[f.name])
+        elif OPTION in f.metadata and not f.metadata[OPTION].hidden:
+            opt: Option = f.metadata[OPTION]
+            flag = flag_of(f) + (f" / {opt.off}" if opt.off else "")
+            rows.append((flag, _shown_default(f), opt.help))
+    return rows
+
+
+def _shown_default(f: dataclasses.Field[Any]) -> str:
+    if f.default is MISSING and f.default_factory is not MISSING and not isinstance(f.default_factory, type):
+        return "computed at start"  # e.g. a dated folder: the help says how
+    default = _default(f)
+    if default is MISSING:
+        return "required"
+    opt: Option = f.metadata[OPTION]
+    if isinstance(opt.choices, Mapping):
+        default = {v: k for k, v in opt.choices.items()}.get(default, default)
+    if default is None or default == ():
+        return "-"
+    return str(default.value if hasattr(default, "value") else default)

@@ -1,11 +1,11 @@
-"""The docs' generated tables match the declarations they come from (supervisor/format/doctables.py):
-edit the declaration, run ``python -m supervisor.format.doctables``, commit both."""
+"""The docs' generated tables match the declarations they come from (supervisor/docgen.py):
+edit the declaration, run ``python -m supervisor.docgen``, commit both."""
 
 from __future__ import annotations
 
 import pytest
 
-from supervisor.format import doctables
+from supervisor import docgen as doctables
 from supervisor.format.exitcodes import MEANINGS, Exit
 
 
@@ -13,7 +13,7 @@ from supervisor.format.exitcodes import MEANINGS, Exit
 def test_committed_docs_hold_the_tables_their_declarations_render(name: str) -> None:
     text = (doctables.REPO / name).read_text()
     assert "<!-- generated:" in text
-    assert doctables.rewrite(text) == text, f"{name} is stale: run python -m supervisor.format.doctables"
+    assert doctables.rewrite(text) == text, f"{name} is stale: run python -m supervisor.docgen"
 
 
 def test_every_exit_code_has_a_meaning_and_the_table_says_each() -> None:
@@ -40,3 +40,12 @@ def test_the_events_table_lists_every_event_with_its_fields() -> None:
     for cls in eventtypes.BY_NAME.values():
         assert f"| `{cls.NAME.value}` |" in table
     assert "`checkpoint`: str or None" in table  # Pick's, its union spelled without a table pipe
+
+
+def test_an_options_table_is_what_help_declares() -> None:
+    from supervisor.watch.config import WatchConfig
+
+    table = doctables.options_of(WatchConfig)()
+    assert "| `--hang-timeout` | `120.0` |" in table
+    assert "| `--ckpt-root` | required |" in table
+    assert "--help" not in table and "| `--share-store-fix`" not in table  # only declared flags

@@ -1,6 +1,6 @@
 """Exit codes shared by the trainer, the watchdog and the login-node commands, with what each
 means to whoever gets it (``MEANINGS``: README's exit-code table is generated from it,
-supervisor/format/doctables.py).
+supervisor/docgen.py).
 
 torchrun reports 1 for any failed worker, so the trainer also records its deliberate exit code in
 its last heartbeat (``exit_code``); the watchdog reads it from there to classify a launch.

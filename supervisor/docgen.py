@@ -1,7 +1,7 @@
 """Tables in the docs generated from the declarations they describe, so they cannot drift.
 
 A generated table sits in a Markdown file between ``<!-- generated: NAME -->`` and
-``<!-- end generated: NAME -->``; ``python -m supervisor.format.doctables`` rewrites every such block
+``<!-- end generated: NAME -->``; ``python -m supervisor.docgen`` rewrites every such block
 from ``TABLES`` (tests/test_doctables.py fails when a committed file differs from what it would
 write). To add one: a function returning the Markdown, an entry in ``TABLES``, the two markers.
 """
@@ -15,11 +15,14 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import get_type_hints
 
+from supervisor import options
+from supervisor.drill.runner import DrillConfig
 from supervisor.format import eventtypes
 from supervisor.format.exitcodes import MEANINGS
+from supervisor.watch.config import WatchConfig
 
-REPO = Path(__file__).resolve().parents[2]
-FILES = ("README.md", "docs/watchdog.md")
+REPO = Path(__file__).resolve().parents[1]
+FILES = ("README.md", "docs/watchdog.md", "docs/drill.md")
 
 
 def markdown_table(header: Iterable[str], rows: Iterable[Iterable[str]]) -> str:
@@ -52,7 +55,29 @@ def _type(hint: object) -> str:
     return str(hint).replace("typing.", "").replace("<class '", "").replace("'>", "").replace(" | ", " or ")
 
 
-TABLES: dict[str, Callable[[], str]] = {"exit-codes": exit_codes, "events": events}
+def options_of(cls: type) -> Callable[[], str]:
+    """A command's options as its ``--help`` declares them (supervisor/options.py)."""
+
+    def render() -> str:
+        rows = (
+            (
+                f"`{flag}`",
+                f"`{default}`" if default not in ("-", "required") else default,
+                text.replace("|", "/"),
+            )
+            for flag, default, text in options.table(cls)
+        )
+        return markdown_table(("option", "default", "what"), rows)
+
+    return render
+
+
+TABLES: dict[str, Callable[[], str]] = {
+    "exit-codes": exit_codes,
+    "events": events,
+    "watch-options": options_of(WatchConfig),
+    "drill-options": options_of(DrillConfig),
+}
 
 
 def rewrite(text: str) -> str:
