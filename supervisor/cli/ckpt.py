@@ -16,19 +16,21 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from functools import wraps
 from pathlib import Path
 from typing import Any
 
-from supervisor import display
+from supervisor import display, options
+from supervisor import shared_options as shared
 from supervisor.display import printable
 from supervisor.format.atomic import hostname, pid_alive
 from supervisor.format.confined import Escape
 from supervisor.format.exitcodes import Exit
 from supervisor.format.layout import MANIFEST, RunDir, looks_like_run_dir, step_dirname
 from supervisor.format.manifest import NOT_LISTED, list_files
+from supervisor.options import option
 from supervisor.store import (
-    IO_RETRY_S,
     QUARANTINE_KEEP,
     STALE_TMP_AFTER_S,
     Candidate,
@@ -634,83 +636,125 @@ def _byte_count(text: str) -> int:
     return int(n * _UNITS[unit])
 
 
+DRY_RUN = "decide and report, change nothing"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Common:
+    """Every ``ckpt`` subcommand's options."""
+
+    ckpt_root: Path = shared.ckpt_root()
+    json: bool = shared.as_json()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ListOptions(Common):
+    remote: str | None = option("also list the remote tier at this URL (docs/tiers.md)", None)
+    remote_endpoint: str | None = shared.remote_endpoint()
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyOptions(Common):
+    deep: bool = option("also check every file's checksum and DCP's .metadata pickle", False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PickOptions(Common):
+    deep: bool = option("check checksums too (reads every byte)", False)
+    dry_run: bool = option(DRY_RUN, False)
+    io_retry: float = shared.io_retry("exit 3")
+    allow_fresh_start: bool = shared.allow_fresh_start("report 'start from scratch' instead of refusing")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PruneOptions(Common):
+    quarantine_keep: int | None = option(
+        "newest quarantined checkpoints kept", QUARANTINE_KEEP, parse=_count_or_all, metavar="N|all"
+    )
+    quarantine_max_bytes: int | None = option(
+        "also remove the oldest quarantined ones until they take at most this much (e.g. 200G)",
+        None,
+        parse=_byte_count,
+        metavar="BYTES",
+    )
+    dry_run: bool = option(DRY_RUN, False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuarantineOptions(Common):
+    step: int = option("the checkpoint's step", parse=_non_negative, positional=True)
+    reason: str = option("why (written to its reason.txt)", "")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RollbackOptions(Common):
+    to: int = option("the valid checkpoint to go back to", parse=_non_negative, metavar="STEP")
+    yes: bool = option("do not ask for confirmation", False)
+    dry_run: bool = option(DRY_RUN, False)
+    run_stopped: bool = option(
+        "the run's watchdog or ranks on another host look live but are gone for good (a failed node)", False
+    )
+
+
+# Each subcommand's declared options (the signing key and the retention flags are added by their
+# own declarations: supervisor/signing.py, supervisor/store/retention_policy.py).
+OPTIONS: dict[str, type[Common]] = {
+    "list": ListOptions,
+    "verify": VerifyOptions,
+    "pick": PickOptions,
+    "prune": PruneOptions,
+    "quarantine": QuarantineOptions,
+    "rollback": RollbackOptions,
+}
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from supervisor.signing import add_signing_key_arg
 
     ckpt = subparsers.add_parser("ckpt", help="list, verify, pick or prune checkpoints of a run")
     sub = ckpt.add_subparsers(dest="ckpt_command", required=True)
 
-    def add(name: str, func: Handler, help_: str) -> argparse.ArgumentParser:
+    def add(name: str, func: Handler, help_: str, opts: type[Common]) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_, description=help_)
-        p.add_argument("--ckpt-root", required=True, help="the run's checkpoint root")
-        p.add_argument("--json", action="store_true", help="print stable JSON (docs/cli.md)")
+        options.add_options(p, opts)
         p.set_defaults(func=func)
         return p
 
-    p = add("list", cmd_list, "committed checkpoints newest first, quarantined ones and tmp dirs")
-    p.add_argument("--remote", help="also list the remote tier at this URL (docs/tiers.md)")
-    p.add_argument("--remote-endpoint", help="S3 endpoint URL (default: AWS_ENDPOINT_URL or AWS)")
+    p = add(
+        "list", cmd_list, "committed checkpoints newest first, quarantined ones and tmp dirs", ListOptions
+    )
     add_signing_key_arg(p)
     add_retention_args(p)  # the kept column explains this policy (default: the recorded one)
     p = add(
         "verify",
         cmd_verify,
         "check every committed checkpoint; exit 1 if one is invalid (or not trusted), 3 if one could not be read",
-    )
-    p.add_argument(
-        "--deep", action="store_true", help="also check every file's checksum and DCP's .metadata pickle"
+        VerifyOptions,
     )
     add_signing_key_arg(p)
     p = add(
-        "pick", cmd_pick, "choose the newest valid checkpoint, quarantine newer invalid ones, repoint latest"
+        "pick",
+        cmd_pick,
+        "choose the newest valid checkpoint, quarantine newer invalid ones, repoint latest",
+        PickOptions,
     )
     add_signing_key_arg(p)
-    p.add_argument("--deep", action="store_true", help="check checksums too (reads every byte)")
-    p.add_argument("--dry-run", action="store_true", help="decide and report, change nothing")
-    p.add_argument(
-        "--io-retry",
-        type=float,
-        default=IO_RETRY_S,
-        metavar="SECONDS",
-        help=f"retry unreadable checkpoints this long before exit 3 (default {IO_RETRY_S:g})",
+    p = add(
+        "prune",
+        cmd_prune,
+        "delete checkpoints beyond retention, stale tmp dirs, old quarantined ones",
+        PruneOptions,
     )
-    p.add_argument(
-        "--allow-fresh-start",
-        action="store_true",
-        help="with nothing valid but checkpoints quarantined, report 'start from scratch' instead of refusing",
-    )
-    p = add("prune", cmd_prune, "delete checkpoints beyond retention, stale tmp dirs, old quarantined ones")
     add_retention_args(p)
-    p.add_argument(
-        "--quarantine-keep",
-        type=_count_or_all,
-        default=QUARANTINE_KEEP,
-        metavar="N|all",
-        help=f"newest quarantined checkpoints kept (default {QUARANTINE_KEEP})",
+    add(
+        "quarantine",
+        cmd_quarantine,
+        "move one committed checkpoint aside by hand, with a reason",
+        QuarantineOptions,
     )
-    p.add_argument(
-        "--quarantine-max-bytes",
-        type=_byte_count,
-        default=None,
-        metavar="BYTES",
-        help="also remove the oldest quarantined ones until they take at most this much (e.g. 200G)",
-    )
-    p.add_argument("--dry-run", action="store_true", help="decide and report, change nothing")
-    p = add("quarantine", cmd_quarantine, "move one committed checkpoint aside by hand, with a reason")
-    p.add_argument("step", type=_non_negative, help="the checkpoint's step")
-    p.add_argument("--reason", default="", help="why (written to its reason.txt)")
-    p = add(
+    add(
         "rollback",
         cmd_rollback,
         "resume from an older checkpoint: quarantine every newer one (never deleted), point latest at it",
-    )
-    p.add_argument(
-        "--to", type=_non_negative, required=True, metavar="STEP", help="the valid checkpoint to go back to"
-    )
-    p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
-    p.add_argument("--dry-run", action="store_true", help="decide and report, change nothing")
-    p.add_argument(
-        "--run-stopped",
-        action="store_true",
-        help="the run's watchdog or ranks on another host look live but are gone for good (a failed node)",
+        RollbackOptions,
     )

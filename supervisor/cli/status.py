@@ -9,10 +9,14 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from supervisor import options
+from supervisor import shared_options as shared
 from supervisor.display import human_age, human_bytes, human_duration, printable, table
+from supervisor.options import option
 from supervisor.report import FULL_RANKS, StatusReport, build_report
 from supervisor.watch import recovery
 
@@ -21,28 +25,28 @@ MAX_RANK_ROWS = 16
 CLEAR = "\x1b[H\x1b[2J"
 
 
+@dataclass(frozen=True)
+class StatusOptions:
+    """``supervisor status``'s command line, declared once (supervisor/options.py)."""
+
+    ckpt_root: Path = shared.ckpt_root()
+    json: bool = shared.as_json(
+        f"one JSON object (every rank listed up to {FULL_RANKS} ranks; above, those that need a look)"
+    )
+    all_ranks: bool = option("list every rank, however many (reads every node's records)", False)
+    watch: float | None = option(
+        "refresh every SECONDS (2): in place on a terminal, appended otherwise",
+        None,
+        metavar="SECONDS",
+        const=2.0,
+    )
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "status", help="where the run stands: state, launches, ranks, checkpoints", description=__doc__
     )
-    p.add_argument("--ckpt-root", required=True, type=Path, help="the run's checkpoint root")
-    p.add_argument(
-        "--json",
-        action="store_true",
-        help=f"one JSON object (every rank listed up to {FULL_RANKS} ranks; above, those that need a look)",
-    )
-    p.add_argument(
-        "--all-ranks", action="store_true", help="list every rank, however many (reads every node's records)"
-    )
-    p.add_argument(
-        "--watch",
-        nargs="?",
-        type=float,
-        const=2.0,
-        default=None,
-        metavar="SECONDS",
-        help="refresh every SECONDS (2): in place on a terminal, appended otherwise",
-    )
+    options.add_options(p, StatusOptions)
     p.set_defaults(func=run)
 
 

@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import DataLoader, Dataset
 
+from supervisor import shared_options as shared
 from supervisor import store
 from supervisor.display import human_bytes
 from supervisor.errors import Program, ToolkitError, exit_code
@@ -202,15 +203,8 @@ class ResumeOptions:
         "deep",  # deep: spread over the ranks
         choices=VERIFY,
     )
-    io_retry_s: float = option(
-        "retry checkpoints that cannot be read this long at resume, then exit 74",
-        store.IO_RETRY_S,
-        flag="--io-retry",
-        metavar="SECONDS",
-    )
-    allow_fresh_start: bool = option(
-        "start from step 0 when no checkpoint is usable even though some are quarantined", False
-    )
+    io_retry_s: float = shared.io_retry("exit 74 (at resume)")
+    allow_fresh_start: bool = shared.allow_fresh_start("start from step 0")
     allow_config_change: bool = option(
         "resume with a changed LR, weight decay, schedule or augmentation (applied); "
         "other changes are still refused",

@@ -7,9 +7,9 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from supervisor import shared_options as shared
 from supervisor.format.notice import notice_signal
 from supervisor.options import NOT_NEGATIVE, POSITIVE, nested, option
-from supervisor.store.ioerrors import IO_RETRY_S
 from supervisor.watch.liveness import DEFAULT_LEARN_FLOOR_S, PhaseTimeouts
 from supervisor.watch.restart_policy import RestartPolicy
 
@@ -54,7 +54,7 @@ def parse_notice_signal(raw: str) -> signal.Signals:
 class WatchConfig:
     """Everything the watchdog is told; each option field is its ``watch`` flag (supervisor.options)."""
 
-    root: Path = option("the run's checkpoint root", flag="--ckpt-root")
+    root: Path = shared.ckpt_root()
     command: tuple[str, ...] = ()  # the positional COMMAND, not an option (cli/watch.py refuses none)
     deep_verify: bool = option(
         "check before each relaunch", False, flag="--verify", choices={"quick": False, "deep": True}
@@ -122,19 +122,9 @@ class WatchConfig:
         check=NOT_NEGATIVE,
         group=HANG,
     )
-    io_retry_s: float = option(  # transient storage errors are retried this long, then exit 14
-        "retry unreadable checkpoints (EIO, ESTALE...) this long before a relaunch, then exit 14",
-        IO_RETRY_S,
-        flag="--io-retry",
-        metavar="SECONDS",
-        check=NOT_NEGATIVE,
-        group=STORAGE,
-    )
-    allow_fresh_start: bool = option(  # start from step 0 although the run has quarantined checkpoints
-        "start from step 0 when no checkpoint is usable although the run has quarantined ones "
-        "(pass the trainer's --allow-fresh-start too)",
-        False,
-        group=STORAGE,
+    io_retry_s: float = shared.io_retry("exit 14 (before a relaunch)", group=STORAGE)
+    allow_fresh_start: bool = shared.allow_fresh_start(
+        "relaunch from step 0 (pass the trainer's --allow-fresh-start too)", group=STORAGE
     )
     policy: RestartPolicy = nested(RestartPolicy, RESTARTS)
     reset_budget: bool = option("forget restarts recorded in state.json", False, group=RESTARTS)
@@ -153,9 +143,7 @@ class WatchConfig:
     remote: str | None = option(  # URL of the remote tier (docs/tiers.md); None: local only
         "shared directory or s3://bucket/prefix to resume from after node loss", None, group=REMOTE
     )
-    remote_endpoint: str | None = option(
-        "S3 endpoint URL (default: AWS_ENDPOINT_URL or AWS)", None, group=REMOTE
-    )
+    remote_endpoint: str | None = shared.remote_endpoint(group=REMOTE)
     remote_wait_s: float = option(
         "seconds to retry an unreachable remote when nothing local is valid, then stop",
         DEFAULT_REMOTE_WAIT_S,
