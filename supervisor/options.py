@@ -52,6 +52,7 @@ class Option:
     hidden: bool = False
     const: Any = None  # given without a value: the option takes this (``--watch`` alone: 2 s)
     positional: bool = False  # an argument, not a flag (``ckpt quarantine STEP``)
+    rest: bool = False  # positional: every remaining word (``slurm launch -- TRAINER ARGS``)
 
 
 def option(  # noqa: PLR0913  one keyword per Option field, all optional
@@ -70,6 +71,7 @@ def option(  # noqa: PLR0913  one keyword per Option field, all optional
     hidden: bool = False,
     const: Any = None,
     positional: bool = False,
+    rest: bool = False,
 ) -> Any:
     """A dataclass field that is also a command-line option.
 
@@ -83,11 +85,13 @@ def option(  # noqa: PLR0913  one keyword per Option field, all optional
     (``--async-save``/``--sync-save``). A ``tuple[X, ...]`` field is a repeatable option, one X
     per use (its choices bound each). ``hidden`` leaves a test-only option out of ``--help``.
     ``const``: the flag may be given without a value, and then means this. ``positional``: an
-    argument named by the field, not a flag.
+    argument named by the field, not a flag; ``rest``: a positional ``tuple[str, ...]`` field that
+    takes every remaining word.
     """
-    meta = {
-        OPTION: Option(help, flag, metavar, parse, choices, env, check, group, off, hidden, const, positional)
-    }
+    opt = Option(
+        help, flag, metavar, parse, choices, env, check, group, off, hidden, const, positional or rest, rest
+    )
+    meta = {OPTION: opt}
     return dataclasses.field(default=default, default_factory=default_factory, metadata=meta)
 
 
@@ -145,6 +149,8 @@ def _argument(f: dataclasses.Field[Any], hint: Any) -> dict[str, Any]:
     opt: Option = f.metadata[OPTION]
     default = _default(f)
     kw: dict[str, Any] = {"help": argparse.SUPPRESS if opt.hidden else opt.help}
+    if opt.rest:
+        return {**kw, "nargs": argparse.REMAINDER}
     if get_origin(hint) is tuple:  # repeatable: None when never given (build keeps the default)
         (item, _) = get_args(hint)
         kw.update(action="append", default=None, type=_checked(opt.parse or item, opt.check))

@@ -21,44 +21,53 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from supervisor import slurm
+from supervisor import options, slurm
 from supervisor.format import events
 from supervisor.format.atomic import hostname
 from supervisor.format.eventnames import RequeueEvent
 from supervisor.format.exitcodes import Exit
 from supervisor.format.notice import DEFAULT_NOTICE_SIGNAL, NoticeSignalError, notice_signal
+from supervisor.options import option
 from supervisor.redact import redact
 from supervisor.slurm import JobEnv, Knobs, SlurmError
 
 Handler = Callable[[argparse.Namespace], int]
 
 
+@dataclass(frozen=True)
+class LaunchOptions:
+    """``slurm start`` and ``slurm launch``: the trainer command (the job's knobs are its environment
+    variables, declared on ``supervisor.slurm.Knobs``)."""
+
+    train: tuple[str, ...] = option("-- TRAINER ARGS (default: $TRAIN_ARGS)", (), rest=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StartOptions(LaunchOptions):
+    job_script: Path | None = option("the batch script (job.sh's $0), read for its --signal line", None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FinishOptions(LaunchOptions):
+    exit_code: int = option("srun's exit code (the watchdogs' highest)")
+
+
+@dataclass(frozen=True)
+class TorchrunOptions:
+    ignore_signal: str = option("the notice's signal", DEFAULT_NOTICE_SIGNAL)
+    args: tuple[str, ...] = option("torchrun's arguments", (), rest=True)
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("slurm", help="steps of sbatch/job.sh (start, launch, finish)", description=__doc__)
     verbs = p.add_subparsers(dest="verb", required=True)
-    for name, func, helptext in (
-        ("start", start, "log the start, check the knobs, record it in RUN_DIR/supervisor/slurm.json"),
-        ("launch", launch, "exec this node's watchdog + torchrun (run by srun, one task per node)"),
-    ):
+    for name, (func, helptext, opts) in VERBS.items():
         v = verbs.add_parser(name, help=helptext)
-        if name == "start":
-            v.add_argument(
-                "--job-script", type=Path, help="the batch script (job.sh's $0), read for its --signal line"
-            )
-        v.add_argument("train", nargs=argparse.REMAINDER, help="-- TRAINER ARGS (default: $TRAIN_ARGS)")
+        options.add_options(v, opts)
         v.set_defaults(func=_guarded(func))
-    v = verbs.add_parser("finish", help="requeue the job or end it, from the watchdogs' exit code")
-    v.add_argument("--exit-code", type=int, required=True, help="srun's exit code (the watchdogs' highest)")
-    v.add_argument("train", nargs=argparse.REMAINDER, help="-- TRAINER ARGS (default: $TRAIN_ARGS)")
-    v.set_defaults(func=_guarded(finish))
-    v = verbs.add_parser(
-        "torchrun", help="exec torchrun with the notice's signal ignored (the watchdog's child)"
-    )
-    v.add_argument("--ignore-signal", default=DEFAULT_NOTICE_SIGNAL, help="the notice's signal (USR1)")
-    v.add_argument("args", nargs=argparse.REMAINDER, help="torchrun's arguments")
-    v.set_defaults(func=_guarded(torchrun))
 
 
 def say(msg: str) -> None:
@@ -237,3 +246,24 @@ def _watchdog_reason(knobs: Knobs) -> str:
     except (ValueError, OSError):
         return ""
     return st.reason if st is not None else ""
+
+
+# The verbs, their handlers (above) and their declared options.
+VERBS: dict[str, tuple[Handler, str, type]] = {
+    "start": (
+        start,
+        "log the start, check the knobs, record it in RUN_DIR/supervisor/slurm.json",
+        StartOptions,
+    ),
+    "launch": (
+        launch,
+        "exec this node's watchdog + torchrun (run by srun, one task per node)",
+        LaunchOptions,
+    ),
+    "finish": (finish, "requeue the job or end it, from the watchdogs' exit code", FinishOptions),
+    "torchrun": (
+        torchrun,
+        "exec torchrun with the notice's signal ignored (the watchdog's child)",
+        TorchrunOptions,
+    ),
+}
