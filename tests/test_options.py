@@ -185,9 +185,9 @@ def test_an_optional_value_a_positional_and_the_rest_of_the_words() -> None:
 
     p = argparse.ArgumentParser()
     options.add_options(p, Cmd)
-    args = p.parse_args(["7", "--watch", "--", "torchrun", "--nproc-per-node=2"])
-    assert (args.step, args.watch) == (7, 2.0)
-    assert [w for w in args.rest if w != "--"] == ["torchrun", "--nproc-per-node=2"]
-    assert p.parse_args(["7", "--watch", "5"]).watch == 5.0 and p.parse_args(["7"]).watch is None
+    args = p.parse_args(["--watch", "5", "7", "torchrun", "--nproc-per-node=2"])
+    assert (args.step, args.watch) == (7, 5.0)
+    assert args.rest == ["torchrun", "--nproc-per-node=2"]  # the rest: its flags are not ours
+    assert p.parse_args(["--watch", "--", "7"]).watch == 2.0 and p.parse_args(["7"]).watch is None
     with pytest.raises(SystemExit):
         p.parse_args(["seven"])
