@@ -460,19 +460,9 @@ class Watchdog:
 
         ends = rootcause.rank_ends(beats, {d.rank for d in dead}, causes, killed)
         if ends:
-            line, first = rootcause.describe_ends(ends), ends[0]
+            line = rootcause.describe_ends(ends)
             self.log.emit(
-                ev.RootCause(
-                    launch=number,
-                    problems=problems,
-                    rank=first.rank,
-                    pid=first.pid,
-                    step=first.step,
-                    how=first.how,
-                    signal=first.signal,
-                    consequences=[e.describe() for e in ends[1:]],
-                ),
-                f"launch {number}: root cause {line}{unusable}",
+                rootcause.ends_event(number, problems, ends), f"launch {number}: root cause {line}{unusable}"
             )
             return line
         cause, problems = rootcause.find_root_cause(
@@ -481,20 +471,7 @@ class Watchdog:
         unusable = f" (unusable: {'; '.join(problems)})" if problems else ""
         if cause is not None:
             msg = f"launch {number}: root cause {cause.describe()}{unusable}"
-            self.log.emit(
-                ev.RootCause(
-                    launch=number,
-                    problems=problems,
-                    rank=cause.rank,
-                    local_rank=cause.local_rank,
-                    type=cause.type,
-                    message=cause.message,
-                    file=cause.file,
-                    line=cause.line,
-                    error_file=cause.source,
-                ),
-                msg,
-            )
+            self.log.emit(rootcause.file_event(number, problems, cause), msg)
             return cause.describe()
         if problems:
             msg = f"launch {number}: no root cause: error files unusable: {'; '.join(problems)}"
