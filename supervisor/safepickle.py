@@ -73,16 +73,22 @@ def refusal(label: str, module: str, name: str) -> UnsafePickle:
 
 
 class _Inert:
-    """Stands for an allowed global: takes any arguments and any state, runs nothing."""
+    """Stands for an allowed global: takes any arguments and any state, runs nothing; keeps them
+    (``args``, ``state``) for a torch-free reader of the index (``read_inert``)."""
 
-    def __new__(cls, *_args: Any, **_kwargs: Any) -> _Inert:
-        return object.__new__(cls)
+    args: tuple[Any, ...]
+    state: Any
+
+    def __new__(cls, *args: Any, **_kwargs: Any) -> _Inert:
+        obj = object.__new__(cls)
+        obj.args, obj.state = args, None
+        return obj
 
     def __init__(self, *_args: Any, **_kwargs: Any) -> None:
         pass
 
-    def __setstate__(self, _state: Any) -> None:
-        pass
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
 
 
 _PLACEHOLDERS = {g: type(f"Inert_{g[1]}", (_Inert,), {"__module__": __name__}) for g in DCP_METADATA_GLOBALS}
@@ -122,6 +128,15 @@ def check(data: bytes, label: str) -> None:
             raise UnsafePickle(
                 f"{label}: not a DCP metadata pickle ({e.__class__.__name__} after {module}.{name}; {WHY})"
             ) from None
+
+
+def read_inert(data: bytes, label: str) -> Any:
+    """``check``'s read, returning what it built: each allowed object as a placeholder that keeps
+    its pickled ``args`` and ``state`` (DCP's records pickle their fields as a dict state), so a
+    torch-free reader can walk the index (supervisor/store/foreign.py: which files it names, at
+    which offsets). UnsafePickle at the first name outside the allowlist; any other failure of a
+    broken pickle raises as the unpickler does. Never calls anything the file names."""
+    return _CheckingUnpickler(io.BytesIO(data), label).load()
 
 
 # ---------------------------------------------------------------- the trainer's loader

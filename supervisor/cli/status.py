@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.display import human_age, human_bytes, human_duration, table
-from supervisor.report import FULL_RANKS, StatusReport, build_report
+from supervisor.report import FULL_RANKS, CheckpointRow, StatusReport, build_report
+from supervisor.store import FOREIGN_LABEL, ForeignKind
 from supervisor.watch import recovery
 
 # Rank tables longer than this show only the ranks that need a look, plus a summary.
@@ -186,12 +187,19 @@ def _checkpoint_lines(r: StatusReport) -> list[str]:
             c.name,
             _opt(c.age_s, human_age),
             _opt(c.size_bytes, human_bytes),
-            _CHECK.get(c.evidence, "INVALID") + ("" if c.valid else f": {c.reason}"),
+            _CHECK.get(c.evidence, "INVALID") + ("" if c.valid else f": {c.reason}") + _foreign_note(c),
             "<- latest" if c.latest else "",
         )
         for c in r.checkpoints
     ]
     return [table(("name", "age", "size", "quick check", ""), rows)]
+
+
+def _foreign_note(c: CheckpointRow) -> str:
+    """Another trainer's checkpoint: whose, and whether its bytes are proven."""
+    if not c.kind:
+        return ""
+    return f" ({FOREIGN_LABEL[ForeignKind(c.kind)]}" + (f"; {c.mark})" if c.valid else ")")
 
 
 # Quick check column: "unknown" could not be read, which is not proof of corruption.

@@ -221,6 +221,8 @@ class Watchdog:
         if self.recovering is not None:
             self.recovering[Moment.BACKED_OFF] = time.time()
         resumed_from = self.picker.pick(first_launch=self.state.launch_count == 0)
+        if resumed_from is None:  # another trainer's checkpoints (torchtitan's step-N/): it resumes itself
+            resumed_from = self._io(lambda: store.newest_foreign_step(self.cfg.root), "listing checkpoints")
         if self.recovering is not None:
             self.recovering[Moment.CHECKPOINT_PICKED] = time.time()
         return resumed_from
@@ -326,7 +328,9 @@ class Watchdog:
             outcome=cls.outcome,
             reason=cls.reason,
             resumed_from=resumed_from,
-            newest_after=refs[0].step if refs else None,
+            newest_after=refs[0].step
+            if refs
+            else self._io(lambda: store.newest_foreign_step(self.cfg.root), "listing checkpoints"),
             last_step=died_at(beats),
         )
         self.log.emit(
