@@ -11,7 +11,7 @@ class docstring.
 
 The adapters for the trainers users already run are in ``__all__`` too, imported on first use
 (each needs its framework, an extra of its own): ``ResumableCallback`` (Lightning),
-``AccelerateResumable`` (Accelerate), ``ResumableTrainerCallback`` (Hugging Face ``Trainer``).
+``AccelerateResumable`` (Accelerate).
 """
 
 from supervisor.clash import foreign_supervisor as _foreign_supervisor
@@ -48,6 +48,7 @@ from supervisor.resumable._train_state import TrainState
 # ``import supervisor.resumable`` never imports Lightning, Accelerate or transformers.
 _ADAPTERS = {
     "ResumableCallback": ("_lightning", "lightning"),
+    "AccelerateResumable": ("_accelerate", "accelerate"),
 }
 
 
@@ -72,6 +73,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "AccelerateResumable",
     "ByIndex",
     "DeviceError",
     "Identity",
