@@ -1,4 +1,4 @@
-"""``python -m supervisor status --ckpt-root DIR [--json] [--watch [SECONDS]]``"""
+"""``python -m supervisor status --ckpt-root DIR [--json | --prometheus] [--watch [SECONDS]]``"""
 
 from __future__ import annotations
 
@@ -27,10 +27,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "status", help="where the run stands: state, launches, ranks, checkpoints", description=__doc__
     )
     p.add_argument("--ckpt-root", required=True, type=Path, help="the run's checkpoint root")
-    p.add_argument(
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument(
         "--json",
         action="store_true",
         help=f"one JSON object (every rank listed up to {FULL_RANKS} ranks; above, those that need a look)",
+    )
+    fmt.add_argument(
+        "--prometheus",
+        action="store_true",
+        help="Prometheus text exposition (0.0.4): step, steps/s, launches, restarts, recovery by phase, "
+        "checkpoint age, quarantined (docs/cli.md#metrics)",
     )
     p.add_argument(
         "--all-ranks", action="store_true", help="list every rank, however many (reads every node's records)"
@@ -62,22 +69,27 @@ def _run(args: argparse.Namespace) -> None:
         was = gc.isenabled()
         gc.disable()
         try:
-            _show(build_report(args.ckpt_root, all_ranks=args.all_ranks), args.json)
+            _show(build_report(args.ckpt_root, all_ranks=args.all_ranks), args)
         finally:
             if was:
                 gc.enable()
         return
     while True:
         report = build_report(args.ckpt_root, all_ranks=args.all_ranks)
-        if not args.json:  # redraw in place on a terminal; into a file or pipe, one after another
+        if not (args.json or args.prometheus):  # redraw in place on a terminal; else one after another
             sys.stdout.write(CLEAR if sys.stdout.isatty() else f"--- {time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
-        _show(report, args.json)
+        _show(report, args)
         sys.stdout.flush()
         time.sleep(max(args.watch, 0.2))
 
 
-def _show(report: StatusReport, as_json: bool) -> None:
-    print(json.dumps(report.to_dict()) if as_json else render(report))
+def _show(report: StatusReport, args: argparse.Namespace) -> None:
+    if args.prometheus:
+        from supervisor.prometheus import exposition
+
+        sys.stdout.write(exposition(report))
+        return
+    print(json.dumps(report.to_dict()) if args.json else render(report))
 
 
 def _opt(v: object, fmt: Callable[[Any], str] = str) -> str:

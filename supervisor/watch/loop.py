@@ -62,6 +62,7 @@ from supervisor.watch import (
 )
 from supervisor.watch.config import ELASTIC_LOG_DIR_ENV, SHARE_STORE_ENV, WatchConfig
 from supervisor.watch.hangs import Hangs
+from supervisor.watch.metrics_file import MetricsFile
 from supervisor.watch.monitor import SIGNAL_POLL_S, Ended, Monitor
 from supervisor.watch.picker import Picker
 from supervisor.watch.recovery import Moment
@@ -93,6 +94,7 @@ class Watchdog:
         # thread that publishes them as the node's summary.
         self.hb_dir = RunDir.of(cfg.root).heartbeats
         self.publisher: node_summary.Publisher | None = None
+        self.metrics: MetricsFile | None = None
         initial = RunState(
             node=cfg.node,
             host=self.host,
@@ -160,6 +162,8 @@ class Watchdog:
             self.standby.drop()
             if self.publisher is not None:
                 self.publisher.stop()
+            if self.metrics is not None:
+                self.metrics.stop()
 
     def _run(self) -> int:
         monitor = self._start_up()
@@ -200,6 +204,9 @@ class Watchdog:
         )
         self._node_local()
         self._save(reason="starting")
+        if self.cfg.metrics_file is not None:
+            self.metrics = MetricsFile(self.cfg.root, self.cfg.metrics_file, self.cfg.metrics_interval_s)
+            self.metrics.start()
         hangs = Hangs(self.cfg, self.log, self.hb_dir, self.host)
         return Monitor(self.cfg, self.log, self.hb_dir, self.host, self.signals, hangs)
 
