@@ -87,3 +87,15 @@ def test_a_run_without_anything_yet_leaves_values_out_instead_of_zero(tmp_path: 
     got = samples(p.stdout)
     assert "resumable_step" not in got and "resumable_checkpoint_age_seconds" not in got
     assert got["resumable_launches_total"] == [({"run": str(tmp_path)}, 0.0)]
+
+
+def test_the_grafana_dashboard_charts_metrics_that_exist() -> None:
+    """docs/grafana-dashboard.json names only declared metrics, and charts every one."""
+    import re
+
+    from supervisor.prometheus import METRICS, PREFIX
+
+    doc = json.loads((REPO / "docs" / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in doc["panels"] for t in p["targets"]]
+    named = {m for e in exprs for m in re.findall(r"\bresumable_\w+", e)}
+    assert named == {PREFIX + n for n in METRICS}, named ^ {PREFIX + n for n in METRICS}
