@@ -56,6 +56,7 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000)
+    data = Points(2048)
     model, opt, sched = accelerator.prepare(model, opt, sched)
     r = AccelerateResumable(  # resumable
         accelerator,  # resumable
@@ -65,8 +66,8 @@ def main() -> None:
         identity=Identity({"lr": a.lr, "batch": a.batch_size}, seed=a.seed),  # resumable
         saves=Saves(every_steps=a.save_every),  # resumable
     )  # resumable
-    # was: loader = accelerator.prepare(DataLoader(Points(2048), batch_size=a.batch_size, shuffle=True, ...))
-    loader = r.loader(Points(2048), batch_size=a.batch_size, shuffle=True, num_workers=a.num_workers)  # resumable
+    # was: loader = accelerator.prepare(DataLoader(data, batch_size=a.batch_size, shuffle=True, ...))
+    loader = r.loader(data, batch_size=a.batch_size, shuffle=True, num_workers=a.num_workers)  # resumable
     step = r.resume()  # resumable (was: accelerator.load_state(...), step = 0)
     model.train()
     while step < a.steps:
