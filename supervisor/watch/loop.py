@@ -64,6 +64,7 @@ from supervisor.watch import (
 )
 from supervisor.watch.config import ELASTIC_LOG_DIR_ENV, SHARE_STORE_ENV, WatchConfig
 from supervisor.watch.hangs import Hangs
+from supervisor.watch.metrics_file import MetricsFile
 from supervisor.watch.monitor import SIGNAL_POLL_S, Ended, Monitor
 from supervisor.watch.picker import Picker
 from supervisor.watch.recovery import Moment
@@ -95,6 +96,7 @@ class Watchdog:
         # thread that publishes them as the node's summary.
         self.hb_dir = RunDir.of(cfg.root).heartbeats
         self.publisher: node_summary.Publisher | None = None
+        self.metrics: MetricsFile | None = None
         initial = RunState(
             node=cfg.node,
             host=self.host,
@@ -162,6 +164,8 @@ class Watchdog:
             self.standby.drop()
             if self.publisher is not None:
                 self.publisher.stop()
+            if self.metrics is not None:
+                self.metrics.stop()
 
     def _run(self) -> int:
         monitor = self._start_up()
@@ -197,6 +201,9 @@ class Watchdog:
         )
         self._node_local()
         self._save(reason="starting")
+        if self.cfg.metrics_file is not None:
+            self.metrics = MetricsFile(self.cfg.root, self.cfg.metrics_file, self.cfg.metrics_interval_s)
+            self.metrics.start()
         hangs = Hangs(self.cfg, self.log, self.hb_dir, self.host)
         return Monitor(self.cfg, self.log, self.hb_dir, self.host, self.signals, hangs)
 
@@ -218,6 +225,8 @@ class Watchdog:
         if self.recovering is not None:
             self.recovering[Moment.BACKED_OFF] = time.time()
         resumed_from = self.picker.pick(first_launch=self.state.launch_count == 0)
+        if resumed_from is None:  # another trainer's checkpoints (torchtitan's step-N/): it resumes itself
+            resumed_from = self._io(lambda: store.newest_foreign_step(self.cfg.root), "listing checkpoints")
         if self.recovering is not None:
             self.recovering[Moment.CHECKPOINT_PICKED] = time.time()
         return resumed_from
@@ -321,7 +330,9 @@ class Watchdog:
             outcome=cls.outcome,
             reason=cls.reason,
             resumed_from=resumed_from,
-            newest_after=refs[0].step if refs else None,
+            newest_after=refs[0].step
+            if refs
+            else self._io(lambda: store.newest_foreign_step(self.cfg.root), "listing checkpoints"),
             last_step=died_at(beats),
         )
         self.log.emit(
