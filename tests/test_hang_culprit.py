@@ -113,7 +113,7 @@ def test_the_rank_outside_the_collective_is_the_culprit():
     s = d.summary()
     assert "culprit rank 1 (pid 101) is not in a collective: stuck_read" in s, s
     assert "anon_pipe_read" in s and "ranks 0, 2 wait in a collective" in s
-    c = d.fields()["culprits"][0]
+    c = d.culprits[0].to_dict()
     assert (c["rank"], c["pid"], c["where"]) == (1, 101, "elsewhere")
     assert [f["func"] for f in c["frames"]] == ["stuck_read", "maybe_hang", "loop"]  # the innermost three
 
@@ -130,7 +130,7 @@ def test_a_rank_without_a_dump_is_a_suspect():
     )
     assert not d.culprits and [f.rank for f in d.suspects] == [1]
     assert "suspect rank 1 (pid 101) wrote no stack dump [state D, in nfs_wait_bit]" in d.summary()
-    assert d.fields()["suspects"][0]["where"] == "no_dump"
+    assert d.suspects[0].to_dict()["where"] == "no_dump"
 
 
 def test_no_culprit_when_everyone_waits_or_everyone_is_elsewhere():
