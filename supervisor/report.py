@@ -147,6 +147,8 @@ class CheckpointRow:
     reason: str
     latest: bool
     evidence: str = "ok"  # ok, corrupt or unknown (could not be read: not proof of corruption)
+    kind: str = ""  # another trainer's (store.ForeignKind: dcp, lightning); "" for this toolkit's
+    mark: str = ""  # another trainer's: whether its bytes are proven (sealed) or only its structure
 
 
 @dataclass(frozen=True)
@@ -513,6 +515,25 @@ def _checkpoints(root: Path, now: float, disk: dict[str, int]) -> list[Checkpoin
     return rows
 
 
+def _foreign(root: Path, now: float) -> list[CheckpointRow]:
+    """Other trainers' checkpoints (torchtitan's step-N/, Lightning's .ckpt), quick structural check."""
+    rows = []
+    for ref in store.list_foreign(root):
+        fv = store.validate_foreign(ref)
+        v = fv.verdict
+        if v.gone:
+            continue
+        age = now - fv.size.wall_time if fv.size.wall_time else None
+        reason = v.reason.split(": ", 1)[-1] if not v.ok else ""
+        rows.append(
+            CheckpointRow(
+                ref.name, ref.step, age, fv.size.bytes, v.ok, reason, False, v.evidence.value,
+                kind=ref.kind.value, mark=fv.mark,
+            )
+        )  # fmt: skip
+    return rows
+
+
 def _stored(
     root: Path, now: float, disk: dict[str, int]
 ) -> tuple[list[CheckpointRow], list[QuarantineRow], str, int]:
@@ -524,6 +545,10 @@ def _stored(
     except OSError as e:
         ckpts = []
         problems.append(f"checkpoints of {root} cannot be listed: {describe(e)}")
+    try:
+        ckpts += _foreign(root, now)
+    except OSError as e:
+        problems.append(f"other trainers' checkpoints in {root} cannot be listed: {describe(e)}")
     try:
         quarantined = [QuarantineRow(q.name, q.reason) for q in store.list_quarantined(root)]
     except OSError as e:

@@ -407,7 +407,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     redact_log_handlers()  # a --remote URL or a backend's error may carry credentials
     restrict_umask()  # nothing this run creates is world-writable (docs/security.md)
-    opts.ckpt_root.mkdir(parents=True, exist_ok=True)
     corpus = Corpus.load(opts.corpus)
     cfg = with_overrides(get_config(opts.config, corpus.tokenizer.vocab_size), opts)
     key, key_problem = signing_key(opts)

@@ -223,27 +223,26 @@ class RemoteUnavailable(Event):
 
 
 @dataclass(frozen=True)
-class SaveFailed(Event):
-    """A rank reports more failed saves in a row."""
-
-    NAME = EventName.SAVE_FAILED
+class _SaveNews(Event):
     rank: int
     ranks: list[int]
-    step: int
+    step: int  # the heartbeat's when the change was seen (the save's own is in last_error)
     save_failures: int
     last_error: str
 
 
 @dataclass(frozen=True)
-class SaveRecovered(Event):
+class SaveFailed(_SaveNews):
+    """A rank reports more failed saves in a row."""
+
+    NAME = EventName.SAVE_FAILED
+
+
+@dataclass(frozen=True)
+class SaveRecovered(_SaveNews):
     """A rank's save worked again."""
 
     NAME = EventName.SAVE_RECOVERED
-    rank: int
-    ranks: list[int]
-    step: int
-    save_failures: int
-    last_error: str
 
 
 @dataclass(frozen=True)
@@ -352,30 +351,30 @@ class UploadOk(Event):
 
 
 @dataclass(frozen=True)
-class UploadSkipped(Event):
+class _StepReason(Event):
+    step: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class UploadSkipped(_StepReason):
     """A checkpoint not uploaded (superseded, removed locally)."""
 
     NAME = EventName.UPLOAD_SKIPPED
-    step: int
-    reason: str
 
 
 @dataclass(frozen=True)
-class UploadRefused(Event):
+class UploadRefused(_StepReason):
     """A checkpoint not uploaded: it does not match its own manifest."""
 
     NAME = EventName.UPLOAD_REFUSED
-    step: int
-    reason: str
 
 
 @dataclass(frozen=True)
-class UploadDeferred(Event):
+class UploadDeferred(_StepReason):
     """An upload put off: a local file could not be read now."""
 
     NAME = EventName.UPLOAD_DEFERRED
-    step: int
-    reason: str
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,14 @@
 A directory is a run directory when it holds only these names (or nothing), or at least one of
 them other than ``supervisor``; anything else (a home directory, a source checkout, a single
 checkpoint, a dataset) is refused by the login-node commands.
+
+Checkpoints other trainers write are understood in a root too (supervisor/store/foreign.py), and
+make it a run directory as well:
+
+      step-30/                       torchtitan's (plain ``dcp.save``): DCP's .metadata and shards
+      epoch=0-step=30.ckpt, last.ckpt  Lightning's (``torch.save``'s zip format)
+      step-30.seal.json              `ckpt seal`'s record of one of them: each file's size, mtime
+                                     and checksum (they have none of their own)
 """
 
 from __future__ import annotations
@@ -101,6 +109,14 @@ NODE_PREFIX = "node_"
 NODE_DIR_ENV = "SUPERVISOR_NODE_DIR"
 HEARTBEAT_DIR_ENV = "SUPERVISOR_HEARTBEAT_DIR"
 SHM = "/dev/shm"
+
+# Checkpoints of other trainers (supervisor/store/foreign.py): torchtitan's step folders, Lightning's
+# files, and the sidecar `ckpt seal` writes beside either.
+FOREIGN_DCP_PREFIX = "step-"
+LIGHTNING_SUFFIX = ".ckpt"
+SEAL_SUFFIX = ".seal.json"
+_FOREIGN_DCP_RE = re.compile(rf"{re.escape(FOREIGN_DCP_PREFIX)}([0-9]+)")
+_LIGHTNING_STEP_RE = re.compile(r"(?:^|[-_])step=([0-9]+)")
 
 # DCP's one index, or a rank's own (dcp_index_filename), with the rank.
 _DCP_INDEX_RE = re.compile(r"(?:__([0-9]+)_index)?" + re.escape(DCP_METADATA))
@@ -224,12 +240,40 @@ def is_run_dir_name(name: str) -> bool:
 
 
 def looks_like_run_dir(names: list[str]) -> bool:
-    """Every visible entry is one of ours, or one of them is a name only a run directory has.
-    ``supervisor`` alone is weak evidence (a source checkout has one); hidden files are ignored."""
+    """Every visible entry is one of ours, or one of them is a name only a run directory has
+    (another trainer's checkpoint counts: ``is_foreign_name``). ``supervisor`` alone is weak
+    evidence (a source checkout has one); hidden files are ignored."""
     visible = [n for n in names if not n.startswith(".")]
     return all(is_run_dir_name(n) for n in visible) or any(
-        is_run_dir_name(n) and n != SUPERVISOR for n in names
+        (is_run_dir_name(n) and n != SUPERVISOR) or is_foreign_name(n) for n in names
     )
+
+
+def parse_foreign_dcp(name: str) -> int | None:
+    """The step of a torchtitan checkpoint folder name (``step-30``), or None."""
+    m = _FOREIGN_DCP_RE.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def is_lightning_ckpt(name: str) -> bool:
+    return name.endswith(LIGHTNING_SUFFIX) and len(name) > len(LIGHTNING_SUFFIX)
+
+
+def lightning_step(name: str) -> int | None:
+    """The step Lightning's default file name carries (``epoch=0-step=30.ckpt``), or None
+    (``last.ckpt``, a custom template: the step is then read from the file)."""
+    m = _LIGHTNING_STEP_RE.search(name.removesuffix(LIGHTNING_SUFFIX))
+    return int(m.group(1)) if m else None
+
+
+def seal_filename(name: str) -> str:
+    """The sidecar `ckpt seal` writes beside another trainer's checkpoint ``name``."""
+    return name + SEAL_SUFFIX
+
+
+def is_foreign_name(name: str) -> bool:
+    """Another trainer's checkpoint, or the seal of one."""
+    return parse_foreign_dcp(name) is not None or is_lightning_ckpt(name) or name.endswith(SEAL_SUFFIX)
 
 
 def _rank_name(rank: int) -> str:

@@ -25,6 +25,7 @@ heartbeat, says one line on rank 0 and raises ``SystemExit`` with the code of
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import itertools
 import json
@@ -99,7 +100,7 @@ from supervisor.resumable._signals import PreemptionFlag, on_uncaught, record_un
 from supervisor.resumable._tiering import RemoteOptions
 from supervisor.resumable._train_state import RANK_ITEMS, seed_rank_rng
 from supervisor.safepickle import UnsafePickle
-from supervisor.store.ioerrors import STORAGE_BACKOFF, retry_transient
+from supervisor.store.ioerrors import STORAGE_BACKOFF, describe, retry_transient
 from supervisor.tiers.uploader import Uploader
 
 log = logging.getLogger("resumable")
@@ -392,13 +393,39 @@ def _code(e: ToolkitError) -> Exit:
     return exit_code(e, Program.TRAINER)
 
 
+# A run directory that cannot be made for these is the storage's trouble (74: retried); for any
+# other reason (a file in the way, no permission, read-only) the command line's (78).
+_STORAGE_DID_NOT_ANSWER = frozenset(
+    {errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.EAGAIN, errno.ENOSPC, errno.EDQUOT, errno.EINTR}
+)
+
+
+def run_dir(root: str | Path) -> Path:
+    """The run directory, made if missing; one that cannot be used stops the rank with one line
+    naming it and the fix (exit 78, or 74 when the storage did not answer: retried), never a
+    traceback. Nothing can be recorded in it, so the line is all there is."""
+    path = Path(root)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        code = Exit.STORAGE if e.errno in _STORAGE_DID_NOT_ANSWER else Exit.BAD_CONFIG
+        print(
+            f"resumable: {path}: cannot use it as the run directory ({describe(e)}); "
+            "give --ckpt-root a directory this rank can create and write",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(int(code)) from None
+    return path
+
+
 def refuse_start(root: str | Path, message: str, code: Exit = Exit.BAD_CONFIG) -> int:
     """A refusal before a ``Resumable`` exists (a config this rank cannot train with), on every
     rank after ``init_process_group``: the exit code into this rank's heartbeat (the watchdog
     classifies it: 78 is not retried), ``message`` on rank 0's stderr. Returns the code to exit with."""
     rank = dist.get_rank()
     hb = HeartbeatWriter(
-        Path(root),
+        run_dir(root),
         rank=rank,
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
         world_size=dist.get_world_size(),
@@ -488,7 +515,7 @@ class Resumable:
         self._saves = saves or Saves()
         self._options = options or ResumeOptions()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self._root.mkdir(parents=True, exist_ok=True)
+        run_dir(self._root)
         self._hb = HeartbeatWriter(
             self._root,
             rank=self.rank,

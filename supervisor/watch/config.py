@@ -179,6 +179,19 @@ class WatchConfig:
         check=POSITIVE,
         group=HANG,
     )
+    metrics_file: Path | None = option(
+        "keep this node_exporter textfile (NAME.prom) current with the run's metrics: step, steps/s, "
+        "launches, restarts, recovery by phase, checkpoint age, quarantined (docs/cli.md#metrics)",
+        None,
+        metavar="PATH",
+    )
+    metrics_interval_s: float = option(
+        "seconds between two writes of --metrics-file",
+        15.0,
+        flag="--metrics-interval",
+        metavar="SECONDS",
+        check=POSITIVE,
+    )
     # --signing-key's key (docs/security.md): picks skip checkpoints not signed with it. Never printed.
     sign_key: bytes | None = field(default=None, repr=False)
     require_heartbeat: bool = option(

@@ -65,6 +65,7 @@ from supervisor.watch import (
 )
 from supervisor.watch.config import ELASTIC_LOG_DIR_ENV, SHARE_STORE_ENV, WatchConfig
 from supervisor.watch.hangs import Hangs
+from supervisor.watch.metrics_file import MetricsFile
 from supervisor.watch.monitor import SIGNAL_POLL_S, Ended, Monitor
 from supervisor.watch.picker import Picker
 from supervisor.watch.recovery import Moment
@@ -96,6 +97,7 @@ class Watchdog:
         # thread that publishes them as the node's summary.
         self.hb_dir = RunDir.of(cfg.root).heartbeats
         self.publisher: node_summary.Publisher | None = None
+        self.metrics: MetricsFile | None = None
         initial = RunState(
             node=cfg.node,
             host=self.host,
@@ -163,6 +165,8 @@ class Watchdog:
             self.standby.drop()
             if self.publisher is not None:
                 self.publisher.stop()
+            if self.metrics is not None:
+                self.metrics.stop()
 
     def _run(self) -> int:
         monitor = self._start_up()
@@ -198,6 +202,9 @@ class Watchdog:
         )
         self._node_local()
         self._save(reason="starting")
+        if self.cfg.metrics_file is not None:
+            self.metrics = MetricsFile(self.cfg.root, self.cfg.metrics_file, self.cfg.metrics_interval_s)
+            self.metrics.start()
         hangs = Hangs(self.cfg, self.log, self.hb_dir, self.host)
         return Monitor(self.cfg, self.log, self.hb_dir, self.host, self.signals, hangs)
 
@@ -219,6 +226,8 @@ class Watchdog:
         if self.recovering is not None:
             self.recovering[Moment.BACKED_OFF] = time.time()
         resumed_from = self.picker.pick(first_launch=self.state.launch_count == 0)
+        if resumed_from is None:  # another trainer's checkpoints (torchtitan's step-N/): it resumes itself
+            resumed_from = self._io(lambda: store.newest_foreign_step(self.cfg.root), "listing checkpoints")
         if self.recovering is not None:
             self.recovering[Moment.CHECKPOINT_PICKED] = time.time()
         return resumed_from
@@ -322,7 +331,9 @@ class Watchdog:
             outcome=cls.outcome,
             reason=cls.reason,
             resumed_from=resumed_from,
-            newest_after=refs[0].step if refs else None,
+            newest_after=refs[0].step
+            if refs
+            else self._io(lambda: store.newest_foreign_step(self.cfg.root), "listing checkpoints"),
             last_step=died_at(beats),
         )
         self.log.emit(
@@ -462,19 +473,9 @@ class Watchdog:
 
         ends = rootcause.rank_ends(beats, {d.rank for d in dead}, causes, killed)
         if ends:
-            line, first = rootcause.describe_ends(ends), ends[0]
+            line = rootcause.describe_ends(ends)
             self.log.emit(
-                ev.RootCause(
-                    launch=number,
-                    problems=problems,
-                    rank=first.rank,
-                    pid=first.pid,
-                    step=first.step,
-                    how=first.how,
-                    signal=first.signal,
-                    consequences=[e.describe() for e in ends[1:]],
-                ),
-                f"launch {number}: root cause {line}{unusable}",
+                rootcause.ends_event(number, problems, ends), f"launch {number}: root cause {line}{unusable}"
             )
             return line
         cause, problems = rootcause.find_root_cause(
@@ -483,20 +484,7 @@ class Watchdog:
         unusable = f" (unusable: {'; '.join(problems)})" if problems else ""
         if cause is not None:
             msg = f"launch {number}: root cause {cause.describe()}{unusable}"
-            self.log.emit(
-                ev.RootCause(
-                    launch=number,
-                    problems=problems,
-                    rank=cause.rank,
-                    local_rank=cause.local_rank,
-                    type=cause.type,
-                    message=cause.message,
-                    file=cause.file,
-                    line=cause.line,
-                    error_file=cause.source,
-                ),
-                msg,
-            )
+            self.log.emit(rootcause.file_event(number, problems, cause), msg)
             return cause.describe()
         if problems:
             msg = f"launch {number}: no root cause: error files unusable: {'; '.join(problems)}"
