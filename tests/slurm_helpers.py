@@ -54,6 +54,14 @@ class Cluster:
     def job(self, job_id: str) -> dict[str, str]:
         return dict(re.findall(r"(\w+)=(\S*)", self.run("scontrol", "show", "job", "-o", job_id)))
 
+    def node_link(self, node: int) -> str:
+        """The root namespace's end of node ``node``'s veth pair (n1 is 1): setting it down cuts the
+        node off the bridge (cluster.sh lists each link it made, one "link NAME" line per node, in order)."""
+        links = [
+            ln.split()[1] for ln in (self.dir / "net").read_text().splitlines() if ln.startswith("link ")
+        ]
+        return links[node - 1]
+
     def log_tail(self, name: str = "slurmctld.log", lines: int = 30) -> str:
         path = self.dir / name
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""

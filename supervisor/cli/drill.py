@@ -160,8 +160,9 @@ def _plans(
                 ranks=cfg.ranks,
                 adapt=adapt,
                 preempt_as=cfg.preempt_as,
+                num_workers=cfg.num_workers,
             )
-        except ValueError as e:  # an unknown scenario, a plan that does not fit --steps
+        except ValueError as e:  # an unknown scenario, a plan that does not fit --steps or --ranks
             if not adapt:
                 raise UserError(str(e)) from None
             unfit[s] = str(e)
@@ -208,7 +209,18 @@ def _scenarios(
         if r.digest is not None and r.digest != golden_digest:
             _say(f"{s}: the final digest differs from golden's: comparing the checkpoints")
             r.comparison = compare_with_golden(cfg, r)
-        v = judge(Case(s, faults, r, golden, golden_digest, cfg.steps, cfg.save_every))
+        v = judge(
+            Case(
+                s,
+                faults,
+                r,
+                golden,
+                golden_digest,
+                cfg.steps,
+                cfg.save_every,
+                hang_timeout_s=cfg.hang_timeout_s,
+            )
+        )
         _say(f"{s}: {v.result}")
         runs.append(r)
         verdicts.append(v)

@@ -134,6 +134,16 @@ class Hang(Event):
     culprits: list[JSON] = field(default_factory=list)  # watch/culprit.py Finding.to_dict()
     suspects: list[JSON] = field(default_factory=list)
     waiting_ranks: list[int] = field(default_factory=list)
+    # The collective the ranks here are stuck in (watch/collectives.py Stuck.to_dict(); None: the
+    # flight recorder said nothing), and each rank's answer: its collectives in flight, or why none.
+    collective: JSON = None
+    collectives: dict[str, str] = field(default_factory=dict)
+    # Connections of the hung ranks that the network does not deliver (watch/network.py).
+    network: list[JSON] = field(default_factory=list)
+    late_s: float = 0.0  # how long after the first rank's timeout ran out the verdict came
+    # From the first rank's entry into the stuck collective (its flight recorder's time) to the
+    # verdict: the hang's latency as the ranks lived it (beats lag progress by up to a second).
+    stuck_s: float | None = None
 
 
 @dataclass(frozen=True)

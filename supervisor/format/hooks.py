@@ -1,5 +1,6 @@
 """The step boundary's injection point, declared torch-free: code that must run at a rank's step
-boundary but that the training library must not import (the drill's self-inflicted hangs).
+boundary (or in its DataLoader workers) but that the training library must not import (the
+drill's self-inflicted hangs).
 
 ``$SUPERVISOR_BOUNDARY_HOOK`` names ``module:function``. ``Resumable.resume()`` imports it (only when
 set) and calls ``function(rank, launch)``, which returns a callable ``(step, When)`` or None; the
@@ -12,6 +13,10 @@ from __future__ import annotations
 from enum import Enum
 
 ENV_BOUNDARY_HOOK = "SUPERVISOR_BOUNDARY_HOOK"
+# ``module:function`` called as ``function(worker_id)`` in each DataLoader worker the library sets
+# up (its worker_init_fn, supervisor/resumable/_workers.py), after its signals are calmed and before
+# the loader's and the user's own init: the drill's deadlocking worker. Unset, nothing is imported.
+ENV_WORKER_HOOK = "SUPERVISOR_WORKER_HOOK"
 
 
 class When(str, Enum):

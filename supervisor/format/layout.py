@@ -14,6 +14,8 @@
       heartbeats/node_00003.json     node 3's summary, published by its watchdog: its ranks'
                                      heartbeats (written on the node, see node_heartbeat_dir)
       heartbeats/stacks_rank_00003.txt  faulthandler stack dumps of that rank
+      heartbeats/collectives_rank_00003.json  its collectives from torch's flight recorder, on a
+                                     hang (.fifo: where the watchdog asks for them)
       supervisor/state.json          the watchdog's state (node N > 0: state.nodeN.json)
       supervisor/events.jsonl        its event log (node N > 0: events.nodeN.jsonl)
       supervisor/events.remote.jsonl the remote-tier uploader's event log (trainer rank 0)
@@ -331,6 +333,23 @@ def job_key(environ: Mapping[str, str] = os.environ) -> str:
 
 def stack_dump_filename(rank: int) -> str:
     return f"stacks_{_rank_name(rank)}.txt"
+
+
+def collectives_filename(rank: int) -> str:
+    """Beside the rank's heartbeat: its collectives as its flight recorder saw them, written on
+    the watchdog's request (supervisor/format/collectives.py)."""
+    return f"collectives_{_rank_name(rank)}.json"
+
+
+def collectives_request_filename(rank: int) -> str:
+    """Beside the rank's heartbeat: the FIFO the rank's dump thread reads the watchdog's requests from."""
+    return f"collectives_{_rank_name(rank)}.fifo"
+
+
+def is_collectives_request(path: str) -> bool:
+    """A rank's request FIFO (its thread always sleeps in a read of it: no storage it waits on)."""
+    name = os.path.basename(path)
+    return name.startswith(f"collectives_{RANK_PREFIX}") and name.endswith(".fifo")
 
 
 def dcp_shard_prefix(rank: int) -> str:

@@ -76,6 +76,7 @@ from supervisor.resumable._checkpointer import (
     SaveOutcome,
     StorageGaveUp,
 )
+from supervisor.resumable._collectives import CollectiveReporter
 from supervisor.resumable._devices import DeviceError
 from supervisor.resumable._digest import params_digest, tensors_digest
 from supervisor.resumable._hooks import BoundaryHook, boundary_hook, no_hook
@@ -526,6 +527,10 @@ class Resumable:
         self._stacks = register_stack_dump(
             stack_dump_path(self._root, self.rank), self._hb.within
         )  # open until exit
+        # On a hang the watchdog asks each rank what torch's flight recorder saw of its collectives.
+        self._collectives = CollectiveReporter.start(
+            self._hb.folder, self._hb.within, self.rank, lambda: self.state.step
+        )
         on_uncaught(self._hb.died)  # the exception that ends this rank, in its last heartbeat
         self._problem = install_signals() or self._saves.problem() or self._remote_problem()
         self._uploader: Uploader | None = None  # rank 0 with a remote, from resume() on
@@ -1054,6 +1059,8 @@ class Resumable:
         self._close_uploader(self._options.remote.flush_timeout_s)
         deliberate_exit(self._hb, self.rank, self.state.step, Phase.DONE, Exit.OK)
         self._stacks.close()
+        if self._collectives is not None:
+            self._collectives.close()
         return digest
 
     def _final_save(self) -> None:

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from supervisor.format.notice import NoticeSignalError, notice_signal
+from supervisor.resumable._hooks import run_worker_hook
 
 CALM_THREAD = "resumable-worker-sigterm"
 
@@ -75,6 +76,7 @@ class WorkerInit:
 
     def __call__(self, worker_id: int) -> None:
         calm()
+        run_worker_hook(worker_id)  # injected (the drill's deadlocking worker); nothing when unset
         if self.setup is not None:
             self.setup(worker_id)
         if self.user is not None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from supervisor import shared_options as shared
+from supervisor.format.collectives import DEFAULT_FR_ENTRIES, ENV_FR_BUFFER
 from supervisor.format.notice import notice_signal
 from supervisor.options import NOT_NEGATIVE, POSITIVE, nested, option
 from supervisor.watch.liveness import DEFAULT_LEARN_FLOOR_S, PhaseTimeouts
@@ -80,7 +81,18 @@ class WatchConfig:
         check=POSITIVE,
         group=HANG,
     )
-    dump_wait_s: float = option("wait for stack dumps", DEFAULT_DUMP_WAIT_S, flag="--dump-wait", group=HANG)
+    dump_wait_s: float = option(
+        "wait for stack dumps and the ranks' collectives", DEFAULT_DUMP_WAIT_S, flag="--dump-wait", group=HANG
+    )
+    flight_recorder: int = option(
+        f"collectives torch's flight recorder keeps per rank ({ENV_FR_BUFFER}, set for each launch "
+        "unless the environment sets it): on a hang the ranks report theirs, and the verdict names "
+        "the collective they are stuck in and the rank that never entered it; 0: off",
+        DEFAULT_FR_ENTRIES,
+        metavar="ENTRIES",
+        check=NOT_NEGATIVE,
+        group=HANG,
+    )
     kill_grace_s: float = option("SIGTERM to SIGKILL", DEFAULT_KILL_GRACE_S, flag="--kill-grace", group=HANG)
     # When the watchdog itself is told to stop (SIGTERM: a preemption with PreemptMode=REQUEUE
     # signals every process of the step), its ranks get this long to checkpoint; None: kill_grace_s.

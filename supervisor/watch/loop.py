@@ -30,6 +30,7 @@ from supervisor import store
 from supervisor.format import confined, events
 from supervisor.format import eventtypes as ev
 from supervisor.format.atomic import hostname
+from supervisor.format.collectives import recorder_env
 from supervisor.format.events import EventLog, RunState
 from supervisor.format.exitcodes import Exit
 from supervisor.format.heartbeat import (
@@ -376,6 +377,7 @@ class Watchdog:
         env[ENV_RESTART_COUNT] = str(number - 1)
         env[HEARTBEAT_DIR_ENV] = str(self.hb_dir)
         env[ENV_PHASE_TIMEOUTS] = json.dumps(self.cfg.timeouts.to_dict())
+        env.update(recorder_env(env, self.cfg.flight_recorder))  # a hang's collectives (hangs.py)
         if self.cfg.share_store_fix and restarts_inside(self.cfg.command):
             env.setdefault(SHARE_STORE_ENV, "1")
         run = RunDir.of(self.cfg.root)
