@@ -44,13 +44,20 @@ from supervisor.drill.switch import (
     read_marker,
 )
 from supervisor.format.atomic import atomic_write_json
-from supervisor.format.hooks import When
+from supervisor.format.hooks import RankOps, When
 from supervisor.store import list_checkpoints
 
 
 class DrillFaults:
-    def __init__(self, switch: Switch | None, rank: int, launch: str, keep: Keep | None = None) -> None:
-        self.rank, self.launch = rank, launch
+    def __init__(
+        self,
+        switch: Switch | None,
+        rank: int,
+        launch: str,
+        keep: Keep | None = None,
+        ops: RankOps | None = None,
+    ) -> None:
+        self.rank, self.launch, self.ops = rank, launch, ops
         # This rank's own hangs, and every collective hang: the other ranks enter what the culprit skips.
         self.mine = (
             [(h, switch.marker(h)) for h in switch.hangs if h.rank == rank or h.how == How.COLLECTIVE]
@@ -61,13 +68,13 @@ class DrillFaults:
         self.kept: set[str] = set()
 
     @classmethod
-    def from_env(cls, rank: int, launch: str) -> DrillFaults:
+    def from_env(cls, rank: int, launch: str, ops: RankOps | None = None) -> DrillFaults:
         try:
             switch = Switch.decode(text) if (text := os.environ.get(ENV)) else None
             keep = Keep.decode(text) if (text := os.environ.get(ENV_KEEP)) else None
         except ValueError as e:
             raise SystemExit(f"resumable: {e}") from None
-        return cls(switch, rank, launch, keep)
+        return cls(switch, rank, launch, keep, ops)
 
     @property
     def active(self) -> bool:
@@ -77,6 +84,10 @@ class DrillFaults:
         if self.keep is not None and when == When.STEP:
             self.kept |= keep_committed(self.keep, self.kept)
         self.maybe_hang(step, when)
+
+    def _ops(self) -> RankOps:
+        assert self.ops is not None, "a collective hang runs through boundary_hook, given the rank's ops"
+        return self.ops
 
     def maybe_hang(self, step: int, when: When) -> None:
         """Hang here if this rank is to and has not in an earlier launch (its marker says so
@@ -89,7 +100,7 @@ class DrillFaults:
             if h.rank != self.rank:
                 m = read_marker(marker)
                 if m is None or m.get("launch") == self.launch:  # not yet, or in this very launch
-                    enter_collective()
+                    self._ops().all_reduce()  # the collective the culprit skips (switch.SKIPPED_OP)
                 continue
             if marker.exists():
                 continue
@@ -109,7 +120,7 @@ class DrillFaults:
                 },
             )
             if h.how == How.COLLECTIVE:
-                skip_collective()
+                skip_collective(self._ops())
             elif h.how == How.LOADER:
                 for pid in pids:
                     with contextlib.suppress(ProcessLookupError):
@@ -118,10 +129,10 @@ class DrillFaults:
                 stuck_read()
 
 
-def boundary_hook(rank: int, launch: str) -> DrillFaults | None:
+def boundary_hook(rank: int, launch: str, ops: RankOps) -> DrillFaults | None:
     """The hook of supervisor/format/hooks.py: this rank's hangs and keeping, or None when it has
     neither."""
-    faults = DrillFaults.from_env(rank, launch)
+    faults = DrillFaults.from_env(rank, launch, ops)
     return faults if faults.active else None
 
 
@@ -156,20 +167,10 @@ def _link(src: str, dst: str) -> str:
     return dst
 
 
-def enter_collective() -> None:
-    """The collective the culprit of a hang-collective skips (``switch.SKIPPED_OP``)."""
-    import torch  # here: the drill is torch-free; this runs in a rank
-    import torch.distributed as dist
-
-    dist.all_reduce(torch.zeros(1))
-
-
-def skip_collective() -> None:
+def skip_collective(ops: RankOps) -> None:
     """The culprit's branch: the all-reduce skipped, a barrier entered instead
     (``switch.INSTEAD_OP``): the same sequence number, another op, a hang on every rank."""
-    import torch.distributed as dist
-
-    dist.barrier()
+    ops.barrier()
 
 
 def worker_pids() -> list[int]:

@@ -9,7 +9,10 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from supervisor.format.hooks import ENV_BOUNDARY_HOOK, ENV_WORKER_HOOK, When
+import torch
+import torch.distributed as dist
+
+from supervisor.format.hooks import ENV_BOUNDARY_HOOK, ENV_WORKER_HOOK, RankOps, When
 
 BoundaryHook = Callable[[int, When], None]
 
@@ -22,8 +25,14 @@ def boundary_hook(rank: int, launch: str) -> BoundaryHook:
     """The injected hook for this rank and launch, or one that does nothing. A variable that names
     nothing importable stops the rank with one line naming it (it was set on purpose)."""
     factory = _named(ENV_BOUNDARY_HOOK)
-    hook: BoundaryHook | None = factory(rank, launch) if factory else None
+    hook: BoundaryHook | None = (
+        factory(rank, launch, RankOps(_all_reduce_zero, dist.barrier)) if factory else None
+    )
     return hook or no_hook
+
+
+def _all_reduce_zero() -> None:
+    dist.all_reduce(torch.zeros(1))
 
 
 def run_worker_hook(worker_id: int) -> None:
