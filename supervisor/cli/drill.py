@@ -25,10 +25,10 @@ from supervisor.format.exitcodes import Exit
 
 # Every scenario but sigstop (a stop the watchdog's own SIGCONT cures; `hang` is the real one),
 # which keeps `make drill` near 6 minutes on 2 cores; chaos still draws it, --scenario runs it.
-# The storage scenarios need /dev/fuse and run when asked for: --storage, --scenario storage.
-# The default set: what any run can take (2 ranks, with or without DataLoader workers: a user's
-# trainer drilled with --ranks 2). The hangs that need more (hang-collective: 3 ranks or more;
-# hang-loader: workers) run when named, as chaos leaves them out: ``--scenario hang-collective``.
+# The storage scenarios need /dev/fuse and run when asked for: --storage, --scenario storage. So do
+# the hangs that need more than any run has (a user's trainer drilled with --ranks 2, maybe without
+# DataLoader workers): hang-collective (3 ranks or more) and hang-loader (workers); chaos leaves
+# them out too.
 DEFAULT_SCENARIOS = (
     *(
         k.value

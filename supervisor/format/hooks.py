@@ -3,10 +3,10 @@ boundary (or in its DataLoader workers) but that the training library must not i
 drill's self-inflicted hangs).
 
 ``$SUPERVISOR_BOUNDARY_HOOK`` names ``module:function``. ``Resumable.resume()`` imports it (only when
-set) and calls ``function(rank, launch, ops)``, which returns a callable ``(step, When)`` or None; the
-library calls it at each ``When`` of every step. ``ops`` (``RankOps``) are the rank's collectives, so
-the injected code, which runs in a rank, imports no torch itself. Whoever sets the variable (``supervisor drill``)
-injects the code; production code names no such module.
+set) and calls ``function(rank, launch, ops)``, which returns a callable ``(step, When)`` or None;
+the library calls it at each ``When`` of every step. ``ops`` (``RankOps``) are the rank's
+collectives, so the injected code, which runs in a rank, imports no torch itself. Whoever sets the
+variable (``supervisor drill``) injects the code; production code names no such module.
 """
 
 from __future__ import annotations
