@@ -5,7 +5,7 @@ mid-run are relaunched by both nodes' watchdogs inside the allocation, and a pre
 requeues the two-node job, which resumes.
 
 Two ranks in all, 30 steps: CI runs this on 2 cores. The reference is two 1-rank torchruns on one
-c10d endpoint outside SLURM: one 2-rank node gives another digest (docs/slurm.md, *Two nodes*).
+c10d endpoint outside SLURM: one 2-rank node gives another digest (docs/slurm.md, *How it is tested*).
 """
 
 from __future__ import annotations
