@@ -444,7 +444,8 @@ def _collective_named(fault: Fault, window: Sequence[Logged[Event]]) -> tuple[bo
         ok = fault.rank in missing
         how = f"rank {fault.rank} {'never entered it' if ok else 'is not named as missing from it'}"
     ok = ok and bool(waiting)
-    return ok, f"{kind}: ranks {waiting} wait in {name}; {how}"
+    said = "" if ok else f" (what each rank said: {hang.event.collectives if hang else {}})"
+    return ok, f"{kind}: ranks {waiting} wait in {name}; {how}{said}"
 
 
 def _in_time(fault: Fault, window: Sequence[Logged[Event]], timeout_s: float) -> tuple[bool, str]:
