@@ -11,7 +11,7 @@ class docstring.
 
 The adapters for the trainers users already run are in ``__all__`` too, imported on first use
 (each needs its framework, an extra of its own): ``ResumableCallback`` (Lightning),
-``AccelerateResumable`` (Accelerate).
+``AccelerateResumable`` (Accelerate), ``ResumableTrainerCallback`` (the Hugging Face ``Trainer``).
 """
 
 from supervisor.clash import foreign_supervisor as _foreign_supervisor
@@ -49,6 +49,7 @@ from supervisor.resumable._train_state import TrainState
 _ADAPTERS = {
     "ResumableCallback": ("_lightning", "lightning"),
     "AccelerateResumable": ("_accelerate", "accelerate"),
+    "ResumableTrainerCallback": ("_hf", "hf"),
 }
 
 
@@ -81,6 +82,7 @@ __all__ = [
     "Resumable",
     "ResumableBatchSampler",
     "ResumableCallback",
+    "ResumableTrainerCallback",
     "ResumeOptions",
     "SampleKey",
     "Saves",

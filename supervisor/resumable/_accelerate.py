@@ -43,10 +43,15 @@ class AccelerateResumable(Resumable):
 
 
 def _unwrapped(accelerator: Accelerator, obj: Any) -> Any:
+    obj = inside(obj)
+    return accelerator.unwrap_model(obj) if hasattr(obj, "parameters") else obj
+
+
+def inside(obj: Any) -> Any:
+    """The optimizer or scheduler inside Accelerate's wrapper of it (anything else as it is): the
+    object whose ``state_dict`` a checkpoint saves, and whose ``step`` the staging wait hooks."""
     if isinstance(obj, AcceleratedOptimizer):
         return obj.optimizer
     if isinstance(obj, AcceleratedScheduler):
         return obj.scheduler
-    if hasattr(obj, "parameters"):
-        return accelerator.unwrap_model(obj)
     return obj
