@@ -112,7 +112,7 @@ def test_storage_scenarios_ride_out_eio_a_full_disk_and_slow_storage(tmp_path, n
     work = tmp_path / "drill"
     cmd = supervisor_cmd("drill", "--scenario", "storage", "--ranks", "2")
     cmd += ["--parallel", "ddp", "--steps", "40", "--save-every", "5", "--workdir", str(work)]
-    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     assert "PASS: 4 of 4 scenarios" in p.stdout  # hostile is a storage scenario too (test_hostile.py)
     evs = {s: read_events(events_path(work / s)) for s in ("io-error", "disk-full", "slow-storage")}
