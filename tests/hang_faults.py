@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import argparse
 import random
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,6 +34,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run as a script too
+
+from sweep_cli import run_and_report  # noqa: E402
 
 from supervisor.drill.judge import (  # noqa: E402
     COLLECTIVE,
@@ -203,17 +203,9 @@ def main() -> int:
     ap.add_argument("--workdir", type=Path, default=None, help="default: a temporary directory, removed")
     args = ap.parse_args()
     kinds = [Kind(k) for k in args.kinds.split(",") if k]
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="hang-faults-"))
-    try:
-        s = sweep(work.resolve(), args.trials, kinds, args.seed)
-    finally:
-        if args.workdir is None:
-            shutil.rmtree(work, ignore_errors=True)
-    print(s.report())
-    bad = s.failures()
-    for b in bad:
-        print(f"FAIL {b}")
-    return 1 if bad else 0
+    return run_and_report(
+        args.workdir, "hang-faults-", lambda work: sweep(work, args.trials, kinds, args.seed)
+    )
 
 
 if __name__ == "__main__":

@@ -240,7 +240,9 @@ def hangs(case: Case) -> list[Check]:
     if not any(f.kind in HANGS for f in case.faults):
         return []
     windows = fault_windows(case.run.events, case.run.fault_times, case.resumes)
-    return hang_checks(case.run.injected, windows, case.resumes, case.save_every, case.hang_timeout_s)
+    return hang_checks(
+        hang_trials(case.run.injected, windows, case.resumes, case.save_every, case.hang_timeout_s)
+    )
 
 
 def storage_faults(case: Case) -> list[Check]:
@@ -388,15 +390,8 @@ def hang_trials(
     return out
 
 
-def hang_checks(
-    injected: Sequence[Fault],
-    windows: Sequence[Sequence[Logged[Event]]],
-    resumes: Sequence[Resume],
-    save_every: int,
-    timeout_s: float = 0.0,
-) -> list[Check]:
-    """``hang_trials``, each check over every hang (it holds when it holds for each)."""
-    trials = hang_trials(injected, windows, resumes, save_every, timeout_s)
+def hang_checks(trials: Sequence[tuple[Fault, dict[str, tuple[bool, str]]]]) -> list[Check]:
+    """``hang_trials``' checks, each over every hang (it holds when it holds for each)."""
     names = dict.fromkeys(n for _, got in trials for n in got) or {NAMED: None, IN_TIME: None}
     return [_check(n, [got[n] for _, got in trials if n in got]) for n in names]
 
