@@ -15,7 +15,7 @@ TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadgroup)
 DRILL_ARGS ?=
 
-.PHONY: setup test test-fast drill lint bench gpu-check save-fault-sweep clean
+.PHONY: setup test test-fast drill lint bench gpu-check save-fault-sweep hang-sweep clean
 
 setup: $(STAMP)
 
@@ -40,6 +40,12 @@ drill: $(STAMP)
 SAVE_FAULT_ARGS ?= --trials 20
 save-fault-sweep: $(STAMP)
 	$(PY) tests/save_faults.py $(SAVE_FAULT_ARGS)
+
+# Each hang kind 20 times (tests/hang_faults.py): culprit, collective, time, SIGKILL and resume counted
+# per kind, one run per kind under `watch --standby`. HANG_SWEEP_ARGS: e.g. --trials 5 --kinds hang.
+HANG_SWEEP_ARGS ?= --trials 20
+hang-sweep: $(STAMP)
+	$(PY) tests/hang_faults.py $(HANG_SWEEP_ARGS)
 
 # The GPU paths for real (train_ref/gpu_check.py): one PASS/FAIL table in a few minutes on a CUDA
 # machine; without CUDA one line and exit 0. Needs a CUDA torch (see setup above).

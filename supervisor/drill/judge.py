@@ -240,7 +240,9 @@ def hangs(case: Case) -> list[Check]:
     if not any(f.kind in HANGS for f in case.faults):
         return []
     windows = fault_windows(case.run.events, case.run.fault_times, case.resumes)
-    return hang_checks(case.run.injected, windows, case.resumes, case.save_every, case.hang_timeout_s)
+    return hang_checks(
+        hang_trials(case.run.injected, windows, case.resumes, case.save_every, case.hang_timeout_s)
+    )
 
 
 def storage_faults(case: Case) -> list[Check]:
@@ -352,39 +354,46 @@ def fault_windows(
     ]
 
 
-def hang_checks(
+NAMED = "hang verdict names the culprit and its stack"
+COLLECTIVE = "hang verdict names the collective"
+IN_TIME = f"hang detected within the timeout + {HANG_LATE_S:g}s"
+KILLED = "hung launch needed SIGKILL"
+PERIODIC = "resumed from the last periodic checkpoint"
+
+
+def hang_trials(
     injected: Sequence[Fault],
     windows: Sequence[Sequence[Logged[Event]]],
     resumes: Sequence[Resume],
     save_every: int,
     timeout_s: float = 0.0,
-) -> list[Check]:
-    """For each hang: the watchdog named the rank the drill hung, with its stack, and the collective
-    the others wait in (where the kind involves one), in time (``timeout_s``: the train timeout;
-    0: only the verdict's own lateness is judged); a self-inflicted one (no signal cures it) also
-    needed SIGKILL, and resumed from the newest periodic checkpoint, not from one the hung launch
-    wrote on its way out (exit 75)."""
-    named, collective, timely, killed, periodic = [], [], [], [], []
+) -> list[tuple[Fault, dict[str, tuple[bool, str]]]]:
+    """Each hang with its checks (name -> (ok, detail)): the watchdog named the rank the drill hung,
+    with its stack, and the collective the others wait in (where the kind involves one), in time
+    (``timeout_s``: the train timeout; 0: only the verdict's own lateness is judged); a
+    self-inflicted one (no signal cures it) also needed SIGKILL, and resumed from the newest
+    periodic checkpoint, not from one the hung launch wrote on its way out (exit 75)."""
+    out = []
     for i, (fault, window) in enumerate(zip(injected, windows, strict=False)):
         if fault.kind not in HANGS:
             continue
-        named.append(_culprit_named(fault, window))
-        timely.append(_in_time(fault, window, timeout_s))
+        got = {NAMED: _culprit_named(fault, window)}
         if fault.kind in COLLECTIVE_NAMED:
-            collective.append(_collective_named(fault, window))
+            got[COLLECTIVE] = _collective_named(fault, window)
+        got[IN_TIME] = _in_time(fault, window, timeout_s)
         if fault.kind in SELF_INFLICTED:
-            killed.append(_sigkilled(fault, window))
-            periodic.append(
-                _resumed_periodic(fault, window, resumes[i] if i < len(resumes) else None, save_every)
+            got[KILLED] = _sigkilled(fault, window)
+            got[PERIODIC] = _resumed_periodic(
+                fault, window, resumes[i] if i < len(resumes) else None, save_every
             )
-    checks = [_check("hang verdict names the culprit and its stack", named)]
-    if collective:
-        checks.append(_check("hang verdict names the collective", collective))
-    checks.append(_check(f"hang detected within the timeout + {HANG_LATE_S:g}s", timely))
-    if killed:
-        checks.append(_check("hung launch needed SIGKILL", killed))
-        checks.append(_check("resumed from the last periodic checkpoint", periodic))
-    return checks
+        out.append((fault, got))
+    return out
+
+
+def hang_checks(trials: Sequence[tuple[Fault, dict[str, tuple[bool, str]]]]) -> list[Check]:
+    """``hang_trials``' checks, each over every hang (it holds when it holds for each)."""
+    names = dict.fromkeys(n for _, got in trials for n in got) or {NAMED: None, IN_TIME: None}
+    return [_check(n, [got[n] for _, got in trials if n in got]) for n in names]
 
 
 def _check(name: str, results: Sequence[tuple[bool, str]]) -> Check:

@@ -70,6 +70,7 @@ class DrillConfig:
     save_delay_s: float = 1.0
     fault_timeout_s: float = 180.0
     python: str = sys.executable
+    watch_extra: tuple[str, ...] = ()  # more watchdog flags (tests/hang_faults.py: --standby, restarts)
     # A user's script (supervisor.resumable.Resumable inside) instead of the reference trainer: it gets the
     # five options every trainer has, not the reference trainer's --config and --parallel.
     trainer: Path | None = option(
@@ -106,6 +107,7 @@ class DrillConfig:
             "--hang-timeout", str(self.hang_timeout_s),
             "--backoff-initial", "0.2",
             "--require-heartbeat",
+            *self.watch_extra,
             *watch_args,
             "--",
             *self.trainer_cmd(root, train_args),
