@@ -362,3 +362,32 @@ def test_a_real_connection_whose_peer_stopped_reading_is_no_stall():
     finally:
         for s in (cli, peer, srv):
             s.close()
+
+
+def test_an_async_collective_a_rank_never_waited_on_is_not_where_it_is_stuck():
+    """The culprit launched all_reduce #42 without waiting (its record keeps it in flight) and
+    stopped; the other finished #42 and waits in #43: the stuck one is #43, the culprit missing
+    from it (the drill's hang-during-save, seen on a loaded CI run)."""
+    dumps = {
+        0: dump(0, group(42, 41, (41, "all_reduce"), (42, "all_reduce"))),
+        1: dump(1, group(43, 42, (42, "all_reduce"), (43, "all_reduce"))),
+    }
+    (s,) = collectives.find_stuck(dumps)
+    assert (s.seq, s.waiting, s.culprits) == (43, (1,), [0])
+    assert "rank 0 never entered it (its last: all_reduce #42, not waited on (another rank finished it))" in (
+        s.describe({}, 2, 2)
+    )
+    # a broadcast's root finishes before its receivers: its finish proves nothing for them
+    bcast = {
+        0: dump(0, group(7, 6, (7, "broadcast"))),
+        1: dump(1, group(7, 7, (7, "broadcast"))),
+    }
+    (b,) = collectives.find_stuck(bcast)
+    assert (b.seq, b.waiting, b.finished) == (7, (0,), (1,))
+    # the only thing in flight is what another rank finished: no rank waits in a collective
+    assert (
+        collectives.find_stuck(
+            {0: dump(0, group(5, 4, (5, "barrier"))), 1: dump(1, group(5, 5, (5, "barrier")))}
+        )
+        == []
+    )

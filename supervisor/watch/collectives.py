@@ -78,7 +78,7 @@ class Stuck:
         ]
         for r, last in self.missing:
             was = (
-                f"its last: {last.name()}, {'finished' if last.done else 'not finished'}"
+                f"its last: {last.name()}, {'finished' if last.done else 'not waited on (another rank finished it)'}"
                 if last
                 else "none recorded"
             )
@@ -124,11 +124,30 @@ def find_stuck(dumps: Mapping[int, CollectiveDump]) -> list[Stuck]:
     return sorted(out, key=lambda s: (not s.culprits, s.entered_t or float("inf")))
 
 
+def _symmetric(op: str) -> bool:
+    """An op no rank finishes before every rank of the group has entered it (all_reduce,
+    all_gather, reduce_scatter, all_to_all, barrier); a broadcast's or a reduce's root may."""
+    return "all" in op or "reduce_scatter" in op or op == "barrier"
+
+
+def _done_by_all(members: Mapping[int, GroupState], seq: int) -> bool:
+    """Some rank finished the symmetric collective ``seq``: every rank's part of it is in, whatever
+    another rank's own record says (an async op it launched and has not waited on stays in flight
+    there until the wait: a rank stuck before its wait is not stuck in that collective)."""
+    return any(
+        g.finished >= seq and (c := g.at(seq)) is not None and _symmetric(c.op) for g in members.values()
+    )
+
+
 def _judge_group(name: str, dumps: Mapping[int, CollectiveDump]) -> Stuck | None:
     members = {r: g for r, d in sorted(dumps.items()) if (g := d.group(name)) is not None}
     if not any(g.pending for g in members.values()):
         return None
     seq = min(g.finished for g in members.values()) + 1
+    while _done_by_all(members, seq):
+        seq += 1
+    if all(g.entered < seq for g in members.values()):
+        return None  # what some rank has in flight, another finished: nobody waits in a collective
     entered: dict[int, Collective | None] = {}
     missing: list[tuple[int, Collective | None]] = []
     finished: list[int] = []
