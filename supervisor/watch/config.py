@@ -23,10 +23,7 @@ SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 ELASTIC_LOG_DIR_ENV = "PET_LOG_DIR"
 DEFAULT_POLL_S = 0.5
 DEFAULT_KILL_GRACE_S = 10.0
-# The wait ends as soon as every rank has answered: the bound only costs time for a rank that cannot
-# answer (in D state, not a Python trainer). 2 s proved short on a loaded 2-core machine (a drill's
-# hang verdict lacked the culprit's collectives), and a hang's kill can afford 10.
-DEFAULT_DUMP_WAIT_S = 10.0
+DEFAULT_DUMP_WAIT_S = 2.0
 # With --remote and nothing valid locally, how long to wait for an unreachable remote before giving up.
 DEFAULT_REMOTE_WAIT_S = 600.0
 # After SIGKILL, how long to wait for the tree to be reaped before naming what is left (a process
