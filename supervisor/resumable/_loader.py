@@ -47,7 +47,9 @@ from supervisor.resumable._sampler import ResumableBatchSampler, SampleKey, mix_
 from supervisor.resumable._workers import (
     RngStates,
     WorkerInit,
+    held_at_fork,
     in_worker,
+    is_calm,
     isolated,
     rng_states,
     seed_all,
@@ -107,7 +109,9 @@ class ResumableLoader(DataLoader[Any]):
                 "make the iterator after it"
             )
         self.position.before_iter()
-        return _Handed(super().__iter__(), self.position)
+        with held_at_fork(self.num_workers > 0 and is_calm(self.worker_init_fn)):
+            inner = super().__iter__()
+        return _Handed(inner, self.position)
 
     def state_dict(self) -> dict[str, Any]:
         return self.position.state_dict()
