@@ -228,13 +228,21 @@ def _forked_before_calm(hold: bool) -> int:
     another process before it reaches ``calm`` (it waits for the go on a pipe), then calmed; how
     it ended (its wait status)."""
     go_r, go_w = os.pipe()
-    with held_at_fork(hold):
-        pid = os.fork()
-        if pid == 0:  # the worker: it never leaves the block (a DataLoader worker's loop ends in exit)
-            os.read(go_r, 1)
-            calm()
-            os.read(go_r, 1)  # the parent's second byte: the pending SIGTERM had its chance
-            os._exit(0)
+    # the child starts as a worker does: SIGTERM's default action, unblocked (a test runner's
+    # process may have set its own)
+    handler = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    try:
+        with held_at_fork(hold):
+            pid = os.fork()
+            if pid == 0:  # the worker: it never leaves the block (a DataLoader worker's loop ends in exit)
+                os.read(go_r, 1)
+                calm()
+                os.read(go_r, 1)  # the parent's second byte: the pending SIGTERM had its chance
+                os._exit(0)
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     _kill_from_elsewhere(pid, signal.SIGTERM)
     os.write(go_w, b"gg")
     _, status = os.waitpid(pid, 0)
