@@ -16,9 +16,10 @@ import pytest
 from waiting import wait_for
 
 from supervisor.drill import rank_faults
+from supervisor.drill.faultctl import FaultFS
 from supervisor.drill.switch import BLOCKING_FUNCTION, ENV, Hang, Switch, When, read_marker
 from supervisor.watch.culprit import Probe, Where, diagnose, in_collective, main_thread, parse_dump
-from supervisor.watch.process import proc_state
+from supervisor.watch.process import dump_stacks, proc_state
 
 SITE = "/venv/lib/python3.11/site-packages"
 WORKER = """Thread 0x00007f1c2effd6c0 (most recent call first):
@@ -220,3 +221,33 @@ def test_the_hang_survives_sigterm_and_dumps_its_stack_then_fires_only_once(tmp_
         [*cmd[:-1], "launch-2"], env=env, capture_output=True, text=True, timeout=60, check=True
     )
     assert "ran on past step 37" in again.stdout
+
+
+THREADED_RANK = HANGING_RANK.replace(
+    "flag = PreemptionFlag()",
+    "import threading, time\n"
+    "for _ in range(4):\n"
+    "    threading.Thread(target=time.sleep, args=(1e6,), daemon=True).start()\n"
+    "flag = PreemptionFlag()",
+)
+
+
+def test_a_slowly_written_dump_is_read_whole_once_the_handler_returned(faultfs: FaultFS) -> None:
+    """faulthandler writes a dump in many small writes, the main thread last; each write to this
+    mount waits, so a dump takes seconds: the watchdog reads it once the handler is done, not when
+    the file first grows (a read then had half a dump, without the main thread, under load)."""
+    sw = Switch(faultfs.mountpoint / "markers", (Hang(1, 37),))
+    stacks = faultfs.mountpoint / "stacks.txt"
+    cmd = [sys.executable, "-c", THREADED_RANK, str(stacks), "launch-1"]
+    p = subprocess.Popen(cmd, env=dict(os.environ, **{ENV: sw.encode()}), stdout=subprocess.PIPE, text=True)
+    try:
+        wait_for(sw.marker(Hang(1, 37)).exists, "marker", proc=p)
+        rid = faultfs.delay("/stacks.txt", 0.01, ops=["write"])
+        got = dump_stacks({1: p.pid}, {1: stacks}, wait_s=600)
+        frames = main_thread(got[1])
+        assert frames and frames[0].func == BLOCKING_FUNCTION, f"half a dump: {got[1]}"
+        assert got[1] == stacks.read_text()
+        assert faultfs.hits(rid) > 20, "the dump was not written slowly: it proves nothing"
+    finally:
+        p.kill()
+        p.wait()

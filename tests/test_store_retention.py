@@ -14,10 +14,10 @@ from store_helpers import committed_names, latest_text, make_ckpt, quarantine_di
 from supervisor import store
 from supervisor.cli.main import main
 from supervisor.drill.corruption import Corruption, corrupt
+from supervisor.format.confined import MAX_DEPTH
 from supervisor.format.exitcodes import Exit
 from supervisor.format.layout import QUARANTINE_DELETING_PREFIX, REASON, RunDir
 from supervisor.store import QuarantineEntry, plan_quarantine
-from supervisor.store.retention import DISK_USAGE_DEPTH
 
 # ---------------------------------------------------------------- the plan, pure
 
@@ -199,7 +199,7 @@ def test_disk_usage_counts_what_the_toolkit_writes_and_stops_below_its_depth(tmp
     (tmp_path / "quarantine" / "step_00000010").mkdir(parents=True)
     (tmp_path / "quarantine" / "step_00000010" / "shard").write_bytes(b"x" * 100)
     deep = tmp_path / "step_99.tmp.1.elsewhere"
-    for _ in range(DISK_USAGE_DEPTH + 2):
+    for _ in range(MAX_DEPTH + 2):
         deep /= "d"
     deep.mkdir(parents=True)
     (deep / "far").write_bytes(b"y" * 1000)

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -329,6 +330,12 @@ def run_key(root: str | Path) -> str:
 def job_key(environ: Mapping[str, str] = os.environ) -> str:
     """The job's part of a node-local path: SLURM's job id, or ``local`` outside SLURM."""
     return safe_host(environ.get("SLURM_JOB_ID") or "local")
+
+
+# A rank's faulthandler dumps every thread's stack on this signal (registered without SA_NODEFER,
+# so the kernel blocks it in the thread that runs the handler until the dump is written: how the
+# watchdog knows a dump is whole, supervisor/watch/process.py).
+STACK_DUMP_SIGNAL = signal.SIGUSR2
 
 
 def stack_dump_filename(rank: int) -> str:

@@ -387,16 +387,11 @@ def _quarantine_leftovers(root: Path) -> list[Path]:
         return []
 
 
-# How deep disk_usage looks below the folder it is given. What the toolkit writes is a few levels
-# deep (root/quarantine/step_N/file); a deeper nest is not ours, and each level of it costs a walk
-# of every level above it (a mount without an entry cache, FUSE, looks each one up again): the
-# drill's 1,200-level plant made `status` take minutes, uncounted it takes none.
-DISK_USAGE_DEPTH = 16
-
-
 def disk_usage(path: str | Path, known: Mapping[str, int] | None = None) -> int:
-    """Bytes of every file under ``path`` (links not followed, at most DISK_USAGE_DEPTH folders
-    down) that can be read: best effort, for a report or a retention limit. scandir: `status`
+    """Bytes of every file under ``path`` (links not followed, at most confined.MAX_DEPTH folders
+    down: a deeper nest is not ours, and on a mount without an entry cache, FUSE, each level of it
+    looks up every level above it again: the drill's 1,200-level plant made `status` take
+    minutes) that can be read: best effort, for a report or a retention limit. scandir: `status`
     walks 10^4 files. ``known``: bytes under some folders (by their path as found under
     ``path``) already counted, not walked again."""
     total, todo, known = 0, [(os.fspath(path), 0)], known or {}
@@ -408,7 +403,7 @@ def disk_usage(path: str | Path, known: Mapping[str, int] | None = None) -> int:
                     if e.path in known:
                         total += known[e.path]
                     elif e.is_dir(follow_symlinks=False):
-                        if depth < DISK_USAGE_DEPTH:
+                        if depth < confined.MAX_DEPTH:
                             todo.append((e.path, depth + 1))
                     else:
                         total += e.stat(follow_symlinks=False).st_size
