@@ -20,7 +20,13 @@ from supervisor.format import events
 from supervisor.format.atomic import hostname, pid_alive
 from supervisor.format.heartbeat import Heartbeat, HeartbeatSnapshot, Phase, boot_id, read_heartbeats
 from supervisor.format.layout import RunDir, parse_state_filename, per_node_files, safe_host
-from supervisor.format.nodesummary import NodeSummary, newest_per_rank, read_summary, summary_paths
+from supervisor.format.nodesummary import (
+    NodeSummary,
+    StragglerNote,
+    newest_per_rank,
+    read_summary,
+    summary_paths,
+)
 from supervisor.format.runstatus import RunStatus
 from supervisor.store.ioerrors import Evidence, describe
 from supervisor.store.quickcache import QuickChecks
@@ -183,6 +189,8 @@ class StatusReport:
     rank_counts: RankCounts = RankCounts()
     # tmp dirs nobody writes any more, each with why: "step_..tmp.12.vm (writer pid 12 gone)"
     abandoned: tuple[str, ...] = ()
+    # The stragglers node 0's watchdog flags now (its node summary), each in words.
+    stragglers: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """Shallow per row: ``dataclasses.asdict`` deep-copies and costs 10x on 4096 ranks."""
@@ -192,6 +200,7 @@ class StatusReport:
             d[key] = [row.__dict__ for row in d[key]]
         d["in_progress"] = list(self.in_progress)
         d["abandoned"] = list(self.abandoned)
+        d["stragglers"] = list(self.stragglers)
         d["remote"] = dict(self.remote.__dict__, skipped=list(self.remote.skipped)) if self.remote else None
         return d
 
@@ -673,7 +682,18 @@ def build_report(root: str | Path, now: float | None = None, all_ranks: bool = F
         slurm=_slurm_line(root),
         retention=_retention_line(root),
         rank_counts=view.counts,
+        stragglers=tuple(
+            n.text or f"rank {n.rank} on {n.host}: {n.kind} {n.value:.2f}" for n in _stragglers(view)
+        ),
     )
+
+
+def _stragglers(view: _RankView) -> list[StragglerNote]:
+    """The judge's flags: the first node summary that has some (node 0's: it judges)."""
+    for _, s in sorted(view.summaries.items()):
+        if s.header.stragglers:
+            return list(s.header.stragglers)
+    return []
 
 
 def _abandoned(t: store.TmpRef) -> str:

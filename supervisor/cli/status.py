@@ -127,6 +127,8 @@ def render(r: StatusReport) -> str:
         out.append(table(("name", "reason"), [(q.name, q.reason) for q in r.quarantined]))
     if r.remote:
         out += ["", _remote_line(r)]
+    if r.stragglers:
+        out += ["", "stragglers:", *(f"  {line}" for line in r.stragglers)]
     if r.slurm:
         out += ["", f"slurm {r.slurm}"]
     if r.retention:

@@ -35,6 +35,8 @@ class EventName(str, Enum):
     STANDBY = "standby"  # the next launch started ahead of a failure (--standby)
     RECOVERY = "recovery"  # a relaunch's phases, from the failure's verdict to the first step
     HEARTBEAT_DIR = "heartbeat_dir"  # where this node's ranks write their heartbeats, and why there
+    STRAGGLER = "straggler"  # the judge (node 0) flags a rank: it computes, or arrives, late (stragglers.py)
+    STRAGGLER_CLEARED = "straggler_cleared"  # a flagged rank keeps up again
     # Picking across tiers (the watchdog's log; the trainer's events.remote.jsonl when it picks)
     DOWNLOAD_WAIT = "download_wait"
     DOWNLOADED = "downloaded"

@@ -286,6 +286,30 @@ class Recovery(Event):
     phases: dict[str, float]  # watch/recovery.py's breakdown, in order, and "total"
 
 
+@dataclass(frozen=True)
+class _StragglerVerdict(Event):
+    rank: int
+    host: str
+    kind: str  # compute | network | late (watch/stragglers.py Kind)
+    value: float  # its compute ratio to its peers' median, or one plus its lateness
+    since_step: int  # the last step of the window that flagged it
+    step: int  # the last step of the window that last judged it
+
+
+@dataclass(frozen=True)
+class Straggler(_StragglerVerdict):
+    """Node 0's watchdog flags a rank: it computes longer than its peers, or arrives late at the step boundary."""
+
+    NAME = EventName.STRAGGLER
+
+
+@dataclass(frozen=True)
+class StragglerCleared(_StragglerVerdict):
+    """A flagged rank keeps up again (its last verdict's fields)."""
+
+    NAME = EventName.STRAGGLER_CLEARED
+
+
 # ---------------------------------------------------------------- picking across tiers
 
 
@@ -416,9 +440,10 @@ class LocalPruned(Event):
 _ALL: tuple[type[Event], ...] = (
     WatchdogStart, HeartbeatDir, Pick, Launch, LaunchEnd, Kill, Stop, RankDied, BlockedIo, Hang,
     StackDump, Relaunch, WatchdogExit, Preempt, Quarantine, Untrusted, IoRetry, StateUnreadable,
-    RemoteUnavailable, SaveFailed, SaveRecovered, RootCause, Standby, Recovery, DownloadWait,
-    Downloaded, LocalQuarantined, RemoteQuarantined, RemoteUnreachable, UploadOk, UploadSkipped,
-    UploadRefused, UploadDeferred, RemoteDown, RemoteBack, RemotePruned, LocalPruned,
+    RemoteUnavailable, SaveFailed, SaveRecovered, RootCause, Standby, Recovery, Straggler,
+    StragglerCleared, DownloadWait, Downloaded, LocalQuarantined, RemoteQuarantined,
+    RemoteUnreachable, UploadOk, UploadSkipped, UploadRefused, UploadDeferred, RemoteDown,
+    RemoteBack, RemotePruned, LocalPruned,
 )  # fmt: skip
 BY_NAME: dict[EventName, type[Event]] = {cls.NAME: cls for cls in _ALL}
 

@@ -97,6 +97,7 @@ from supervisor.resumable._safe_load import CorruptRecord, PeerLoadFailed, load_
 from supervisor.resumable._sanity import LOSS_WINDOW, ResumeSanity
 from supervisor.resumable._save_policy import DEFAULT_MAX_FAILED_SAVES, SavePolicy
 from supervisor.resumable._signals import PreemptionFlag, on_uncaught, record_uncaught, register_stack_dump
+from supervisor.resumable._step_clock import StepClock
 from supervisor.resumable._tiering import RemoteOptions
 from supervisor.resumable._train_state import RANK_ITEMS, seed_rank_rng
 from supervisor.safepickle import UnsafePickle
@@ -463,7 +464,8 @@ class Resumable:
     """The checkpoint lifecycle of one launch on this rank (every rank builds one, after
     ``init_process_group``): ``resume()``, then ``step_end()`` once per step, then ``finish()``.
     Between them: ``reduce()`` (a reduction that carries the step's control flags), ``beat()``
-    and ``phase()`` (long stretches of the trainer's own), ``preemption_noticed``.
+    and ``phase()`` (long stretches of the trainer's own), ``preemption_noticed``, and
+    ``compute_done()`` (where the step's own work ends, for the straggler verdict).
 
     The data, before ``resume()`` (docs/adopting.md#data):
 
@@ -572,6 +574,7 @@ class Resumable:
         self._loader_check = LoaderCheck(self._warn)
         self._last_save = time.monotonic()
         self._t_end = time.perf_counter()
+        self._clock = StepClock()  # each step's compute and wait, for the straggler verdict
         # The staging wait, before every optimizer step, so no caller can forget it.
         self._state_optimizer().register_step_pre_hook(lambda *_: self._before_optimizer_step())
         # Why the load failed, once it did: the state holds part of a checkpoint from then on, and
@@ -924,6 +927,7 @@ class Resumable:
         if self._metrics_file is not None:
             rec = MetricsRecord.of(step, self._metrics, self._hb.restart_count, self.launch)
             self._metrics_file.append(rec.to_line())
+        self._hb.step_times = self._clock.step_done(step)
         self._hb.beat(step, Phase.TRAIN, last_step_s=dt)
         self._at_boundary(step, When.STEP)
         try:
@@ -945,14 +949,28 @@ class Resumable:
         except PeersTimedOut as e:
             self._gave_up(e)
         self._t_end = time.perf_counter()
+        self._clock.restart()
         return done
+
+    def compute_done(self) -> None:
+        """Optional, once per step on every rank: this rank's own work of the step is done and it
+        is about to enter the step's collective (a data-parallel trainer: just before its
+        gradient all-reduce). The watchdog names a rank a straggler when this comes late against
+        its peers (docs/watchdog.md#stragglers); without the call a step's compute ends at
+        ``reduce``, so a rank that waited in the trainer's own collectives counts that wait as
+        compute, and a slow rank shows as one that arrives late, not as one that computes slowly."""
+        self._clock.compute_done()
 
     def reduce(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` summed over all ranks, carrying this step's control flags along (a preemption
         notice, the upload's state, a time-based save due): use it for a reduction your step makes
         anyway (the loss, for logging) and ``step_end`` costs no collective of its own. Call it on
         every rank at the same point of a step (it is a collective), on every step or on none."""
-        return self._ckpt.reduce_with_control(t, PREEMPTION.set, self._save_due_by_time())
+        started = self._clock.reduce_started()
+        try:
+            return self._ckpt.reduce_with_control(t, PREEMPTION.set, self._save_due_by_time())
+        finally:
+            self._clock.reduce_ended(started)
 
     def _save_due_by_time(self) -> bool:
         """--save-every-s: due by this rank's clock; only rank 0's counts (``boundary``)."""

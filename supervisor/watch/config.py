@@ -13,6 +13,7 @@ from supervisor.format.notice import notice_signal
 from supervisor.options import NOT_NEGATIVE, POSITIVE, nested, option
 from supervisor.watch.liveness import DEFAULT_LEARN_FLOOR_S, PhaseTimeouts
 from supervisor.watch.restart_policy import RestartPolicy
+from supervisor.watch.stragglers import DEFAULT_FACTOR, DEFAULT_WINDOW
 
 # torchrun + gloo: a restarted group that reuses the agent's TCPStore hangs or fails to connect
 # (see docs/watchdog.md); set in the child's environment unless the operator set it.
@@ -45,6 +46,12 @@ HANG = "hang detection (seconds without progress, per phase: a long phase that p
 STORAGE = "storage"
 RESTARTS = "restart policy"
 REMOTE = "remote tier (docs/tiers.md); pass the same --remote to the trainer"
+STRAGGLERS = "stragglers (node 0's watchdog judges every rank's recent steps; docs/watchdog.md#stragglers)"
+
+
+def _factor(value: float) -> str:
+    """A factor of 1 or less would flag a rank no slower than its peers."""
+    return "" if value == 0 or value > 1 else "must be above 1 (0: never flag)"
 
 
 def parse_notice_signal(raw: str) -> signal.Signals:
@@ -199,6 +206,21 @@ class WatchConfig:
         "returns); without it, a command that writes none is judged on its exit code alone",
         False,
         group=HANG,
+    )
+    straggler_factor: float = option(
+        "flag a rank whose own compute per step is FACTOR times its peers' median, or that arrives "
+        "that late at the step boundary, over --straggler-window steps (0: never)",
+        DEFAULT_FACTOR,
+        metavar="FACTOR",
+        check=_factor,
+        group=STRAGGLERS,
+    )
+    straggler_window: int = option(
+        "the steps each rank is judged on (their trimmed mean)",
+        DEFAULT_WINDOW,
+        metavar="STEPS",
+        check=POSITIVE,
+        group=STRAGGLERS,
     )
     standby: bool = option(
         "keep the next launch started ahead of a failure, its ranks waiting with their imports done "

@@ -73,6 +73,8 @@ from supervisor.watch.signals import Signals
 from supervisor.watch.standby import Standby
 from supervisor.watch.state_file import StateFile
 from supervisor.watch.stops import Interrupted, Stop
+from supervisor.watch.straggler_watch import StragglerWatch
+from supervisor.watch.stragglers import Params
 from supervisor.watch.torchrun_cmd import restarts_inside
 
 T = TypeVar("T")
@@ -110,6 +112,10 @@ class Watchdog:
         self.picker = Picker(cfg, self.log, self._io, self._pick_retry, self._sleep)
         self.standby = Standby(cfg.root, self.host, self.log, lambda n: self._start_launch(n, standby=True))
         self.oom_kills: int | None = None  # the memory cgroup's OOM kills when the launch started
+        params = Params(cfg.straggler_factor, cfg.straggler_window)
+        self.stragglers = StragglerWatch(
+            cfg.root, cfg.node, self.log, params, cfg.summary_interval_s, self._publish
+        )
 
     @property
     def state(self) -> RunState:
@@ -425,9 +431,11 @@ class Watchdog:
             ) from None
 
     def _on_beats(self, child: process.Child, beats: list[Heartbeat]) -> None:
-        """Each poll's heartbeats: the recovery's breakdown once the ranks have made a step; then,
-        with --standby and no recovery under way, the next launch started ahead."""
+        """Each poll's heartbeats: the recovery's breakdown once the ranks have made a step; the
+        straggler verdict when due (node 0); then, with --standby and no recovery under way, the
+        next launch started ahead."""
         self._track_recovery(beats, self.state.launch_count)
+        self.stragglers.check([b for b in beats if b.host == self.host])
         if self.cfg.standby and self.recovering is None:
             self.standby.keep(child, beats, self.state.launch_count + 1)
 
@@ -448,7 +456,7 @@ class Watchdog:
         )
         self._save(recovery=phases)
 
-    def _publish(self, **facts: str | int | None) -> None:
+    def _publish(self, **facts: object) -> None:
         """News for the node summary (written at its next interval)."""
         if self.publisher is not None:
             self.publisher.update(**facts)

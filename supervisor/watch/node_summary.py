@@ -23,7 +23,13 @@ from typing import Any
 from supervisor.format import events
 from supervisor.format.heartbeat import Heartbeat, HeartbeatSnapshot, Phase, boot_id, read_heartbeat_folder
 from supervisor.format.layout import RunDir, job_key, node_heartbeat_dir
-from supervisor.format.nodesummary import RankProblem, SummaryHeader, stale_after, write_summary
+from supervisor.format.nodesummary import (
+    RankProblem,
+    StragglerNote,
+    SummaryHeader,
+    stale_after,
+    write_summary,
+)
 from supervisor.store.ioerrors import describe
 from supervisor.watch.liveness import Clock, PhaseTimeouts, rank_stale, silences
 
@@ -48,6 +54,7 @@ class NodeFacts:
     launch_id: str = ""  # the launch running now ('' between launches)
     verdict: str = ""
     culprit: str = ""
+    stragglers: tuple[StragglerNote, ...] = ()  # this watchdog's straggler verdicts (the judge's)
 
 
 def build_summary(
@@ -103,6 +110,7 @@ def build_summary(
         live_step_max=max((b.step for b in fine), default=None),
         last_step_s=step_times[len(step_times) // 2] if step_times else None,
         attention=tuple(sorted(attention)),
+        stragglers=facts.stragglers,
     )
     return header, records, problems
 
@@ -150,8 +158,9 @@ class Publisher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="node-summary", daemon=True)
 
-    def update(self, **changes: str | int | None) -> None:
-        """A new launch id, verdict or culprit: in the next summary (one write per interval)."""
+    def update(self, **changes: object) -> None:
+        """A new launch id, verdict, culprit or straggler verdicts: in the next summary (one write
+        per interval)."""
         self.facts = replace(self.facts, **changes)  # type: ignore[arg-type]
 
     def start(self) -> None:
