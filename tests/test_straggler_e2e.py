@@ -25,7 +25,7 @@ import pytest
 from commands import REPO, supervisor_cmd
 from straggler_helpers import cpu_cgroup_root, cpu_limit, cpu_seconds
 from trainer_helpers import trainer_env
-from waiting import wait_for, watchdog_events
+from waiting import PATIENCE_S, wait_for, watchdog_events
 
 from supervisor.format.heartbeat import Heartbeat, Phase, read_heartbeat_folder
 from supervisor.watch.stragglers import DEFAULT_FACTOR
@@ -37,7 +37,9 @@ WINDOW = 20  # the watchdog's default --straggler-window
 
 @contextmanager
 def job(root: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """The watchdog (judging every second) over torchrun's ranks; killed whole on the way out."""
+    """The watchdog (judging every second) over torchrun's ranks; stopped on the way out with
+    SIGTERM, which it passes to its whole tree (a SIGKILL to its group would leave the ranks
+    running: torchrun starts each in a session of its own)."""
     cmd = supervisor_cmd("watch", "--ckpt-root", str(root), "--summary-interval", "1")
     cmd += ["--hang-timeout", "300", "--"]
     cmd += [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}"]
@@ -52,8 +54,12 @@ def job(root: Path) -> Iterator[subprocess.Popen[bytes]]:
         yield proc
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            proc.terminate()
+            try:
+                proc.wait(timeout=PATIENCE_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
         out.close()
 
 
