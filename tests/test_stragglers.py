@@ -29,9 +29,18 @@ from supervisor.report import build_report
 from supervisor.watch.liveness import Clock, PhaseTimeouts
 from supervisor.watch.node_summary import NodeFacts, build_summary
 from supervisor.watch.straggler_watch import StragglerWatch
-from supervisor.watch.stragglers import Kind, Params, Verdict, judge, scores, trimmed_mean, window_of
+from supervisor.watch.stragglers import (
+    Kind,
+    Params,
+    Verdict,
+    judge,
+    scores,
+    stragglers,
+    trimmed_mean,
+    window_of,
+)
 
-P = Params()  # factor 1.3, window 20, trim 0.1
+P = Params(hold=1)  # factor 1.3, window 20, trim 0.1; a score flags at once (the hold: its own tests)
 
 
 def series(
@@ -189,6 +198,34 @@ def test_a_flag_is_kept_while_its_rank_cannot_be_judged_and_dropped_when_it_stop
 
 def test_factor_zero_flags_nothing() -> None:
     assert run({0: [1.0] * 20, 1: [0.1] * 20}, params=Params(factor=0)) == {}
+
+
+def test_a_rank_is_flagged_once_it_scored_factor_in_hold_judgements_on_newer_windows() -> None:
+    held = Params(hold=3)
+    slow = {0: series([0.2] * 20), 1: series([0.1] * 20), 2: series([0.1] * 20)}
+    v = judge(slow, {}, held)
+    assert v[0].seen == 1 and stragglers(v, held) == {}
+    assert judge(slow, v, held) == v, "the same window judged again is not seen again"
+    later = {r: series([c[0].compute_s] * 20, start=11) for r, c in slow.items()}
+    v = judge(later, v, held)
+    assert v[0].seen == 2 and stragglers(v, held) == {}
+    v = judge({r: series([c[0].compute_s] * 20, start=21) for r, c in slow.items()}, v, held)
+    (flagged,) = stragglers(v, held).values()
+    assert (flagged.rank, flagged.seen, flagged.since_step, flagged.step) == (0, 3, 20, 40)
+
+
+def test_a_suspect_that_scores_under_factor_once_starts_again() -> None:
+    held = Params(hold=2)
+    burst = {0: series([0.2] * 20), 1: series([0.1] * 20), 2: series([0.1] * 20)}
+    clean = {r: series([0.1] * 20, start=21) for r in range(3)}
+    v = judge(clean, judge(burst, {}, held), held)
+    assert v == {}, "one busy window is no straggler"
+    again = {
+        0: series([0.2] * 20, start=41),
+        1: series([0.1] * 20, start=41),
+        2: series([0.1] * 20, start=41),
+    }
+    assert judge(again, v, held)[0].seen == 1
 
 
 def test_window_of_keeps_the_last_distinct_steps_and_the_last_record_of_a_step() -> None:

@@ -13,7 +13,7 @@ from supervisor.format.notice import notice_signal
 from supervisor.options import NOT_NEGATIVE, POSITIVE, nested, option
 from supervisor.watch.liveness import DEFAULT_LEARN_FLOOR_S, PhaseTimeouts
 from supervisor.watch.restart_policy import RestartPolicy
-from supervisor.watch.stragglers import DEFAULT_FACTOR, DEFAULT_WINDOW
+from supervisor.watch.stragglers import DEFAULT_FACTOR, DEFAULT_HOLD, DEFAULT_WINDOW
 
 # torchrun + gloo: a restarted group that reuses the agent's TCPStore hangs or fails to connect
 # (see docs/watchdog.md); set in the child's environment unless the operator set it.
@@ -219,6 +219,14 @@ class WatchConfig:
         "the steps each rank is judged on (their trimmed mean)",
         DEFAULT_WINDOW,
         metavar="STEPS",
+        check=POSITIVE,
+        group=STRAGGLERS,
+    )
+    straggler_hold: int = option(
+        "judgements in a row, each on a newer window, that must score a rank --straggler-factor or "
+        "more before it is flagged (one busy second fills a window of short steps)",
+        DEFAULT_HOLD,
+        metavar="TIMES",
         check=POSITIVE,
         group=STRAGGLERS,
     )

@@ -112,7 +112,7 @@ class Watchdog:
         self.picker = Picker(cfg, self.log, self._io, self._pick_retry, self._sleep)
         self.standby = Standby(cfg.root, self.host, self.log, lambda n: self._start_launch(n, standby=True))
         self.oom_kills: int | None = None  # the memory cgroup's OOM kills when the launch started
-        params = Params(cfg.straggler_factor, cfg.straggler_window)
+        params = Params(cfg.straggler_factor, cfg.straggler_window, hold=cfg.straggler_hold)
         self.stragglers = StragglerWatch(
             cfg.root, cfg.node, self.log, params, cfg.summary_interval_s, self._publish
         )

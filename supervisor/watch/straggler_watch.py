@@ -15,7 +15,7 @@ from supervisor.format import eventtypes as ev
 from supervisor.format.events import EventLog
 from supervisor.format.heartbeat import Heartbeat, HeartbeatSnapshot, Phase, StepTime
 from supervisor.format.nodesummary import StragglerNote, newest_per_rank, read_summary, summary_paths
-from supervisor.watch.stragglers import Params, Verdict, judge
+from supervisor.watch.stragglers import Params, Verdict, judge, stragglers
 
 # Beats older than this many summary intervals (plus a margin) are no evidence: their rank has
 # stopped reporting, or its node has.
@@ -33,7 +33,8 @@ class StragglerWatch:
     ):
         self.root, self.node, self.log, self.params = root, node, log, params
         self.interval_s, self.publish = interval_s, publish
-        self.flagged: dict[int, Verdict] = {}
+        self.judged: dict[int, Verdict] = {}  # the last judgement: stragglers and suspects
+        self.flagged: dict[int, Verdict] = {}  # its stragglers
         self.hosts: dict[int, str] = {}
         self._due = 0.0
 
@@ -49,7 +50,8 @@ class StragglerWatch:
             return
         self._due = now + self.interval_s
         series = self.gather(local, time.time())
-        verdicts = judge(series, self.flagged, self.params)
+        self.judged = judge(series, self.judged, self.params)
+        verdicts = stragglers(self.judged, self.params)
         for rank in sorted(verdicts.keys() - self.flagged.keys()):
             v = verdicts[rank]
             self.log.emit(self._event(ev.Straggler, v), f"straggler: {v.describe(self.hosts.get(rank, ''))}")

@@ -14,8 +14,11 @@ compared with the median of its peers over its last ``window`` steps:
 
 Each rank's window is summarised by a trimmed mean (``trim`` of its steps dropped at each end): a
 garbage collection or a burst of another process on a shared machine is a spike, and a spike is
-not a straggler; a rank throttled one step in three (a CPU quota) still is. A flag stays until the
-score falls under ``clear`` (hysteresis: a rank near the threshold does not flap). Nothing here
+not a straggler; a rank throttled one step in three (a CPU quota) still is. A rank is flagged
+only once it scored ``factor`` or more in ``hold`` judgements in a row, each on a newer window: on
+short steps a window is under a second, and one second of a busy machine filled one (a clean run
+on 2 cores was flagged, 1.56x); three windows apart are what "sustained" means. A flag stays
+until the score falls under ``clear`` (hysteresis: a rank near the threshold does not flap). Nothing here
 reads a file or a clock; ``straggler_watch.py`` gathers the timings and acts on the verdicts.
 """
 
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 from supervisor.format.heartbeat import StepTime
@@ -31,6 +34,7 @@ from supervisor.format.heartbeat import StepTime
 DEFAULT_FACTOR = 1.3
 DEFAULT_WINDOW = 20
 DEFAULT_TRIM = 0.1
+DEFAULT_HOLD = 3
 
 
 class Kind(str, Enum):
@@ -47,6 +51,7 @@ class Params:
     factor: float = DEFAULT_FACTOR  # flag at this many times the peers' median (0: never)
     window: int = DEFAULT_WINDOW  # the steps each rank is judged on
     trim: float = DEFAULT_TRIM  # of the window, dropped at each end before the mean
+    hold: int = DEFAULT_HOLD  # judgements in a row, each on a newer window, before a flag
 
     @property
     def clear(self) -> float:
@@ -81,11 +86,18 @@ class Score:
 
 @dataclass(frozen=True)
 class Verdict:
+    """A rank that scored ``factor`` or more: a suspect until ``seen`` reaches ``Params.hold``,
+    then a straggler (``flagged``)."""
+
     rank: int
     kind: Kind
     value: float  # compute ratio, or 1 + lateness
-    since_step: int  # the last step of the window that flagged it
+    since_step: int  # the last step of the first window that scored it factor or more
     step: int  # the last step of the window that last judged it
+    seen: int = 1  # judgements in a row, each on a newer window, that scored it factor or more
+
+    def flagged(self, params: Params) -> bool:
+        return self.seen >= params.hold
 
     def describe(self, host: str = "") -> str:
         where = f" on {host}" if host else ""
@@ -153,21 +165,32 @@ def scores(series: Mapping[int, Sequence[StepTime]], params: Params) -> dict[int
 
 
 def judge(
-    series: Mapping[int, Sequence[StepTime]], flagged: Mapping[int, Verdict], params: Params
+    series: Mapping[int, Sequence[StepTime]], before: Mapping[int, Verdict], params: Params
 ) -> dict[int, Verdict]:
-    """The stragglers now: a rank scoring ``factor`` or more is flagged; one already flagged stays
-    while it scores ``clear`` or more (its kind and value updated). A flagged rank that cannot be
-    judged now (too few steps since a relaunch) keeps its verdict until it can; one that no longer
+    """The stragglers and suspects now (``flagged`` tells them apart), from the last judgement's
+    (``before``). A rank scoring ``factor`` or more is a suspect, seen once more when its window is
+    newer than the last that scored it; a suspect under ``factor`` is dropped; a straggler stays
+    while it scores ``clear`` or more (its kind and value updated). A rank that cannot be judged
+    now (too few steps since a relaunch) keeps its verdict until it can; one that no longer
     reports at all is dropped. ``factor`` 0: none."""
     if params.factor <= 0:
         return {}
     now = scores(series, params)
-    out: dict[int, Verdict] = {r: v for r, v in flagged.items() if r not in now and r in series}
+    out: dict[int, Verdict] = {r: v for r, v in before.items() if r not in now and r in series}
     for r, s in now.items():
         kind, value = s.kind_and_value()
-        before = flagged.get(r)
-        if before is None and value >= params.factor:
-            out[r] = Verdict(r, kind, value, s.last_step, s.last_step)
-        elif before is not None and value >= params.clear:
-            out[r] = Verdict(r, kind, value, before.since_step, s.last_step)
+        was = before.get(r)
+        if was is not None and was.flagged(params):
+            if value >= params.clear:
+                out[r] = replace(was, kind=kind, value=value, step=s.last_step)
+        elif value >= params.factor:
+            newer = was is None or s.last_step > was.step
+            since = was.since_step if was else s.last_step
+            seen = (was.seen if was else 0) + int(newer)
+            out[r] = Verdict(r, kind, value, since, s.last_step, seen)
     return out
+
+
+def stragglers(verdicts: Mapping[int, Verdict], params: Params) -> dict[int, Verdict]:
+    """The flagged ones of ``judge``'s verdicts (the suspects left out)."""
+    return {r: v for r, v in verdicts.items() if v.flagged(params)}
