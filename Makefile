@@ -15,7 +15,7 @@ TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadgroup)
 DRILL_ARGS ?=
 
-.PHONY: setup test test-fast drill lint bench gpu-check save-fault-sweep hang-sweep clean
+.PHONY: setup test test-fast drill lint bench gpu-check save-fault-sweep hang-sweep straggler-sweep clean
 
 setup: $(STAMP)
 
@@ -46,6 +46,13 @@ save-fault-sweep: $(STAMP)
 HANG_SWEEP_ARGS ?= --trials 20
 hang-sweep: $(STAMP)
 	$(PY) tests/hang_faults.py $(HANG_SWEEP_ARGS)
+
+# Stragglers on this machine (tests/straggler_sweep.py): 4 ranks under watch, each trial one rank held to
+# 1/1.5 of its CPU; trials flagged within 30 steps, false flags in the clean steps. STRAGGLER_SWEEP_ARGS:
+# e.g. --trials 5 --clean-steps 1000.
+STRAGGLER_SWEEP_ARGS ?= --trials 20 --clean-steps 10000
+straggler-sweep: $(STAMP)
+	$(PY) tests/straggler_sweep.py $(STRAGGLER_SWEEP_ARGS)
 
 # The GPU paths for real (train_ref/gpu_check.py): one PASS/FAIL table in a few minutes on a CUDA
 # machine; without CUDA one line and exit 0. Needs a CUDA torch (see setup above).

@@ -11,7 +11,7 @@ from pathlib import Path
 
 V2 = Path("/sys/fs/cgroup")
 V1 = Path("/sys/fs/cgroup/cpu")
-PERIOD_US = 100_000
+PERIOD_US = 10_000
 
 
 def cpu_cgroup_root() -> tuple[Path, str] | None:
