@@ -47,9 +47,9 @@ HANG_SWEEP_ARGS ?= --trials 20
 hang-sweep: $(STAMP)
 	$(PY) tests/hang_faults.py $(HANG_SWEEP_ARGS)
 
-# Stragglers on this machine (tests/straggler_sweep.py): 4 ranks under watch, each trial one rank held to
-# 1/1.5 of its CPU; trials flagged within 30 steps, false flags in the clean steps. STRAGGLER_SWEEP_ARGS:
-# e.g. --trials 5 --clean-steps 1000.
+# Stragglers on this machine (tests/straggler_sweep.py): 4 ranks under watch, each trial one rank slowed
+# to 1/1.5 of its speed by a calibrated CPU quota; trials flagged within 30 steps, false flags in the
+# clean steps (about 20 min). STRAGGLER_SWEEP_ARGS: e.g. --trials 5 --clean-steps 1000.
 STRAGGLER_SWEEP_ARGS ?= --trials 20 --clean-steps 10000
 straggler-sweep: $(STAMP)
 	$(PY) tests/straggler_sweep.py $(STRAGGLER_SWEEP_ARGS)

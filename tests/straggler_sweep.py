@@ -2,12 +2,15 @@
 
     .venv/bin/python tests/straggler_sweep.py --trials 20 --clean-steps 10000 [--slowdown 1.5]
 
-Four ranks of the reference trainer (ddp: it marks where its compute ends) run under `watch` (its
-straggler defaults: factor 1.3, window 20, hold 3; ``--interval`` seconds between judgements) on
-this machine, whatever else runs on it. Each trial limits one rank (the next one each time) with a
-cgroup CPU quota of 1/SLOWDOWN of the CPU it used over the ``--gap`` clean steps just before, so
-"1/1.5 of its speed" is what that rank got, not a guess about the machine; ``--slow-steps`` later
-the limit goes. After the trials, ``--clean-steps`` steps run with no limit.
+Four ranks of the reference trainer (``--config small``: steps of about 0.1 s here; ddp, which
+marks where its compute ends) run under `watch` (its straggler defaults: factor 1.3, window 20,
+hold 3) on this machine, whatever else runs on it. ``--interval`` is the watchdog's
+``--summary-interval``, the time between two judgements; a judgement sees a newer window only when
+a beat came (one a second per rank), so the hold takes about 3 s whatever the interval: 30 steps
+of 0.1 s, 3 of a large model's. Each trial limits one rank (the next one each time) with a cgroup
+CPU quota: 1/SLOWDOWN of the CPU it used over the ``--gap`` clean steps just before, scaled by a
+calibration trial first (``calibrate``), so "1/1.5 of its speed" is measured, not assumed;
+``--slow-steps`` later the limit goes. After the trials, ``--clean-steps`` steps run with no limit.
 
 A trial passes when a ``straggler`` event names its rank, kind compute, within ``--deadline``
 steps: from the first step the rank had not reported when the limit was set (conservative: a
@@ -72,6 +75,8 @@ class Trial:
 class Sweep:
     deadline: int
     trials: list[Trial] = field(default_factory=list)
+    calibration: Trial | None = None  # the quota's scale set on it (calibrate)
+    scale: float = 1.0
     false_flags: list[dict] = field(default_factory=list)
     steps: int = 0
     clean_steps: int = 0
@@ -102,6 +107,7 @@ class Sweep:
         return "\n".join([
             f"{len(self.passed())} of {len(self.trials)} trials flagged within {deadline} steps "
             f"(steps to the flag: {lat})",
+            f"quota scale {self.scale:.2f} (calibration trial: {self.calibration.describe() if self.calibration else '-'})",
             f"achieved slowdowns: min {min(slow, default=0):.2f} median {mid:.2f} max {max(slow, default=0):.2f}",
             f"false flags: {len(self.false_flags)} in {self.steps} steps x {RANKS} ranks "
             f"({self.clean_steps} clean steps after the trials) {flags}",
@@ -155,12 +161,12 @@ def wait_step(series: Series, step: int, proc: subprocess.Popen[bytes], timeout:
 
 
 @contextlib.contextmanager
-def watched(root: Path, steps: int, interval: float) -> Iterator[subprocess.Popen[bytes]]:
+def watched(root: Path, steps: int, interval: float, config: str) -> Iterator[subprocess.Popen[bytes]]:
     """The watchdog over torchrun's ranks; stopped with SIGTERM (it stops its tree)."""
     cmd = supervisor_cmd("watch", "--ckpt-root", str(root), "--summary-interval", str(interval))
     cmd += ["--hang-timeout", "300", "--"]
     cmd += [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}"]
-    cmd += ["-m", "train_ref.train", "--config", "tiny", "--parallel", "ddp", "--num-workers", "0"]
+    cmd += ["-m", "train_ref.train", "--config", config, "--parallel", "ddp", "--num-workers", "0"]
     cmd += ["--ckpt-root", str(root), "--steps", str(steps), "--save-every", "100000", "--seed", "0"]
     with (root.parent / "job.log").open("wb") as log:
         proc = subprocess.Popen(
@@ -179,11 +185,13 @@ def watched(root: Path, steps: int, interval: float) -> Iterator[subprocess.Pope
                     proc.wait()
 
 
-def trial(series: Series, proc: subprocess.Popen[bytes], rank: int, opts: argparse.Namespace) -> Trial:
+def trial(
+    series: Series, proc: subprocess.Popen[bytes], rank: int, opts: argparse.Namespace, scale: float = 1.0
+) -> Trial:
     pid = series.pids[rank]
     cpu0, t0 = cpu_seconds(pid), time.monotonic()
     wait_step(series, series.step() + opts.gap, proc)
-    cpus = (cpu_seconds(pid) - cpu0) / (time.monotonic() - t0) / opts.slowdown
+    cpus = (cpu_seconds(pid) - cpu0) / (time.monotonic() - t0) / opts.slowdown * scale
     with cpu_limit([pid], cpus):
         series.read()
         first = series.of(rank) + 1
@@ -195,13 +203,15 @@ def trial(series: Series, proc: subprocess.Popen[bytes], rank: int, opts: argpar
 def run(workdir: Path, opts: argparse.Namespace) -> Sweep:
     root = workdir / "run"
     root.mkdir(parents=True)
-    total = WARMUP + opts.trials * (opts.gap + opts.slow_steps) + opts.gap + opts.clean_steps
+    total = WARMUP + (opts.trials + 1) * (opts.gap + opts.slow_steps) + opts.gap + opts.clean_steps
     sweep = Sweep(opts.deadline)
     started = time.monotonic()
-    with watched(root, total + 1000, opts.interval) as proc:
+    with watched(root, total + 1000, opts.interval, opts.config) as proc:
         series = Series(root)
         wait_step(series, WARMUP, proc)
-        sweep.trials = [trial(series, proc, i % RANKS, opts) for i in range(opts.trials)]
+        sweep.calibration = trial(series, proc, 0, opts)
+        sweep.scale = calibrate(series, sweep.calibration, opts.slowdown)
+        sweep.trials = [trial(series, proc, i % RANKS, opts, sweep.scale) for i in range(opts.trials)]
         after = series.step() + opts.gap
         wait_step(series, after + opts.clean_steps, proc)
         time.sleep(3 * opts.interval)  # the last windows judged
@@ -217,15 +227,28 @@ def run(workdir: Path, opts: argparse.Namespace) -> Sweep:
     return sweep
 
 
+def calibrate(series: Series, t: Trial, slowdown: float) -> float:
+    """How much more CPU than 1/SLOWDOWN of what it used a rank needs to be SLOWDOWN times slower:
+    the calibration trial's achieved slowdown over SLOWDOWN (a rank's CPU over the gap counts
+    its time in the collectives too, so that quota slowed its compute by 1.7-2.6 for 1.5)."""
+    t.slowdown = got = achieved(series, t)
+    return got / slowdown if got else 1.0
+
+
 def attribute(sweep: Sweep, events: list[dict]) -> None:
-    """Each ``straggler`` event: its trial's flag (the first, kind compute), or a false one."""
+    """Each ``straggler`` event: its trial's flag (the first, kind compute), the calibration's
+    (ignored), or a false one."""
+    limited = [sweep.calibration] if sweep.calibration else []
     for e in events:
-        mine = [
-            t for t in sweep.trials if t.rank == e["rank"] and t.first <= e["step"] <= t.last + DEFAULT_WINDOW
+        on = [
+            t
+            for t in [*limited, *sweep.trials]
+            if t.rank == e["rank"] and t.first <= e["step"] <= t.last + DEFAULT_WINDOW
         ]
-        if not mine:
+        mine = [t for t in on if t is not sweep.calibration]
+        if not on:
             sweep.false_flags.append(e)
-        elif mine[0].flagged_at is None and e["kind"] == "compute":
+        elif mine and mine[0].flagged_at is None and e["kind"] == "compute":
             mine[0].flagged_at = e["step"]
 
 
@@ -254,6 +277,7 @@ def main() -> int:
     p.add_argument("--gap", type=int, default=40, help="clean steps between two trials")
     p.add_argument("--deadline", type=int, default=30)
     p.add_argument("--interval", type=float, default=1.0, help="the watchdog's --summary-interval")
+    p.add_argument("--config", default="small", help="the reference trainer's config (train_ref/config.py)")
     p.add_argument("--workdir", type=Path)
     opts = p.parse_args()
     return run_and_report(opts.workdir, "straggler-sweep-", lambda work: run(work, opts))
