@@ -211,7 +211,9 @@ def run(workdir: Path, opts: argparse.Namespace) -> Sweep:
         wait_step(series, WARMUP, proc)
         sweep.calibration = trial(series, proc, 0, opts)
         sweep.scale = calibrate(series, sweep.calibration, opts.slowdown)
-        sweep.trials = [trial(series, proc, i % RANKS, opts, sweep.scale) for i in range(opts.trials)]
+        # rank 0 next after the other three: a flag from its calibration must clear first (one still
+        # on when its trial began made no new event: that trial counted as never flagged)
+        sweep.trials = [trial(series, proc, (i + 1) % RANKS, opts, sweep.scale) for i in range(opts.trials)]
         after = series.step() + opts.gap
         wait_step(series, after + opts.clean_steps, proc)
         time.sleep(3 * opts.interval)  # the last windows judged
@@ -236,20 +238,15 @@ def calibrate(series: Series, t: Trial, slowdown: float) -> float:
 
 
 def attribute(sweep: Sweep, events: list[dict]) -> None:
-    """Each ``straggler`` event: its trial's flag (the first, kind compute), the calibration's
-    (ignored), or a false one."""
-    limited = [sweep.calibration] if sweep.calibration else []
+    """Each ``straggler`` event: its trial's flag (the first, kind compute; the calibration's
+    counts for nothing), or a false one."""
+    limited = ([sweep.calibration] if sweep.calibration else []) + sweep.trials
     for e in events:
-        on = [
-            t
-            for t in [*limited, *sweep.trials]
-            if t.rank == e["rank"] and t.first <= e["step"] <= t.last + DEFAULT_WINDOW
-        ]
-        mine = [t for t in on if t is not sweep.calibration]
+        on = [t for t in limited if t.rank == e["rank"] and t.first <= e["step"] <= t.last + DEFAULT_WINDOW]
         if not on:
             sweep.false_flags.append(e)
-        elif mine and mine[0].flagged_at is None and e["kind"] == "compute":
-            mine[0].flagged_at = e["step"]
+        elif on[0].flagged_at is None and e["kind"] == "compute":
+            on[0].flagged_at = e["step"]
 
 
 def achieved(series: Series, t: Trial, settle: int = 5) -> float | None:
