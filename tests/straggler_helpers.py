@@ -1,13 +1,20 @@
-"""A real straggler for tests: one rank's CPU limited by the kernel (a cgroup's CPU quota: cgroup
-v2 ``cpu.max``, or v1 ``cpu.cfs_quota_us``), the rank left as it is otherwise."""
+"""Real stragglers for tests: ranks of the reference trainer under the watchdog, and one rank's CPU
+limited by the kernel (a cgroup's CPU quota: cgroup v2 ``cpu.max``, or v1 ``cpu.cfs_quota_us``),
+the rank left as it is otherwise."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+
+from commands import REPO, supervisor_cmd
+from trainer_helpers import trainer_env
 
 V2 = Path("/sys/fs/cgroup")
 V1 = Path("/sys/fs/cgroup/cpu")
@@ -58,3 +65,34 @@ def cpu_limit(pids: Sequence[int], cpus: float) -> Iterator[Path]:
                     (base / "cgroup.procs").write_text(f"{pid}\n")
         with contextlib.suppress(OSError):
             group.rmdir()
+
+
+@contextlib.contextmanager
+def watched_ddp(
+    root: Path, ranks: int, config: str, steps: int, interval_s: float, stop_wait_s: float
+) -> Iterator[subprocess.Popen[bytes]]:
+    """The watchdog, judging every ``interval_s``, over ``ranks`` ddp ranks of the reference
+    trainer (ddp marks where its compute ends), no saves; its output in ``root.parent/job.log``.
+    Stopped on the way out with SIGTERM, which it passes to its whole tree (a SIGKILL to its group
+    would leave the ranks running: torchrun starts each in a session of its own); SIGKILL to its
+    group if it is not gone within ``stop_wait_s``."""
+    cmd = supervisor_cmd("watch", "--ckpt-root", str(root), "--summary-interval", str(interval_s))
+    cmd += ["--hang-timeout", "300", "--"]
+    cmd += [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    cmd += ["-m", "train_ref.train", "--config", config, "--parallel", "ddp", "--num-workers", "0"]
+    cmd += ["--ckpt-root", str(root), "--steps", str(steps), "--save-every", "100000", "--seed", "0"]
+    with (root.parent / "job.log").open("wb") as log:
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=trainer_env(OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            yield proc
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=stop_wait_s)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()

@@ -24,24 +24,18 @@ against the other ranks' same ratio (the machine's own drift cancels).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import signal
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run as a script too
 
-from commands import REPO, supervisor_cmd  # noqa: E402
-from straggler_helpers import cpu_limit, cpu_seconds  # noqa: E402
+from straggler_helpers import cpu_limit, cpu_seconds, watched_ddp  # noqa: E402
 from sweep_cli import run_and_report  # noqa: E402
-from trainer_helpers import trainer_env  # noqa: E402
 from waiting import watchdog_events  # noqa: E402
 
 from supervisor.format.heartbeat import StepTime, read_heartbeat_folder  # noqa: E402
@@ -160,31 +154,6 @@ def wait_step(series: Series, step: int, proc: subprocess.Popen[bytes], timeout:
         series.read()
 
 
-@contextlib.contextmanager
-def watched(root: Path, steps: int, interval: float, config: str) -> Iterator[subprocess.Popen[bytes]]:
-    """The watchdog over torchrun's ranks; stopped with SIGTERM (it stops its tree)."""
-    cmd = supervisor_cmd("watch", "--ckpt-root", str(root), "--summary-interval", str(interval))
-    cmd += ["--hang-timeout", "300", "--"]
-    cmd += [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}"]
-    cmd += ["-m", "train_ref.train", "--config", config, "--parallel", "ddp", "--num-workers", "0"]
-    cmd += ["--ckpt-root", str(root), "--steps", str(steps), "--save-every", "100000", "--seed", "0"]
-    with (root.parent / "job.log").open("wb") as log:
-        proc = subprocess.Popen(
-            cmd, cwd=REPO, env=trainer_env(OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-        try:
-            yield proc
-        finally:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=120)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-
-
 def trial(
     series: Series, proc: subprocess.Popen[bytes], rank: int, opts: argparse.Namespace, scale: float = 1.0
 ) -> Trial:
@@ -206,7 +175,7 @@ def run(workdir: Path, opts: argparse.Namespace) -> Sweep:
     total = WARMUP + (opts.trials + 1) * (opts.gap + opts.slow_steps) + opts.gap + opts.clean_steps
     sweep = Sweep(opts.deadline)
     started = time.monotonic()
-    with watched(root, total + 1000, opts.interval, opts.config) as proc:
+    with watched_ddp(root, RANKS, opts.config, total + 1000, opts.interval, 120) as proc:
         series = Series(root)
         wait_step(series, WARMUP, proc)
         sweep.calibration = trial(series, proc, 0, opts)

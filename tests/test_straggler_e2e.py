@@ -1,8 +1,9 @@
 """Stragglers for real: two ranks of the reference trainer (ddp, which marks where its compute
 ends) under the watchdog on this machine (its configs' global batch of 8 does not split over 3;
-4 would load a 2-core CI machine for no more evidence: each rank is judged against its peers). One rank held to a quarter of the CPU it used (a cgroup
-CPU quota, tests/straggler_helpers.py) is named in a ``straggler`` event, kind compute. Every
-wait is on an event (a step in the heartbeats, the event itself).
+4 would load a 2-core CI machine for no more evidence: each rank is judged against its peers;
+`make straggler-sweep` runs 4). One rank held to a quarter of the CPU it used (a cgroup CPU
+quota, tests/straggler_helpers.py) is named in a ``straggler`` event, kind compute. Every wait is
+on an event (a step in the heartbeats, the event itself).
 
 Not asserted: that no other rank is ever flagged, nor that a run left alone has no straggler
 event. On a 2-core machine under a CI load (load average 9) one of two runs left alone flagged
@@ -12,19 +13,11 @@ train_ref's per-rank random sequence length, are what the judge measures on such
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from commands import REPO, supervisor_cmd
-from straggler_helpers import cpu_cgroup_root, cpu_limit, cpu_seconds
-from trainer_helpers import trainer_env
+from straggler_helpers import cpu_cgroup_root, cpu_limit, cpu_seconds, watched_ddp
 from waiting import PATIENCE_S, wait_for, watchdog_events
 
 from supervisor.format.heartbeat import Heartbeat, Phase, read_heartbeat_folder
@@ -33,34 +26,6 @@ from supervisor.watch.stragglers import DEFAULT_FACTOR
 RANKS = 2
 SLOW = 1  # the rank held back
 WINDOW = 20  # the watchdog's default --straggler-window
-
-
-@contextmanager
-def job(root: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """The watchdog (judging every second) over torchrun's ranks; stopped on the way out with
-    SIGTERM, which it passes to its whole tree (a SIGKILL to its group would leave the ranks
-    running: torchrun starts each in a session of its own)."""
-    cmd = supervisor_cmd("watch", "--ckpt-root", str(root), "--summary-interval", "1")
-    cmd += ["--hang-timeout", "300", "--"]
-    cmd += [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}"]
-    cmd += ["-m", "train_ref.train", "--config", "tiny", "--parallel", "ddp", "--num-workers", "0"]
-    cmd += ["--ckpt-root", str(root), "--steps", "100000", "--save-every", "100000", "--seed", "0"]
-    out = open(root.parent / "job.log", "wb")  # noqa: SIM115 - the process holds it; closed below
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=trainer_env(OMP_NUM_THREADS="1"), stdout=out, stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=PATIENCE_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        out.close()
 
 
 def beats(root: Path) -> dict[int, Heartbeat]:
@@ -84,7 +49,7 @@ def test_a_rank_held_to_a_quarter_of_its_cpu_is_named_a_compute_straggler(tmp_pa
         pytest.skip("no writable cgroup cpu controller here")
     root = tmp_path / "run"
     root.mkdir()
-    with job(root) as proc:
+    with watched_ddp(root, RANKS, "tiny", 100_000, 1.0, PATIENCE_S) as proc:
         warm = wait_for(lambda: all_at(root, 5), "every rank at step 5", proc=proc)
         pid, first = warm[SLOW].pid, warm[SLOW].step
         cpu0, t0 = cpu_seconds(pid), time.monotonic()
