@@ -574,7 +574,7 @@ class Resumable:
         self._loader_check = LoaderCheck(self._warn)
         self._last_save = time.monotonic()
         self._t_end = time.perf_counter()
-        self._clock = StepClock()  # each step's compute and wait, for the straggler verdict
+        self._clock = StepClock(self._t_end)  # each step's compute and wait, for the straggler verdict
         # The staging wait, before every optimizer step, so no caller can forget it.
         self._state_optimizer().register_step_pre_hook(lambda *_: self._before_optimizer_step())
         # Why the load failed, once it did: the state holds part of a checkpoint from then on, and
@@ -621,6 +621,7 @@ class Resumable:
             self._metrics_file = LineAppender(RunDir.of(self._root).metrics, self._root)
         self._hb.beat(self.start, Phase.TRAIN, force=True)
         self._last_save, self._t_end = time.monotonic(), time.perf_counter()
+        self._clock.restart(self._t_end)
         self._open_loaders()
         return self.start
 
@@ -949,7 +950,7 @@ class Resumable:
         except PeersTimedOut as e:
             self._gave_up(e)
         self._t_end = time.perf_counter()
-        self._clock.restart()
+        self._clock.restart(self._t_end)
         return done
 
     def compute_done(self) -> None:

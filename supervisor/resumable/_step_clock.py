@@ -21,16 +21,17 @@ __all__ = ["StepClock"]
 class StepClock:
     """One rank's clock of its steps: the last ``keep`` steps' ``StepTime``, for its heartbeat."""
 
-    def __init__(self, keep: int = STEP_TIMES_KEPT) -> None:
+    def __init__(self, start: float, keep: int = STEP_TIMES_KEPT) -> None:
         self.recent: deque[StepTime] = deque(maxlen=keep)
-        self._start = time.perf_counter()
+        self._start = start
         self._arrived: float | None = None
         self._marked = False
         self._wait = 0.0
 
-    def restart(self) -> None:
-        """The step starts now (the boundary let this rank go)."""
-        self._start = time.perf_counter()
+    def restart(self, start: float) -> None:
+        """The step starts at ``start`` (``time.perf_counter``): where the boundary let this rank
+        go, or where a resume's load ended. The same instant the Resumable times its steps from."""
+        self._start = start
         self._arrived, self._marked, self._wait = None, False, 0.0
 
     def compute_done(self) -> None:
