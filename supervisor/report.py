@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from supervisor import store
 from supervisor.format import events
 from supervisor.format.atomic import hostname, pid_alive
+from supervisor.format.badnodes import read_bad_nodes
 from supervisor.format.heartbeat import Heartbeat, HeartbeatSnapshot, Phase, boot_id, read_heartbeats
 from supervisor.format.layout import RunDir, parse_state_filename, per_node_files, safe_host
 from supervisor.format.nodesummary import (
@@ -27,6 +28,7 @@ from supervisor.format.nodesummary import (
     read_summary,
     summary_paths,
 )
+from supervisor.format.roster import read_roster
 from supervisor.format.runstatus import RunStatus
 from supervisor.store.ioerrors import Evidence, describe
 from supervisor.store.quickcache import QuickChecks
@@ -191,6 +193,11 @@ class StatusReport:
     abandoned: tuple[str, ...] = ()
     # The stragglers node 0's watchdog flags now (its node summary), each in words.
     stragglers: tuple[str, ...] = ()
+    # With hot spares: the roster's current generation in one line (supervisor/roster.json).
+    roster: str = ""
+    # The run's bad nodes, one line each with their incidents' evidence, then what was done about
+    # them and the other hosts' incidents (supervisor/bad_nodes.json).
+    bad_nodes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """Shallow per row: ``dataclasses.asdict`` deep-copies and costs 10x on 4096 ranks."""
@@ -201,6 +208,7 @@ class StatusReport:
         d["in_progress"] = list(self.in_progress)
         d["abandoned"] = list(self.abandoned)
         d["stragglers"] = list(self.stragglers)
+        d["bad_nodes"] = list(self.bad_nodes)
         d["remote"] = dict(self.remote.__dict__, skipped=list(self.remote.skipped)) if self.remote else None
         return d
 
@@ -685,6 +693,8 @@ def build_report(root: str | Path, now: float | None = None, all_ranks: bool = F
         stragglers=tuple(
             n.text or f"rank {n.rank} on {n.host}: {n.kind} {n.value:.2f}" for n in _stragglers(view)
         ),
+        roster=_roster_line(root),
+        bad_nodes=_bad_node_lines(root),
     )
 
 
@@ -694,6 +704,50 @@ def _stragglers(view: _RankView) -> list[StragglerNote]:
         if s.header.stragglers:
             return list(s.header.stragglers)
     return []
+
+
+def _roster_line(root: Path) -> str:
+    if not RunDir.of(root).roster.exists():
+        return ""
+    try:
+        r = read_roster(root)
+    except (OSError, ValueError) as e:
+        return f"{RunDir.of(root).roster} cannot be used: {describe(e) if isinstance(e, OSError) else e}"
+    if r is None:
+        return ""
+    if r.stop:
+        return f"job {r.key}: stopped at generation {r.generation} (exit {r.exit_code}): {r.reason}"
+    swapped = "; ".join(f"{a} replaced by {b}" for a, b in r.replaced.items())
+    return f"job {r.key}: {r.describe()}" + (f"; {swapped}" if swapped else "") + f" ({r.reason})"
+
+
+def _bad_node_lines(root: Path) -> tuple[str, ...]:
+    if not RunDir.of(root).bad_nodes.exists():
+        return ()
+    try:
+        bad = read_bad_nodes(root)
+    except (OSError, ValueError) as e:
+        return (
+            f"{RunDir.of(root).bad_nodes} cannot be used: {describe(e) if isinstance(e, OSError) else e}",
+        )
+    if bad is None:
+        return ()
+    lines = [
+        f"BAD {host}: {len(its)} incidents (threshold {bad.threshold}): "
+        + " | ".join(i.describe() for i in its)
+        for host, its in bad.bad.items()
+    ]
+    others: dict[str, int] = {}
+    for i in bad.incidents:
+        if i.host not in bad.bad:
+            others[i.host] = others.get(i.host, 0) + 1
+    if others:
+        lines.append(
+            f"incidents below the threshold ({bad.threshold}): "
+            + ", ".join(f"{h} {n}" for h, n in sorted(others.items()))
+        )
+    lines += [f"{a.what} {', '.join(a.hosts)} (job {a.job}): {a.detail}" for a in bad.actions[-3:]]
+    return tuple(lines)
 
 
 def _abandoned(t: store.TmpRef) -> str:

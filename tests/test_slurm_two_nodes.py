@@ -10,24 +10,20 @@ c10d endpoint outside SLURM: one 2-rank node gives another digest (docs/slurm.md
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from slurm_helpers import (
-    JOB_TIMEOUT_S,
-    REPO,
     TRAIN,
     Cluster,
     Job,
     assert_no_step_lost,
+    golden_digest,
     launch_ends,
+    node_of,
     running_cluster,
     submit,
 )
@@ -52,35 +48,13 @@ def cluster2(pytestconfig: pytest.Config) -> Iterator[Cluster]:
 @pytest.fixture(scope="module")
 def golden2(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Two torchruns of one rank each on one c10d endpoint on this machine, never interrupted."""
-    root = tmp_path_factory.mktemp("golden2") / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={NODES}", "--nproc-per-node=1"]
-    cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--rdzv-id=golden2"]
-    cmd += [*TRAIN, "--steps", str(STEPS), "--ckpt-root", str(root)]
-    procs = [
-        subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for _ in range(NODES)
-    ]
-    outs = [p.communicate(timeout=JOB_TIMEOUT_S)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0] * NODES, "\n".join(o[-3000:] for o in outs)
-    return json.loads((root / "final.json").read_text())["params_sha256"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return golden_digest(tmp_path_factory.mktemp("golden2") / "run", NODES, (*TRAIN, "--steps", str(STEPS)))
 
 
 def submit2(cluster: Cluster, tmp: Path, hold_at: int | None = None, **env: str) -> tuple[Job, Path]:
     return submit(
         cluster, tmp, *TRAIN, "--steps", str(STEPS), hold_at=hold_at, nodes=NODES, nproc_per_node=1, **env
     )
-
-
-def node_of(pid: int) -> str:
-    """The SLURM node a job process runs on (slurmd puts SLURMD_NODENAME in its tasks' environment)."""
-    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return next(e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"SLURMD_NODENAME="))
 
 
 def test_two_nodes_run_to_completion_digest_equal(cluster2: Cluster, tmp_path: Path, golden2: str) -> None:

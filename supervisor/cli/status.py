@@ -131,6 +131,10 @@ def render(r: StatusReport) -> str:
         out += ["", "stragglers:", *(f"  {line}" for line in r.stragglers)]
     if r.slurm:
         out += ["", f"slurm {r.slurm}"]
+    if r.roster:
+        out.append(f"roster {r.roster}")
+    if r.bad_nodes:
+        out += ["bad nodes:", *(f"  {line}" for line in r.bad_nodes)]
     if r.retention:
         out += ["", f"retention: {r.retention}"]
     return "\n".join(out)

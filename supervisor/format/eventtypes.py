@@ -265,6 +265,9 @@ class RootCause(Event):
     file: str = ""
     line: int = 0
     error_file: str = ""
+    # When the first rank failed (wall time; 0: not known): the job's coordinator pins an incident
+    # on the node whose ranks failed first (supervisor/slurm/incidents.py).
+    failed_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -308,6 +311,87 @@ class StragglerCleared(_StragglerVerdict):
     """A flagged rank keeps up again (its last verdict's fields)."""
 
     NAME = EventName.STRAGGLER_CLEARED
+
+
+# ------------------------------------------- hot spares and bad nodes (docs/slurm.md#hot-spares)
+
+
+@dataclass(frozen=True)
+class RosterJoined(Event):
+    """--roster: this node trains in a roster generation, at a node rank."""
+
+    NAME = EventName.ROSTER
+    generation: int
+    node_rank: int
+    nnodes: int
+    master: str  # the group's rendezvous, host:port
+    replaced: dict[str, str] = field(default_factory=dict)  # lost host -> the spare in its place
+
+
+@dataclass(frozen=True)
+class Spare(Event):
+    """--roster: this node waits as a spare in a generation (role spare), or is left out (out)."""
+
+    NAME = EventName.SPARE
+    generation: int
+    role: str
+
+
+@dataclass(frozen=True)
+class Generation(Event):
+    """The job's coordinator wrote a roster generation: who trains, the spares; or its stop."""
+
+    NAME = EventName.GENERATION
+    generation: int
+    nodes: list[str] = field(default_factory=list)
+    spares: list[str] = field(default_factory=list)
+    replaced: dict[str, str] = field(default_factory=dict)
+    stop: bool = False
+    exit_code: int | None = None
+
+
+@dataclass(frozen=True)
+class NodeLost(Event):
+    """A node's watchdog silent past NODE_TIMEOUT_S, or its slurmd down."""
+
+    NAME = EventName.NODE_LOST
+    node: int
+    host: str
+
+
+@dataclass(frozen=True)
+class Incident(Event):
+    """A failure pinned on a host, with the evidence."""
+
+    NAME = EventName.INCIDENT
+    host: str
+    why: list[str]
+    count: int  # the host's incidents so far
+
+
+@dataclass(frozen=True)
+class BadNode(Event):
+    """A host reached BAD_NODE_INCIDENTS incidents: left out while a spare can take its place,
+    excluded from a requeue."""
+
+    NAME = EventName.BAD_NODE
+    host: str
+    count: int
+
+
+@dataclass(frozen=True)
+class BadNodesUnreadable(Event):
+    """The run's bad-node list could not be read (an empty one started) or written (kept in memory)."""
+
+    NAME = EventName.BAD_NODES_UNREADABLE
+
+
+@dataclass(frozen=True)
+class JobExit(Event):
+    """Every live node's watchdog ended: the job's exit code."""
+
+    NAME = EventName.JOB_EXIT
+    exit_code: int
 
 
 # ---------------------------------------------------------------- picking across tiers
@@ -441,7 +525,8 @@ _ALL: tuple[type[Event], ...] = (
     WatchdogStart, HeartbeatDir, Pick, Launch, LaunchEnd, Kill, Stop, RankDied, BlockedIo, Hang,
     StackDump, Relaunch, WatchdogExit, Preempt, Quarantine, Untrusted, IoRetry, StateUnreadable,
     RemoteUnavailable, SaveFailed, SaveRecovered, RootCause, Standby, Recovery, Straggler,
-    StragglerCleared, DownloadWait, Downloaded, LocalQuarantined, RemoteQuarantined,
+    StragglerCleared, RosterJoined, Spare, Generation, NodeLost, Incident, BadNode,
+    BadNodesUnreadable, JobExit, DownloadWait, Downloaded, LocalQuarantined, RemoteQuarantined,
     RemoteUnreachable, UploadOk, UploadSkipped, UploadRefused, UploadDeferred, RemoteDown,
     RemoteBack, RemotePruned, LocalPruned,
 )  # fmt: skip

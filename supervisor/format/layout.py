@@ -21,6 +21,12 @@
       supervisor/events.remote.jsonl the remote-tier uploader's event log (trainer rank 0)
       supervisor/remote.json         the uploader's status
       supervisor/slurm.json          the SLURM job's requeue budget and history
+      supervisor/roster.json         with hot spares: which nodes train, at which node rank, and
+                                     which wait as spares (the job's coordinator writes it)
+      supervisor/bad_nodes.json      the run's incidents per host and its bad-node list, with the
+                                     evidence and what was done (excluded, drained)
+      supervisor/events.job.jsonl    the SLURM job's coordinator's event log (nodes lost, spares
+                                     swapped in, incidents, bad nodes)
       supervisor/retention.json      the retention policy the trainer prunes with (for `status`)
       supervisor/launches/<launch id>/error.json  torchelastic's root-cause error file of one launch
                                      (TORCHELASTIC_ERROR_FILE), and elastic/: torchrun's log dir
@@ -83,6 +89,9 @@ SAMPLES = "samples"
 REMOTE_STATUS = "remote.json"
 REMOTE_EVENTS = "events.remote.jsonl"
 REQUEUE_STATE = "slurm.json"
+ROSTER = "roster.json"
+BAD_NODES = "bad_nodes.json"
+JOB_EVENTS = "events.job.jsonl"
 RETENTION = "retention.json"
 # `status`'s remembered quick checks of committed checkpoints (supervisor/store/quickcache.py).
 STATUS_CACHE = "status_cache.json"
@@ -509,6 +518,18 @@ class RunDir:
     @property
     def requeue_state(self) -> Path:
         return self.supervisor / REQUEUE_STATE
+
+    @property
+    def roster(self) -> Path:
+        return self.supervisor / ROSTER
+
+    @property
+    def bad_nodes(self) -> Path:
+        return self.supervisor / BAD_NODES
+
+    @property
+    def job_events(self) -> Path:
+        return self.supervisor / JOB_EVENTS
 
     @property
     def retention(self) -> Path:

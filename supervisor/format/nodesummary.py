@@ -84,6 +84,12 @@ class StragglerNote:
         )
 
 
+# A node's part in a run whose launches follow a roster (SLURM's hot spares, docs/slurm.md):
+ROLE_TRAIN = "train"  # in the roster's launch
+ROLE_SPARE = "spare"  # waiting, imports done, to take a lost node's place
+ROLE_OUT = "out"  # left out by the roster (a bad node) and not a spare
+
+
 @dataclass  # not frozen: `status` parses 2,048; frozen, its __init__ took 3.1 us instead of 0.6
 class SummaryHeader:
     """The first line of a node summary: the node's watchdog and its ranks in counts, enough for
@@ -112,6 +118,11 @@ class SummaryHeader:
     live_step_max: int | None = None  # over the ranks that need no look
     last_step_s: float | None = None  # median over those in phase train
     attention: tuple[int, ...] = ()
+    # Under a roster (--roster): ROLE_*, the generation of its last launch, and the one it waits
+    # for (0: not waiting); '' and 0 without one.
+    role: str = ""
+    roster_gen: int = 0
+    roster_wait: int = 0
     stragglers: tuple[StragglerNote, ...] = ()  # the judge's verdicts (node 0's summary)
 
     def to_dict(self) -> dict[str, Any]:
@@ -181,10 +192,13 @@ _HEADER_TYPES: dict[str, tuple[type, ...]] = {
     "live_step_max": (int, _N),
     "last_step_s": (float, int, _N),
     "attention": (list,),
+    "role": (str,),
+    "roster_gen": (int,),
+    "roster_wait": (int,),
     "stragglers": (list,),
 }
 # Fields a summary of an older version lacks, and what they are then.
-_LATER_FIELDS: dict[str, Any] = {"stragglers": []}
+_LATER_FIELDS: dict[str, Any] = {"role": "", "roster_gen": 0, "roster_wait": 0, "stragglers": []}
 _FIELDS = tuple(_HEADER_TYPES)  # SummaryHeader's fields, in its order
 _GET = operator.itemgetter(*_FIELDS)
 _ALLOWED = frozenset((k, t) for k, types in _HEADER_TYPES.items() for t in types)
@@ -248,6 +262,9 @@ def _parse_header_slowly(d: dict[str, Any]) -> SummaryHeader:
         live_step_max=_check(d, "live_step_max", int, optional=True),
         last_step_s=_check(d, "last_step_s", _NUM, optional=True),
         attention=tuple(attention),
+        role=_check(d, "role", str),
+        roster_gen=_check(d, "roster_gen", int),
+        roster_wait=_check(d, "roster_wait", int),
         stragglers=tuple(map(StragglerNote.parse, _check(d, "stragglers", list))),
     )
 

@@ -207,6 +207,15 @@ class WatchConfig:
         False,
         group=HANG,
     )
+    roster: str | None = option(
+        "launch only as the run's roster (supervisor/roster.json) with this key says: this node at its "
+        "node rank, or waiting as a spare with its standby's imports done; written by the SLURM job's "
+        "coordinator (docs/slurm.md#hot-spares); COMMAND is a --standalone torchrun whose ranks join the "
+        "group at supervisor.resumable.wait_if_standby",
+        None,
+        metavar="KEY",
+        group=RESTARTS,
+    )
     straggler_factor: float = option(
         "flag a rank whose own compute per step is FACTOR times its peers' median, or that arrives "
         "that late at the step boundary, over --straggler-window steps (0: never)",

@@ -51,6 +51,7 @@ from supervisor.format.layout import (
     launch_id,
     node_local_base,
 )
+from supervisor.format.roster import ENV_GROUP, RELEASED, GroupFacts
 from supervisor.format.runstatus import RunStatus
 from supervisor.store.ioerrors import StorageUnavailable, describe, retry_transient
 from supervisor.watch import (
@@ -69,6 +70,7 @@ from supervisor.watch.metrics_file import MetricsFile
 from supervisor.watch.monitor import SIGNAL_POLL_S, Ended, Monitor
 from supervisor.watch.picker import Picker
 from supervisor.watch.recovery import Moment
+from supervisor.watch.roster import RosterFollower, Stopped
 from supervisor.watch.signals import Signals
 from supervisor.watch.standby import Standby
 from supervisor.watch.state_file import StateFile
@@ -112,6 +114,11 @@ class Watchdog:
         self.picker = Picker(cfg, self.log, self._io, self._pick_retry, self._sleep)
         self.standby = Standby(cfg.root, self.host, self.log, lambda n: self._start_launch(n, standby=True))
         self.oom_kills: int | None = None  # the memory cgroup's OOM kills when the launch started
+        self.follower = (
+            RosterFollower(cfg.root, cfg.roster, cfg.node, self.log, self._save, self._publish, self._poke)
+            if cfg.roster
+            else None
+        )
         params = Params(cfg.straggler_factor, cfg.straggler_window, hold=cfg.straggler_hold)
         self.stragglers = StragglerWatch(
             cfg.root, cfg.node, self.log, params, cfg.summary_interval_s, self._publish
@@ -177,10 +184,21 @@ class Watchdog:
     def _run(self) -> int:
         monitor = self._start_up()
         while True:
+            group = None
+            if self.follower is not None:  # --roster: this node's turn, or stop
+                turn = self.follower.turn(self.signals, self._keep_standby)
+                if turn is None:
+                    return self._interrupted("while waiting for the roster", "while waiting for the roster")
+                if isinstance(turn, Stopped):  # DONE only after a launch: a spare not needed stops
+                    status = RunStatus.STOPPED if turn.code == Exit.OK else RunStatus.FAILED
+                    if turn.code == Exit.REQUEUE_REQUESTED:
+                        status = RunStatus.REQUEUED
+                    return self._finish(turn.code, status, turn.reason)
+                group = turn
             resumed_from = self._pick()
             if self.signals.interrupted:
                 return self._interrupted("before a launch", "before launch")
-            rec, ended = self._launch_once(monitor, resumed_from)
+            rec, ended = self._launch_once(monitor, resumed_from, group)
             d = self._decide(rec, ended)
             if not d.relaunch:
                 failed = RunStatus.STOPPED if ended.stop_signal else RunStatus.FAILED
@@ -221,8 +239,8 @@ class Watchdog:
         base = self.cfg.node_dir or node_local_base()
         self.hb_dir, msg = node_summary.choose_folder(base, self.cfg.root, self.cfg.node)
         self.log.emit(ev.HeartbeatDir(path=str(self.hb_dir)), msg)
-        if self.hb_dir == RunDir.of(self.cfg.root).heartbeats:
-            return
+        if self.hb_dir == RunDir.of(self.cfg.root).heartbeats and not self.cfg.roster:
+            return  # under a roster the summary is the node's readiness: published all the same
         facts = node_summary.NodeFacts(self.cfg.node, self.host, os.getpid(), self.cfg.summary_interval_s)
         self.publisher = node_summary.Publisher(self.cfg.root, self.hb_dir, facts, self.cfg.timeouts)
         self.publisher.start()
@@ -285,10 +303,13 @@ class Watchdog:
 
     # ------------------------------------------------------------ one launch
 
-    def _launch_once(self, monitor: Monitor, resumed_from: int | None) -> tuple[LaunchRecord, Ended]:
+    def _launch_once(
+        self, monitor: Monitor, resumed_from: int | None, group: GroupFacts | None = None
+    ) -> tuple[LaunchRecord, Ended]:
         number = self.state.launch_count + 1
         self.oom_kills = oom.cgroup_oom_kills()
-        launch_id, child = self.standby.take(number) or self._start_launch(number)
+        release = group.to_json() if group is not None else ""
+        launch_id, child = self.standby.take(number, release) or self._start_launch(number, group=group)
         if self.recovering is not None:
             self.recovering[Moment.PROCESS_STARTED] = child.started
         try:  # whatever goes wrong in here, nothing of the launch outlives it
@@ -399,13 +420,18 @@ class Watchdog:
         env.setdefault(ELASTIC_LOG_DIR_ENV, str(run.elastic_logs(launch_id)))
         return env
 
-    def _start_launch(self, number: int, standby: bool = False) -> tuple[str, process.Child]:
-        """Start COMMAND as launch ``number``; a standby's ranks wait for _take_standby."""
+    def _start_launch(
+        self, number: int, standby: bool = False, group: GroupFacts | None = None
+    ) -> tuple[str, process.Child]:
+        """Start COMMAND as launch ``number``; a standby's ranks wait for its release (under a
+        roster their group's facts come with it, a cold launch's in its environment)."""
         lid = launch_id(self.host, self.cfg.node, os.getpid(), number, uuid.uuid4().hex[:6])
         env = self._launch_env(lid, number)
         if standby:
             env[ENV_STANDBY_RELEASE] = str(RunDir.of(self.cfg.root).release_file(lid))
             env[ENV_WATCHDOG_PID] = str(os.getpid())
+        if self.cfg.roster:
+            env[ENV_GROUP] = RELEASED if standby or group is None else group.to_json()
         return lid, self._start(env, own_subtree=standby)
 
     # ------------------------------------------------------------ standby (--standby)
@@ -455,6 +481,19 @@ class Watchdog:
             f"launch {number} recovery: {recovery.describe(phases)}",
         )
         self._save(recovery=phases)
+
+    def _keep_standby(self, wanted: bool) -> None:
+        """While this node waits for its roster: its next launch kept started ahead (a spare's
+        imports done), or dropped when the roster leaves the node out."""
+        if wanted:
+            self.standby.ensure(self.state.launch_count + 1)
+        else:
+            self.standby.drop("not needed: the roster leaves this node out")
+
+    def _poke(self) -> None:
+        """The node summary written now (the roster's readiness), not at its next interval."""
+        if self.publisher is not None:
+            self.publisher.poke()
 
     def _publish(self, **facts: object) -> None:
         """News for the node summary (written at its next interval)."""

@@ -54,6 +54,9 @@ class NodeFacts:
     launch_id: str = ""  # the launch running now ('' between launches)
     verdict: str = ""
     culprit: str = ""
+    role: str = ""  # under a roster (--roster): nodesummary.ROLE_*
+    roster_gen: int = 0
+    roster_wait: int = 0
     stragglers: tuple[StragglerNote, ...] = ()  # this watchdog's straggler verdicts (the judge's)
 
 
@@ -110,6 +113,9 @@ def build_summary(
         live_step_max=max((b.step for b in fine), default=None),
         last_step_s=step_times[len(step_times) // 2] if step_times else None,
         attention=tuple(sorted(attention)),
+        role=facts.role,
+        roster_gen=facts.roster_gen,
+        roster_wait=facts.roster_wait,
         stragglers=facts.stragglers,
     )
     return header, records, problems
@@ -156,6 +162,7 @@ class Publisher:
         self.root, self.folder, self.facts, self.timeouts = root, folder, facts, timeouts
         self.error = ""  # why the last write failed ('' when it worked)
         self._stop = threading.Event()
+        self._wake = threading.Event()  # write now, not at the next interval (``poke``)
         self._thread = threading.Thread(target=self._run, name="node-summary", daemon=True)
 
     def update(self, **changes: object) -> None:
@@ -163,13 +170,19 @@ class Publisher:
         per interval)."""
         self.facts = replace(self.facts, **changes)  # type: ignore[arg-type]
 
+    def poke(self) -> None:
+        """Write the summary now: news another node waits for (a roster's readiness)."""
+        self._wake.set()
+
     def start(self) -> None:
         self._thread.start()
 
     def _run(self) -> None:
         while True:
             self.publish()
-            if self._stop.wait(self.facts.interval_s):
+            self._wake.wait(self.facts.interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
                 return
 
     def publish(self) -> bool:
@@ -196,6 +209,7 @@ class Publisher:
         removed: it is memory, and everything in it is in the summary. Kept when that last
         summary could not be written, or the thread is stuck in a write."""
         self._stop.set()
+        self._wake.set()
         if self._thread.is_alive():
             self._thread.join(STOP_WAIT_S)
         if self._thread.is_alive() or not self.publish():

@@ -217,6 +217,7 @@ def ends_event(launch: int, problems: list[str], ends: Sequence[RankEnd]) -> ev.
         how=first.how,
         signal=first.signal,
         consequences=[e.describe() for e in ends[1:]],
+        failed_at=round(first.t, 3),
     )
 
 
@@ -232,6 +233,7 @@ def file_event(launch: int, problems: list[str], cause: RootCause) -> ev.RootCau
         file=cause.file,
         line=cause.line,
         error_file=cause.source,
+        failed_at=round(cause.at, 3) if cause.at else 0.0,
     )
 
 
