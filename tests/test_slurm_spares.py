@@ -29,8 +29,9 @@ from slurm_helpers import DONE_STATES, TRAIN, Cluster, Job, golden_digest, node_
 from straggler_helpers import cpu_cgroup_root, cpu_limit
 
 from supervisor.format import events
+from supervisor.format import eventtypes as ev
 from supervisor.format.badnodes import read_bad_nodes
-from supervisor.format.eventnames import EventName
+from supervisor.format.eventtypes import Logged
 from supervisor.format.heartbeat import Mark
 from supervisor.format.layout import RunDir
 from supervisor.format.nodesummary import read_run_heartbeats
@@ -75,8 +76,14 @@ def golden(tmp_path_factory: pytest.TempPathFactory) -> str:
     return golden_digest(tmp_path_factory.mktemp("golden_spares") / "run", 2, DDP)
 
 
-def job_events(job: Job) -> list[dict]:
-    return events.read_events(RunDir.of(job.run_dir).job_events)
+def job_events(job: Job) -> list[Logged[ev.Event]]:
+    """The coordinator's events (the job's log), typed."""
+    return events.read_logged(RunDir.of(job.run_dir).job_events)
+
+
+def generations(job: Job) -> list[Logged[ev.Event]]:
+    """The roster generations the coordinator wrote (not its stop)."""
+    return [e for e in job_events(job) if isinstance(e.event, ev.Generation) and not e.event.stop]
 
 
 def first_step_after(job: Job, t: float) -> float | None:
@@ -108,13 +115,13 @@ def test_spare_takes_a_lost_nodes_place_without_a_requeue_digest_equal(
         )
         roster = read_roster(job.run_dir)
         assert roster is not None and roster.stop and roster.exit_code == 0, job.explain()
-        gens = [e for e in job_events(job) if e.get("event") == EventName.GENERATION and not e.get("stop")]
-        assert [(g["generation"], g["nodes"], g["replaced"]) for g in gens] == [
+        gens = [g.event for g in generations(job)]
+        assert [(g.generation, g.nodes, g.replaced) for g in gens] == [
             (1, ["n1", "n2"], {}),
             (2, ["n1", "n3"], {"n2": "n3"}),
         ], job.explain()
-        lost = [e for e in job_events(job) if e.get("event") == EventName.NODE_LOST]
-        assert [e["host"] for e in lost] == ["n2"]
+        lost = [e.event.host for e in job_events(job) if isinstance(e.event, ev.NodeLost)]
+        assert lost == ["n2"], job.explain()
         assert "scontrol requeue" not in job.output()
         assert job.digest() == golden
         first = first_step_after(job, lost_at)
@@ -156,8 +163,8 @@ def test_bad_node_twice_left_out_then_excluded_from_the_requeue(
     assert info["ExcNodeList"] == "n2" and "n2" not in info["NodeList"], job.explain()
     out = job.output()
     assert "excluded n2: ExcNodeList=n2" in out
-    gens = [e for e in job_events(job) if e.get("event") == EventName.GENERATION and not e.get("stop")]
-    assert any(g["replaced"] == {"n2": "n3"} and "n2 is a bad node" in g["msg"] for g in gens), gens
+    gens = generations(job)
+    assert any(g.event.replaced == {"n2": "n3"} and "n2 is a bad node" in g.msg for g in gens), gens
     assert job.digest() == golden
     report = build_report(job.run_dir)
     assert report.bad_nodes[0].startswith("BAD n2: 2 incidents"), report.bad_nodes
@@ -167,7 +174,7 @@ def test_bad_node_twice_left_out_then_excluded_from_the_requeue(
     cpu_cgroup_root() is None, reason="no writable cgroup cpu controller (root, cgroup v1/v2)"
 )
 def test_straggler_a_rank_limited_by_a_cpu_quota_is_named_with_its_node(
-    cluster4: Cluster, tmp_path: Path
+    cluster4: Cluster, submit_here: Callable[..., tuple[Job, Path]]
 ) -> None:
     """n3's rank gets a fifth of a CPU after step 5: node 0's watchdog flags it (compute-slow,
     its own compute against its two peers' median), naming rank and node, and status shows it."""
@@ -189,13 +196,14 @@ def test_straggler_a_rank_limited_by_a_cpu_quota_is_named_with_its_node(
     with cpu_limit([pid], 0.2):
         hold.release(gate)
 
-        def flagged() -> dict | None:
-            evs = events.read_events(events.events_path(job.run_dir, 0))
-            return next((e for e in evs if e.get("event") == EventName.STRAGGLER), None)
+        def flagged() -> Logged[ev.Event] | None:
+            evs = events.read_logged(events.events_path(job.run_dir, 0))
+            return next((e for e in evs if isinstance(e.event, ev.Straggler)), None)
 
         e = job.wait_until("node 0's watchdog to flag a straggler", flagged)
-        assert isinstance(e, dict) and (e["rank"], e["host"], e["kind"]) == (rank, "n3", "compute"), e
-        assert f"rank {rank} on n3 computes" in e["msg"]
+        assert isinstance(e, Logged) and isinstance(e.event, ev.Straggler), e
+        assert (e.event.rank, e.event.host, e.event.kind) == (rank, "n3", "compute"), e
+        assert f"rank {rank} on n3 computes" in e.msg
         report = job.wait_until("status to show it", lambda: build_report(job.run_dir).stragglers)
         assert isinstance(report, tuple) and f"rank {rank} on n3" in report[0]
     cluster4.run("scancel", job.job_id)
