@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
