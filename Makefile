@@ -15,7 +15,7 @@ TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadgroup)
 DRILL_ARGS ?=
 
-.PHONY: setup test test-fast drill lint bench gpu-check save-fault-sweep hang-sweep straggler-sweep clean
+.PHONY: setup test test-fast drill lint bench gpu-check save-fault-sweep hang-sweep straggler-sweep spare-bench clean
 
 setup: $(STAMP)
 
@@ -53,6 +53,13 @@ hang-sweep: $(STAMP)
 STRAGGLER_SWEEP_ARGS ?= --trials 20 --clean-steps 10000
 straggler-sweep: $(STAMP)
 	$(PY) tests/straggler_sweep.py $(STRAGGLER_SWEEP_ARGS)
+
+# Hot spares' recovery on the 4-node test cluster (tests/spare_bench.py): a training node lost, the
+# spare takes its place; node loss -> first step of the next launch per trial, median, max, p95
+# (budget 15 s), no requeue, digests equal (about 1 min a trial). SPARE_BENCH_ARGS: e.g. --trials 10.
+SPARE_BENCH_ARGS ?= --trials 5
+spare-bench: $(STAMP)
+	$(PY) tests/spare_bench.py $(SPARE_BENCH_ARGS)
 
 # The GPU paths for real (train_ref/gpu_check.py): one PASS/FAIL table in a few minutes on a CUDA
 # machine; without CUDA one line and exit 0. Needs a CUDA torch (see setup above).

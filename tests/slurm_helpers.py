@@ -76,20 +76,21 @@ class Cluster:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
 
+class ClusterUnavailable(Exception):
+    """cluster.sh says this machine cannot run it (exit 3): the reason is the message."""
+
+
 @contextmanager
-def running_cluster(pytestconfig: pytest.Config, nodes: int = 1, **settings: str) -> Iterator[Cluster]:
-    """tests/slurm/cluster.sh start [--nodes N], stopped (and its files removed) on the way out;
-    a skip, with the reason printed, where cluster.sh says the machine cannot run it (exit 3).
+def cluster(nodes: int = 1, **settings: str) -> Iterator[Cluster]:
+    """tests/slurm/cluster.sh start [--nodes N], stopped (and its files removed) on the way out.
     ``settings``: cluster.sh's variables (SLURM_CI_SLURMD_TIMEOUT_S=...)."""
     env = {**os.environ, "PYTHON": sys.executable, **settings}
     cmd = [str(CLUSTER_SH), "start", "--nodes", str(nodes)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, check=False)
     if r.returncode == EXIT_UNAVAILABLE:
-        reason = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "cluster.sh: unavailable"
-        terminal = pytestconfig.pluginmanager.get_plugin("terminalreporter")
-        if terminal is not None:  # visible without -rs
-            terminal.write_line(f"SLURM tests ({nodes} node(s)) skipped: {reason}", yellow=True)
-        pytest.skip(f"no {nodes}-node SLURM cluster on this machine: {reason}")
+        raise ClusterUnavailable(
+            r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "cluster.sh: unavailable"
+        )
     assert r.returncode == 0, f"{' '.join(cmd)} failed (exit {r.returncode}):\n{r.stderr}"
     conf = Path(r.stdout.strip().splitlines()[-1])
     try:
@@ -99,6 +100,19 @@ def running_cluster(pytestconfig: pytest.Config, nodes: int = 1, **settings: str
             [str(CLUSTER_SH), "stop", str(conf.parent)], capture_output=True, timeout=120, check=False
         )
         shutil.rmtree(conf.parent, ignore_errors=True)
+
+
+@contextmanager
+def running_cluster(pytestconfig: pytest.Config, nodes: int = 1, **settings: str) -> Iterator[Cluster]:
+    """``cluster`` for a test: a skip, with the reason printed, where the machine cannot run it."""
+    try:
+        with cluster(nodes, **settings) as c:
+            yield c
+    except ClusterUnavailable as e:
+        terminal = pytestconfig.pluginmanager.get_plugin("terminalreporter")
+        if terminal is not None:  # visible without -rs
+            terminal.write_line(f"SLURM tests ({nodes} node(s)) skipped: {e}", yellow=True)
+        pytest.skip(f"no {nodes}-node SLURM cluster on this machine: {e}")
 
 
 # ---------------------------------------------------------------- a job and what it left

@@ -12,44 +12,36 @@ each slurmd in its own network and UTS namespace; SlurmdTimeout 20 s so a lost n
   status).
 
 One rank per node, ddp (the straggler verdict's compute mark), 30 steps, a save every 10: CI runs
-this on 2 cores. Timings are measured (and printed), never asserted: make spare-bench measures
-the recovery's budget (docs/slurm.md#measured-here).
+this on 2 cores. Timings are measured (and printed), never asserted: `make spare-bench` measures
+the recovery's budget (tests/spare_bench.py).
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from slurm_helpers import DONE_STATES, TRAIN, Cluster, Job, golden_digest, node_of, running_cluster, submit
+from spare_helpers import DDP, NODES, SLURMD_TIMEOUT_S, generations, lose_a_node_to_the_spare
 from straggler_helpers import cpu_cgroup_root, cpu_limit
 
 from supervisor.format import events
 from supervisor.format import eventtypes as ev
 from supervisor.format.badnodes import read_bad_nodes
 from supervisor.format.eventtypes import Logged
-from supervisor.format.heartbeat import Mark
-from supervisor.format.layout import RunDir
-from supervisor.format.nodesummary import read_run_heartbeats
-from supervisor.format.roster import read_roster
 from supervisor.report import build_report
 from train_ref import hold
 
 pytestmark = pytest.mark.slurm
 
-NODES = 4
-STEPS = 30
-DDP = (*TRAIN, "--parallel", "ddp", "--num-workers", "0", "--steps", str(STEPS))
-
 
 @pytest.fixture(scope="module")
 def cluster4(pytestconfig: pytest.Config) -> Iterator[Cluster]:
-    with running_cluster(pytestconfig, nodes=NODES, SLURM_CI_SLURMD_TIMEOUT_S="20") as c:
+    with running_cluster(pytestconfig, nodes=NODES, SLURM_CI_SLURMD_TIMEOUT_S=SLURMD_TIMEOUT_S) as c:
         yield c
 
 
@@ -77,64 +69,11 @@ def golden(tmp_path_factory: pytest.TempPathFactory) -> str:
     return golden_digest(tmp_path_factory.mktemp("golden_spares") / "run", 2, DDP)
 
 
-def job_events(job: Job) -> list[Logged[ev.Event]]:
-    """The coordinator's events (the job's log), typed."""
-    return events.read_logged(RunDir.of(job.run_dir).job_events)
-
-
-def generations(job: Job) -> list[Logged[ev.Event]]:
-    """The roster generations the coordinator wrote (not its stop)."""
-    return [e for e in job_events(job) if isinstance(e.event, ev.Generation) and not e.event.stop]
-
-
-def first_step_after(job: Job, t: float) -> float | None:
-    """When the first rank of the launch that followed ``t`` made its first step (its heartbeat's
-    mark), from the node summaries; None when none did."""
-    marks = [
-        s.heartbeat.marks.get(Mark.FIRST_STEP.value, 0.0)
-        for s in read_run_heartbeats(job.run_dir)
-        if s.heartbeat is not None
-    ]
-    after = [m for m in marks if m > t]
-    return min(after) if after else None
-
-
 def test_spare_takes_a_lost_nodes_place_without_a_requeue_digest_equal(
-    cluster4: Cluster, submit_here: Callable[..., tuple[Job, Path]], golden: str
+    cluster4: Cluster, tmp_path: Path, golden: str
 ) -> None:
-    job, gate = submit_here(*DDP, hold_at=12, nodes=3, nproc_per_node=1, spares=1, NODE_TIMEOUT_S="5")
-    acks = job.wait_held(gate, 12)
-    where = {node_of(a["pid"]) for a in acks.values()}
-    assert where == {"n1", "n2"}, job.explain()  # trains on the first two, n3 waits
-    lost_at = time.time()
-    cluster4.kill_node("n2")
-    try:
-        hold.release(gate)
-        info = job.wait_done()
-        assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), (
-            job.explain()
-        )
-        roster = read_roster(job.run_dir)
-        assert roster is not None and roster.stop and roster.exit_code == 0, job.explain()
-        gens = [g.event for g in generations(job)]
-        assert [(g.generation, g.nodes, g.replaced) for g in gens] == [
-            (1, ["n1", "n2"], {}),
-            (2, ["n1", "n3"], {"n2": "n3"}),
-        ], job.explain()
-        lost = [e.event.host for e in job_events(job) if isinstance(e.event, ev.NodeLost)]
-        assert lost == ["n2"], job.explain()
-        assert "scontrol requeue" not in job.output()
-        assert job.digest() == golden
-        first = first_step_after(job, lost_at)
-        assert first is not None
-        print(f"node loss -> first step of the next launch: {first - lost_at:.1f}s")
-        bad = read_bad_nodes(job.run_dir)
-        assert bad is not None and [(i.host, i.why) for i in bad.incidents] == [("n2", ("lost",))]
-    finally:
-        if job.info().get("JobState") not in DONE_STATES:
-            cluster4.run("scancel", job.job_id)
-        job.wait_done()
-        cluster4.start_node("n2")
+    took = lose_a_node_to_the_spare(cluster4, tmp_path, golden)
+    print(f"node loss -> first step of the next launch: {took:.1f}s")
 
 
 def test_bad_node_twice_left_out_then_excluded_from_the_requeue(
