@@ -84,6 +84,14 @@ CONFIGS["small"] = replace(
     model=replace(CONFIGS["tiny"].model, block_size=64, n_layer=4, n_embd=128),
     trunc_min=64,
 )
+# Steps of about 0.5 s the same way (twice small's depth, width and sequences): closer to a large
+# model's seconds, where the heartbeats' second is a few steps (the straggler sweep's latency in steps).
+CONFIGS["medium"] = replace(
+    CONFIGS["small"],
+    name="medium",
+    model=replace(CONFIGS["small"].model, block_size=128, n_layer=8, n_embd=256),
+    trunc_min=128,
+)
 # As many bytes as "bench" in few large tensors (12 * 2 * 1536^2 = 56.6M parameters in 2 layers), as
 # a large model's layers are: bench/checkpoint.py --config wide tells a cost per tensor from one per byte.
 CONFIGS["wide"] = replace(
