@@ -187,6 +187,14 @@ class WatchConfig:
         False,
         group=HANG,
     )
+    memory_tier: bool = option(
+        "keep each step's whole state in node-local shared memory (the ranks copy it there; this "
+        "watchdog owns it, picks from it before a relaunch, removes it at the end): a relaunch "
+        "redoes no step (docs/tiers.md#the-memory-tier)",
+        True,
+        flag="--no-memory-tier",
+        group=RESTARTS,
+    )
     standby: bool = option(
         "keep the next launch started ahead of a failure, its ranks waiting with their imports done "
         "(train_ref's standby gate), and release it on a relaunch; single-node or --standalone torchrun "
