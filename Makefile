@@ -15,7 +15,7 @@ TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadgroup)
 DRILL_ARGS ?=
 
-.PHONY: setup test test-fast drill lint bench gpu-check save-fault-sweep clean
+.PHONY: setup test test-fast drill lint bench gpu-check save-fault-sweep hang-sweep straggler-sweep spare-bench clean
 
 setup: $(STAMP)
 
@@ -40,6 +40,26 @@ drill: $(STAMP)
 SAVE_FAULT_ARGS ?= --trials 20
 save-fault-sweep: $(STAMP)
 	$(PY) tests/save_faults.py $(SAVE_FAULT_ARGS)
+
+# Each hang kind 20 times (tests/hang_faults.py): culprit, collective, time, SIGKILL and resume counted
+# per kind, one run per kind under `watch --standby`. HANG_SWEEP_ARGS: e.g. --trials 5 --kinds hang.
+HANG_SWEEP_ARGS ?= --trials 20
+hang-sweep: $(STAMP)
+	$(PY) tests/hang_faults.py $(HANG_SWEEP_ARGS)
+
+# Stragglers on this machine (tests/straggler_sweep.py): 4 ranks under watch, each trial one rank slowed
+# to 1/1.5 of its speed by a calibrated CPU quota; trials flagged within 30 steps, false flags in the
+# clean steps (about 20 min). STRAGGLER_SWEEP_ARGS: e.g. --trials 5 --clean-steps 1000.
+STRAGGLER_SWEEP_ARGS ?= --trials 20 --clean-steps 10000
+straggler-sweep: $(STAMP)
+	$(PY) tests/straggler_sweep.py $(STRAGGLER_SWEEP_ARGS)
+
+# Hot spares' recovery on the 4-node test cluster (tests/spare_bench.py): a training node lost, the
+# spare takes its place; node loss -> first step of the next launch per trial, median, max, p95
+# (budget 15 s), no requeue, digests equal (about 1 min a trial). SPARE_BENCH_ARGS: e.g. --trials 10.
+SPARE_BENCH_ARGS ?= --trials 5
+spare-bench: $(STAMP)
+	$(PY) tests/spare_bench.py $(SPARE_BENCH_ARGS)
 
 # The GPU paths for real (train_ref/gpu_check.py): one PASS/FAIL table in a few minutes on a CUDA
 # machine; without CUDA one line and exit 0. Needs a CUDA torch (see setup above).

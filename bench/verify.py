@@ -8,7 +8,7 @@ the hash alone over a buffer in memory, and ``supervisor.store.validate(deep=Tru
 page-cache hot (best of ``--rounds``), and cold where ``posix_fadvise(DONTNEED)`` can drop the
 files' pages first (the pages are clean after the commit's fsync, so the kernel drops them). It
 also re-measures the checksum candidates in memory. Prints GB/s and the ratio verify / raw read;
-the target is >= 0.80. Results: docs/checksum.md.
+the target is >= 0.80. Results: docs/measured.md; the method: docs/checksum.md.
 """
 
 from __future__ import annotations

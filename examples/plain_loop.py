@@ -13,7 +13,7 @@ The dataset draws its augmentation noise from the global torch RNG, as torchvisi
 transforms do: ``r.loader`` seeds each sample's draws from (seed, epoch, sample), so they are the
 same with 0 or N workers and after a resume. Gradients are averaged by hand in one fixed order
 (torch's DDP regroups its buckets after the first step, and after a resume at another step:
-docs/trainer.md; on 2 ranks it is exact too, examples/accumulate.py uses it).
+docs/architecture.md; on 2 ranks it is exact too, examples/accumulate.py uses it).
 """
 
 from __future__ import annotations

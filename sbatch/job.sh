@@ -16,7 +16,8 @@
 #   CKPT_FLAG        appended with RUN_DIR to the trainer's arguments; '' appends nothing
 #                                                                          default: --ckpt-root
 #   NPROC_PER_NODE   ranks per node                default: $SLURM_GPUS_ON_NODE if set, else 1
-#   NNODES           torchrun --nnodes: N, or MIN:MAX for an elastic run   default: $SLURM_JOB_NUM_NODES
+#   NNODES           torchrun --nnodes: N, or MIN:MAX for an elastic run
+#                                              default: $SLURM_JOB_NUM_NODES - $SPARE_NODES
 #   RDZV_HOST        c10d rendezvous host              default: the first host of the allocation
 #   RDZV_PORT        c10d rendezvous port              default: 20000 + (job id mod 10000)
 #   TORCHRUN_OPTS    more torchrun options (e.g. --local-addr=...; never --max-restarts > 0: the
@@ -33,6 +34,16 @@
 #   STOP_GRACE_S     when SLURM sends SIGTERM to the step (PreemptMode=REQUEUE), seconds each
 #                    watchdog gives its ranks to checkpoint before SIGKILL; torchrun gives them
 #                    30 s (fixed in torch), and the partition's GraceTime must cover it   default: 30
+#   SPARE_NODES      hot spares: of the allocation's nodes, this many wait (imports done) to take
+#                    a lost node's place inside the allocation; submit with --nodes=N+SPARE_NODES
+#                    and --no-kill (else SLURM ends the job when it marks the node down)  default: 0
+#   NODE_TIMEOUT_S   a node whose watchdog's summary stays silent this long is lost        default: 30
+#   BAD_NODE_INCIDENTS  failures pinned on a host that make it a bad node: left out of the next
+#                    launch when a spare can take its place, excluded from a requeue     default: 2
+#   BAD_NODE_ACTION  exclude (scontrol update JobId=... ExcNodeList=) or drain (exclude, and
+#                    scontrol update NodeName=... State=DRAIN; needs an operator's rights) default: exclude
+#   STRAGGLER_ACTION report (events, status) or bad-node (each straggler verdict is also an
+#                    incident of its host)                                                default: report
 #
 # Preemption and time limit: SLURM sends REQUEUE_SIGNAL to this shell (--signal=B:USR1@SECONDS
 # before the limit; keep B:, change the seconds to cover one checkpoint; or scancel --signal=USR1
@@ -41,7 +52,9 @@
 # then runs `scontrol requeue` once (while MAX_PREEMPT_REQUEUES lasts) and exits. Storage that stayed
 # unavailable past the watchdog's retries (exit 14: committed checkpoints intact) requeues the same
 # way, against MAX_REQUEUES instead. A finished run (0) and a non-retryable failure (12) end the
-# job without a requeue.
+# job without a requeue. On several nodes `slurm coordinate` runs beside srun: it finds lost nodes,
+# pins failures on hosts (RUN_DIR/supervisor/bad_nodes.json) and, with SPARE_NODES, writes the
+# roster (who trains, who waits) and says when the job is over (srun waits for a lost node's task).
 #
 #SBATCH --job-name=resumable
 #SBATCH --nodes=1
@@ -62,16 +75,25 @@ job_ref=${job_ref:-${SLURM_JOB_ID:-}}
 : "${TRAIN_ARGS=-m train_ref.train}"
 : "${CKPT_FLAG=--ckpt-root}"
 : "${NPROC_PER_NODE:=${SLURM_GPUS_ON_NODE:-1}}"
-: "${NNODES:=${SLURM_JOB_NUM_NODES:-1}}"
+: "${SPARE_NODES:=0}"
+case "$SPARE_NODES" in '' | *[!0-9]*)
+  echo "job.sh: SPARE_NODES='$SPARE_NODES': set a whole number of nodes" >&2
+  exit 2
+  ;;
+esac
+: "${NNODES:=$((${SLURM_JOB_NUM_NODES:-1} - SPARE_NODES))}"
 : "${RDZV_HOST:=}" "${RDZV_PORT:=}" "${TORCHRUN_OPTS:=}" "${WATCH_OPTS:=}"
 : "${MAX_PREEMPT_REQUEUES:=100}" "${MAX_REQUEUES:=10}"
 : "${NOTICE_REPEAT_S:=30}"
 : "${REQUEUE_SIGNAL:=USR1}"
 : "${STOP_GRACE_S:=30}"
+: "${NODE_TIMEOUT_S:=30}" "${BAD_NODE_INCIDENTS:=2}"
+: "${BAD_NODE_ACTION:=exclude}" "${STRAGGLER_ACTION:=report}"
 REQUEUE_SIGNAL=${REQUEUE_SIGNAL^^}
 REQUEUE_SIGNAL=${REQUEUE_SIGNAL#SIG}
 export RUN_DIR PYTHON TRAIN_ARGS CKPT_FLAG NPROC_PER_NODE NNODES RDZV_HOST RDZV_PORT TORCHRUN_OPTS \
-  WATCH_OPTS MAX_PREEMPT_REQUEUES MAX_REQUEUES REQUEUE_SIGNAL STOP_GRACE_S
+  WATCH_OPTS MAX_PREEMPT_REQUEUES MAX_REQUEUES REQUEUE_SIGNAL STOP_GRACE_S SPARE_NODES NODE_TIMEOUT_S \
+  BAD_NODE_INCIDENTS BAD_NODE_ACTION STRAGGLER_ACTION
 
 case "$NOTICE_REPEAT_S" in '' | *[!0-9]*)
   echo "job.sh: NOTICE_REPEAT_S='$NOTICE_REPEAT_S': set a whole number of seconds" >&2
@@ -92,9 +114,23 @@ fi
 
 "$PYTHON" -m supervisor slurm start --job-script "$0" -- "$@" || exit $?
 
-srun --ntasks-per-node=1 --cpus-per-task="${SLURM_CPUS_ON_NODE:-1}" --kill-on-bad-exit=0 \
+# With spares a lost node's task must not end the step (srun --no-kill; the job's --no-kill keeps
+# the allocation when SLURM marks the node down).
+spare_opts=()
+[ "$SPARE_NODES" -gt 0 ] && spare_opts=(--no-kill)
+srun --ntasks-per-node=1 --cpus-per-task="${SLURM_CPUS_ON_NODE:-1}" --kill-on-bad-exit=0 "${spare_opts[@]}" \
   "$PYTHON" -m supervisor slurm launch -- "$@" &
 srun_pid=$!
+coord_pid=
+if [ "${SLURM_JOB_NUM_NODES:-1}" -gt 1 ]; then
+  "$PYTHON" -m supervisor slurm coordinate -- "$@" &
+  coord_pid=$!
+fi
+# With spares the coordinator says when the job is over: srun may wait for a lost node's task
+# until SLURM marks that node down.
+coordinator_done() {
+  [ "$SPARE_NODES" -gt 0 ] && [ -n "$coord_pid" ] && ! kill -0 "$coord_pid" 2>/dev/null
+}
 # srun forwards USR1 (and USR2) to the step but drops URG, so URG goes to the steps through
 # slurmctld: scancel without --batch signals every process of the job's steps, not this shell.
 notify_step() {
@@ -120,9 +156,34 @@ while kill -0 "$srun_pid" 2>/dev/null; do
     notify_step
     next_forward=$((SECONDS + NOTICE_REPEAT_S))
   fi
+  coordinator_done && break
 done
-wait "$srun_pid"
-rc=$?
+if coordinator_done; then
+  wait "$coord_pid"
+  rc=$?
+  kill -KILL "$srun_pid" 2>/dev/null # it waits for a lost node's task: every live node is done
+  wait "$srun_pid" 2>/dev/null
+else
+  wait "$srun_pid"
+  rc=$?
+  if [ -n "$coord_pid" ]; then
+    # With spares the coordinator's code counts (a lost node's task reports no exit of its own):
+    # it ends within a tick of the last watchdog's final summary. Without, it judges its last
+    # evidence and goes.
+    if [ "$SPARE_NODES" -gt 0 ]; then
+      deadline=$((SECONDS + ${NODE_TIMEOUT_S%.*} + 5))
+      while kill -0 "$coord_pid" 2>/dev/null && [ "$SECONDS" -lt "$deadline" ]; do sleep 0.2; done
+    fi
+    if kill -0 "$coord_pid" 2>/dev/null; then
+      kill -TERM "$coord_pid" 2>/dev/null
+      wait "$coord_pid" 2>/dev/null
+    else
+      wait "$coord_pid"
+      coord_rc=$?
+      [ "$SPARE_NODES" -gt 0 ] && rc=$coord_rc
+    fi
+  fi
+fi
 
 "$PYTHON" -m supervisor slurm finish --exit-code "$rc" -- "$@"
 exit $?

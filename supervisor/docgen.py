@@ -16,13 +16,15 @@ from pathlib import Path
 from typing import get_type_hints
 
 from supervisor import options
+from supervisor.cli.ckpt import OPTIONS as CKPT_OPTIONS
+from supervisor.cli.status import StatusOptions
 from supervisor.drill.runner import DrillConfig
 from supervisor.format import eventtypes
 from supervisor.format.exitcodes import MEANINGS
 from supervisor.watch.config import WatchConfig
 
 REPO = Path(__file__).resolve().parents[1]
-FILES = ("README.md", "docs/watchdog.md", "docs/drill.md")
+FILES = ("README.md", "docs/watchdog.md", "docs/drill.md", "docs/cli.md")
 
 
 def markdown_table(header: Iterable[str], rows: Iterable[Iterable[str]]) -> str:
@@ -77,6 +79,10 @@ TABLES: dict[str, Callable[[], str]] = {
     "events": events,
     "watch-options": options_of(WatchConfig),
     "drill-options": options_of(DrillConfig),
+    "status-options": options_of(StatusOptions),
+    "ckpt-options": lambda: "\n\n".join(
+        f"`ckpt {name}`:\n\n{options_of(cls)()}" for name, cls in CKPT_OPTIONS.items()
+    ),
 }
 
 

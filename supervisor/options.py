@@ -50,6 +50,9 @@ class Option:
     group: str = ""
     off: str = ""
     hidden: bool = False
+    const: Any = None  # given without a value: the option takes this (``--watch`` alone: 2 s)
+    positional: bool = False  # an argument, not a flag (``ckpt quarantine STEP``)
+    rest: bool = False  # positional: every remaining word (``slurm launch -- TRAINER ARGS``)
 
 
 def option(  # noqa: PLR0913  one keyword per Option field, all optional
@@ -66,6 +69,9 @@ def option(  # noqa: PLR0913  one keyword per Option field, all optional
     group: str = "",
     off: str = "",
     hidden: bool = False,
+    const: Any = None,
+    positional: bool = False,
+    rest: bool = False,
 ) -> Any:
     """A dataclass field that is also a command-line option.
 
@@ -78,8 +84,14 @@ def option(  # noqa: PLR0913  one keyword per Option field, all optional
     ``off`` gives a bool field a second flag that clears it, the two mutually exclusive
     (``--async-save``/``--sync-save``). A ``tuple[X, ...]`` field is a repeatable option, one X
     per use (its choices bound each). ``hidden`` leaves a test-only option out of ``--help``.
+    ``const``: the flag may be given without a value, and then means this. ``positional``: an
+    argument named by the field, not a flag; ``rest``: a positional ``tuple[str, ...]`` field that
+    takes every remaining word.
     """
-    meta = {OPTION: Option(help, flag, metavar, parse, choices, env, check, group, off, hidden)}
+    opt = Option(
+        help, flag, metavar, parse, choices, env, check, group, off, hidden, const, positional or rest, rest
+    )
+    meta = {OPTION: opt}
     return dataclasses.field(default=default, default_factory=default_factory, metadata=meta)
 
 
@@ -91,11 +103,13 @@ def nested(cls: type, group: str = "") -> Any:
 
 def flag_of(f: dataclasses.Field[Any]) -> str:
     opt: Option = f.metadata[OPTION]
+    if opt.positional:
+        return f.name
     return opt.flag or "--" + f.name.replace("_", "-")
 
 
 def dest_of(f: dataclasses.Field[Any]) -> str:
-    return flag_of(f)[2:].replace("-", "_")
+    return flag_of(f).removeprefix("--").replace("-", "_")
 
 
 def add_options(parser: argparse.ArgumentParser, cls: type, group: str = "") -> None:
@@ -115,6 +129,8 @@ def _add(parser: argparse.ArgumentParser, cls: type, group: str, groups: dict[st
             target = groups[title] if title else parser
             if f.metadata[OPTION].off:
                 _add_pair(target, f)
+            elif f.metadata[OPTION].positional:
+                target.add_argument(flag_of(f), **_argument(f, hints[f.name]))
             else:
                 target.add_argument(flag_of(f), dest=dest_of(f), **_argument(f, hints[f.name]))
 
@@ -133,6 +149,8 @@ def _argument(f: dataclasses.Field[Any], hint: Any) -> dict[str, Any]:
     opt: Option = f.metadata[OPTION]
     default = _default(f)
     kw: dict[str, Any] = {"help": argparse.SUPPRESS if opt.hidden else opt.help}
+    if opt.rest:
+        return {**kw, "nargs": argparse.REMAINDER}
     if get_origin(hint) is tuple:  # repeatable: None when never given (build keeps the default)
         (item, _) = get_args(hint)
         kw.update(action="append", default=None, type=_checked(opt.parse or item, opt.check))
@@ -142,9 +160,11 @@ def _argument(f: dataclasses.Field[Any], hint: Any) -> dict[str, Any]:
             raise TypeError(f"{f.name}: a switch that defaults to True needs a --no-... flag")
         return {**kw, "action": "store_true"}
     if default is MISSING:
-        kw["required"] = True
+        kw.update({} if opt.positional else {"required": True})
     else:
         kw["default"] = default
+    if opt.const is not None:
+        kw.update(nargs="?", const=opt.const)
     if isinstance(opt.choices, Mapping):
         words = {v: k for k, v in opt.choices.items()}
         kw["choices"] = tuple(opt.choices)

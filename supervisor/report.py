@@ -18,9 +18,17 @@ from typing import TYPE_CHECKING, Any
 from supervisor import store
 from supervisor.format import events
 from supervisor.format.atomic import hostname, pid_alive
+from supervisor.format.badnodes import read_bad_nodes
 from supervisor.format.heartbeat import Heartbeat, HeartbeatSnapshot, Phase, boot_id, read_heartbeats
 from supervisor.format.layout import RunDir, parse_state_filename, per_node_files, safe_host
-from supervisor.format.nodesummary import NodeSummary, newest_per_rank, read_summary, summary_paths
+from supervisor.format.nodesummary import (
+    NodeSummary,
+    StragglerNote,
+    newest_per_rank,
+    read_summary,
+    summary_paths,
+)
+from supervisor.format.roster import read_roster
 from supervisor.format.runstatus import RunStatus
 from supervisor.store.ioerrors import Evidence, describe
 from supervisor.store.quickcache import QuickChecks
@@ -147,6 +155,8 @@ class CheckpointRow:
     reason: str
     latest: bool
     evidence: str = "ok"  # ok, corrupt or unknown (could not be read: not proof of corruption)
+    kind: str = ""  # another trainer's (store.ForeignKind: dcp, lightning); "" for this toolkit's
+    mark: str = ""  # another trainer's: whether its bytes are proven (sealed) or only its structure
 
 
 @dataclass(frozen=True)
@@ -181,6 +191,13 @@ class StatusReport:
     rank_counts: RankCounts = RankCounts()
     # tmp dirs nobody writes any more, each with why: "step_..tmp.12.vm (writer pid 12 gone)"
     abandoned: tuple[str, ...] = ()
+    # The stragglers node 0's watchdog flags now (its node summary), each in words.
+    stragglers: tuple[str, ...] = ()
+    # With hot spares: the roster's current generation in one line (supervisor/roster.json).
+    roster: str = ""
+    # The run's bad nodes, one line each with their incidents' evidence, then what was done about
+    # them and the other hosts' incidents (supervisor/bad_nodes.json).
+    bad_nodes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """Shallow per row: ``dataclasses.asdict`` deep-copies and costs 10x on 4096 ranks."""
@@ -190,6 +207,8 @@ class StatusReport:
             d[key] = [row.__dict__ for row in d[key]]
         d["in_progress"] = list(self.in_progress)
         d["abandoned"] = list(self.abandoned)
+        d["stragglers"] = list(self.stragglers)
+        d["bad_nodes"] = list(self.bad_nodes)
         d["remote"] = dict(self.remote.__dict__, skipped=list(self.remote.skipped)) if self.remote else None
         return d
 
@@ -513,6 +532,25 @@ def _checkpoints(root: Path, now: float, disk: dict[str, int]) -> list[Checkpoin
     return rows
 
 
+def _foreign(root: Path, now: float) -> list[CheckpointRow]:
+    """Other trainers' checkpoints (torchtitan's step-N/, Lightning's .ckpt), quick structural check."""
+    rows = []
+    for ref in store.list_foreign(root):
+        fv = store.validate_foreign(ref)
+        v = fv.verdict
+        if v.gone:
+            continue
+        age = now - fv.size.wall_time if fv.size.wall_time else None
+        reason = v.reason.split(": ", 1)[-1] if not v.ok else ""
+        rows.append(
+            CheckpointRow(
+                ref.name, ref.step, age, fv.size.bytes, v.ok, reason, False, v.evidence.value,
+                kind=ref.kind.value, mark=fv.mark,
+            )
+        )  # fmt: skip
+    return rows
+
+
 def _stored(
     root: Path, now: float, disk: dict[str, int]
 ) -> tuple[list[CheckpointRow], list[QuarantineRow], str, int]:
@@ -524,6 +562,10 @@ def _stored(
     except OSError as e:
         ckpts = []
         problems.append(f"checkpoints of {root} cannot be listed: {describe(e)}")
+    try:
+        ckpts += _foreign(root, now)
+    except OSError as e:
+        problems.append(f"other trainers' checkpoints in {root} cannot be listed: {describe(e)}")
     try:
         quarantined = [QuarantineRow(q.name, q.reason) for q in store.list_quarantined(root)]
     except OSError as e:
@@ -648,7 +690,64 @@ def build_report(root: str | Path, now: float | None = None, all_ranks: bool = F
         slurm=_slurm_line(root),
         retention=_retention_line(root),
         rank_counts=view.counts,
+        stragglers=tuple(
+            n.text or f"rank {n.rank} on {n.host}: {n.kind} {n.value:.2f}" for n in _stragglers(view)
+        ),
+        roster=_roster_line(root),
+        bad_nodes=_bad_node_lines(root),
     )
+
+
+def _stragglers(view: _RankView) -> list[StragglerNote]:
+    """The judge's flags: the first node summary that has some (node 0's: it judges)."""
+    for _, s in sorted(view.summaries.items()):
+        if s.header.stragglers:
+            return list(s.header.stragglers)
+    return []
+
+
+def _roster_line(root: Path) -> str:
+    if not RunDir.of(root).roster.exists():
+        return ""
+    try:
+        r = read_roster(root)
+    except (OSError, ValueError) as e:
+        return f"{RunDir.of(root).roster} cannot be used: {describe(e) if isinstance(e, OSError) else e}"
+    if r is None:
+        return ""
+    if r.stop:
+        return f"job {r.key}: stopped at generation {r.generation} (exit {r.exit_code}): {r.reason}"
+    swapped = "; ".join(f"{a} replaced by {b}" for a, b in r.replaced.items())
+    return f"job {r.key}: {r.describe()}" + (f"; {swapped}" if swapped else "") + f" ({r.reason})"
+
+
+def _bad_node_lines(root: Path) -> tuple[str, ...]:
+    if not RunDir.of(root).bad_nodes.exists():
+        return ()
+    try:
+        bad = read_bad_nodes(root)
+    except (OSError, ValueError) as e:
+        return (
+            f"{RunDir.of(root).bad_nodes} cannot be used: {describe(e) if isinstance(e, OSError) else e}",
+        )
+    if bad is None:
+        return ()
+    lines = [
+        f"BAD {host}: {len(its)} incidents (threshold {bad.threshold}): "
+        + " | ".join(i.describe() for i in its)
+        for host, its in bad.bad.items()
+    ]
+    others: dict[str, int] = {}
+    for i in bad.incidents:
+        if i.host not in bad.bad:
+            others[i.host] = others.get(i.host, 0) + 1
+    if others:
+        lines.append(
+            f"incidents below the threshold ({bad.threshold}): "
+            + ", ".join(f"{h} {n}" for h, n in sorted(others.items()))
+        )
+    lines += [f"{a.what} {', '.join(a.hosts)} (job {a.job}): {a.detail}" for a in bad.actions[-3:]]
+    return tuple(lines)
 
 
 def _abandoned(t: store.TmpRef) -> str:

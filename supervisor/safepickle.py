@@ -183,6 +183,53 @@ def check(data: bytes, label: str) -> None:
             ) from None
 
 
+def read_inert(data: bytes, label: str) -> Any:
+    """What a checked index says, torch-free: ``check``ed first (the same refusals as the trainer's
+    load), then read again with stand-ins that keep each allowed object's pickled ``args`` and
+    ``state`` (DCP's records pickle their fields as a dict state), so a login-node reader can walk
+    the index (supervisor/store/foreign.py: which files it names, at which offsets). Never calls
+    anything the file names; a broken pickle raises as the unpickler does."""
+    check(data, label)
+    return _RecordingUnpickler(io.BytesIO(data), label).load()
+
+
+class _Recorded:
+    """``read_inert``'s stand-in for an allowed global: keeps what the pickle gives it. A fresh
+    class per read (``_RecordingUnpickler``), so nothing a file sets on one outlives the read."""
+
+    args: tuple[Any, ...]
+    state: Any
+
+    def __new__(cls, *args: Any, **_kwargs: Any) -> _Recorded:
+        obj = object.__new__(cls)
+        obj.args, obj.state = args, None
+        return obj
+
+    def __init__(self, *_args: Any, **_kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+
+class _RecordingUnpickler(pickle.Unpickler):
+    def __init__(self, f: IO[bytes], label: str):
+        super().__init__(f)
+        self.label = label
+        self.kinds = {
+            g: type(f"Read_{g[1]}", (_Recorded,), {"__module__": __name__}) for g in DCP_METADATA_GLOBALS
+        }
+
+    def find_class(self, module: str, name: str) -> Any:
+        kind = self.kinds.get((module, name))
+        if kind is None:
+            raise refusal(self.label, module, name)
+        return kind
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("persistent ids are not part of DCP metadata")
+
+
 # ---------------------------------------------------------------- the trainer's loader
 
 

@@ -7,7 +7,8 @@ plays the watchdog.
     python tests/memory_worker.py --root DIR --steps N [--save-every K] [--die-after S] [--lr LR]
 
 ``--die-after S``: SIGKILL itself right after the first step >= S whose memory snapshot is
-written (the loop waits for its copy first), as a kill -9 would end it.
+written (the loop waits for its copy first) once the disk's save before it committed (an async
+save commits at a later step's end: on a busy machine after S), as a kill -9 would end it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+from supervisor import store
 from supervisor.resumable import Identity, Resumable, Saves
 
 
@@ -76,7 +78,9 @@ def main() -> None:
                 memory = r._memory
                 assert memory is not None, "no memory tier: the test sets its folder"
                 memory.wait()
-                if memory.last == step and not memory.broken:
+                saved = store.list_checkpoints(a.root)  # the async save before it committed (a step end does)
+                on_disk = bool(saved) and saved[0].step >= step // a.save_every * a.save_every
+                if memory.last == step and not memory.broken and on_disk:
                     os.kill(os.getpid(), signal.SIGKILL)
             if done:
                 break

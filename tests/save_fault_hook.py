@@ -28,7 +28,7 @@ from typing import Any
 from supervisor import store
 from supervisor.drill.faultctl import Controller
 from supervisor.format.heartbeat import read_heartbeat
-from supervisor.format.hooks import When
+from supervisor.format.hooks import RankOps, When
 from supervisor.format.layout import HEARTBEAT_DIR_ENV, RunDir, heartbeat_filename
 
 ENV_PLAN = "SAVE_FAULT_PLAN"
@@ -38,7 +38,8 @@ def records_dir(plan_path: Path) -> Path:
     return plan_path.parent / "records"
 
 
-def hook(rank: int, launch: str) -> Callable[[int, When], None]:
+def hook(rank: int, launch: str, ops: RankOps) -> Callable[[int, When], None]:
+    del ops  # the sweep enters no collective of its own
     plan_path = Path(os.environ[ENV_PLAN])
     plan: dict[str, Any] = json.loads(plan_path.read_text())
     root = Path(plan["root"])

@@ -37,7 +37,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator
@@ -50,6 +49,7 @@ sys.path.insert(0, str(HERE))  # run as a script too
 
 from commands import REPO, supervisor_cmd  # noqa: E402
 from save_fault_hook import ENV_PLAN, records_dir  # noqa: E402
+from sweep_cli import run_and_report  # noqa: E402
 from trainer_helpers import digest, run_ok, torchrun_cmd, train_args, trainer_env  # noqa: E402
 
 from supervisor import store  # noqa: E402
@@ -399,17 +399,8 @@ def main() -> int:
     ap.add_argument("--random", type=int, default=None, help="random points (default: 20 x --trials)")
     ap.add_argument("--workdir", type=Path, default=None, help="default: a temporary directory, removed")
     args = ap.parse_args()
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="save-faults-"))
-    try:
-        s = sweep(work, args.trials, args.random if args.random is not None else 20 * args.trials)
-    finally:
-        if args.workdir is None:
-            shutil.rmtree(work, ignore_errors=True)
-    print(s.report())
-    bad = s.failures()
-    for line in bad:
-        print(f"FAIL {line}")
-    return 1 if bad else 0
+    n_random = args.random if args.random is not None else 20 * args.trials
+    return run_and_report(args.workdir, "save-faults-", lambda work: sweep(work, args.trials, n_random))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from commands import REPO
+from commands import REPO, supervisor_cmd
 from waiting import wait_for
 
 from supervisor import slurm
@@ -54,24 +55,42 @@ class Cluster:
     def job(self, job_id: str) -> dict[str, str]:
         return dict(re.findall(r"(\w+)=(\S*)", self.run("scontrol", "show", "job", "-o", job_id)))
 
+    def node_link(self, node: int) -> str:
+        """The root namespace's end of node ``node``'s veth pair (n1 is 1): setting it down cuts the
+        node off the bridge (cluster.sh lists each link it made, one "link NAME" line per node, in order)."""
+        links = [
+            ln.split()[1] for ln in (self.dir / "net").read_text().splitlines() if ln.startswith("link ")
+        ]
+        return links[node - 1]
+
+    def kill_node(self, name: str) -> None:
+        """The node lost: every process of its namespace SIGKILLed, its slurmd included."""
+        subprocess.run([str(CLUSTER_SH), "kill-node", str(self.dir), name], check=True, timeout=60)
+
+    def start_node(self, name: str) -> None:
+        """Its slurmd again, the node resumed and every node idle (after the job)."""
+        subprocess.run([str(CLUSTER_SH), "start-node", str(self.dir), name], check=True, timeout=120)
+
     def log_tail(self, name: str = "slurmctld.log", lines: int = 30) -> str:
         path = self.dir / name
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
 
+class ClusterUnavailable(Exception):
+    """cluster.sh says this machine cannot run it (exit 3): the reason is the message."""
+
+
 @contextmanager
-def running_cluster(pytestconfig: pytest.Config, nodes: int = 1) -> Iterator[Cluster]:
-    """tests/slurm/cluster.sh start [--nodes N], stopped (and its files removed) on the way out;
-    a skip, with the reason printed, where cluster.sh says the machine cannot run it (exit 3)."""
-    env = {**os.environ, "PYTHON": sys.executable}
+def cluster(nodes: int = 1, **settings: str) -> Iterator[Cluster]:
+    """tests/slurm/cluster.sh start [--nodes N], stopped (and its files removed) on the way out.
+    ``settings``: cluster.sh's variables (SLURM_CI_SLURMD_TIMEOUT_S=...)."""
+    env = {**os.environ, "PYTHON": sys.executable, **settings}
     cmd = [str(CLUSTER_SH), "start", "--nodes", str(nodes)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, check=False)
     if r.returncode == EXIT_UNAVAILABLE:
-        reason = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "cluster.sh: unavailable"
-        terminal = pytestconfig.pluginmanager.get_plugin("terminalreporter")
-        if terminal is not None:  # visible without -rs
-            terminal.write_line(f"SLURM tests ({nodes} node(s)) skipped: {reason}", yellow=True)
-        pytest.skip(f"no {nodes}-node SLURM cluster on this machine: {reason}")
+        raise ClusterUnavailable(
+            r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "cluster.sh: unavailable"
+        )
     assert r.returncode == 0, f"{' '.join(cmd)} failed (exit {r.returncode}):\n{r.stderr}"
     conf = Path(r.stdout.strip().splitlines()[-1])
     try:
@@ -81,6 +100,19 @@ def running_cluster(pytestconfig: pytest.Config, nodes: int = 1) -> Iterator[Clu
             [str(CLUSTER_SH), "stop", str(conf.parent)], capture_output=True, timeout=120, check=False
         )
         shutil.rmtree(conf.parent, ignore_errors=True)
+
+
+@contextmanager
+def running_cluster(pytestconfig: pytest.Config, nodes: int = 1, **settings: str) -> Iterator[Cluster]:
+    """``cluster`` for a test: a skip, with the reason printed, where the machine cannot run it."""
+    try:
+        with cluster(nodes, **settings) as c:
+            yield c
+    except ClusterUnavailable as e:
+        terminal = pytestconfig.pluginmanager.get_plugin("terminalreporter")
+        if terminal is not None:  # visible without -rs
+            terminal.write_line(f"SLURM tests ({nodes} node(s)) skipped: {e}", yellow=True)
+        pytest.skip(f"no {nodes}-node SLURM cluster on this machine: {e}")
 
 
 # ---------------------------------------------------------------- a job and what it left
@@ -163,10 +195,15 @@ def submit(
     hold_at: int | None = None,
     nodes: int = 1,
     nproc_per_node: int = 2,
+    spares: int = 0,
     **env: str,
 ) -> tuple[Job, Path]:
-    """Submit the job on ``nodes`` nodes; with ``hold_at``, its ranks hold after that step until
-    the returned hold file is released or moved on (train_ref/hold.py)."""
+    """Submit the job on ``nodes`` nodes (``spares`` of them SPARE_NODES, with --no-kill); with
+    ``hold_at``, its ranks hold after that step until the returned hold file is released or moved
+    on (train_ref/hold.py)."""
+    if spares:
+        env = {"SPARE_NODES": str(spares), **env}
+        sbatch_opts = ("--no-kill", *sbatch_opts)
     run_dir = run_dir or tmp / "run"
     out = tmp / "job.out"
     gate = tmp / "hold"
@@ -188,7 +225,8 @@ def submit(
     cmd += [str(JOB_SH), *train]
     r = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 0, f"sbatch failed: {r.stderr}"
-    return Job(cluster, r.stdout.strip().split(";")[0], run_dir, out, nodes * nproc_per_node), gate
+    ranks = (nodes - spares) * nproc_per_node
+    return Job(cluster, r.stdout.strip().split(";")[0], run_dir, out, ranks), gate
 
 
 def assert_no_step_lost(rows: list[MetricsRecord], steps: int) -> list[str]:
@@ -202,3 +240,91 @@ def launch_ends(rows: list[MetricsRecord]) -> list[int]:
     """The last step each launch logged, in launch order."""
     launches = dict.fromkeys(r.launch for r in rows)
     return [max(r.step for r in rows if r.launch == x) for x in launches]
+
+
+# ---------------------------------------------------------------- `slurm finish` with a stand-in scontrol
+
+JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_NUM_NODES": "2"}
+
+
+def knob_env(root: Path, **extra: str) -> dict[str, str]:
+    return {
+        "RUN_DIR": str(root),
+        "MAX_PREEMPT_REQUEUES": "3",
+        "MAX_REQUEUES": "2",
+        "TRAIN_ARGS": "-m train_ref.train",
+        **extra,
+    }
+
+
+FAKE_SCONTROL = """#!/bin/sh
+if [ "$1" = show ]; then
+  echo "JobId=4242 JobState=${FAKE_STATE:-RUNNING} Requeue=1 Restarts=${FAKE_RESTARTS:-0} Partition=ci"
+  exit 0
+fi
+echo "$@" >> "$FAKE_SCONTROL_LOG"
+[ "$1" = update ] && exit "${FAKE_SCONTROL_UPDATE_EXIT:-0}"
+exit "${FAKE_SCONTROL_EXIT:-0}"
+"""
+
+
+def run_finish(
+    tmp_path: Path, code: int, *, with_scontrol: bool = True, **env: str
+) -> subprocess.CompletedProcess:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    if with_scontrol:
+        (bin_dir / "scontrol").write_text(FAKE_SCONTROL)
+        (bin_dir / "scontrol").chmod(0o755)
+    full = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin" if with_scontrol else str(bin_dir),
+        "FAKE_SCONTROL_LOG": str(tmp_path / "scontrol.log"),
+        **JOB,
+        **knob_env(tmp_path / "run"),
+        **env,
+    }
+    return subprocess.run(
+        supervisor_cmd("slurm", "finish", "--exit-code", str(code)),
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+
+
+def scontrol_calls(tmp_path: Path) -> list[str]:
+    log = tmp_path / "scontrol.log"
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def requeues(tmp_path: Path) -> tuple[int, int]:
+    d = json.loads(slurm.requeue_path(tmp_path / "run").read_text())
+    return d["preempt_requeues"], d["failure_requeues"]
+
+
+def golden_digest(root: Path, nodes: int, train: tuple[str, ...], timeout: float = JOB_TIMEOUT_S) -> str:
+    """``nodes`` torchruns of one rank each on one c10d endpoint on this machine, never interrupted:
+    the digest of an uninterrupted run of that topology (bit-exactness holds per topology)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", "--nproc-per-node=1"]
+    cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--rdzv-id=golden{nodes}"]
+    cmd += [*train, "--ckpt-root", str(root)]
+    procs = [
+        subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(nodes)
+    ]
+    outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0] * nodes, "\n".join(o[-3000:] for o in outs)
+    return json.loads((root / "final.json").read_text())["params_sha256"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def node_of(pid: int) -> str:
+    """The SLURM node a job process runs on (slurmd puts SLURMD_NODENAME in its tasks' environment)."""
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return next(e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"SLURMD_NODENAME="))

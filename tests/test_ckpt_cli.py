@@ -60,6 +60,7 @@ def test_list_json_is_stable(root: Path, capsys) -> None:
         "latest",
         "retention",
         "checkpoints",
+        "foreign",
         "quarantined",
         "tmp",
     }

@@ -255,6 +255,20 @@ def end_of(
     )
 
 
+def stuck(op: str = "all_gather", waiting=(0,), missing=(1,), other=()) -> dict:
+    """A hang event's ``collective``, as watch/collectives.py's Stuck.to_dict() writes it."""
+    return {
+        "group": "0",
+        "label": "group 0 (default_pg)",
+        "seq": 57,
+        "op": op,
+        "waiting": list(waiting),
+        "missing": [{"rank": r, "last": "all_reduce #56"} for r in missing],
+        "other": [{"rank": r, "entered": f"{o} #57"} for r, o in other],
+        "finished": [],
+    }
+
+
 def hang_events(
     *,
     culprit_rank: int = 1,
@@ -263,13 +277,30 @@ def hang_events(
     exit_codes=None,
     newest: int = 10,
     outcome: str = "hang",
+    collective: dict | None = None,
+    late_s: float = 0.04,
+    stuck_s: float | None = 3.2,
+    at=(),
 ) -> list[Logged]:
     """The watchdog's events for one hang, typed as the judge reads them."""
     frames = [{"func": f, "file": f"/w/{f}.py", "line": 1} for f in funcs]
-    culprits = [{"rank": culprit_rank, "pid": 4242, "where": "elsewhere", "frames": frames}] if funcs else []
+    culprits = (
+        [{"rank": culprit_rank, "pid": 4242, "where": "elsewhere", "frames": frames, "at": list(at)}]
+        if funcs
+        else []
+    )
+    hang = ev.Hang(
+        ranks=[culprit_rank],
+        detected=T0 + 5,
+        culprits=culprits,
+        waiting_ranks=[0],
+        collective=stuck() if collective is None else collective,
+        late_s=late_s,
+        stuck_s=stuck_s,
+    )
     return [
         logged(T0 - 5, launch(1)),
-        logged(T0 + 5, ev.Hang(ranks=[culprit_rank], detected=T0 + 5, culprits=culprits, waiting_ranks=[0])),
+        logged(T0 + 5, hang),
         logged(T0 + 6, ev.StackDump(rank=0, pid=4241, path="/w/stacks_0", stacks="...")),
         logged(T0 + 16, ev.Kill(sigkilled=sigkilled), "hung launch killed"),
         logged(T0 + 16, end_of(1, outcome, newest, exit_codes or {})),
@@ -277,15 +308,18 @@ def hang_events(
     ]
 
 
-def hang_verdict(events, fault=HUNG, drill=None):
-    return verdict(
-        seen_after_fault(drill or faithful_run()),
-        faults=[fault],
-        in_flight=[fault.kind == Kind.HANG_DURING_SAVE],
-        scenario=fault.kind.value,
+def hang_verdict(events, fault=HUNG, drill=None, timeout_s=4.0):
+    run = ScenarioRun(
+        fault.kind.value,
+        Path(fault.kind.value),
+        injected=[fault],
+        save_in_flight=[fault.kind == Kind.HANG_DURING_SAVE],
+        records=seen_after_fault(drill or faithful_run()),
+        digest="d0",
         events=events,
         fault_times=[T0],
     )
+    return judge(Case(fault.kind.value, [fault], run, GOLDEN, "d0", STEPS, EVERY, hang_timeout_s=timeout_s))
 
 
 HANG_CHECKS = {
@@ -293,6 +327,8 @@ HANG_CHECKS = {
     "hung launch needed SIGKILL",
     "resumed from the last periodic checkpoint",
 }
+IN_TIME = "hang detected within the timeout + 0.5s"
+COLLECTIVE = "hang verdict names the collective"
 
 
 def test_a_real_hang_judged_right_passes():
@@ -318,7 +354,7 @@ def test_a_real_hang_judged_right_passes():
         ),
         (
             [e for e in hang_events() if not isinstance(e.event, ev.Hang)],
-            "hang verdict names the culprit and its stack",
+            {"hang verdict names the culprit and its stack", COLLECTIVE, IN_TIME},
             "no hang event",
         ),
         (hang_events(sigkilled=0), "hung launch needed SIGKILL", "SIGTERM ended"),
@@ -333,12 +369,18 @@ def test_a_real_hang_judged_right_passes():
             "newest periodic checkpoint step 20",
         ),
         (hang_events(outcome="requeue"), "resumed from the last periodic checkpoint", "not a hang"),
+        (hang_events(collective={}), COLLECTIVE, "names no collective"),
+        (hang_events(collective=stuck(missing=(2,))), COLLECTIVE, "rank 1 is not named as missing"),
+        (hang_events(collective=stuck(waiting=())), COLLECTIVE, "ranks [] wait in all_gather #57"),
+        (hang_events(late_s=0.6), IN_TIME, "verdict 0.600s after the timeout ran out"),
+        (hang_events(stuck_s=4.6), IN_TIME, "4.60s after the ranks entered the stuck collective"),
     ],
 )
 def test_a_hang_judged_wrong_fails_with_its_reason(events, failing, says):
     v = hang_verdict(events)
-    assert failed(v) == {failing}, v.failures()
-    assert says in {c.name: c.detail for c in v.checks}[failing]
+    failing = {failing} if isinstance(failing, str) else failing
+    assert failed(v) == failing, v.failures()
+    assert any(says in c.detail for c in v.checks if c.name in failing)
 
 
 def test_a_culprit_without_its_stack_fails():
@@ -363,6 +405,62 @@ def test_a_sigstop_needs_the_culprit_named_but_may_be_cured():
             "hang verdict names the culprit and its stack"
         ]
     )
+
+
+def test_a_collective_mismatch_is_judged_on_the_op_the_culprit_entered():
+    """hang-collective: the others wait in the all_reduce the culprit skipped; the culprit entered
+    the barrier instead, with skip_collective in its stack."""
+    fault = Fault(Kind.HANG_COLLECTIVE, 17, 1)
+    mismatch = stuck("all_reduce", waiting=(0, 2, 3), missing=(), other=((1, "barrier"),))
+    funcs = ("barrier", "wrapper", "skip_collective")
+    v = hang_verdict(hang_events(funcs=funcs, collective=mismatch), fault=fault)
+    assert v.ok, v.failures()
+    detail = {c.name: c.detail for c in v.checks}
+    assert (
+        "ranks [0, 2, 3] wait in all_reduce #57 of group 0 (default_pg); rank 1 entered barrier #57"
+        in detail[COLLECTIVE]
+    )
+    missing = hang_verdict(
+        hang_events(funcs=funcs), fault=fault
+    )  # named as missing, not as entering a barrier
+    assert failed(missing) == {COLLECTIVE}, missing.failures()
+    assert failed(hang_verdict(hang_events(collective=mismatch), fault=fault)) == {
+        "hang verdict names the culprit and its stack"
+    }
+
+
+def test_a_loader_deadlock_needs_the_culprit_seen_in_the_dataloader():
+    """hang-loader: the culprit's innermost frames are the standard library's (a queue's wait);
+    the first frames outside it (``at``) must be the DataLoader's."""
+    fault = Fault(Kind.HANG_LOADER, 17, 1)
+    wait = ("select", "wait", "_poll")
+    loader = [{"func": "_try_get_data", "file": "/v/torch/utils/data/dataloader.py", "line": 1291}]
+    v = hang_verdict(hang_events(funcs=wait, at=loader), fault=fault)
+    assert v.ok, v.failures()
+    assert (
+        "_try_get_data"
+        in {c.name: c.detail for c in v.checks}["hang verdict names the culprit and its stack"]
+    )
+    elsewhere = hang_verdict(hang_events(funcs=wait), fault=fault)
+    assert failed(elsewhere) == {"hang verdict names the culprit and its stack"}
+    assert "lacks torch/utils/data/" in elsewhere.failures()[0]
+    assert (
+        steps_redone_bound(Kind.HANG_LOADER, EVERY) == 2 * EVERY
+    )  # it hangs once the prefetched batches run out
+
+
+def test_new_hang_kinds_are_planned_where_they_can_be_judged():
+    """hang-collective needs a majority (3 ranks: the tiny config's batch splits over 4), hang-loader
+    DataLoader workers; chaos draws neither, so every seed's chaos plan is what it was."""
+    (f,) = plan("hang-collective", seed=0, steps=80, save_every=10, ranks=4)
+    assert f.kind == Kind.HANG_COLLECTIVE and 0 <= f.rank < 4
+    with pytest.raises(ValueError, match="needs --ranks 3 or more"):
+        plan("hang-collective", seed=0, steps=80, save_every=10, ranks=2)
+    with pytest.raises(ValueError, match="needs DataLoader workers"):
+        plan("hang-loader", seed=0, steps=80, save_every=10, ranks=2, num_workers=0)
+    for seed in range(30):
+        kinds = {f.kind for f in plan(CHAOS, seed=seed, steps=80, save_every=10, ranks=4)}
+        assert not kinds & {Kind.HANG_COLLECTIVE, Kind.HANG_LOADER}
 
 
 def test_hang_during_save_may_redo_two_intervals():
@@ -415,7 +513,7 @@ def test_the_disk_fills_at_a_random_moment_of_a_save():
         f.fill_after
         for s in SCENARIOS
         if s != "disk-full"
-        for f in plan(s, seed=3, steps=80, save_every=10, ranks=2)
+        for f in plan(s, seed=3, steps=80, save_every=10, ranks=4)
     } == {0}
 
 

@@ -32,7 +32,10 @@ def test_the_example_passes_every_scenario_of_the_drill(example: str, tmp_path: 
         for s in doc["scenarios"]
         if s["result"] != "PASS"
     }
-    assert results == dict.fromkeys(DEFAULT_SCENARIOS, "PASS"), (failed, p.stderr[-3000:])
+    # A string, so pytest shows all of it (a tuple's repr is cut short).
+    assert results == dict.fromkeys(DEFAULT_SCENARIOS, "PASS"), (
+        json.dumps(failed, indent=1) + p.stderr[-3000:]
+    )
     assert p.returncode == 0 and doc["settings"]["ranks"] == 2
     digests = {s["digest"] for s in doc["scenarios"]}
     assert digests == {doc["golden_digest"]}, digests

@@ -80,6 +80,8 @@ def test_importing_the_library_loads_no_demo_or_drill_module() -> None:
     loaded = _loaded_after("import supervisor.resumable")
     assert "torch" in loaded and "supervisor.resumable._resumable" in loaded  # the probe sees imports
     assert not {m for m in loaded if m.startswith(("train_ref", "supervisor.drill", "supervisor.watch"))}
+    # The adapters' frameworks load on first use of their name only (supervisor/resumable/__init__.py).
+    assert not {m for m in loaded if m.split(".")[0] in ("lightning", "accelerate", "transformers")}
 
 
 def test_the_public_surface_is_all_and_nothing_else() -> None:

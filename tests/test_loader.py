@@ -22,7 +22,7 @@ from waiting import EVENT_TIMEOUT_S, wait_for
 from supervisor.resumable._loader import Rank, ResumableLoader, build, prepare
 from supervisor.resumable._loader_check import LoaderCheck, problems
 from supervisor.resumable._sampler import ResumableBatchSampler
-from supervisor.resumable._workers import WorkerInit
+from supervisor.resumable._workers import WorkerInit, calm, held_at_fork
 
 WHERE = Rank(rank=0, world_size=1, seed=3)
 
@@ -221,3 +221,43 @@ def test_workers_of_a_prepared_loader_block_sigterm_in_every_thread() -> None:
     waiting = [tid for tid, (_, wchan) in got.items() if "sigtimedwait" in wchan]
     assert len(waiting) == 1, got
     assert all(mask & bit for tid, (mask, _) in got.items() if tid not in waiting), got
+
+
+def _forked_before_calm(hold: bool) -> int:
+    """A child forked as a loader forks a worker (under ``held_at_fork`` or not), sent SIGTERM by
+    another process before it reaches ``calm`` (it waits for the go on a pipe), then calmed; how
+    it ended (its wait status)."""
+    go_r, go_w = os.pipe()
+    # the child starts as a worker does: SIGTERM's default action, unblocked (a test runner's
+    # process may have set its own)
+    handler = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    try:
+        with held_at_fork(hold):
+            pid = os.fork()
+            if pid == 0:  # the worker: it never leaves the block (a DataLoader worker's loop ends in exit)
+                os.read(go_r, 1)
+                calm()
+                os.read(go_r, 1)  # the parent's second byte: the pending SIGTERM had its chance
+                os._exit(0)
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    _kill_from_elsewhere(pid, signal.SIGTERM)
+    os.write(go_w, b"gg")
+    _, status = os.waitpid(pid, 0)
+    os.close(go_r)
+    os.close(go_w)
+    return status
+
+
+def test_a_sigterm_before_a_worker_is_calmed_waits_for_it_when_the_fork_held_it() -> None:
+    """The window between a worker's fork and its worker_init_fn: a SIGTERM to every process of
+    the job landing there killed the worker (a chaos drill under load lost its preemption
+    checkpoint); forked under ``held_at_fork`` the worker keeps it pending and calm's thread
+    takes it, and the parent's own mask is as it was."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    assert os.WIFSIGNALED(status := _forked_before_calm(hold=False)) and os.WTERMSIG(status) == signal.SIGTERM
+    status = _forked_before_calm(hold=True)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) == before

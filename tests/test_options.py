@@ -174,3 +174,20 @@ def test_watch_help_lists_every_flag_with_its_help_and_default() -> None:
     text = " ".join(watch.format_help().split())
     assert "(default: SIGUSR1)" in text and "(default: 10)" not in text  # a signal by its name
     assert "--learn-floor LEARN_FLOOR the least learned train timeout, in seconds (default: 10.0)" in text
+
+
+def test_an_optional_value_a_positional_and_the_rest_of_the_words() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Cmd:
+        step: int = option("the step", positional=True)
+        watch: float | None = option("refresh every SECONDS", None, const=2.0)
+        rest: tuple[str, ...] = option("the command", (), rest=True)
+
+    p = argparse.ArgumentParser()
+    options.add_options(p, Cmd)
+    args = p.parse_args(["--watch", "5", "7", "torchrun", "--nproc-per-node=2"])
+    assert (args.step, args.watch) == (7, 5.0)
+    assert args.rest == ["torchrun", "--nproc-per-node=2"]  # the rest: its flags are not ours
+    assert p.parse_args(["--watch", "--", "7"]).watch == 2.0 and p.parse_args(["7"]).watch is None
+    with pytest.raises(SystemExit):
+        p.parse_args(["seven"])

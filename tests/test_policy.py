@@ -486,7 +486,7 @@ def test_save_news_reports_rises_and_recoveries_once():
     assert news == [] and seen == {}
     err = "ENOSPC (No space left on device): step_00000020.tmp"
     news, seen = save_news([hb(0, 1, err), hb(1, 1, err)], seen)
-    assert [(n.event, n.ranks, n.step, n.failures, n.last_error) for n in news] == [
+    assert [(n.event.NAME, n.ranks, n.step, n.failures, n.last_error) for n in news] == [
         ("save_failed", (0, 1), 20, 1, err)
     ]
     assert "ranks 0, 1" in news[0].msg and err in news[0].msg
@@ -494,7 +494,7 @@ def test_save_news_reports_rises_and_recoveries_once():
     news, seen = save_news([hb(0, 2, err, 25), hb(1, 1, err)], seen)  # rank 1 not updated yet
     assert [(n.ranks, n.failures) for n in news] == [((0,), 2)]
     news, seen = save_news([hb(0, 0, step=30), hb(1, 0, step=30)], seen)
-    assert [(n.event, n.ranks) for n in news] == [("save_recovered", (0, 1))] and seen == {0: 0, 1: 0}
+    assert [(n.event.NAME, n.ranks) for n in news] == [("save_recovered", (0, 1))] and seen == {0: 0, 1: 0}
 
 
 def test_decide_storage_failures_back_off_then_exit_14():

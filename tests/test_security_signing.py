@@ -257,7 +257,7 @@ def test_remote_resume_downloads_only_what_this_key_signed(tmp_path: Path) -> No
 
     events: list[tuple[str, str]] = []
     res = prepare_resume(
-        local, open_remote(str(remote), key=KEY), key=KEY, on_event=lambda e, m, **_: events.append((e, m))
+        local, open_remote(str(remote), key=KEY), key=KEY, on_event=lambda e, m: events.append((e.NAME, m))
     )
     assert res.source == "remote" and res.chosen is not None and res.chosen.name == "step_00000020"
     assert [n for n, _ in res.untrusted] == [f"{remote}/step_00000030"]

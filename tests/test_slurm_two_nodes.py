@@ -5,29 +5,26 @@ mid-run are relaunched by both nodes' watchdogs inside the allocation, and a pre
 requeues the two-node job, which resumes.
 
 Two ranks in all, 30 steps: CI runs this on 2 cores. The reference is two 1-rank torchruns on one
-c10d endpoint outside SLURM: one 2-rank node gives another digest (docs/slurm.md, *Two nodes*).
+c10d endpoint outside SLURM: one 2-rank node gives another digest (docs/slurm.md, *How it is tested*).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from slurm_helpers import (
-    JOB_TIMEOUT_S,
-    REPO,
     TRAIN,
     Cluster,
     Job,
     assert_no_step_lost,
+    golden_digest,
     launch_ends,
+    node_of,
     running_cluster,
     submit,
 )
@@ -52,33 +49,13 @@ def cluster2(pytestconfig: pytest.Config) -> Iterator[Cluster]:
 @pytest.fixture(scope="module")
 def golden2(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Two torchruns of one rank each on one c10d endpoint on this machine, never interrupted."""
-    root = tmp_path_factory.mktemp("golden2") / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={NODES}", "--nproc-per-node=1"]
-    cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--rdzv-id=golden2"]
-    cmd += [*TRAIN, "--steps", str(STEPS), "--ckpt-root", str(root)]
-    procs = [
-        subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for _ in range(NODES)
-    ]
-    outs = [p.communicate(timeout=JOB_TIMEOUT_S)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0] * NODES, "\n".join(o[-3000:] for o in outs)
-    return json.loads((root / "final.json").read_text())["params_sha256"]
+    return golden_digest(tmp_path_factory.mktemp("golden2") / "run", NODES, (*TRAIN, "--steps", str(STEPS)))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def submit2(cluster: Cluster, tmp: Path, hold_at: int | None = None) -> tuple[Job, Path]:
-    return submit(cluster, tmp, *TRAIN, "--steps", str(STEPS), hold_at=hold_at, nodes=NODES, nproc_per_node=1)
-
-
-def node_of(pid: int) -> str:
-    """The SLURM node a job process runs on (slurmd puts SLURMD_NODENAME in its tasks' environment)."""
-    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return next(e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"SLURMD_NODENAME="))
+def submit2(cluster: Cluster, tmp: Path, hold_at: int | None = None, **env: str) -> tuple[Job, Path]:
+    return submit(
+        cluster, tmp, *TRAIN, "--steps", str(STEPS), hold_at=hold_at, nodes=NODES, nproc_per_node=1, **env
+    )
 
 
 def test_two_nodes_run_to_completion_digest_equal(cluster2: Cluster, tmp_path: Path, golden2: str) -> None:
@@ -148,3 +125,49 @@ def test_two_nodes_preemption_requeues_and_resumes(cluster2: Cluster, tmp_path: 
     assert_no_step_lost(rows, STEPS)
     assert launch_ends(rows) == [9, STEPS], job.explain()
     assert job.digest() == golden2
+
+
+def hang_events(job: Job, node: int) -> list[dict]:
+    return [
+        e
+        for e in events.read_events(events.events_path(job.run_dir, node))
+        if e.get("event") == EventName.HANG
+    ]
+
+
+def test_two_nodes_network_partition_named_and_resumed(
+    cluster2: Cluster, tmp_path: Path, golden2: str
+) -> None:
+    """Held after step 12 on both nodes (step 10 committed), node n2 is cut off the bridge (its
+    veth's root end set down, as a dead switch port would); released, the ranks' next collective
+    never finishes. Each node's watchdog names, within its timeout, the collective its rank
+    entered (and no rank missing from it) and the connection to the other node that the network
+    does not deliver; n2's also names its own link as down. The link comes back, both nodes
+    relaunch inside the allocation, and the run finishes digest-equal."""
+    timeout_s = 8.0  # a resumed launch's first step took 4-5 s here at load 10 (FSDP's first dispatch)
+    watch = f"--hang-timeout {timeout_s:g} --kill-grace 1"
+    job, gate = submit2(cluster2, tmp_path, hold_at=12, WATCH_OPTS=watch)
+    job.wait_held(gate, 12)
+    link = cluster2.node_link(2)
+    subprocess.run(["ip", "link", "set", link, "down"], check=True)
+    try:
+        hold.release(gate)
+        job.wait_until("a hang verdict on both nodes", lambda: all(hang_events(job, n) for n in (0, 1)))
+    finally:
+        subprocess.run(["ip", "link", "set", link, "up"], check=True)
+    info = job.wait_done()
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), job.explain()
+    assert job.digest() == golden2
+    for node, other in ((0, "n2"), (1, "n1")):
+        (hang, *_) = hang_events(job, node)
+        (rank,) = [int(r) for r in hang["collectives"]]  # this node's one rank (the rendezvous numbers them)
+        stuck = hang["collective"]
+        assert stuck is not None and stuck["waiting"] == [rank] and not stuck["culprits"], hang["msg"]
+        assert "every rank here entered it and none finished it: none is missing" in hang["msg"], hang["msg"]
+        assert hang["late_s"] <= 0.5 and hang["stuck_s"] <= timeout_s + 0.5, hang
+        assert not hang["culprits"], hang["msg"]
+        assert {n["host"] for n in hang["network"]} == {other}, hang["network"]
+        assert f"the network does not deliver rank {rank}'s" in hang["msg"] and f"to {other} (" in hang["msg"]
+    (cut,) = {n["device_state"] for n in hang_events(job, 1)[0]["network"]}
+    assert cut not in ("up", ""), cut  # n2 sees its own link down
+    assert all(n["device_state"] == "up" for n in hang_events(job, 0)[0]["network"])

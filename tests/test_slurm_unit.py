@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from commands import supervisor_cmd
+from slurm_helpers import JOB, knob_env, requeues, run_finish, scontrol_calls
 from store_helpers import make_ckpt
 
 from supervisor import slurm
@@ -19,19 +20,6 @@ from supervisor.format.exitcodes import Exit
 from supervisor.format.manifest import META_SAVE_S
 from supervisor.format.notice import NoticeSignalError
 from supervisor.slurm import JobEnv, Knobs, SaveTime, SlurmError
-
-JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_NUM_NODES": "2"}
-
-
-def knob_env(root: Path, **extra: str) -> dict[str, str]:
-    return {
-        "RUN_DIR": str(root),
-        "MAX_PREEMPT_REQUEUES": "3",
-        "MAX_REQUEUES": "2",
-        "TRAIN_ARGS": "-m train_ref.train",
-        **extra,
-    }
-
 
 # ---------------------------------------------------------------- host lists
 
@@ -310,50 +298,6 @@ def test_history_is_capped(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------- `slurm finish` with a stand-in scontrol
-
-FAKE_SCONTROL = """#!/bin/sh
-if [ "$1" = show ]; then
-  echo "JobId=4242 JobState=${FAKE_STATE:-RUNNING} Requeue=1 Restarts=${FAKE_RESTARTS:-0} Partition=ci"
-  exit 0
-fi
-echo "$@" >> "$FAKE_SCONTROL_LOG"
-exit "${FAKE_SCONTROL_EXIT:-0}"
-"""
-
-
-def run_finish(
-    tmp_path: Path, code: int, *, with_scontrol: bool = True, **env: str
-) -> subprocess.CompletedProcess:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    if with_scontrol:
-        (bin_dir / "scontrol").write_text(FAKE_SCONTROL)
-        (bin_dir / "scontrol").chmod(0o755)
-    full = {
-        "PATH": f"{bin_dir}:/usr/bin:/bin" if with_scontrol else str(bin_dir),
-        "FAKE_SCONTROL_LOG": str(tmp_path / "scontrol.log"),
-        **JOB,
-        **knob_env(tmp_path / "run"),
-        **env,
-    }
-    return subprocess.run(
-        supervisor_cmd("slurm", "finish", "--exit-code", str(code)),
-        env=full,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=Path(__file__).resolve().parent.parent,
-    )
-
-
-def scontrol_calls(tmp_path: Path) -> list[str]:
-    log = tmp_path / "scontrol.log"
-    return log.read_text().splitlines() if log.exists() else []
-
-
-def requeues(tmp_path: Path) -> tuple[int, int]:
-    d = json.loads(slurm.requeue_path(tmp_path / "run").read_text())
-    return d["preempt_requeues"], d["failure_requeues"]
 
 
 def test_finish_requeues_until_each_budget_is_used_up(tmp_path: Path) -> None:

@@ -25,7 +25,9 @@ from store_helpers import SHARD, committed_names, latest_text, make_ckpt, quaran
 from supervisor import store
 from supervisor.cli.main import main
 from supervisor.cli.status import render
+from supervisor.format.eventnames import EventName
 from supervisor.format.events import read_events
+from supervisor.format.eventtypes import Event
 from supervisor.format.exitcodes import Exit
 from supervisor.format.layout import REMOTE_EVENTS, RunDir, step_dirname
 from supervisor.format.manifest import CheckpointInfo
@@ -220,8 +222,8 @@ def test_two_processes_resuming_from_the_remote_download_once(faultfs, tmp_path)
         waiting = threading.Event()
         results: list[object] = []
 
-        def on_event(event: str, msg: str, **_f: object) -> None:
-            if event == "download_wait":
+        def on_event(event: Event, msg: str) -> None:
+            if event.NAME == EventName.DOWNLOAD_WAIT:
                 waiting.set()
 
         def node_b() -> None:

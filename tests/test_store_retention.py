@@ -14,6 +14,7 @@ from store_helpers import committed_names, latest_text, make_ckpt, quarantine_di
 from supervisor import store
 from supervisor.cli.main import main
 from supervisor.drill.corruption import Corruption, corrupt
+from supervisor.format.confined import MAX_DEPTH
 from supervisor.format.exitcodes import Exit
 from supervisor.format.layout import QUARANTINE_DELETING_PREFIX, REASON, RunDir
 from supervisor.store import QuarantineEntry, plan_quarantine
@@ -190,3 +191,18 @@ def test_pick_after_everything_was_moved_aside_by_hand_refuses_a_fresh_start(tmp
     store.quarantine_step(root, 10, "step_00000010: by hand")
     with pytest.raises(store.NoUsableCheckpoint, match=r"newest step_00000010-.*: by hand"):
         store.pick(root)
+
+
+def test_disk_usage_counts_what_the_toolkit_writes_and_stops_below_its_depth(tmp_path: Path) -> None:
+    """A nest deeper than anything the toolkit writes is not walked (each level of it would walk
+    every level above it again on a mount without an entry cache): its files are not counted."""
+    (tmp_path / "quarantine" / "step_00000010").mkdir(parents=True)
+    (tmp_path / "quarantine" / "step_00000010" / "shard").write_bytes(b"x" * 100)
+    deep = tmp_path / "step_99.tmp.1.elsewhere"
+    for _ in range(MAX_DEPTH + 2):
+        deep /= "d"
+    deep.mkdir(parents=True)
+    (deep / "far").write_bytes(b"y" * 1000)
+    (deep.parents[2] / "near").write_bytes(b"z" * 10)  # in the deepest folder walked
+    (deep.parents[1] / "below").write_bytes(b"w" * 10_000)  # one folder further: not walked
+    assert store.disk_usage(tmp_path) == 110

@@ -64,3 +64,25 @@ def test_help_lists_each_flag_once_with_its_help() -> None:
     assert [a.option_strings for a in flags if a.help == argparse.SUPPRESS] == [["--ablate"]]
     text = p.format_help()
     assert "--ablate" not in text and "remote tier (docs/tiers.md):" in text
+
+
+@pytest.mark.slow  # a real trainer process: torch and a process group
+def test_a_run_dir_that_cannot_be_used_is_one_line_and_exit_78(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    p = subprocess.run(
+        [sys.executable, "-m", "train_ref.train", "--ckpt-root", str(blocker), "--steps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 78, p.stderr[-2000:]
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("resumable:")]
+    assert lines == [
+        f"resumable: {blocker}: cannot use it as the run directory (EEXIST (File exists)); "
+        "give --ckpt-root a directory this rank can create and write"
+    ]
+    assert "Traceback" not in p.stderr

@@ -193,7 +193,9 @@ def test_a_preemption_checkpoint_that_fails_exits_74_not_75(goldens, faultfs):
     root = rewind(goldens.get("ddp", 2), faultfs.mountpoint / "run", 10)
     faultfs.fail("/run/step_*.tmp.*/*", "ENOSPC", ops=["write"])
     hold = faultfs.block("/run", ops=["readdir"])  # rank 0's pick: the notice lands before step 11
-    proc = launch(root, 2, *train_args("ddp", save_every=1000))
+    # --verify quick: a notice during the deep verify stops the resume there (exit 75, nothing
+    # trained yet: test_hostile_load.py f4); this one must reach the first step's preemption save
+    proc = launch(root, 2, *train_args("ddp", "--verify", "quick", save_every=1000))
     try:
         (held,) = wait_fs_blocked(faultfs, hold, proc)
         os.kill(held.pid, signal.SIGUSR1)

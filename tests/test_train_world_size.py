@@ -34,7 +34,7 @@ pytestmark = pytest.mark.slow
 RESUME_AT = SAVE_EVERY
 # Mean absolute loss difference over the resumed steps vs the uninterrupted run, relative to the
 # uninterrupted run's mean loss there. Same parameters and data at the resume point, so only the
-# per-rank noise (dropout 0.1, token noise, sequence length) differs: measured ~1% (docs/trainer.md);
+# per-rank noise (dropout 0.1, token noise, sequence length) differs: measured ~1% (docs/measured.md);
 # 5% leaves room for other seeds yet fails if the data or the state were wrong (a restart from
 # scratch or a skipped epoch moves the loss by >30% at this stage).
 LOSS_BOUND = 0.05

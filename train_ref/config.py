@@ -75,6 +75,15 @@ CONFIGS: dict[str, TrainConfig] = {
         noise_prob=0.02,
     ),
 }
+# Steps of about 0.1 s on a shared core (4 ranks on 2 cores), every sequence full length: a step's
+# compute far above a scheduler's jitter and alike on every rank, as a real one is
+# (tests/straggler_sweep.py judges stragglers on it).
+CONFIGS["small"] = replace(
+    CONFIGS["tiny"],
+    name="small",
+    model=replace(CONFIGS["tiny"].model, block_size=64, n_layer=4, n_embd=128),
+    trunc_min=64,
+)
 # As many bytes as "bench" in few large tensors (12 * 2 * 1536^2 = 56.6M parameters in 2 layers), as
 # a large model's layers are: bench/checkpoint.py --config wide tells a cost per tensor from one per byte.
 CONFIGS["wide"] = replace(

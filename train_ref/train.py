@@ -343,6 +343,8 @@ class Trainer:
         with torch.autocast(self.d.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
             loss = self.model(x, y)
         self.scaler.scale(loss).backward()
+        if self.opts.parallel == "ddp":  # fsdp's collectives run inside forward and backward
+            self.r.compute_done()  # this rank's own work ends here: the straggler verdict's measure
         sync_grads(self.model, self.opts.parallel)
         self.scaler.unscale_(self.optimizer)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
@@ -407,7 +409,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     redact_log_handlers()  # a --remote URL or a backend's error may carry credentials
     restrict_umask()  # nothing this run creates is world-writable (docs/security.md)
-    opts.ckpt_root.mkdir(parents=True, exist_ok=True)
     corpus = Corpus.load(opts.corpus)
     cfg = with_overrides(get_config(opts.config, corpus.tokenizer.vocab_size), opts)
     key, key_problem = signing_key(opts)

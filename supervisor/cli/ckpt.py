@@ -16,24 +16,30 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from functools import wraps
 from pathlib import Path
 from typing import Any
 
-from supervisor import display
+from supervisor import display, options
+from supervisor import shared_options as shared
 from supervisor.display import printable
 from supervisor.format.atomic import hostname, pid_alive
 from supervisor.format.confined import Escape
 from supervisor.format.exitcodes import Exit
 from supervisor.format.layout import MANIFEST, RunDir, looks_like_run_dir, step_dirname
 from supervisor.format.manifest import NOT_LISTED, list_files
+from supervisor.options import option
 from supervisor.store import (
-    IO_RETRY_S,
+    FOREIGN_LABEL,
     QUARANTINE_KEEP,
     STALE_TMP_AFTER_S,
     Candidate,
     CheckpointRef,
     Evidence,
+    ForeignKind,
+    ForeignRef,
+    ForeignVerdict,
     KeepReason,
     NoUsableCheckpoint,
     PickResult,
@@ -43,21 +49,26 @@ from supervisor.store import (
     StoreError,
     TmpRef,
     Verdict,
+    foreign_may_be_writing,
     list_checkpoints,
     list_deleting,
+    list_foreign,
     list_quarantined,
     list_tmp,
     pick,
     plan_retention,
     prune,
+    quarantine_foreign,
     quarantine_step,
     read_latest,
     read_policy,
     require_root,
     rollback,
+    seal_foreign,
     tmp_is_stale,
     unreadable_fix,
     validate,
+    validate_foreign,
 )
 from supervisor.store.ioerrors import describe, is_transient
 from supervisor.store.retention_policy import add_retention_args, policy_from_args
@@ -82,8 +93,8 @@ def open_run_dir(root: str) -> Path:
         raise StoreError(f"{p}: this is one checkpoint, not a run directory; pass its parent as --ckpt-root")
     if not looks_like_run_dir(names):
         raise StoreError(
-            f"{p}: not a run directory (no step_*, latest, quarantine/ or heartbeats/ in it); "
-            "point --ckpt-root at the run's checkpoint root"
+            f"{p}: not a run directory (no step_*, latest, quarantine/ or heartbeats/ in it, nor "
+            "torchtitan's step-N/ or Lightning's *.ckpt); point --ckpt-root at the run's checkpoint root"
         )
     return p
 
@@ -170,6 +181,51 @@ def _ckpt_row(
             else {}
         ),
     }
+
+
+def _foreign_row(fv: ForeignVerdict, now: float) -> dict[str, Any]:
+    """Another trainer's checkpoint as a row of the same table: its kind, and ``mark`` saying
+    whether its bytes are proven (sealed) or only its structure."""
+    v, size = fv.verdict, fv.size
+    return {
+        "name": v.ref.name,
+        "step": v.ref.step,
+        "path": str(v.ref.path),
+        "kind": fv.ref.kind.value,
+        "ok": v.ok,
+        "evidence": v.evidence.value,
+        "reason": v.reason,
+        "mark": fv.mark,
+        "sealed": fv.sealed,
+        "wall_time": size.wall_time,
+        "age_s": round(now - size.wall_time, 3) if size.wall_time else None,
+        "bytes": size.bytes,
+        "files": size.files,
+        "latest": False,
+    }
+
+
+def _foreign_verdicts(root: Path, deep: bool = False) -> list[ForeignVerdict]:
+    return [fv for fv in (validate_foreign(r, deep=deep) for r in list_foreign(root)) if not fv.verdict.gone]
+
+
+def _foreign_table(rows: list[dict[str, Any]]) -> str:
+    return "other trainers' checkpoints (structural check; `ckpt seal` adds checksums):\n" + display.table(
+        ["step", "name", "kind", "age", "size", "files", "status", "check"],
+        [
+            [
+                r["step"] if r["step"] >= 0 else "?",
+                r["name"],
+                FOREIGN_LABEL[ForeignKind(r["kind"])],
+                display.human_age(r["age_s"]) if r["age_s"] is not None else "-",
+                display.human_bytes(r["bytes"]),
+                r["files"],
+                _STATUS[r["evidence"]],
+                r["mark"] if r["ok"] else _why(r),
+            ]
+            for r in rows
+        ],
+    )
 
 
 def _on_disk(path: Path) -> tuple[int, int]:
@@ -296,17 +352,21 @@ def cmd_list(args: argparse.Namespace) -> int:
     quarantined = [{"name": q.name, "path": str(q.path), "reason": q.reason} for q in list_quarantined(root)]
     tmps = [_tmp_row(t, "tmp", me) for t in list_tmp(root, now)]
     tmps += [_tmp_row(t, "deleting", me) for t in list_deleting(root, now)]
+    others = [_foreign_row(fv, now) for fv in _foreign_verdicts(root)]
     doc: dict[str, Any] = {
         "root": str(root),
         "latest": latest,
         "retention": {"policy": policy.to_dict(), "source": source},
         "checkpoints": rows,
+        "foreign": others,
         "quarantined": quarantined,
         "tmp": tmps,
     }
-    parts = [_ckpt_table(rows) if rows else f"no committed checkpoints in {root}"]
+    parts = [_ckpt_table(rows)] if rows else [] if others else [f"no committed checkpoints in {root}"]
     if rows:
         parts.append(f"kept: why retention keeps each one ({policy.describe()}; {source})")
+    if others:
+        parts.append(_foreign_table(others))
     if latest is not None and latest not in {r["name"] for r in rows}:
         parts.append(f"note: latest names {latest}, which is not a committed checkpoint here")
     if quarantined:
@@ -396,21 +456,38 @@ def cmd_verify(args: argparse.Namespace) -> int:
     with _progress(refs, "verify", args.deep, stop_at_valid=False) as progress:
         verdicts = _visible([validate(r, deep=args.deep, progress=progress, key=key) for r in refs])
     rows = [_ckpt_row(v, latest, now) for v in verdicts]
-    ok = all(v.ok for v in verdicts)
-    unknown = sum(v.unknown for v in verdicts)
-    doc = {"root": str(root), "deep": args.deep, "ok": ok, "unknown": unknown, "checkpoints": rows}
+    others = _foreign_verdicts(root, deep=args.deep)
+    every = verdicts + [fv.verdict for fv in others]
+    ok = all(v.ok for v in every)
+    unknown = sum(v.unknown for v in every)
+    foreign_rows = [_foreign_row(fv, now) for fv in others]
+    doc = {
+        "root": str(root),
+        "deep": args.deep,
+        "ok": ok,
+        "unknown": unknown,
+        "checkpoints": rows,
+        "foreign": foreign_rows,
+    }
     depth = "checksums, .metadata" if args.deep else "sizes; --deep also checks checksums and .metadata"
     if key is not None:
         depth += ", signatures" + (" and every file's sha256" if args.deep else "")
     summary = f"{sum(v.ok for v in verdicts)} of {len(verdicts)} checkpoints valid ({depth})"
+    parts = [_ckpt_table(rows), summary] if rows else []
+    if others:
+        sealed = sum(fv.sealed and fv.verdict.ok for fv in others)
+        complete = sum(fv.verdict.ok for fv in others)
+        parts += [
+            _foreign_table(foreign_rows),
+            f"{complete} of {len(others)} other trainers' checkpoints complete "
+            f"(structure{', CRC32s' if args.deep else ''}); {sealed} sealed"
+            + (", checksums verified" if args.deep and sealed else "")
+            + (f"; {complete - sealed} unverified: no checksums" if complete > sealed else ""),
+        ]
     if unknown:
-        summary += f"; {unknown} could not be read (not proof of corruption: retry later)"
-    _emit(
-        args,
-        doc,
-        "\n".join([_ckpt_table(rows), summary] if rows else [f"no committed checkpoints in {root}"]),
-    )
-    return verify_exit(verdicts)
+        parts.append(f"{unknown} could not be read (not proof of corruption: retry later)")
+    _emit(args, doc, "\n".join(parts or [f"no committed checkpoints in {root}"]))
+    return verify_exit(every)
 
 
 def verify_exit(verdicts: list[Verdict]) -> Exit:
@@ -426,6 +503,8 @@ def cmd_pick(args: argparse.Namespace) -> int:
     root = open_run_dir(args.ckpt_root)
     key = _signing_key(args, root)
     refs = list_checkpoints(root)
+    if not refs and (others := list_foreign(root)):
+        return _pick_foreign(args, root, others)
     no_usable = ""
     with _progress(refs, "pick", args.deep, stop_at_valid=True) as progress:
         try:
@@ -457,6 +536,80 @@ def cmd_pick(args: argparse.Namespace) -> int:
     }
     _emit(args, doc, "\n".join(_pick_lines(root, res, no_usable)))
     return Exit.OK if chosen is not None else Exit.FOUND_PROBLEM
+
+
+def _pick_foreign(args: argparse.Namespace, root: Path, refs: list[ForeignRef]) -> int:
+    """Another trainer's checkpoints (no manifest, no ``latest``): the newest complete one, walking
+    back; a broken one newer than it goes to quarantine/ (so torchtitan's ``max()`` and Lightning's
+    ``last`` cannot pick it), unless it may still be being written (changed within the hour). What
+    cannot be read stops the walk: exit 3, nothing moved past it."""
+    now, chosen, moved, left, lines = time.time(), None, [], [], []
+    verb = "would quarantine" if args.dry_run else "quarantined"
+    for ref in refs:
+        fv = validate_foreign(ref, deep=args.deep)
+        v = fv.verdict
+        if v.ok:
+            chosen = fv
+            break
+        if v.unknown:
+            return _unreadable(f"{v.reason}; nothing picked (retry when the storage answers)")
+        if v.gone:
+            continue
+        if foreign_may_be_writing(ref, now):
+            left.append({"name": ref.name, "reason": v.reason})
+            why = _why({"name": ref.name, "reason": v.reason})
+            lines.append(f"left alone {ref.name} (changed within the hour: a save in flight?): {why}")
+            continue
+        if not args.dry_run:
+            quarantine_foreign(root, ref, v.reason)
+        moved.append({"name": ref.name, "reason": v.reason})
+        lines.append(f"{verb} {ref.name}: {_why({'name': ref.name, 'reason': v.reason})}")
+    if chosen is None:
+        lines.append(f"no complete checkpoint in {root}")
+    else:
+        label = FOREIGN_LABEL[chosen.ref.kind]
+        lines.append(
+            f"{'would pick' if args.dry_run else 'picked'} {chosen.ref.name} ({label}; {chosen.mark})"
+        )
+    doc = {
+        "root": str(root),
+        "deep": args.deep,
+        "dry_run": args.dry_run,
+        "chosen": None
+        if chosen is None
+        else {
+            "name": chosen.ref.name,
+            "step": chosen.ref.step,
+            "path": str(chosen.ref.path),
+            "kind": chosen.ref.kind.value,
+            "mark": chosen.mark,
+        },
+        "quarantined": moved,
+        "left_alone": left,
+        "latest_before": None,
+        "latest_after": None,
+        "no_usable": None,
+    }
+    _emit(args, doc, "\n".join(lines))
+    return Exit.OK if chosen is not None else Exit.FOUND_PROBLEM
+
+
+@_one_line_errors
+def cmd_seal(args: argparse.Namespace) -> int:
+    root = open_run_dir(args.ckpt_root)
+    refs = list_foreign(root)
+    if args.step is not None:
+        refs = [r for r in refs if r.step == args.step]
+    done: list[dict[str, Any]] = [
+        {"name": r.name, "step": r.step, "result": what} for r, what in seal_foreign(root, refs)
+    ]
+    lines = [f"{d['name']}: {d['result']}" for d in done] or [
+        f"no checkpoint of another trainer in {root}"
+        + (f" at step {args.step}" if args.step is not None else "")
+    ]
+    _emit(args, {"root": str(root), "sealed": done}, "\n".join(lines))
+    broken = any(d["result"].startswith("not sealed") for d in done)
+    return Exit.FOUND_PROBLEM if broken or not done else Exit.OK
 
 
 def _pick_lines(root: Path, res: PickResult, no_usable: str) -> list[str]:
@@ -634,83 +787,138 @@ def _byte_count(text: str) -> int:
     return int(n * _UNITS[unit])
 
 
+DRY_RUN = "decide and report, change nothing"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Common:
+    """Every ``ckpt`` subcommand's options."""
+
+    ckpt_root: Path = shared.ckpt_root()
+    json: bool = shared.as_json()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ListOptions(Common):
+    remote: str | None = option("also list the remote tier at this URL (docs/tiers.md)", None)
+    remote_endpoint: str | None = shared.remote_endpoint()
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyOptions(Common):
+    deep: bool = option("also check every file's checksum and DCP's .metadata pickle", False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PickOptions(Common):
+    deep: bool = option("check checksums too (reads every byte)", False)
+    dry_run: bool = option(DRY_RUN, False)
+    io_retry: float = shared.io_retry("exit 3")
+    allow_fresh_start: bool = shared.allow_fresh_start("report 'start from scratch' instead of refusing")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PruneOptions(Common):
+    quarantine_keep: int | None = option(
+        "newest quarantined checkpoints kept", QUARANTINE_KEEP, parse=_count_or_all, metavar="N|all"
+    )
+    quarantine_max_bytes: int | None = option(
+        "also remove the oldest quarantined ones until they take at most this much (e.g. 200G)",
+        None,
+        parse=_byte_count,
+        metavar="BYTES",
+    )
+    dry_run: bool = option(DRY_RUN, False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SealOptions(Common):
+    step: int | None = option("only the checkpoint of this step", None, parse=_non_negative)
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuarantineOptions(Common):
+    step: int = option("the checkpoint's step", parse=_non_negative, positional=True)
+    reason: str = option("why (written to its reason.txt)", "")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RollbackOptions(Common):
+    to: int = option("the valid checkpoint to go back to", parse=_non_negative, metavar="STEP")
+    yes: bool = option("do not ask for confirmation", False)
+    dry_run: bool = option(DRY_RUN, False)
+    run_stopped: bool = option(
+        "the run's watchdog or ranks on another host look live but are gone for good (a failed node)", False
+    )
+
+
+# Each subcommand's declared options (the signing key and the retention flags are added by their
+# own declarations: supervisor/signing.py, supervisor/store/retention_policy.py).
+OPTIONS: dict[str, type[Common]] = {
+    "list": ListOptions,
+    "verify": VerifyOptions,
+    "pick": PickOptions,
+    "prune": PruneOptions,
+    "seal": SealOptions,
+    "quarantine": QuarantineOptions,
+    "rollback": RollbackOptions,
+}
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from supervisor.signing import add_signing_key_arg
 
     ckpt = subparsers.add_parser("ckpt", help="list, verify, pick or prune checkpoints of a run")
     sub = ckpt.add_subparsers(dest="ckpt_command", required=True)
 
-    def add(name: str, func: Handler, help_: str) -> argparse.ArgumentParser:
+    def add(name: str, func: Handler, help_: str, opts: type[Common]) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_, description=help_)
-        p.add_argument("--ckpt-root", required=True, help="the run's checkpoint root")
-        p.add_argument("--json", action="store_true", help="print stable JSON (docs/cli.md)")
+        options.add_options(p, opts)
         p.set_defaults(func=func)
         return p
 
-    p = add("list", cmd_list, "committed checkpoints newest first, quarantined ones and tmp dirs")
-    p.add_argument("--remote", help="also list the remote tier at this URL (docs/tiers.md)")
-    p.add_argument("--remote-endpoint", help="S3 endpoint URL (default: AWS_ENDPOINT_URL or AWS)")
+    p = add(
+        "list", cmd_list, "committed checkpoints newest first, quarantined ones and tmp dirs", ListOptions
+    )
     add_signing_key_arg(p)
     add_retention_args(p)  # the kept column explains this policy (default: the recorded one)
     p = add(
         "verify",
         cmd_verify,
         "check every committed checkpoint; exit 1 if one is invalid (or not trusted), 3 if one could not be read",
-    )
-    p.add_argument(
-        "--deep", action="store_true", help="also check every file's checksum and DCP's .metadata pickle"
+        VerifyOptions,
     )
     add_signing_key_arg(p)
     p = add(
-        "pick", cmd_pick, "choose the newest valid checkpoint, quarantine newer invalid ones, repoint latest"
+        "pick",
+        cmd_pick,
+        "choose the newest valid checkpoint, quarantine newer invalid ones, repoint latest",
+        PickOptions,
     )
     add_signing_key_arg(p)
-    p.add_argument("--deep", action="store_true", help="check checksums too (reads every byte)")
-    p.add_argument("--dry-run", action="store_true", help="decide and report, change nothing")
-    p.add_argument(
-        "--io-retry",
-        type=float,
-        default=IO_RETRY_S,
-        metavar="SECONDS",
-        help=f"retry unreadable checkpoints this long before exit 3 (default {IO_RETRY_S:g})",
+    p = add(
+        "prune",
+        cmd_prune,
+        "delete checkpoints beyond retention, stale tmp dirs, old quarantined ones",
+        PruneOptions,
     )
-    p.add_argument(
-        "--allow-fresh-start",
-        action="store_true",
-        help="with nothing valid but checkpoints quarantined, report 'start from scratch' instead of refusing",
-    )
-    p = add("prune", cmd_prune, "delete checkpoints beyond retention, stale tmp dirs, old quarantined ones")
     add_retention_args(p)
-    p.add_argument(
-        "--quarantine-keep",
-        type=_count_or_all,
-        default=QUARANTINE_KEEP,
-        metavar="N|all",
-        help=f"newest quarantined checkpoints kept (default {QUARANTINE_KEEP})",
+    add(
+        "seal",
+        cmd_seal,
+        "record the checksums of other trainers' checkpoints (torchtitan's step-N/, Lightning's "
+        ".ckpt) beside them, so `verify --deep` proves their bytes from then on",
+        SealOptions,
     )
-    p.add_argument(
-        "--quarantine-max-bytes",
-        type=_byte_count,
-        default=None,
-        metavar="BYTES",
-        help="also remove the oldest quarantined ones until they take at most this much (e.g. 200G)",
+    add(
+        "quarantine",
+        cmd_quarantine,
+        "move one committed checkpoint aside by hand, with a reason",
+        QuarantineOptions,
     )
-    p.add_argument("--dry-run", action="store_true", help="decide and report, change nothing")
-    p = add("quarantine", cmd_quarantine, "move one committed checkpoint aside by hand, with a reason")
-    p.add_argument("step", type=_non_negative, help="the checkpoint's step")
-    p.add_argument("--reason", default="", help="why (written to its reason.txt)")
-    p = add(
+    add(
         "rollback",
         cmd_rollback,
         "resume from an older checkpoint: quarantine every newer one (never deleted), point latest at it",
-    )
-    p.add_argument(
-        "--to", type=_non_negative, required=True, metavar="STEP", help="the valid checkpoint to go back to"
-    )
-    p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
-    p.add_argument("--dry-run", action="store_true", help="decide and report, change nothing")
-    p.add_argument(
-        "--run-stopped",
-        action="store_true",
-        help="the run's watchdog or ranks on another host look live but are gone for good (a failed node)",
+        RollbackOptions,
     )

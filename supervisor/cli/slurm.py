@@ -3,9 +3,12 @@
     start [--job-script PATH] -- TRAIN...   once per job start: log SLURM_RESTART_COUNT, check
                           knobs and the notice's --signal, record the start
     launch  -- TRAIN...   once per node (srun): exec the watchdog, which runs torchrun
+    coordinate -- TRAIN...   beside srun (several nodes): lost nodes, incidents, the bad-node
+                          list; with SPARE_NODES the roster, and the job's exit code
     torchrun [--ignore-signal SIG] ARGS...   exec ``python -m torch.distributed.run ARGS`` with the
                           notice's signal ignored
-    finish --exit-code N -- TRAIN...   after srun: requeue (exit 13 and budget left) or end
+    finish --exit-code N -- TRAIN...   after srun: requeue (exit 13, 14 or 15 and budget left,
+                          the run's bad nodes excluded) or end
 
 Knobs come from the environment (sbatch/job.sh documents and defaults them). Lines are printed to
 stdout, which is the job's output file.
@@ -21,44 +24,56 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from supervisor import slurm
+from supervisor import options, slurm
 from supervisor.format import events
 from supervisor.format.atomic import hostname
+from supervisor.format.badnodes import bad_hosts_line, read_bad_nodes, write_bad_nodes
 from supervisor.format.eventnames import RequeueEvent
 from supervisor.format.exitcodes import Exit
 from supervisor.format.notice import DEFAULT_NOTICE_SIGNAL, NoticeSignalError, notice_signal
+from supervisor.options import option
 from supervisor.redact import redact
 from supervisor.slurm import JobEnv, Knobs, SlurmError
 
 Handler = Callable[[argparse.Namespace], int]
 
 
+@dataclass(frozen=True)
+class LaunchOptions:
+    """``slurm start`` and ``slurm launch``: the trainer command (the job's knobs are its environment
+    variables, declared on ``supervisor.slurm.Knobs``)."""
+
+    train: tuple[str, ...] = option("-- TRAINER ARGS (default: $TRAIN_ARGS)", (), rest=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StartOptions(LaunchOptions):
+    job_script: Path | None = option("the batch script (job.sh's $0), read for its --signal line", None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FinishOptions(LaunchOptions):
+    exit_code: int = option("srun's exit code (the watchdogs' highest)")
+
+
+@dataclass(frozen=True)
+class TorchrunOptions:
+    ignore_signal: str = option("the notice's signal", DEFAULT_NOTICE_SIGNAL)
+    args: tuple[str, ...] = option("torchrun's arguments", (), rest=True)
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("slurm", help="steps of sbatch/job.sh (start, launch, finish)", description=__doc__)
-    verbs = p.add_subparsers(dest="verb", required=True)
-    for name, func, helptext in (
-        ("start", start, "log the start, check the knobs, record it in RUN_DIR/supervisor/slurm.json"),
-        ("launch", launch, "exec this node's watchdog + torchrun (run by srun, one task per node)"),
-    ):
-        v = verbs.add_parser(name, help=helptext)
-        if name == "start":
-            v.add_argument(
-                "--job-script", type=Path, help="the batch script (job.sh's $0), read for its --signal line"
-            )
-        v.add_argument("train", nargs=argparse.REMAINDER, help="-- TRAINER ARGS (default: $TRAIN_ARGS)")
-        v.set_defaults(func=_guarded(func))
-    v = verbs.add_parser("finish", help="requeue the job or end it, from the watchdogs' exit code")
-    v.add_argument("--exit-code", type=int, required=True, help="srun's exit code (the watchdogs' highest)")
-    v.add_argument("train", nargs=argparse.REMAINDER, help="-- TRAINER ARGS (default: $TRAIN_ARGS)")
-    v.set_defaults(func=_guarded(finish))
-    v = verbs.add_parser(
-        "torchrun", help="exec torchrun with the notice's signal ignored (the watchdog's child)"
+    p = sub.add_parser(
+        "slurm", help="steps of sbatch/job.sh (start, launch, coordinate, finish)", description=__doc__
     )
-    v.add_argument("--ignore-signal", default=DEFAULT_NOTICE_SIGNAL, help="the notice's signal (USR1)")
-    v.add_argument("args", nargs=argparse.REMAINDER, help="torchrun's arguments")
-    v.set_defaults(func=_guarded(torchrun))
+    verbs = p.add_subparsers(dest="verb", required=True)
+    for name, (func, helptext, opts) in VERBS.items():
+        v = verbs.add_parser(name, help=helptext)
+        options.add_options(v, opts)
+        v.set_defaults(func=_guarded(func))
 
 
 def say(msg: str) -> None:
@@ -95,6 +110,7 @@ def _limits(knobs: Knobs) -> slurm.Budgets:
 
 def start(args: argparse.Namespace) -> int:
     job, knobs = _context(args)
+    slurm.check_allocation(job, knobs)
     if knobs.requeue_signal != DEFAULT_NOTICE_SIGNAL and shutil.which("scancel") is None:
         raise SlurmError(
             f"REQUEUE_SIGNAL={knobs.requeue_signal} reaches the ranks through scancel (srun forwards only "
@@ -129,11 +145,34 @@ def start(args: argparse.Namespace) -> int:
             "WARNING: scontrol not found on PATH: this job cannot requeue itself; after a preemption or "
             "time-limit checkpoint it will end, and you resubmit it"
         )
-    say(f"each node runs: {shlex.join(slurm.launch_command(knobs, rdzv))}")
+    _say_bad_nodes(knobs, hosts)
+    roster = slurm.roster_key(job) if knobs.spare_nodes else ""
+    say(f"each node runs: {shlex.join(slurm.launch_command(knobs, rdzv, roster))}")
     slurm.save_requeue_state(
         knobs.run_dir, state.with_event(RequeueEvent.START, restart_count=job.restart_count, nodes=hosts)
     )
     return Exit.OK
+
+
+def _say_bad_nodes(knobs: Knobs, hosts: list[str]) -> None:
+    """The run's bad nodes, and those this allocation holds anyway (a fresh sbatch, or a requeue
+    SLURM made itself): with spares they are left out while a spare can take their place."""
+    try:
+        bad = read_bad_nodes(knobs.run_dir)
+    except (OSError, ValueError) as e:
+        say(f"bad-node list not readable ({e})")
+        return
+    if bad is None or not bad.bad:
+        return
+    say(f"the run's bad nodes: {bad_hosts_line(bad)}")
+    here = sorted(set(bad.bad) & set(hosts))
+    if here:
+        what = (
+            "left out of the launches while a spare can take their place"
+            if knobs.spare_nodes
+            else "used all the same (no spares); resubmit with --exclude to keep them out"
+        )
+        say(f"WARNING: this allocation holds bad nodes {', '.join(here)}: {what}")
 
 
 def _notice_problem(script: Path | None, requeue_signal: str, run_dir: Path) -> str:
@@ -170,10 +209,21 @@ def launch(args: argparse.Namespace) -> int:
     hosts, host_note = slurm.hostnames(job.nodelist)
     if host_note:
         say(host_note)
-    cmd = slurm.launch_command(knobs, slurm.rendezvous(job, knobs, hosts[0]))
+    roster = slurm.roster_key(job) if knobs.spare_nodes else ""
+    cmd = slurm.launch_command(knobs, slurm.rendezvous(job, knobs, hosts[0]), roster)
     say(f"node {hostname()} (SLURM_NODEID={os.environ.get('SLURM_NODEID', '?')}): starting the watchdog")
     os.execvp(cmd[0], cmd)
     return Exit.USAGE  # not reached: exec replaced this process or raised
+
+
+def coordinate(args: argparse.Namespace) -> int:
+    job, knobs = _context(args)
+    hosts, note = slurm.hostnames(job.nodelist)
+    if note:
+        say(note)
+    code = slurm.Coordinator(job, knobs, hosts).coordinate()
+    say(f"job {job.job_id}: the coordinator is done: job exit {code}")
+    return code
 
 
 def torchrun(args: argparse.Namespace) -> int:
@@ -211,13 +261,43 @@ def finish(args: argparse.Namespace) -> int:
     state = state.counted(d.kind).with_event(RequeueEvent.REQUEUE, exit_code=args.exit_code, reason=reason)
     _record(knobs, state)
     say(f"job {job.job_id}: {reason}; scontrol requeue {job.requeue_id}")
+    # SLURM's SIGTERM follows the requeue at once; the exclusion comes after it (a running job's
+    # ExcNodeList cannot be changed), so this process outlives that SIGTERM (KillWait's SIGKILL
+    # comes seconds later; two scontrol calls take milliseconds).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         slurm.scontrol_requeue(job.requeue_id)
     except SlurmError as e:
         say(f"error: {e}")
         _record(knobs, state.with_event(RequeueEvent.REQUEUE_FAILED, reason=str(e)))
         return args.exit_code
+    _keep_bad_nodes_out(job, knobs, state)
     return d.exit_code
+
+
+def _keep_bad_nodes_out(job: JobEnv, knobs: Knobs, state: slurm.RequeueState) -> None:
+    """The requeued job excludes the run's bad nodes (``scontrol update JobId ExcNodeList``, added
+    to what it excluded already); with BAD_NODE_ACTION=drain they are drained too."""
+    try:
+        bad = read_bad_nodes(knobs.run_dir)
+    except (OSError, ValueError) as e:
+        say(f"bad-node list not readable ({e}): the requeued job excludes no node")
+        return
+    if bad is None or not bad.bad:
+        return
+    done = slurm.keep_out(job, sorted(bad.bad), knobs.bad_node_action, slurm.roster_key(job))
+    for action in done.actions:
+        bad = bad.did(action)
+        say(f"job {job.job_id}: {action.what} {', '.join(action.hosts)}: {action.detail}")
+        state = state.with_event(RequeueEvent(action.what), hosts=list(action.hosts), reason=action.detail)
+    if done.actions:
+        _record(knobs, state)
+    for problem in done.problems:
+        say(f"WARNING: {problem}")
+    try:
+        write_bad_nodes(knobs.run_dir, bad)
+    except OSError as e:
+        say(f"bad-node list not written ({e})")
 
 
 def _record(knobs: Knobs, state: slurm.RequeueState) -> None:
@@ -237,3 +317,29 @@ def _watchdog_reason(knobs: Knobs) -> str:
     except (ValueError, OSError):
         return ""
     return st.reason if st is not None else ""
+
+
+# The verbs, their handlers (above) and their declared options.
+VERBS: dict[str, tuple[Handler, str, type]] = {
+    "start": (
+        start,
+        "log the start, check the knobs, record it in RUN_DIR/supervisor/slurm.json",
+        StartOptions,
+    ),
+    "launch": (
+        launch,
+        "exec this node's watchdog + torchrun (run by srun, one task per node)",
+        LaunchOptions,
+    ),
+    "coordinate": (
+        coordinate,
+        "watch the nodes: lost nodes, incidents, bad nodes, the spares' roster",
+        LaunchOptions,
+    ),
+    "finish": (finish, "requeue the job or end it, from the watchdogs' exit code", FinishOptions),
+    "torchrun": (
+        torchrun,
+        "exec torchrun with the notice's signal ignored (the watchdog's child)",
+        TorchrunOptions,
+    ),
+}

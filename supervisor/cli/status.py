@@ -1,4 +1,4 @@
-"""``python -m supervisor status --ckpt-root DIR [--json] [--watch [SECONDS]]``"""
+"""``python -m supervisor status --ckpt-root DIR [--json | --prometheus] [--watch [SECONDS]]``"""
 
 from __future__ import annotations
 
@@ -9,11 +9,17 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from supervisor import options
+from supervisor import shared_options as shared
 from supervisor.display import human_age, human_bytes, human_duration, printable, table
-from supervisor.report import FULL_RANKS, StatusReport, build_report
+from supervisor.errors import UserError
+from supervisor.options import option
+from supervisor.report import FULL_RANKS, CheckpointRow, StatusReport, build_report
+from supervisor.store import FOREIGN_LABEL, ForeignKind
 from supervisor.watch import recovery
 
 # Rank tables longer than this show only the ranks that need a look, plus a summary.
@@ -21,28 +27,33 @@ MAX_RANK_ROWS = 16
 CLEAR = "\x1b[H\x1b[2J"
 
 
+@dataclass(frozen=True)
+class StatusOptions:
+    """``supervisor status``'s command line, declared once (supervisor/options.py)."""
+
+    ckpt_root: Path = shared.ckpt_root()
+    json: bool = shared.as_json(
+        f"one JSON object (every rank listed up to {FULL_RANKS} ranks; above, those that need a look)"
+    )
+    prometheus: bool = option(
+        "Prometheus text exposition (0.0.4): step, steps/s, launches, restarts, recovery by phase, "
+        "checkpoint age, quarantined (docs/cli.md#metrics)",
+        False,
+    )
+    all_ranks: bool = option("list every rank, however many (reads every node's records)", False)
+    watch: float | None = option(
+        "refresh every SECONDS (2): in place on a terminal, appended otherwise",
+        None,
+        metavar="SECONDS",
+        const=2.0,
+    )
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "status", help="where the run stands: state, launches, ranks, checkpoints", description=__doc__
     )
-    p.add_argument("--ckpt-root", required=True, type=Path, help="the run's checkpoint root")
-    p.add_argument(
-        "--json",
-        action="store_true",
-        help=f"one JSON object (every rank listed up to {FULL_RANKS} ranks; above, those that need a look)",
-    )
-    p.add_argument(
-        "--all-ranks", action="store_true", help="list every rank, however many (reads every node's records)"
-    )
-    p.add_argument(
-        "--watch",
-        nargs="?",
-        type=float,
-        const=2.0,
-        default=None,
-        metavar="SECONDS",
-        help="refresh every SECONDS (2): in place on a terminal, appended otherwise",
-    )
+    options.add_options(p, StatusOptions)
     p.set_defaults(func=run)
 
 
@@ -55,30 +66,37 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> None:
+    if args.json and args.prometheus:
+        raise UserError("--json and --prometheus: choose one format")
     if args.watch is None:
         # One report and out: the collector's passes over a big run's 10^4 new objects cost ~5 ms
         # and free nothing a process about to exit needs freed. `--watch` keeps it (runs for days).
         was = gc.isenabled()
         gc.disable()
         try:
-            _show(build_report(args.ckpt_root, all_ranks=args.all_ranks), args.json)
+            _show(build_report(args.ckpt_root, all_ranks=args.all_ranks), args)
         finally:
             if was:
                 gc.enable()
         return
     while True:
         report = build_report(args.ckpt_root, all_ranks=args.all_ranks)
-        if not args.json:  # redraw in place on a terminal; into a file or pipe, one after another
+        if not (args.json or args.prometheus):  # redraw in place on a terminal; else one after another
             sys.stdout.write(CLEAR if sys.stdout.isatty() else f"--- {time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
-        _show(report, args.json)
+        _show(report, args)
         sys.stdout.flush()
         time.sleep(max(args.watch, 0.2))
 
 
-def _show(report: StatusReport, as_json: bool) -> None:
+def _show(report: StatusReport, args: argparse.Namespace) -> None:
+    if args.prometheus:
+        from supervisor.prometheus import exposition
+
+        sys.stdout.write(exposition(report))
+        return
     # JSON escapes every control character itself; a person's table is made printable (a host, a
     # reason, a field of the run directory may hold ESC sequences)
-    print(json.dumps(report.to_dict()) if as_json else printable(render(report)))
+    print(json.dumps(report.to_dict()) if args.json else printable(render(report)))
 
 
 def _opt(v: object, fmt: Callable[[Any], str] = str) -> str:
@@ -109,8 +127,14 @@ def render(r: StatusReport) -> str:
         out.append(table(("name", "reason"), [(q.name, q.reason) for q in r.quarantined]))
     if r.remote:
         out += ["", _remote_line(r)]
+    if r.stragglers:
+        out += ["", "stragglers:", *(f"  {line}" for line in r.stragglers)]
     if r.slurm:
         out += ["", f"slurm {r.slurm}"]
+    if r.roster:
+        out.append(f"roster {r.roster}")
+    if r.bad_nodes:
+        out += ["bad nodes:", *(f"  {line}" for line in r.bad_nodes)]
     if r.retention:
         out += ["", f"retention: {r.retention}"]
     return "\n".join(out)
@@ -188,12 +212,19 @@ def _checkpoint_lines(r: StatusReport) -> list[str]:
             c.name,
             _opt(c.age_s, human_age),
             _opt(c.size_bytes, human_bytes),
-            _CHECK.get(c.evidence, "INVALID") + ("" if c.valid else f": {c.reason}"),
+            _CHECK.get(c.evidence, "INVALID") + ("" if c.valid else f": {c.reason}") + _foreign_note(c),
             "<- latest" if c.latest else "",
         )
         for c in r.checkpoints
     ]
     return [table(("name", "age", "size", "quick check", ""), rows)]
+
+
+def _foreign_note(c: CheckpointRow) -> str:
+    """Another trainer's checkpoint: whose, and whether its bytes are proven."""
+    if not c.kind:
+        return ""
+    return f" ({FOREIGN_LABEL[ForeignKind(c.kind)]}" + (f"; {c.mark})" if c.valid else ")")
 
 
 # Quick check column: "unknown" could not be read, which is not proof of corruption.

@@ -135,7 +135,10 @@ class SelfInflictedHang(Driver):
 
 
 def switch_hang(f: Fault) -> switch.Hang:
-    return switch.Hang(f.rank, f.at_step, switch.When.SAVE if f.kind in IN_SAVE else switch.When.STEP)
+    how = {Kind.HANG_COLLECTIVE: switch.How.COLLECTIVE, Kind.HANG_LOADER: switch.How.LOADER}.get(
+        f.kind, switch.How.READ
+    )
+    return switch.Hang(f.rank, f.at_step, switch.When.SAVE if f.kind in IN_SAVE else switch.When.STEP, how)
 
 
 DRIVERS: dict[Kind, type[Driver]] = {

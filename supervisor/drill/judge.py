@@ -23,7 +23,7 @@ from supervisor.drill.plan import (
     Kind,
     steps_redone_bound,
 )
-from supervisor.drill.switch import BLOCKING_FUNCTION
+from supervisor.drill.switch import BLOCKING_FUNCTION, INSTEAD_OP, SKIPPED_OP, SKIPPING_FUNCTION
 from supervisor.format import eventtypes as ev
 from supervisor.format.eventtypes import Event, Logged
 from supervisor.format.exitcodes import Exit
@@ -33,6 +33,19 @@ from supervisor.format.statediff import Comparison
 # slow-storage: the resumed launch's verify + load must take this many times their timeout, or
 # the scenario proves nothing about long phases.
 SLOW_FACTOR = 3.0
+# Every hang is found within its phase timeout + this.
+HANG_LATE_S = 0.5
+# Where the culprit of each hang the drill makes must be seen: a function of its stack, or the part
+# of a file's path (the DataLoader's, for a rank whose worker deadlocked).
+_CULPRIT_FRAME = {
+    Kind.HANG: BLOCKING_FUNCTION,
+    Kind.HANG_DURING_SAVE: BLOCKING_FUNCTION,
+    Kind.HANG_COLLECTIVE: SKIPPING_FUNCTION,
+    Kind.HANG_LOADER: "torch/utils/data/",
+}
+# Hangs whose verdict must name the collective the others wait in (a SIGSTOPped rank runs on once
+# the watchdog's SIGCONT reaches it, so its peers' collective may finish while they are asked).
+COLLECTIVE_NAMED = frozenset({Kind.HANG, Kind.HANG_DURING_SAVE, Kind.HANG_COLLECTIVE, Kind.HANG_LOADER})
 
 
 @dataclass(frozen=True)
@@ -161,6 +174,9 @@ class Case:
     steps: int
     save_every: int
     loss_tol: float = 0.0
+    hang_timeout_s: float = (
+        0.0  # the watchdog's train timeout (0: a hang's latency is judged on its verdict alone)
+    )
 
     @cached_property
     def resumes(self) -> list[Resume]:
@@ -224,7 +240,9 @@ def hangs(case: Case) -> list[Check]:
     if not any(f.kind in HANGS for f in case.faults):
         return []
     windows = fault_windows(case.run.events, case.run.fault_times, case.resumes)
-    return hang_checks(case.run.injected, windows, case.resumes, case.save_every)
+    return hang_checks(
+        hang_trials(case.run.injected, windows, case.resumes, case.save_every, case.hang_timeout_s)
+    )
 
 
 def storage_faults(case: Case) -> list[Check]:
@@ -336,30 +354,46 @@ def fault_windows(
     ]
 
 
-def hang_checks(
+NAMED = "hang verdict names the culprit and its stack"
+COLLECTIVE = "hang verdict names the collective"
+IN_TIME = f"hang detected within the timeout + {HANG_LATE_S:g}s"
+KILLED = "hung launch needed SIGKILL"
+PERIODIC = "resumed from the last periodic checkpoint"
+
+
+def hang_trials(
     injected: Sequence[Fault],
     windows: Sequence[Sequence[Logged[Event]]],
     resumes: Sequence[Resume],
     save_every: int,
-) -> list[Check]:
-    """For each hang: the watchdog named the rank the drill hung, with its stack; a self-inflicted
-    one (no signal cures it) also needed SIGKILL, and resumed from the newest periodic checkpoint,
-    not from one the hung launch wrote on its way out (exit 75)."""
-    named, killed, periodic = [], [], []
+    timeout_s: float = 0.0,
+) -> list[tuple[Fault, dict[str, tuple[bool, str]]]]:
+    """Each hang with its checks (name -> (ok, detail)): the watchdog named the rank the drill hung,
+    with its stack, and the collective the others wait in (where the kind involves one), in time
+    (``timeout_s``: the train timeout; 0: only the verdict's own lateness is judged); a
+    self-inflicted one (no signal cures it) also needed SIGKILL, and resumed from the newest
+    periodic checkpoint, not from one the hung launch wrote on its way out (exit 75)."""
+    out = []
     for i, (fault, window) in enumerate(zip(injected, windows, strict=False)):
         if fault.kind not in HANGS:
             continue
-        named.append(_culprit_named(fault, window))
+        got = {NAMED: _culprit_named(fault, window)}
+        if fault.kind in COLLECTIVE_NAMED:
+            got[COLLECTIVE] = _collective_named(fault, window)
+        got[IN_TIME] = _in_time(fault, window, timeout_s)
         if fault.kind in SELF_INFLICTED:
-            killed.append(_sigkilled(fault, window))
-            periodic.append(
-                _resumed_periodic(fault, window, resumes[i] if i < len(resumes) else None, save_every)
+            got[KILLED] = _sigkilled(fault, window)
+            got[PERIODIC] = _resumed_periodic(
+                fault, window, resumes[i] if i < len(resumes) else None, save_every
             )
-    checks = [_check("hang verdict names the culprit and its stack", named)]
-    if killed:
-        checks.append(_check("hung launch needed SIGKILL", killed))
-        checks.append(_check("resumed from the last periodic checkpoint", periodic))
-    return checks
+        out.append((fault, got))
+    return out
+
+
+def hang_checks(trials: Sequence[tuple[Fault, dict[str, tuple[bool, str]]]]) -> list[Check]:
+    """``hang_trials``' checks, each over every hang (it holds when it holds for each)."""
+    names = dict.fromkeys(n for _, got in trials for n in got) or {NAMED: None, IN_TIME: None}
+    return [_check(n, [got[n] for _, got in trials if n in got]) for n in names]
 
 
 def _check(name: str, results: Sequence[tuple[bool, str]]) -> Check:
@@ -367,6 +401,10 @@ def _check(name: str, results: Sequence[tuple[bool, str]]) -> Check:
     return Check(
         name, bool(results) and not bad, "; ".join(bad or [d for _, d in results]) or "no hang injected"
     )
+
+
+def _funcs(frames: object) -> list[str]:
+    return [str(f.get("func")) for f in frames if isinstance(f, dict)] if isinstance(frames, list) else []
 
 
 def _culprit_named(fault: Fault, window: Sequence[Logged[Event]]) -> tuple[bool, str]:
@@ -379,16 +417,58 @@ def _culprit_named(fault: Fault, window: Sequence[Logged[Event]]) -> tuple[bool,
     if ranks != [fault.rank]:
         return False, f"{kind}: the drill hung rank {fault.rank}, the watchdog named {ranks or 'no culprit'}"
     c = culprits[0]
-    funcs = [str(f.get("func")) for f in c.get("frames") or []]
+    funcs = _funcs(c.get("frames"))
+    at = [f for f in c.get("at") or [] if isinstance(f, dict)]
     stack = " <- ".join(funcs) or "no frames"
     if not funcs:
         return False, f"{kind}: culprit rank {fault.rank} named without its stack"
-    if fault.kind in SELF_INFLICTED and BLOCKING_FUNCTION not in funcs:
-        return (
-            False,
-            f"{kind}: culprit rank {fault.rank} named, but its stack ({stack}) lacks {BLOCKING_FUNCTION}",
+    want = _CULPRIT_FRAME.get(fault.kind)
+    places = [
+        f"{f.get('func')} {f.get('file')}" for f in [*(c.get("frames") or []), *at] if isinstance(f, dict)
+    ]
+    if want and not any(want in p for p in places):
+        return False, f"{kind}: culprit rank {fault.rank} named, but its stack ({stack}) lacks {want}"
+    shown = " <- ".join(_funcs(at)) or stack
+    return True, f"{kind}: culprit rank {fault.rank} (pid {c.get('pid')}, {c.get('where')}): {shown}"
+
+
+def _collective_named(fault: Fault, window: Sequence[Logged[Event]]) -> tuple[bool, str]:
+    """The hang event names the collective the others wait in, and how the culprit failed it:
+    entered another op under its number (hang-collective), or never entered it (the others)."""
+    kind = fault.kind.value
+    hang = ev.first(window, ev.Hang)
+    stuck = hang.event.collective if hang else None
+    if not stuck or not isinstance(stuck, dict):
+        return False, f"{kind}: the hang event names no collective" + (
+            f" ({hang.event.collectives})" if hang else ""
         )
-    return True, f"{kind}: culprit rank {fault.rank} (pid {c.get('pid')}, {c.get('where')}): {stack}"
+    name = f"{stuck.get('op') or '?'} #{stuck.get('seq')} of {stuck.get('label')}"
+    waiting = stuck.get("waiting") or []
+    other = {o.get("rank"): str(o.get("entered")) for o in stuck.get("other") or [] if isinstance(o, dict)}
+    missing = [m.get("rank") for m in stuck.get("missing") or [] if isinstance(m, dict)]
+    if fault.kind == Kind.HANG_COLLECTIVE:
+        ok = stuck.get("op") == SKIPPED_OP and other.get(fault.rank, "").startswith(f"{INSTEAD_OP} #")
+        how = f"rank {fault.rank} entered {other.get(fault.rank) or 'nothing else'}"
+    else:
+        ok = fault.rank in missing
+        how = f"rank {fault.rank} {'never entered it' if ok else 'is not named as missing from it'}"
+    ok = ok and bool(waiting)
+    said = "" if ok else f" (what each rank said: {hang.event.collectives if hang else {}})"
+    return ok, f"{kind}: ranks {waiting} wait in {name}; {how}{said}"
+
+
+def _in_time(fault: Fault, window: Sequence[Logged[Event]], timeout_s: float) -> tuple[bool, str]:
+    """The verdict came at most HANG_LATE_S after the first rank's timeout ran out (as the
+    watchdog sees the heartbeats), and at most the timeout + HANG_LATE_S after the ranks entered
+    the collective they are stuck in (as their flight recorders saw it)."""
+    kind = fault.kind.value
+    hang = ev.first(window, ev.Hang)
+    if hang is None:
+        return False, f"{kind}: no hang event after the fault"
+    late, stuck = hang.event.late_s, hang.event.stuck_s
+    ok = late <= HANG_LATE_S and (stuck is None or not timeout_s or stuck <= timeout_s + HANG_LATE_S)
+    since = f", {stuck:.2f}s after the ranks entered the stuck collective" if stuck is not None else ""
+    return ok, f"{kind}: verdict {late:.3f}s after the timeout ran out{since}"
 
 
 def _sigkilled(fault: Fault, window: Sequence[Logged[Event]]) -> tuple[bool, str]:

@@ -15,6 +15,8 @@ class Kind(str, Enum):
     SIGSTOP = "sigstop"
     HANG = "hang"
     HANG_DURING_SAVE = "hang-during-save"
+    HANG_COLLECTIVE = "hang-collective"
+    HANG_LOADER = "hang-loader"
     DURING_SAVE = "during-save"
     CORRUPT_LATEST = "corrupt-latest"
     PREEMPT = "preempt"
@@ -25,7 +27,10 @@ class Kind(str, Enum):
 
 
 # Hangs the trainer inflicts on itself through the drill switch (switch.py): no signal cures them.
-SELF_INFLICTED = frozenset({Kind.HANG, Kind.HANG_DURING_SAVE})
+SELF_INFLICTED = frozenset({Kind.HANG, Kind.HANG_DURING_SAVE, Kind.HANG_COLLECTIVE, Kind.HANG_LOADER})
+# hang-collective names the culprit as the rank whose collective differs from the others': it needs
+# a majority (with two ranks, each is the odd one out for the other).
+COLLECTIVE_LEAST_RANKS = 3
 # Faults the watchdog must find as a hang, naming the culprit.
 HANGS = frozenset({Kind.SIGSTOP, *SELF_INFLICTED})
 # Faults that land while an async save is in flight, by construction.
@@ -45,6 +50,9 @@ DISK_FULL_INTERVALS = DISK_FULL_FAILURES + 2  # the disk may fill in the save af
 # not between two saves (issue 44: where in a save the disk fills decided whether the ranks agreed).
 DISK_FULL_FILL_WITHIN = 200
 CHAOS = "chaos"
+# Chaos does not draw these: each needs what a run may lack (3 ranks, DataLoader workers), and
+# leaving them out keeps the plans every seed gave before they existed.
+NOT_DRAWN = frozenset({Kind.HANG_COLLECTIVE, Kind.HANG_LOADER})
 # Chaos draws this many faults (fewer, down to CHAOS_LEAST, where --steps has no room: ``adapt``).
 CHAOS_FAULTS = (3, 4)
 CHAOS_LEAST = 2
@@ -74,6 +82,10 @@ class Fault:
             Kind.SIGSTOP: f"SIGSTOP rank {self.rank}",
             Kind.HANG: f"rank {self.rank} blocks forever in a read (no signal cures it)",
             Kind.HANG_DURING_SAVE: f"rank {self.rank} blocks forever in a read while its async save is in flight",
+            Kind.HANG_COLLECTIVE: (
+                f"rank {self.rank} skips the all_reduce the other ranks enter and enters a barrier instead"
+            ),
+            Kind.HANG_LOADER: f"a DataLoader worker of rank {self.rank} blocks forever on a lock",
             Kind.DURING_SAVE: f"kill -9 rank {self.rank} while an async save is in flight",
             Kind.CORRUPT_LATEST: f"stop the job, {self.corruption and self.corruption.value} the newest checkpoint, start again",
             Kind.PREEMPT: (
@@ -106,6 +118,8 @@ def steps_redone_bound(kind: Kind, save_every: int, save_in_flight: bool = False
         return 0
     if kind in IN_SAVE or (save_in_flight and kind != Kind.CORRUPT_LATEST):
         return 2 * save_every
+    if kind == Kind.HANG_LOADER:  # the rank hangs a few steps later, when the prefetched batches run out
+        return 2 * save_every  # and a save may be in flight then
     return save_every
 
 
@@ -118,6 +132,7 @@ def plan(
     ranks: int,
     adapt: bool = False,
     preempt_as: str = PREEMPT_SLURM,
+    num_workers: int = 2,
 ) -> list[Fault]:
     """Faults for one scenario, in order, each more than a save interval after the previous one, so
     each resume is judged before the next fault (and a hang the trainer inflicts on itself at its
@@ -137,6 +152,13 @@ def plan(
         hi = steps - DISK_FULL_INTERVALS * save_every - 1
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario '{scenario}' (choose from {', '.join(SCENARIOS)})")
+    if scenario == Kind.HANG_COLLECTIVE.value and ranks < COLLECTIVE_LEAST_RANKS:
+        raise ValueError(
+            f"{scenario} needs --ranks {COLLECTIVE_LEAST_RANKS} or more: the culprit is the rank whose "
+            "collective differs from the majority's"
+        )
+    if scenario == Kind.HANG_LOADER.value and num_workers < 1:
+        raise ValueError(f"{scenario} needs DataLoader workers (--num-workers 1 or more)")
     kinds: list[Kind] = []
     at_steps: list[int] | None = None
     for draws in _draws(scenario, rng, adapt):
@@ -178,7 +200,7 @@ def _draws(scenario: str, rng: random.Random, adapt: bool) -> Iterator[Iterator[
     """Groups of candidate fault sequences, the fullest first; the first sequence that fits wins.
     Without ``adapt`` there is one group: the scenario as it is meant."""
     if scenario == CHAOS:
-        drawable = [k.value for k in Kind if k not in STORAGE]
+        drawable = [k.value for k in Kind if k not in STORAGE and k not in NOT_DRAWN]
         fewer = range(CHAOS_FAULTS[0] - 1, CHAOS_LEAST - 1, -1) if adapt else range(0)
         for count in (None, *fewer):  # None: drawn each time, as chaos is meant
             yield (

@@ -22,7 +22,7 @@ from supervisor.drill.judge import StepRecord, StorageFacts
 from supervisor.drill.plan import PREEMPT_AS, PREEMPT_SLURM, SELF_INFLICTED, Fault, Kind
 from supervisor.format.events import events_path, read_logged
 from supervisor.format.eventtypes import Event, Logged
-from supervisor.format.hooks import ENV_BOUNDARY_HOOK
+from supervisor.format.hooks import ENV_BOUNDARY_HOOK, ENV_WORKER_HOOK
 from supervisor.format.layout import MANIFEST, RunDir, parse_committed
 from supervisor.format.metrics import parse_line
 from supervisor.format.statediff import Comparison
@@ -70,6 +70,7 @@ class DrillConfig:
     save_delay_s: float = 1.0
     fault_timeout_s: float = 180.0
     python: str = sys.executable
+    watch_extra: tuple[str, ...] = ()  # more watchdog flags (tests/hang_faults.py: --standby, restarts)
     # A user's script (supervisor.resumable.Resumable inside) instead of the reference trainer: it gets the
     # five options every trainer has, not the reference trainer's --config and --parallel.
     trainer: Path | None = option(
@@ -106,6 +107,7 @@ class DrillConfig:
             "--hang-timeout", str(self.hang_timeout_s),
             "--backoff-initial", "0.2",
             "--require-heartbeat",
+            *self.watch_extra,
             *watch_args,
             "--",
             *self.trainer_cmd(root, train_args),
@@ -436,6 +438,8 @@ def job_for(
     if hangs is not None:
         env[switch.ENV] = hangs.encode()
         env[ENV_BOUNDARY_HOOK] = switch.HOOK
+        if any(h.how == switch.How.LOADER for h in hangs.hangs):
+            env[ENV_WORKER_HOOK] = switch.WORKER_HOOK
     watch_args, train_args = driver.job_args(cfg) if driver else ((), ())
     return Job(root, env, watch_args, train_args)
 

@@ -291,6 +291,7 @@ STEP_LINK = "step_99999990"  # -> another user's checkpoint: never listed, picke
 DEEP_TMP = "step_99999980.tmp.1.elsewhere"  # 1,200 nested dirs: os.walk's RecursionError in a prune
 SPARSE = ("supervisor/retention.json", "heartbeats/node_00099.json")  # 2 GiB each: never read whole
 HOSTILE_COMMANDS = (("status",), ("ckpt", "list"), ("ckpt", "verify", "--deep"))
+COMMAND_POLL_S = 0.05  # how often a hostile command is looked at for its end
 # A command's peak RSS on the planted run dir stays under this (reading a 2 GiB plant whole: 2 GiB).
 HOSTILE_RSS_MAX = 256 << 20
 
@@ -324,15 +325,25 @@ def _command(scene: Scene, argv: tuple[str, ...]) -> str:
     """``python -m supervisor ARGV --ckpt-root ROOT`` on the run dir as the job sees it: how it
     ended, "<command>: calm" when it exited 0, 1 (a problem found) or 2 (a refusal: `ckpt list`
     refuses a linked quarantine/ in one line naming it) with no traceback, at most one line on
-    stderr and its peak RSS under HOSTILE_RSS_MAX."""
+    stderr and its peak RSS under HOSTILE_RSS_MAX; one still running after the drill's fault
+    timeout is killed and named (a plant that hangs a command must fail the scenario, not the
+    drill)."""
     cmd = [scene.cfg.python, "-m", "supervisor", *argv, "--ckpt-root", str(scene.job.root)]
+    name, limit = " ".join(argv), scene.cfg.fault_timeout_s
     with tempfile.TemporaryFile() as err:
         p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=scene.cfg.env())
-        _, status, usage = os.wait4(p.pid, 0)
+        deadline = time.monotonic() + limit
+        while (done := os.wait4(p.pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(COMMAND_POLL_S)
+        if done[0] == 0:
+            p.kill()
+            os.wait4(p.pid, 0)
+            return f"{name}: still running after {limit:g}s: killed"
+        _, status, usage = done
         p.returncode = os.waitstatus_to_exitcode(status)
         err.seek(0)
         text = err.read().decode(errors="replace")
-    name, rss = " ".join(argv), usage.ru_maxrss << 10
+    rss = usage.ru_maxrss << 10
     if (
         p.returncode in (0, 1, 2)
         and "Traceback" not in text

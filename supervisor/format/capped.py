@@ -151,3 +151,18 @@ def read_tail(path: str | os.PathLike[str], tail: int) -> tuple[bytes, bool]:
         return b"".join(chunks), start > 0
     finally:
         os.close(fd)
+
+
+def read_from(path: str | os.PathLike[str], offset: int, cap: int) -> tuple[bytes, int]:
+    """What the regular file at ``path`` holds from ``offset`` on, at most ``cap`` bytes, cut after
+    its last whole line (a line being appended stays for the next read); and the file's size now.
+    For a reader that follows an append-only log (the SLURM job's coordinator follows every node's
+    event log). NotRegular for anything but a regular file."""
+    fd, size = open_regular(path)
+    try:
+        want = max(0, min(size - offset, cap))
+        data = os.pread(fd, want, offset) if want else b""
+    finally:
+        os.close(fd)
+    end = data.rfind(b"\n")
+    return (data[: end + 1] if end >= 0 else b""), size

@@ -166,6 +166,37 @@ def open_append(root: str | os.PathLike[str], path: str | os.PathLike[str], mode
         return open_file(fd, name, os.O_RDWR | os.O_APPEND | os.O_CREAT, path, mode)
 
 
+def make_fifo(root: str | os.PathLike[str], path: str | os.PathLike[str]) -> int:
+    """A new FIFO at ``path`` (whatever had the name is replaced: a stale FIFO of an earlier
+    launch, a link), open for reading and writing: its reader never sees an end of file, and a
+    writer's open succeeds while it is open (``open_fifo``), fails with ENXIO once it is closed."""
+    with parent(root, path, create=True) as (fd, name):
+        with suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=fd)
+        os.mkfifo(name, 0o600, dir_fd=fd)
+        out = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+        if not stat.S_ISFIFO(os.fstat(out).st_mode):  # replaced between the two calls
+            os.close(out)
+            raise Escape(path, "not a FIFO")
+        return out
+
+
+def open_fifo(root: str | os.PathLike[str], path: str | os.PathLike[str]) -> int:
+    """``path``, a FIFO someone reads, open to write without blocking: ENXIO when nobody has it
+    open to read, Escape when it is a link or no FIFO (a regular file planted there)."""
+    with parent(root, path) as (fd, name):
+        try:
+            out = os.open(name, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise Escape(path, "a symbolic link in the run directory") from None
+            raise
+        if not stat.S_ISFIFO(os.fstat(out).st_mode):
+            os.close(out)
+            raise Escape(path, "not a FIFO")
+        return out
+
+
 def write_atomic(
     root: str | os.PathLike[str], path: str | os.PathLike[str], data: bytes, make_dirs: bool = True
 ) -> None:

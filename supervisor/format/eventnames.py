@@ -38,6 +38,17 @@ class EventName(str, Enum):
     MEMORY_DIR = "memory_dir"  # where this node's memory snapshots live (the memory tier), or why none
     MEMORY_PICK = "memory_pick"  # a relaunch resumes from a memory snapshot
     MEMORY_FALLBACK = "memory_fallback"  # a memory snapshot could not be used: the reason, then the disk
+    STRAGGLER = "straggler"  # the judge (node 0) flags a rank: it computes, or arrives, late (stragglers.py)
+    STRAGGLER_CLEARED = "straggler_cleared"  # a flagged rank keeps up again
+    ROSTER = "roster"  # --roster: this node trains in a roster generation, at a node rank
+    SPARE = "spare"  # --roster: this node waits as a spare in a generation (or is left out)
+    # The SLURM job's coordinator's (events.job.jsonl; docs/slurm.md#hot-spares)
+    GENERATION = "generation"  # a roster generation written (who trains, the spares), or its stop
+    NODE_LOST = "node_lost"  # a node's watchdog silent past NODE_TIMEOUT_S, or its slurmd down
+    INCIDENT = "incident"  # a failure pinned on a host, with the evidence
+    BAD_NODE = "bad_node"  # a host reached BAD_NODE_INCIDENTS incidents
+    BAD_NODES_UNREADABLE = "bad_nodes_unreadable"  # the bad-node list could not be read or written
+    JOB_EXIT = "job_exit"  # every live node's watchdog ended: the job's exit code
     # Picking across tiers (the watchdog's log; the trainer's events.remote.jsonl when it picks)
     DOWNLOAD_WAIT = "download_wait"
     DOWNLOADED = "downloaded"
@@ -66,6 +77,8 @@ class RequeueEvent(str, Enum):
     REQUEUE = "requeue"  # it asked SLURM to requeue it (counted against a budget)
     REQUEUE_SKIPPED = "requeue_skipped"  # a requeue was due, but not done (the reason says why)
     REQUEUE_FAILED = "requeue_failed"  # scontrol requeue failed
+    EXCLUDED = "excluded"  # the requeued job excludes the run's bad nodes (scontrol update ExcNodeList)
+    DRAINED = "drained"  # bad nodes drained (BAD_NODE_ACTION=drain)
 
     def __str__(self) -> str:
         return self.value

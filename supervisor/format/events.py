@@ -20,7 +20,7 @@ from typing import Any, TextIO
 
 from supervisor.format import confined
 from supervisor.format.atomic import atomic_write_json
-from supervisor.format.capped import LOG_MAX, RECORD_MAX, read_capped, read_tail
+from supervisor.format.capped import LOG_MAX, RECORD_MAX, read_capped, read_from, read_tail
 from supervisor.format.eventtypes import Event, Logged, parse
 from supervisor.format.launches import LaunchRecord, Outcome
 from supervisor.format.layout import RunDir
@@ -227,9 +227,11 @@ class EventLog:
 
     MAX_PENDING_BYTES = 4 << 20
 
-    def __init__(self, root: str | Path, node: int = 0, echo: TextIO | None = sys.stderr) -> None:
+    def __init__(
+        self, root: str | Path, node: int = 0, echo: TextIO | None = sys.stderr, path: Path | None = None
+    ) -> None:
         self.root = Path(root)
-        self.path = events_path(root, node)
+        self.path = path or events_path(root, node)  # ``path``: another log of the run (the job's)
         self.node = node
         self.echo = echo
         self.pending = bytearray()  # lines not yet appended (a short write leaves a tail here)
@@ -298,15 +300,8 @@ def read_logged(path: str | Path, tail_bytes: int | None = None) -> list[Logged[
     return [e for e in map(parse, read_events(path, tail_bytes)) if e is not None]
 
 
-def read_events(path: str | Path, tail_bytes: int | None = None) -> list[dict[str, Any]]:
-    """Events in order; garbage lines are skipped, a missing file gives []. ``tail_bytes`` reads
-    only the end of a long log (its first, possibly partial, line is dropped)."""
-    try:
-        data, cut = read_tail(path, LOG_MAX if tail_bytes is None else min(tail_bytes, LOG_MAX))
-    except OSError:
-        return []
-    if cut:
-        data = data.split(b"\n", 1)[-1]
+def parse_lines(data: bytes) -> list[dict[str, Any]]:
+    """The events of whole lines of a log; garbage lines are skipped."""
     out = []
     for line in data.splitlines():
         try:
@@ -316,3 +311,28 @@ def read_events(path: str | Path, tail_bytes: int | None = None) -> list[dict[st
         if isinstance(rec, dict):
             out.append(rec)
     return out
+
+
+def follow_events(path: str | Path, offset: int, cap: int = 4 << 20) -> tuple[list[dict[str, Any]], int]:
+    """The events appended to the log at ``path`` since ``offset`` (whole lines, at most ``cap``
+    bytes of them), and the offset to follow it from next; none (and ``offset``) when it cannot be
+    read. A log that shrank (replaced) is followed from its start."""
+    try:
+        data, size = read_from(path, offset, cap)
+    except OSError:
+        return [], offset
+    if size < offset:
+        return follow_events(path, 0, cap)
+    return parse_lines(data), offset + len(data)
+
+
+def read_events(path: str | Path, tail_bytes: int | None = None) -> list[dict[str, Any]]:
+    """Events in order; garbage lines are skipped, a missing file gives []. ``tail_bytes`` reads
+    only the end of a long log (its first, possibly partial, line is dropped)."""
+    try:
+        data, cut = read_tail(path, LOG_MAX if tail_bytes is None else min(tail_bytes, LOG_MAX))
+    except OSError:
+        return []
+    if cut:
+        data = data.split(b"\n", 1)[-1]
+    return parse_lines(data)

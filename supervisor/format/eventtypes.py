@@ -134,6 +134,16 @@ class Hang(Event):
     culprits: list[JSON] = field(default_factory=list)  # watch/culprit.py Finding.to_dict()
     suspects: list[JSON] = field(default_factory=list)
     waiting_ranks: list[int] = field(default_factory=list)
+    # The collective the ranks here are stuck in (watch/collectives.py Stuck.to_dict(); None: the
+    # flight recorder said nothing), and each rank's answer: its collectives in flight, or why none.
+    collective: JSON = None
+    collectives: dict[str, str] = field(default_factory=dict)
+    # Connections of the hung ranks that the network does not deliver (watch/network.py).
+    network: list[JSON] = field(default_factory=list)
+    late_s: float = 0.0  # how long after the first rank's timeout ran out the verdict came
+    # From the first rank's entry into the stuck collective (its flight recorder's time) to the
+    # verdict: the hang's latency as the ranks lived it (beats lag progress by up to a second).
+    stuck_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -213,27 +223,26 @@ class RemoteUnavailable(Event):
 
 
 @dataclass(frozen=True)
-class SaveFailed(Event):
-    """A rank reports more failed saves in a row."""
-
-    NAME = EventName.SAVE_FAILED
+class _SaveNews(Event):
     rank: int
     ranks: list[int]
-    step: int
+    step: int  # the heartbeat's when the change was seen (the save's own is in last_error)
     save_failures: int
     last_error: str
 
 
 @dataclass(frozen=True)
-class SaveRecovered(Event):
+class SaveFailed(_SaveNews):
+    """A rank reports more failed saves in a row."""
+
+    NAME = EventName.SAVE_FAILED
+
+
+@dataclass(frozen=True)
+class SaveRecovered(_SaveNews):
     """A rank's save worked again."""
 
     NAME = EventName.SAVE_RECOVERED
-    rank: int
-    ranks: list[int]
-    step: int
-    save_failures: int
-    last_error: str
 
 
 @dataclass(frozen=True)
@@ -256,6 +265,9 @@ class RootCause(Event):
     file: str = ""
     line: int = 0
     error_file: str = ""
+    # When the first rank failed (wall time; 0: not known): the job's coordinator pins an incident
+    # on the node whose ranks failed first (supervisor/slurm/incidents.py).
+    failed_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -308,6 +320,111 @@ class MemoryFallback(Event):
     reason: str
     step: int | None = None  # the snapshot's step, when there was one
     by: str = "watchdog"  # or "ranks": the launch's ranks refused the watchdog's pick
+
+
+@dataclass(frozen=True)
+class _StragglerVerdict(Event):
+    rank: int
+    host: str
+    kind: str  # compute | network | late (watch/stragglers.py Kind)
+    value: float  # its compute ratio to its peers' median, or one plus its lateness
+    since_step: int  # the last step of the window that flagged it
+    step: int  # the last step of the window that last judged it
+
+
+@dataclass(frozen=True)
+class Straggler(_StragglerVerdict):
+    """Node 0's watchdog flags a rank: it computes longer than its peers, or arrives late at the step boundary."""
+
+    NAME = EventName.STRAGGLER
+
+
+@dataclass(frozen=True)
+class StragglerCleared(_StragglerVerdict):
+    """A flagged rank keeps up again (its last verdict's fields)."""
+
+    NAME = EventName.STRAGGLER_CLEARED
+
+
+# ------------------------------------------- hot spares and bad nodes (docs/slurm.md#hot-spares)
+
+
+@dataclass(frozen=True)
+class RosterJoined(Event):
+    """--roster: this node trains in a roster generation, at a node rank."""
+
+    NAME = EventName.ROSTER
+    generation: int
+    node_rank: int
+    nnodes: int
+    master: str  # the group's rendezvous, host:port
+    replaced: dict[str, str] = field(default_factory=dict)  # lost host -> the spare in its place
+
+
+@dataclass(frozen=True)
+class Spare(Event):
+    """--roster: this node waits as a spare in a generation (role spare), or is left out (out)."""
+
+    NAME = EventName.SPARE
+    generation: int
+    role: str
+
+
+@dataclass(frozen=True)
+class Generation(Event):
+    """The job's coordinator wrote a roster generation: who trains, the spares; or its stop."""
+
+    NAME = EventName.GENERATION
+    generation: int
+    nodes: list[str] = field(default_factory=list)
+    spares: list[str] = field(default_factory=list)
+    replaced: dict[str, str] = field(default_factory=dict)
+    stop: bool = False
+    exit_code: int | None = None
+
+
+@dataclass(frozen=True)
+class NodeLost(Event):
+    """A node's watchdog silent past NODE_TIMEOUT_S, or its slurmd down."""
+
+    NAME = EventName.NODE_LOST
+    node: int
+    host: str
+
+
+@dataclass(frozen=True)
+class Incident(Event):
+    """A failure pinned on a host, with the evidence."""
+
+    NAME = EventName.INCIDENT
+    host: str
+    why: list[str]
+    count: int  # the host's incidents so far
+
+
+@dataclass(frozen=True)
+class BadNode(Event):
+    """A host reached BAD_NODE_INCIDENTS incidents: left out while a spare can take its place,
+    excluded from a requeue."""
+
+    NAME = EventName.BAD_NODE
+    host: str
+    count: int
+
+
+@dataclass(frozen=True)
+class BadNodesUnreadable(Event):
+    """The run's bad-node list could not be read (an empty one started) or written (kept in memory)."""
+
+    NAME = EventName.BAD_NODES_UNREADABLE
+
+
+@dataclass(frozen=True)
+class JobExit(Event):
+    """Every live node's watchdog ended: the job's exit code."""
+
+    NAME = EventName.JOB_EXIT
+    exit_code: int
 
 
 # ---------------------------------------------------------------- picking across tiers
@@ -375,30 +492,30 @@ class UploadOk(Event):
 
 
 @dataclass(frozen=True)
-class UploadSkipped(Event):
+class _StepReason(Event):
+    step: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class UploadSkipped(_StepReason):
     """A checkpoint not uploaded (superseded, removed locally)."""
 
     NAME = EventName.UPLOAD_SKIPPED
-    step: int
-    reason: str
 
 
 @dataclass(frozen=True)
-class UploadRefused(Event):
+class UploadRefused(_StepReason):
     """A checkpoint not uploaded: it does not match its own manifest."""
 
     NAME = EventName.UPLOAD_REFUSED
-    step: int
-    reason: str
 
 
 @dataclass(frozen=True)
-class UploadDeferred(Event):
+class UploadDeferred(_StepReason):
     """An upload put off: a local file could not be read now."""
 
     NAME = EventName.UPLOAD_DEFERRED
-    step: int
-    reason: str
 
 
 @dataclass(frozen=True)
@@ -441,9 +558,10 @@ _ALL: tuple[type[Event], ...] = (
     WatchdogStart, HeartbeatDir, Pick, Launch, LaunchEnd, Kill, Stop, RankDied, BlockedIo, Hang,
     StackDump, Relaunch, WatchdogExit, Preempt, Quarantine, Untrusted, IoRetry, StateUnreadable,
     RemoteUnavailable, SaveFailed, SaveRecovered, RootCause, Standby, Recovery, MemoryDir, MemoryPick,
-    MemoryFallback, DownloadWait,
-    Downloaded, LocalQuarantined, RemoteQuarantined, RemoteUnreachable, UploadOk, UploadSkipped,
-    UploadRefused, UploadDeferred, RemoteDown, RemoteBack, RemotePruned, LocalPruned,
+    MemoryFallback, Straggler, StragglerCleared, RosterJoined, Spare, Generation, NodeLost, Incident,
+    BadNode, BadNodesUnreadable, JobExit, DownloadWait, Downloaded, LocalQuarantined,
+    RemoteQuarantined, RemoteUnreachable, UploadOk, UploadSkipped, UploadRefused, UploadDeferred,
+    RemoteDown, RemoteBack, RemotePruned, LocalPruned,
 )  # fmt: skip
 BY_NAME: dict[EventName, type[Event]] = {cls.NAME: cls for cls in _ALL}
 

@@ -55,6 +55,9 @@ class Exit(IntEnum):
     # a relaunch, or launches that kept ending 74 without a newer checkpoint). Committed
     # checkpoints are intact; the caller (SLURM job) requeues it like 13, against its budget.
     STORAGE_UNAVAILABLE = 14
+    # Watchdog (--roster): a training node of the job was lost and no spare was left to take its
+    # place; the caller (SLURM job) requeues it against its failure budget, bad nodes excluded.
+    NODE_LOST = 15
 
 
 NON_RETRYABLE = frozenset(
@@ -120,6 +123,12 @@ MEANINGS: tuple[Meaning, ...] = (
         "`watch`",
         "storage unavailable past `--io-retry`: committed checkpoints intact; requeue the job "
         "(`sbatch/job.sh` does, against `MAX_REQUEUES`)",
+    ),
+    _m(
+        Exit.NODE_LOST,
+        "`watch --roster`",
+        "a training node was lost and no spare was left: requeue the job (`sbatch/job.sh` does, "
+        "against `MAX_REQUEUES`, its bad nodes excluded)",
     ),
     _m(
         Exit.MISMATCH,

@@ -66,6 +66,9 @@ DEFAULT_LOAD_TIMEOUT_S = 600.0
 DEFAULT_SAVE_TIMEOUT_S = 900.0
 DEFAULT_COMMIT_TIMEOUT_S = 300.0
 DEFAULT_DIGEST_TIMEOUT_S = 300.0
+# Each beat carries the rank's last steps' timings (``StepTime``): enough to cover the steps between
+# two beats (one a second) of a fast loop, small enough that a beat stays ~1 KB.
+STEP_TIMES_KEPT = 32
 
 
 class Phase(str, Enum):
@@ -92,6 +95,36 @@ class Mark(str, Enum):
     RENDEZVOUS_DONE = "rendezvous_done"  # the process group is up
     STATE_LOADED = "state_loaded"  # the checkpoint is loaded (or there was none)
     FIRST_STEP = "first_step"  # its first step of this launch is done (HeartbeatWriter marks it)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """How one step went on one rank, for the straggler verdict (supervisor/watch/stragglers.py):
+    ``compute_s`` from the step's start (the previous step boundary, where every rank leaves
+    together) to the rank's arrival at the step's collective, and ``wait_s`` spent in the step
+    boundary's reduction waiting for the others. ``marked``: the trainer said where its own
+    collective starts (``Resumable.compute_done``); without it the arrival is the boundary's
+    reduction, and a rank that waited inside the trainer's own collectives counts that wait as
+    compute. Written as ``[step, compute_s, wait_s, marked]``."""
+
+    step: int
+    compute_s: float
+    wait_s: float
+    marked: bool = False
+
+    def to_list(self) -> list[float | int]:
+        return [self.step, self.compute_s, self.wait_s, int(self.marked)]
+
+
+def _step_times(v: object) -> tuple[StepTime, ...]:
+    if not isinstance(v, list):
+        raise ValueError(f"step_times {v!r:.60} is not a list")
+    out = []
+    for item in v:
+        if not isinstance(item, list) or len(item) != 4:
+            raise ValueError(f"step_times entry {item!r:.60} is not [step, compute_s, wait_s, marked]")
+        out.append(StepTime(_int(item[0]), _float(item[1]), _float(item[2]), bool(_int(item[3]))))
+    return tuple(out)
 
 
 @cache
@@ -149,10 +182,13 @@ class Heartbeat:
     # its last beat (supervisor/resumable/_signals.py): a rank gone without it, and without an
     # exit code, was killed by a signal.
     died_of: str = ""
+    # The rank's last steps (``StepTime``, oldest first, at most STEP_TIMES_KEPT).
+    step_times: tuple[StepTime, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["phase"] = self.phase.value
+        d["step_times"] = [t.to_list() for t in self.step_times]
         return d
 
     @property
@@ -251,6 +287,7 @@ def heartbeat_from_dict(d: Mapping[str, Any]) -> Heartbeat:
             waiting=str(d.get("waiting", "")),
             wait_until=_float(d.get("wait_until", 0.0)),
             died_of=str(d.get("died_of", "")),
+            step_times=_step_times(d.get("step_times", [])),
         )
     except KeyError as e:
         raise ValueError(f"field {e} missing") from None
@@ -364,6 +401,8 @@ class HeartbeatWriter:
         self._progress_at = (0.0, 0.0)  # (monotonic, wall) of its last change
         self._last_step = 0
         self._died_of = ""
+        # The last steps' timings, written with every beat (the trainer's Resumable keeps them).
+        self.step_times: tuple[StepTime, ...] = ()
 
     def beat(  # noqa: PLR0913  the record's fields, keyword-only past the first five
         self,
@@ -428,6 +467,7 @@ class HeartbeatWriter:
             waiting=waiting,
             wait_until=wait_until,
             died_of=self._died_of,
+            step_times=self.step_times,
         )
         self._last_phase, self._last_step = (phase, custom), step
         try:

@@ -14,11 +14,19 @@
       heartbeats/node_00003.json     node 3's summary, published by its watchdog: its ranks'
                                      heartbeats (written on the node, see node_heartbeat_dir)
       heartbeats/stacks_rank_00003.txt  faulthandler stack dumps of that rank
+      heartbeats/collectives_rank_00003.json  its collectives from torch's flight recorder, on a
+                                     hang (.fifo: where the watchdog asks for them)
       supervisor/state.json          the watchdog's state (node N > 0: state.nodeN.json)
       supervisor/events.jsonl        its event log (node N > 0: events.nodeN.jsonl)
       supervisor/events.remote.jsonl the remote-tier uploader's event log (trainer rank 0)
       supervisor/remote.json         the uploader's status
       supervisor/slurm.json          the SLURM job's requeue budget and history
+      supervisor/roster.json         with hot spares: which nodes train, at which node rank, and
+                                     which wait as spares (the job's coordinator writes it)
+      supervisor/bad_nodes.json      the run's incidents per host and its bad-node list, with the
+                                     evidence and what was done (excluded, drained)
+      supervisor/events.job.jsonl    the SLURM job's coordinator's event log (nodes lost, spares
+                                     swapped in, incidents, bad nodes)
       supervisor/retention.json      the retention policy the trainer prunes with (for `status`)
       supervisor/launches/<launch id>/error.json  torchelastic's root-cause error file of one launch
                                      (TORCHELASTIC_ERROR_FILE), and elastic/: torchrun's log dir
@@ -33,12 +41,21 @@
 A directory is a run directory when it holds only these names (or nothing), or at least one of
 them other than ``supervisor``; anything else (a home directory, a source checkout, a single
 checkpoint, a dataset) is refused by the login-node commands.
+
+Checkpoints other trainers write are understood in a root too (supervisor/store/foreign.py), and
+make it a run directory as well:
+
+      step-30/                       torchtitan's (plain ``dcp.save``): DCP's .metadata and shards
+      epoch=0-step=30.ckpt, last.ckpt  Lightning's (``torch.save``'s zip format)
+      step-30.seal.json              `ckpt seal`'s record of one of them: each file's size, mtime
+                                     and checksum (they have none of their own)
 """
 
 from __future__ import annotations
 
 import os
 import re
+import signal
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +89,9 @@ SAMPLES = "samples"
 REMOTE_STATUS = "remote.json"
 REMOTE_EVENTS = "events.remote.jsonl"
 REQUEUE_STATE = "slurm.json"
+ROSTER = "roster.json"
+BAD_NODES = "bad_nodes.json"
+JOB_EVENTS = "events.job.jsonl"
 RETENTION = "retention.json"
 # `status`'s remembered quick checks of committed checkpoints (supervisor/store/quickcache.py).
 STATUS_CACHE = "status_cache.json"
@@ -102,6 +122,14 @@ SHM = "/dev/shm"
 # The memory tier (supervisor/format/memsnap.py): the node-local folder its watchdog owns, handed to
 # each launch's ranks in MEMORY_DIR_ENV (unset: no memory tier).
 MEMORY_DIR_ENV = "SUPERVISOR_MEMORY_DIR"
+
+# Checkpoints of other trainers (supervisor/store/foreign.py): torchtitan's step folders, Lightning's
+# files, and the sidecar `ckpt seal` writes beside either.
+FOREIGN_DCP_PREFIX = "step-"
+LIGHTNING_SUFFIX = ".ckpt"
+SEAL_SUFFIX = ".seal.json"
+_FOREIGN_DCP_RE = re.compile(rf"{re.escape(FOREIGN_DCP_PREFIX)}([0-9]+)")
+_LIGHTNING_STEP_RE = re.compile(r"(?:^|[-_])step=([0-9]+)")
 
 # DCP's one index, or a rank's own (dcp_index_filename), with the rank.
 _DCP_INDEX_RE = re.compile(r"(?:__([0-9]+)_index)?" + re.escape(DCP_METADATA))
@@ -225,12 +253,40 @@ def is_run_dir_name(name: str) -> bool:
 
 
 def looks_like_run_dir(names: list[str]) -> bool:
-    """Every visible entry is one of ours, or one of them is a name only a run directory has.
-    ``supervisor`` alone is weak evidence (a source checkout has one); hidden files are ignored."""
+    """Every visible entry is one of ours, or one of them is a name only a run directory has
+    (another trainer's checkpoint counts: ``is_foreign_name``). ``supervisor`` alone is weak
+    evidence (a source checkout has one); hidden files are ignored."""
     visible = [n for n in names if not n.startswith(".")]
     return all(is_run_dir_name(n) for n in visible) or any(
-        is_run_dir_name(n) and n != SUPERVISOR for n in names
+        (is_run_dir_name(n) and n != SUPERVISOR) or is_foreign_name(n) for n in names
     )
+
+
+def parse_foreign_dcp(name: str) -> int | None:
+    """The step of a torchtitan checkpoint folder name (``step-30``), or None."""
+    m = _FOREIGN_DCP_RE.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def is_lightning_ckpt(name: str) -> bool:
+    return name.endswith(LIGHTNING_SUFFIX) and len(name) > len(LIGHTNING_SUFFIX)
+
+
+def lightning_step(name: str) -> int | None:
+    """The step Lightning's default file name carries (``epoch=0-step=30.ckpt``), or None
+    (``last.ckpt``, a custom template: the step is then read from the file)."""
+    m = _LIGHTNING_STEP_RE.search(name.removesuffix(LIGHTNING_SUFFIX))
+    return int(m.group(1)) if m else None
+
+
+def seal_filename(name: str) -> str:
+    """The sidecar `ckpt seal` writes beside another trainer's checkpoint ``name``."""
+    return name + SEAL_SUFFIX
+
+
+def is_foreign_name(name: str) -> bool:
+    """Another trainer's checkpoint, or the seal of one."""
+    return parse_foreign_dcp(name) is not None or is_lightning_ckpt(name) or name.endswith(SEAL_SUFFIX)
 
 
 def _rank_name(rank: int) -> str:
@@ -294,8 +350,31 @@ def job_key(environ: Mapping[str, str] = os.environ) -> str:
     return safe_host(environ.get("SLURM_JOB_ID") or "local")
 
 
+# A rank's faulthandler dumps every thread's stack on this signal (registered without SA_NODEFER,
+# so the kernel blocks it in the thread that runs the handler until the dump is written: how the
+# watchdog knows a dump is whole, supervisor/watch/process.py).
+STACK_DUMP_SIGNAL = signal.SIGUSR2
+
+
 def stack_dump_filename(rank: int) -> str:
     return f"stacks_{_rank_name(rank)}.txt"
+
+
+def collectives_filename(rank: int) -> str:
+    """Beside the rank's heartbeat: its collectives as its flight recorder saw them, written on
+    the watchdog's request (supervisor/format/collectives.py)."""
+    return f"collectives_{_rank_name(rank)}.json"
+
+
+def collectives_request_filename(rank: int) -> str:
+    """Beside the rank's heartbeat: the FIFO the rank's dump thread reads the watchdog's requests from."""
+    return f"collectives_{_rank_name(rank)}.fifo"
+
+
+def is_collectives_request(path: str) -> bool:
+    """A rank's request FIFO (its thread always sleeps in a read of it: no storage it waits on)."""
+    name = os.path.basename(path)
+    return name.startswith(f"collectives_{RANK_PREFIX}") and name.endswith(".fifo")
 
 
 def dcp_shard_prefix(rank: int) -> str:
@@ -448,6 +527,18 @@ class RunDir:
     @property
     def requeue_state(self) -> Path:
         return self.supervisor / REQUEUE_STATE
+
+    @property
+    def roster(self) -> Path:
+        return self.supervisor / ROSTER
+
+    @property
+    def bad_nodes(self) -> Path:
+        return self.supervisor / BAD_NODES
+
+    @property
+    def job_events(self) -> Path:
+        return self.supervisor / JOB_EVENTS
 
     @property
     def retention(self) -> Path:

@@ -4,7 +4,7 @@ The manifest is the last file written into a checkpoint; its presence with every
 the listed size is the commit marker. Format 2 adds ``writers`` (which rank wrote which files), so
 a checkpoint one rank's files never reached is refused at commit and caught by validation; format
 1 manifests stay readable (without that check). Checksum: xxh3-128. Measured here on 256 MiB in memory
-(see docs/checksum.md): xxh3-128 14.3 GB/s, crc32c 12.1, zlib.crc32 2.2, sha256 1.2, blake2b 0.9.
+(bench/verify.py, docs/measured.md): xxh3-128 14.3 GB/s, crc32c 12.1, zlib.crc32 2.2, sha256 1.2, blake2b 0.9.
 At >10x a disk's read speed, verifying costs little more than reading.
 """
 

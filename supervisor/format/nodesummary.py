@@ -55,6 +55,41 @@ def stale_after(interval_s: float) -> float:
     return max(STALE_INTERVALS * interval_s, STALE_MIN_S)
 
 
+@dataclass(frozen=True)
+class StragglerNote:
+    """A rank the judging watchdog (node 0's) flags as a straggler (supervisor/watch/stragglers.py):
+    ``kind`` compute, network or late; ``value`` its compute ratio to its peers' median, or one
+    plus its lateness at the step boundary; flagged since ``since_step``, last judged at ``step``."""
+
+    rank: int
+    host: str
+    kind: str
+    value: float
+    since_step: int
+    step: int
+    text: str = ""  # the verdict in words, as the event said it
+
+    @classmethod
+    def parse(cls, d: object) -> StragglerNote:
+        if not isinstance(d, dict):
+            raise ValueError(f"straggler {d!r:.60} is not an object")
+        return cls(
+            rank=_check(d, "rank", int),
+            host=_check(d, "host", str),
+            kind=_check(d, "kind", str),
+            value=float(_check(d, "value", _NUM)),
+            since_step=_check(d, "since_step", int),
+            step=_check(d, "step", int),
+            text=_check(d, "text", str) if "text" in d else "",
+        )
+
+
+# A node's part in a run whose launches follow a roster (SLURM's hot spares, docs/slurm.md):
+ROLE_TRAIN = "train"  # in the roster's launch
+ROLE_SPARE = "spare"  # waiting, imports done, to take a lost node's place
+ROLE_OUT = "out"  # left out by the roster (a bad node) and not a spare
+
+
 @dataclass  # not frozen: `status` parses 2,048; frozen, its __init__ took 3.1 us instead of 0.6
 class SummaryHeader:
     """The first line of a node summary: the node's watchdog and its ranks in counts, enough for
@@ -83,10 +118,17 @@ class SummaryHeader:
     live_step_max: int | None = None  # over the ranks that need no look
     last_step_s: float | None = None  # median over those in phase train
     attention: tuple[int, ...] = ()
+    # Under a roster (--roster): ROLE_*, the generation of its last launch, and the one it waits
+    # for (0: not waiting); '' and 0 without one.
+    role: str = ""
+    roster_gen: int = 0
+    roster_wait: int = 0
+    stragglers: tuple[StragglerNote, ...] = ()  # the judge's verdicts (node 0's summary)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["attention"] = list(self.attention)
+        d["stragglers"] = [asdict(n) for n in self.stragglers]
         return d
 
 
@@ -150,13 +192,20 @@ _HEADER_TYPES: dict[str, tuple[type, ...]] = {
     "live_step_max": (int, _N),
     "last_step_s": (float, int, _N),
     "attention": (list,),
+    "role": (str,),
+    "roster_gen": (int,),
+    "roster_wait": (int,),
+    "stragglers": (list,),
 }
+# Fields a summary of an older version lacks, and what they are then.
+_LATER_FIELDS: dict[str, Any] = {"role": "", "roster_gen": 0, "roster_wait": 0, "stragglers": []}
 _FIELDS = tuple(_HEADER_TYPES)  # SummaryHeader's fields, in its order
 _GET = operator.itemgetter(*_FIELDS)
 _ALLOWED = frozenset((k, t) for k, types in _HEADER_TYPES.items() for t in types)
 _FLOATS = tuple(_FIELDS.index(k) for k in ("wall_time", "interval_s", "stale_after_s", "mono_time"))
 _INTS = frozenset({int})
 _PHASES, _ATTENTION = _FIELDS.index("phases"), _FIELDS.index("attention")
+_STRAGGLERS = _FIELDS.index("stragglers")
 
 
 def parse_header(line: bytes | str) -> SummaryHeader:
@@ -177,12 +226,14 @@ def parse_header(line: bytes | str) -> SummaryHeader:
         for i in _FLOATS:
             v[i] = float(v[i])
         v[_ATTENTION] = tuple(attention)
+        v[_STRAGGLERS] = tuple(map(StragglerNote.parse, v[_STRAGGLERS]))  # none on most nodes
         return SummaryHeader(*v)
     return _parse_header_slowly(d)
 
 
 def _parse_header_slowly(d: dict[str, Any]) -> SummaryHeader:
     """``parse_header`` field by field: the ValueError names the first field that is wrong."""
+    d = {**_LATER_FIELDS, **d}
     phases = _check(d, "phases", dict)
     attention = _check(d, "attention", list)
     if not all(isinstance(v, int) for v in (*phases.values(), *attention)):
@@ -211,6 +262,10 @@ def _parse_header_slowly(d: dict[str, Any]) -> SummaryHeader:
         live_step_max=_check(d, "live_step_max", int, optional=True),
         last_step_s=_check(d, "last_step_s", _NUM, optional=True),
         attention=tuple(attention),
+        role=_check(d, "role", str),
+        roster_gen=_check(d, "roster_gen", int),
+        roster_wait=_check(d, "roster_wait", int),
+        stragglers=tuple(map(StragglerNote.parse, _check(d, "stragglers", list))),
     )
 
 

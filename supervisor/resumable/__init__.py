@@ -8,6 +8,10 @@ commands (``python -m supervisor status|ckpt|watch``) never load torch (tests/te
 
 Extension hooks of ``Resumable`` (override in a subclass, as the reference trainer does): see its
 class docstring.
+
+The adapters for the trainers users already run are in ``__all__`` too, imported on first use
+(each needs its framework, an extra of its own): ``ResumableCallback`` (Lightning),
+``AccelerateResumable`` (Accelerate), ``ResumableTrainerCallback`` (the Hugging Face ``Trainer``).
 """
 
 from supervisor.clash import foreign_supervisor as _foreign_supervisor
@@ -40,13 +44,45 @@ from supervisor.resumable._standby import wait_if_standby
 from supervisor.resumable._tiering import RemoteOptions
 from supervisor.resumable._train_state import TrainState
 
+# name -> (private module, the extra that installs its framework): imported on first use, so
+# ``import supervisor.resumable`` never imports Lightning, Accelerate or transformers.
+_ADAPTERS = {
+    "ResumableCallback": ("_lightning", "lightning"),
+    "AccelerateResumable": ("_accelerate", "accelerate"),
+    "ResumableTrainerCallback": ("_hf", "hf"),
+}
+
+
+def __getattr__(name: str) -> object:
+    if name not in _ADAPTERS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    module, extra = _ADAPTERS[name]
+    try:
+        return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    except ModuleNotFoundError as e:
+        if e.name is None or e.name.split(".")[0] == "supervisor":
+            raise
+        raise ImportError(
+            f"supervisor.resumable.{name} needs {e.name}: pip install 'resumable-training[{extra}]'"
+        ) from None
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_ADAPTERS})
+
+
 __all__ = [
+    "AccelerateResumable",
     "ByIndex",
     "DeviceError",
     "Identity",
     "RemoteOptions",
     "Resumable",
     "ResumableBatchSampler",
+    "ResumableCallback",
+    "ResumableTrainerCallback",
     "ResumeOptions",
     "SampleKey",
     "Saves",

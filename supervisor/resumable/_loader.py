@@ -47,7 +47,9 @@ from supervisor.resumable._sampler import ResumableBatchSampler, SampleKey, mix_
 from supervisor.resumable._workers import (
     RngStates,
     WorkerInit,
+    held_at_fork,
     in_worker,
+    is_calm,
     isolated,
     rng_states,
     seed_all,
@@ -107,7 +109,9 @@ class ResumableLoader(DataLoader[Any]):
                 "make the iterator after it"
             )
         self.position.before_iter()
-        return _Handed(super().__iter__(), self.position)
+        with held_at_fork(self.num_workers > 0 and is_calm(self.worker_init_fn)):
+            inner = super().__iter__()
+        return _Handed(inner, self.position)
 
     def state_dict(self) -> dict[str, Any]:
         return self.position.state_dict()
@@ -398,6 +402,15 @@ _CARRIED = (
 )
 
 
+def settings(loader: DataLoader[Any]) -> dict[str, Any]:
+    """The settings of ``loader`` a resumable loader built in its place carries over (workers,
+    pinning, prefetch...); the order, batching and generator are its own."""
+    carried = {k: getattr(loader, k) for k in _CARRIED}
+    if not carried["num_workers"]:
+        carried["prefetch_factor"] = None  # torch refuses one without workers
+    return carried
+
+
 def prepare(loader: DataLoader[Any], where: Rank) -> DataLoader[Any]:
     """``Resumable.prepare``: the resumable equivalent of a DataLoader the user built.
 
@@ -420,9 +433,7 @@ def prepare(loader: DataLoader[Any], where: Rank) -> DataLoader[Any]:
             loader.sampler.generator = where.generator()  # its state_dict saves this one's state
         loader.worker_init_fn = WorkerInit(loader.worker_init_fn)
         return loader
-    carried = {k: getattr(loader, k) for k in _CARRIED}
-    if not carried["num_workers"]:
-        carried["prefetch_factor"] = None  # torch refuses one without workers
+    carried = settings(loader)
     if isinstance(loader.batch_sampler, ResumableBatchSampler):
         return ResumableLoader(
             loader.dataset,
@@ -441,7 +452,7 @@ def prepare(loader: DataLoader[Any], where: Rank) -> DataLoader[Any]:
             drop_last=loader.drop_last,
             **carried,
         )
-    shuffle = _shuffles(loader.sampler)
+    shuffle = shuffles(loader.sampler)
     if loader.batch_size is None or shuffle is None or type(loader.batch_sampler).__name__ != "BatchSampler":
         raise TypeError(
             f"Resumable.prepare: a DataLoader with {type(loader.batch_sampler or loader.sampler).__name__}: "
@@ -453,7 +464,7 @@ def prepare(loader: DataLoader[Any], where: Rank) -> DataLoader[Any]:
     )
 
 
-def _shuffles(sampler: object) -> bool | None:
+def shuffles(sampler: object) -> bool | None:
     """Whether a torch sampler shuffles (None: not one this module can replace)."""
     if isinstance(sampler, RandomSampler):
         return True

@@ -4,7 +4,7 @@ DCP loads in place: ``get_state_dict`` hands it the tensors to read into. An opt
 not stepped has none, so torch 2.13 (``_init_optim_state``) makes them by giving every parameter a
 zero gradient and running one ``step()`` with the learning rate at 0: every state tensor computed
 only for the load to overwrite it. A resume loads into a fresh optimizer, and in the bench config
-that step was 0.2-0.45 s of a rank's 0.25-0.8 s load (docs/trainer.md).
+that step was 0.2-0.45 s of a rank's 0.25-0.8 s load (bench/first_load.py, docs/measured.md).
 
 ``prime_for_load`` gives an Adam or AdamW (exactly those classes: a subclass may keep other state)
 the state its first step would create, keys, dtypes, shapes and placement as torch 2.13's

@@ -27,7 +27,7 @@ signing key signs (supervisor/signing.py): rank 0 then reads no rank's files bac
 A file written starts the disk writing what it holds every ``WRITEBACK_CHUNK`` bytes
 (``start_writeback``), as it goes. Left to the save's fsync, the disk sat idle while a rank
 pickled and copied its ~800 records, then wrote all of it at once: fsync took ~0.3 s of a 0.6 s
-sync save here; with the writeback started as the bytes come, 0.02-0.08 s (docs/trainer.md).
+sync save here; with the writeback started as the bytes come, 0.02-0.08 s (a profile of rank 0's sync saves, bench config).
 """
 
 from __future__ import annotations

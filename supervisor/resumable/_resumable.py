@@ -25,6 +25,7 @@ heartbeat, says one line on rank 0 and raises ``SystemExit`` with the code of
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import itertools
 import json
@@ -52,6 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import DataLoader, Dataset
 
+from supervisor import shared_options as shared
 from supervisor import store
 from supervisor.display import human_bytes
 from supervisor.errors import Program, ToolkitError, exit_code
@@ -74,6 +76,7 @@ from supervisor.resumable._checkpointer import (
     SaveOutcome,
     StorageGaveUp,
 )
+from supervisor.resumable._collectives import CollectiveReporter
 from supervisor.resumable._devices import DeviceError
 from supervisor.resumable._digest import params_digest, tensors_digest
 from supervisor.resumable._hooks import BoundaryHook, boundary_hook, no_hook
@@ -95,10 +98,12 @@ from supervisor.resumable._safe_load import CorruptRecord, PeerLoadFailed, load_
 from supervisor.resumable._sanity import LOSS_WINDOW, ResumeSanity
 from supervisor.resumable._save_policy import DEFAULT_MAX_FAILED_SAVES, SavePolicy
 from supervisor.resumable._signals import PreemptionFlag, on_uncaught, record_uncaught, register_stack_dump
+from supervisor.resumable._standby import group_problem
+from supervisor.resumable._step_clock import StepClock
 from supervisor.resumable._tiering import RemoteOptions
 from supervisor.resumable._train_state import RANK_ITEMS, seed_rank_rng
 from supervisor.safepickle import UnsafePickle
-from supervisor.store.ioerrors import STORAGE_BACKOFF, retry_transient
+from supervisor.store.ioerrors import STORAGE_BACKOFF, describe, retry_transient
 from supervisor.tiers.uploader import Uploader
 
 log = logging.getLogger("resumable")
@@ -150,7 +155,7 @@ class Saves:
     )
     memory_every: int = option(
         "under the watchdog, snapshot the whole state into node-local memory every N steps (0: the "
-        "interval that keeps the copy within 3 percent of the step time; the watchdog's --no-memory-tier: none)",
+        "interval that keeps the copy within 3 percent of the step time; none without the watchdog's --memory-tier)",
         0,
         metavar="N",
         check=NOT_NEGATIVE,
@@ -210,15 +215,8 @@ class ResumeOptions:
         "deep",  # deep: spread over the ranks
         choices=VERIFY,
     )
-    io_retry_s: float = option(
-        "retry checkpoints that cannot be read this long at resume, then exit 74",
-        store.IO_RETRY_S,
-        flag="--io-retry",
-        metavar="SECONDS",
-    )
-    allow_fresh_start: bool = option(
-        "start from step 0 when no checkpoint is usable even though some are quarantined", False
-    )
+    io_retry_s: float = shared.io_retry("exit 74 (at resume)")
+    allow_fresh_start: bool = shared.allow_fresh_start("start from step 0")
     allow_config_change: bool = option(
         "resume with a changed LR, weight decay, schedule or augmentation (applied); "
         "other changes are still refused",
@@ -405,13 +403,39 @@ def _code(e: ToolkitError) -> Exit:
     return exit_code(e, Program.TRAINER)
 
 
+# A run directory that cannot be made for these is the storage's trouble (74: retried); for any
+# other reason (a file in the way, no permission, read-only) the command line's (78).
+_STORAGE_DID_NOT_ANSWER = frozenset(
+    {errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.EAGAIN, errno.ENOSPC, errno.EDQUOT, errno.EINTR}
+)
+
+
+def run_dir(root: str | Path) -> Path:
+    """The run directory, made if missing; one that cannot be used stops the rank with one line
+    naming it and the fix (exit 78, or 74 when the storage did not answer: retried), never a
+    traceback. Nothing can be recorded in it, so the line is all there is."""
+    path = Path(root)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        code = Exit.STORAGE if e.errno in _STORAGE_DID_NOT_ANSWER else Exit.BAD_CONFIG
+        print(
+            f"resumable: {path}: cannot use it as the run directory ({describe(e)}); "
+            "give --ckpt-root a directory this rank can create and write",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(int(code)) from None
+    return path
+
+
 def refuse_start(root: str | Path, message: str, code: Exit = Exit.BAD_CONFIG) -> int:
     """A refusal before a ``Resumable`` exists (a config this rank cannot train with), on every
     rank after ``init_process_group``: the exit code into this rank's heartbeat (the watchdog
     classifies it: 78 is not retried), ``message`` on rank 0's stderr. Returns the code to exit with."""
     rank = dist.get_rank()
     hb = HeartbeatWriter(
-        Path(root),
+        run_dir(root),
         rank=rank,
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
         world_size=dist.get_world_size(),
@@ -449,7 +473,8 @@ class Resumable:
     """The checkpoint lifecycle of one launch on this rank (every rank builds one, after
     ``init_process_group``): ``resume()``, then ``step_end()`` once per step, then ``finish()``.
     Between them: ``reduce()`` (a reduction that carries the step's control flags), ``beat()``
-    and ``phase()`` (long stretches of the trainer's own), ``preemption_noticed``.
+    and ``phase()`` (long stretches of the trainer's own), ``preemption_noticed``, and
+    ``compute_done()`` (where the step's own work ends, for the straggler verdict).
 
     The data, before ``resume()`` (docs/adopting.md#data):
 
@@ -501,7 +526,7 @@ class Resumable:
         self._saves = saves or Saves()
         self._options = options or ResumeOptions()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self._root.mkdir(parents=True, exist_ok=True)
+        run_dir(self._root)
         self._hb = HeartbeatWriter(
             self._root,
             rank=self.rank,
@@ -513,8 +538,14 @@ class Resumable:
         self._stacks = register_stack_dump(
             stack_dump_path(self._root, self.rank), self._hb.within
         )  # open until exit
+        # On a hang the watchdog asks each rank what torch's flight recorder saw of its collectives.
+        self._collectives = CollectiveReporter.start(
+            self._hb.folder, self._hb.within, self.rank, lambda: self.state.step
+        )
         on_uncaught(self._hb.died)  # the exception that ends this rank, in its last heartbeat
-        self._problem = install_signals() or self._saves.problem() or self._remote_problem()
+        self._problem = (
+            group_problem() or install_signals() or self._saves.problem() or self._remote_problem()
+        )
         self._uploader: Uploader | None = None  # rank 0 with a remote, from resume() on
         remote = bool(self._options.remote.url) and self.rank == 0
         run = CheckpointInfo(
@@ -558,6 +589,7 @@ class Resumable:
         self._memory = MemoryTier.from_env(self.rank, self.world_size, self._saves.memory_every)
         if self._memory is not None:
             self._ckpt.memory_flags = self._memory.flags
+        self._clock = StepClock(self._t_end)  # each step's compute and wait, for the straggler verdict
         # The staging wait, before every optimizer step, so no caller can forget it.
         self._state_optimizer().register_step_pre_hook(lambda *_: self._before_optimizer_step())
         # Why the load failed, once it did: the state holds part of a checkpoint from then on, and
@@ -595,6 +627,7 @@ class Resumable:
             self._metrics_file = LineAppender(RunDir.of(self._root).metrics, self._root)
         self._hb.beat(self.start, Phase.TRAIN, force=True)
         self._last_save, self._t_end = time.monotonic(), time.perf_counter()
+        self._clock.restart(self._t_end)
         self._open_loaders()
         return self.start
 
@@ -1002,6 +1035,7 @@ class Resumable:
         if self._metrics_file is not None:
             rec = MetricsRecord.of(step, self._metrics, self._hb.restart_count, self.launch)
             self._metrics_file.append(rec.to_line())
+        self._hb.step_times = self._clock.step_done(step)
         self._hb.beat(step, Phase.TRAIN, last_step_s=dt)
         self._at_boundary(step, When.STEP)
         try:
@@ -1023,14 +1057,28 @@ class Resumable:
         except PeersTimedOut as e:
             self._gave_up(e)
         self._t_end = time.perf_counter()
+        self._clock.restart(self._t_end)
         return done
+
+    def compute_done(self) -> None:
+        """Optional, once per step on every rank: this rank's own work of the step is done and it
+        is about to enter the step's collective (a data-parallel trainer: just before its
+        gradient all-reduce). The watchdog names a rank a straggler when this comes late against
+        its peers (docs/watchdog.md#stragglers); without the call a step's compute ends at
+        ``reduce``, so a rank that waited in the trainer's own collectives counts that wait as
+        compute, and a slow rank shows as one that arrives late, not as one that computes slowly."""
+        self._clock.compute_done()
 
     def reduce(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` summed over all ranks, carrying this step's control flags along (a preemption
         notice, the upload's state, a time-based save due): use it for a reduction your step makes
         anyway (the loss, for logging) and ``step_end`` costs no collective of its own. Call it on
         every rank at the same point of a step (it is a collective), on every step or on none."""
-        return self._ckpt.reduce_with_control(t, PREEMPTION.set, self._save_due_by_time())
+        started = self._clock.reduce_started()
+        try:
+            return self._ckpt.reduce_with_control(t, PREEMPTION.set, self._save_due_by_time())
+        finally:
+            self._clock.reduce_ended(started)
 
     def _save_due_by_time(self) -> bool:
         """--save-every-s: due by this rank's clock; only rank 0's counts (``boundary``)."""
@@ -1139,6 +1187,8 @@ class Resumable:
         self._close_uploader(self._options.remote.flush_timeout_s)
         deliberate_exit(self._hb, self.rank, self.state.step, Phase.DONE, Exit.OK)
         self._stacks.close()
+        if self._collectives is not None:
+            self._collectives.close()
         return digest
 
     def _final_save(self) -> None:

@@ -100,7 +100,7 @@ class SafeFileSystemReader(FileSystemReader):
     file, which the kernel's readahead streams when the cache is cold), each item's bytes come in
     one read into memory, and a tensor record in DCP's plain layout is decoded there without
     ``torch.load`` (``plain_tensor``), which was most of a load's CPU (bench/checkpoint.py has
-    the load against a raw read; docs/trainer.md the numbers)."""
+    the load against a raw read; docs/measured.md the numbers)."""
 
     def __init__(
         self,

@@ -23,11 +23,10 @@ from types import TracebackType
 from typing import IO
 
 from supervisor.format import confined
-from supervisor.format.layout import ELASTIC_ERROR_FILE_ENV
+from supervisor.format.layout import ELASTIC_ERROR_FILE_ENV, STACK_DUMP_SIGNAL
 from supervisor.format.notice import NoticeSignalError, notice_signal
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-STACK_DUMP_SIGNAL = signal.SIGUSR2
 
 
 class PreemptionFlag:

@@ -1,7 +1,15 @@
-"""A standby launch (``supervisor watch --standby``): its ranks start and import torch ahead of a
-failure, then wait here, before touching the process group or the run directory, until the
-watchdog releases them (a file appears), so a relaunch skips the interpreter's start and the
-imports. Without the watchdog's variable set this returns at once."""
+"""The ranks' gate before ``init_process_group``, for two things the watchdog may ask of a launch:
+
+- a standby launch (``supervisor watch --standby``, or a spare under a roster): its ranks start
+  and import torch ahead of a failure, then wait here, before touching the process group or the
+  run directory, until the watchdog releases them (a file appears), so a relaunch skips the
+  interpreter's start and the imports;
+- a launch under a roster (hot spares, supervisor/format/roster.py): each node's torchrun starts
+  its ranks alone, and the gate joins them to the generation's group (global rank, world size,
+  the master's address) from the watchdog's facts: in the environment for a launch started cold,
+  in the release file for a standby.
+
+Without the watchdog's variables this returns at once."""
 
 from __future__ import annotations
 
@@ -12,8 +20,10 @@ import time
 from pathlib import Path
 
 from supervisor.format.atomic import atomic_write_text, pid_alive
+from supervisor.format.capped import RECORD_MAX, read_capped
 from supervisor.format.heartbeat import ENV_STANDBY_RELEASE, ENV_WATCHDOG_PID
 from supervisor.format.layout import standby_ready_filename
+from supervisor.format.roster import ENV_GROUP, ENV_GROUP_JOINED, RELEASED, GroupFacts
 
 POLL_S = 0.005  # a stat every 5 ms: negligible, and the release costs at most this
 # What the trainer would import lazily after the gate (measured: ~235 modules during main, most of
@@ -22,15 +32,23 @@ WARM_IMPORTS = ("torch._dynamo", "numpy.random", "filelock")
 
 
 def wait_if_standby() -> None:
-    """Return once released; exit 0 if the watchdog that started this launch is gone (nobody
-    will release it: a SIGKILLed watchdog must not leave waiting ranks behind)."""
+    """Return once released (and, under a roster, joined to the group); exit 0 if the watchdog
+    that started this launch is gone (nobody will release it: a SIGKILLed watchdog must not leave
+    waiting ranks behind). Call it before ``init_process_group``."""
     release = os.environ.get(ENV_STANDBY_RELEASE)
-    if not release:
-        return
+    group = os.environ.get(ENV_GROUP, "")
+    if release:
+        _wait(Path(release))
+    if group:
+        text = group if group != RELEASED else read_capped(release or "", RECORD_MAX).decode()
+        join_group(GroupFacts.parse(text))
+
+
+def _wait(release: Path) -> None:
     watchdog = int(os.environ.get(ENV_WATCHDOG_PID, "0") or 0)
     for name in WARM_IMPORTS:
         importlib.import_module(name)
-    ready = Path(release).parent / standby_ready_filename(int(os.environ.get("RANK", "0")))
+    ready = release.parent / standby_ready_filename(int(os.environ.get("RANK", "0")))
     atomic_write_text(ready, f"{os.getpid()}\n")  # for whoever wants to know it is ready (bench/mttr.py)
     checks = 0
     while not os.path.exists(release):
@@ -38,3 +56,21 @@ def wait_if_standby() -> None:
         if watchdog and checks % 200 == 0 and not pid_alive(watchdog):
             sys.exit(0)
         time.sleep(POLL_S)
+
+
+def join_group(facts: GroupFacts) -> None:
+    """This rank's place in the roster's group, in the variables ``init_process_group`` reads."""
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    os.environ.update(facts.environ(local, local_world))
+
+
+def group_problem() -> str:
+    """Why this rank must not train: a launch under a roster whose trainer never called the gate
+    (its node's ranks would form a group of their own and train alone); '' otherwise."""
+    if os.environ.get(ENV_GROUP) and not os.environ.get(ENV_GROUP_JOINED):
+        return (
+            "this launch follows a roster (SLURM hot spares): call supervisor.resumable.wait_if_standby() "
+            "before init_process_group, which joins this node's ranks to the job's group"
+        )
+    return ""

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from supervisor import shared_options as shared
 from supervisor import store
 from supervisor.options import option
 from supervisor.tiers.remote import RemoteTier, open_remote
@@ -34,9 +35,7 @@ class RemoteOptions:
     """The remote tier's options (``ResumeOptions.remote``); without ``url``, no remote tier."""
 
     url: str | None = option("DIR, file://DIR or s3://BUCKET/PREFIX", None, flag="--remote", metavar="URL")
-    endpoint: str | None = option(
-        "S3 endpoint (else AWS_ENDPOINT_URL)", None, flag="--remote-endpoint", metavar="URL"
-    )
+    endpoint: str | None = shared.remote_endpoint()
     keep: int = option("newest complete checkpoints kept remotely", 5, flag="--remote-keep")
     milestone_every: int = option("also keep every N-th step remotely", 0, metavar="N")
     busy: str = option(

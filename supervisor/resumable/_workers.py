@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from supervisor.format.notice import NoticeSignalError, notice_signal
+from supervisor.resumable._hooks import run_worker_hook
 
 CALM_THREAD = "resumable-worker-sigterm"
 
@@ -46,16 +47,42 @@ def notice_signals(env: Mapping[str, str] = os.environ) -> set[int]:
     return out
 
 
+def _held() -> set[int]:
+    return {int(signal.SIGTERM), int(signal.SIGINT), *notice_signals()}
+
+
 def calm() -> None:
     """In a DataLoader worker, before anything else: ignore SIGINT and the notice, and take
     SIGTERM on a thread that exits only when the parent sent it. Threads started later inherit the
-    blocked SIGTERM, so no thread of the worker runs torch's re-raising handler."""
-    for s in (signal.SIGINT, *notice_signals()):
+    blocked SIGTERM, so no thread of the worker runs torch's re-raising handler. A worker forked
+    under ``held_at_fork`` starts with all of them blocked: an ignored one is dropped, a SIGTERM
+    that came before this waits for the thread."""
+    ignored = _held() - {int(signal.SIGTERM)}
+    for s in ignored:
         signal.signal(s, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, ignored)
     threading.Thread(
         target=_exit_on_parents_sigterm, args=(os.getppid(),), name=CALM_THREAD, daemon=True
     ).start()
+
+
+@contextmanager
+def held_at_fork(active: bool = True) -> Iterator[None]:
+    """While a loader forks its workers (``iter()``): SIGTERM, SIGINT and the notice blocked in
+    this thread, so each worker starts with them blocked (a fork copies the mask) until ``calm``.
+    Without it a SIGTERM to every process of the job that lands between a worker's fork and its
+    ``worker_init_fn`` kills it (the default action, or torch's handler) and the rank loses the
+    preemption checkpoint (seen under load in the drill's chaos). The rank takes a signal that
+    came meanwhile when its mask is put back."""
+    if not active:
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _held())
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _exit_on_parents_sigterm(parent: int) -> None:
@@ -75,6 +102,7 @@ class WorkerInit:
 
     def __call__(self, worker_id: int) -> None:
         calm()
+        run_worker_hook(worker_id)  # injected (the drill's deadlocking worker); nothing when unset
         if self.setup is not None:
             self.setup(worker_id)
         if self.user is not None:

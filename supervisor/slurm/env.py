@@ -22,6 +22,17 @@ from supervisor.store.checkpoints import list_checkpoints
 SIGNAL_DEFAULT_LEAD_S = 60
 
 
+# Hot spares and bad nodes (docs/slurm.md#hot-spares): a node whose watchdog's summary is silent
+# this long is lost; a host with this many incidents is bad; what a requeue does with bad hosts.
+DEFAULT_NODE_TIMEOUT_S = 30.0
+DEFAULT_BAD_NODE_INCIDENTS = 2
+EXCLUDE = "exclude"
+DRAIN = "drain"
+# What a straggler verdict is: reported (events, status), or an incident of its host too.
+REPORT = "report"
+BAD_NODE = "bad-node"
+
+
 # torchrun SIGKILLs its workers this long after its SIGTERM (LocalElasticAgent._shutdown's timeout,
 # fixed in torch; tests/test_slurm_unit.py checks it).
 TORCHRUN_TERM_WINDOW_S = 30.0
@@ -82,6 +93,11 @@ class Knobs:
     max_preempt_requeues: int  # requeues after a preemption or time-limit checkpoint (exit 13)
     requeue_signal: str = DEFAULT_NOTICE_SIGNAL  # the notice's signal name, without SIG
     stop_grace_s: float | None = None  # the watchdog's SIGTERM-to-SIGKILL for its ranks (--stop-grace)
+    spare_nodes: int = 0  # of the allocation, kept waiting to replace a lost node (a roster)
+    node_timeout_s: float = DEFAULT_NODE_TIMEOUT_S  # a node silent this long is lost
+    bad_node_incidents: int = DEFAULT_BAD_NODE_INCIDENTS  # incidents that make a host bad
+    bad_node_action: str = EXCLUDE  # what a requeue does with the bad hosts: exclude, or drain too
+    straggler_action: str = REPORT  # a straggler verdict is reported, or an incident too (BAD_NODE)
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str], argv: Sequence[str] = ()) -> Knobs:
@@ -116,10 +132,50 @@ class Knobs:
             max_preempt_requeues=max_preempt,
             requeue_signal=notice_signal(env.get("REQUEUE_SIGNAL", "")).name.removeprefix("SIG"),
             stop_grace_s=_seconds(env, "STOP_GRACE_S"),
+            spare_nodes=_env_int(env, "SPARE_NODES", 0),
+            node_timeout_s=_seconds(env, "NODE_TIMEOUT_S") or DEFAULT_NODE_TIMEOUT_S,
+            bad_node_incidents=_env_int(env, "BAD_NODE_INCIDENTS", DEFAULT_BAD_NODE_INCIDENTS),
+            bad_node_action=_choice(env, "BAD_NODE_ACTION", (EXCLUDE, DRAIN)),
+            straggler_action=_choice(env, "STRAGGLER_ACTION", (REPORT, BAD_NODE)),
         )
         check_nnodes(knobs.nnodes)
         check_torchrun_opts(knobs.torchrun_opts)
+        check_spares(knobs)
         return knobs
+
+    def train_nodes(self, job: JobEnv) -> int:
+        """The nodes that train: NNODES, else the allocation's nodes less the spares."""
+        return int(self.nnodes) if self.nnodes.isdigit() else job.num_nodes - self.spare_nodes
+
+
+def check_spares(knobs: Knobs) -> None:
+    """SPARE_NODES keeps whole nodes waiting beside a fixed number of training nodes."""
+    if knobs.spare_nodes < 0:
+        raise SlurmError(f"SPARE_NODES={knobs.spare_nodes}: set a whole number >= 0")
+    if knobs.spare_nodes and ":" in knobs.nnodes:
+        raise SlurmError(
+            f"SPARE_NODES={knobs.spare_nodes} with NNODES={knobs.nnodes}: hot spares keep the world size "
+            "fixed; set NNODES=N (or leave it unset: the allocation's nodes less the spares)"
+        )
+    if knobs.bad_node_incidents < 1:
+        raise SlurmError(f"BAD_NODE_INCIDENTS={knobs.bad_node_incidents}: set a whole number >= 1")
+
+
+def check_allocation(job: JobEnv, knobs: Knobs) -> None:
+    """The allocation holds the training nodes and the spares."""
+    train = knobs.train_nodes(job)
+    if knobs.spare_nodes and (train < 1 or train + knobs.spare_nodes > job.num_nodes):
+        raise SlurmError(
+            f"SPARE_NODES={knobs.spare_nodes} with {train} training node(s) needs {train + knobs.spare_nodes} "
+            f"nodes, and job {job.job_id} has {job.num_nodes}: submit with --nodes=N+{knobs.spare_nodes}"
+        )
+
+
+def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str:
+    raw = env.get(name, "") or choices[0]
+    if raw not in choices:
+        raise SlurmError(f"{name}={raw!r}: use one of {', '.join(choices)}")
+    return raw
 
 
 def _env_int(env: Mapping[str, str], name: str, default: int) -> int:

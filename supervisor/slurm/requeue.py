@@ -71,6 +71,7 @@ _REQUEUE: dict[int, tuple[str, str]] = {
         "storage unavailable past the watchdog's retries (committed checkpoints intact); "
         "another allocation may see it back",
     ),
+    Exit.NODE_LOST: (FAILURE, "a node was lost and no spare was left (its checkpoints intact)"),
 }
 
 
@@ -84,8 +85,8 @@ class Decision:
 
 def decide(exit_code: int, used: Budgets, limits: Budgets) -> Decision:
     """What the job does once its watchdogs are done: a preemption checkpoint (exit 13) requeues
-    against the preemption budget, storage that stayed unavailable (14) against the failure
-    budget; anything else ends the job."""
+    against the preemption budget, storage that stayed unavailable (14) or a node lost with no
+    spare left (15) against the failure budget; anything else ends the job."""
     if exit_code == Exit.OK:
         return Decision(False, Exit.OK, "run finished")
     if exit_code in _REQUEUE:

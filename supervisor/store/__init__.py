@@ -4,6 +4,8 @@
 - ``walkback.py``: the walk-back before a resume (``pick``), a rollback, a quarantine by hand;
 - ``checkpoints.py``: discovery, validation, quarantine, the ``latest`` pointer and the root's lock;
 - ``retention.py`` (on disk) and ``retention_policy.py`` (pure: what to keep);
+- ``foreign.py``: other trainers' checkpoints (torchtitan's ``step-N/``, Lightning's ``.ckpt``):
+  their structural check, `ckpt seal`'s checksums, their walk-back;
 - ``ioerrors.py``: which I/O errors prove corruption and which are retried; ``quickcache.py``:
   the quick checks `status` remembers.
 
@@ -53,6 +55,18 @@ from supervisor.store.commit_protocol import (
     begin,
     commit,
 )
+from supervisor.store.foreign import (
+    FOREIGN_LABEL,
+    ForeignKind,
+    ForeignRef,
+    ForeignVerdict,
+    foreign_may_be_writing,
+    list_foreign,
+    newest_foreign_step,
+    quarantine_foreign,
+    seal_foreign,
+    validate_foreign,
+)
 from supervisor.store.ioerrors import (
     IO_RETRY_S,
     Evidence,
@@ -92,6 +106,7 @@ from supervisor.store.walkback import (
 
 __all__ = [
     "DEFAULT_KEEP",
+    "FOREIGN_LABEL",
     "IO_RETRY_S",
     "LOCK_TIMEOUT_S",
     "MIN_KEEP",
@@ -102,6 +117,9 @@ __all__ = [
     "CheckpointRef",
     "Evidence",
     "Expectation",
+    "ForeignKind",
+    "ForeignRef",
+    "ForeignVerdict",
     "IncompleteCommit",
     "KeepReason",
     "MismatchError",
@@ -122,16 +140,20 @@ __all__ = [
     "commit",
     "disk_usage",
     "file_lock",
+    "foreign_may_be_writing",
     "list_checkpoints",
     "list_deleting",
+    "list_foreign",
     "list_quarantined",
     "list_tmp",
+    "newest_foreign_step",
     "no_usable_message",
     "pick",
     "plan_quarantine",
     "plan_retention",
     "prune",
     "quarantine",
+    "quarantine_foreign",
     "quarantine_step",
     "read_latest",
     "read_policy",
@@ -140,8 +162,10 @@ __all__ = [
     "require_root",
     "rollback",
     "root_lock",
+    "seal_foreign",
     "tmp_is_stale",
     "unreadable_fix",
     "validate",
+    "validate_foreign",
     "write_latest",
 ]

@@ -388,18 +388,23 @@ def _quarantine_leftovers(root: Path) -> list[Path]:
 
 
 def disk_usage(path: str | Path, known: Mapping[str, int] | None = None) -> int:
-    """Bytes of every file under ``path`` (links not followed) that can be read: best effort, for a
-    report or a retention limit. scandir: `status` walks 10^4 files. ``known``: bytes under some
-    folders (by their path as found under ``path``) already counted, not walked again."""
-    total, todo, known = 0, [os.fspath(path)], known or {}
+    """Bytes of every file under ``path`` (links not followed, at most confined.MAX_DEPTH folders
+    down: a deeper nest is not ours, and on a mount without an entry cache, FUSE, each level of it
+    looks up every level above it again: the drill's 1,200-level plant made `status` take
+    minutes) that can be read: best effort, for a report or a retention limit. scandir: `status`
+    walks 10^4 files. ``known``: bytes under some folders (by their path as found under
+    ``path``) already counted, not walked again."""
+    total, todo, known = 0, [(os.fspath(path), 0)], known or {}
     while todo:
-        with suppress(OSError), os.scandir(todo.pop()) as entries:
+        folder, depth = todo.pop()
+        with suppress(OSError), os.scandir(folder) as entries:
             for e in entries:  # reading the directory can fail here too, not only in scandir()
                 with suppress(OSError):
                     if e.path in known:
                         total += known[e.path]
                     elif e.is_dir(follow_symlinks=False):
-                        todo.append(e.path)
+                        if depth < confined.MAX_DEPTH:
+                            todo.append((e.path, depth + 1))
                     else:
                         total += e.stat(follow_symlinks=False).st_size
     return total

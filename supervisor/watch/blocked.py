@@ -15,6 +15,8 @@ import platform
 import threading
 from dataclasses import dataclass
 
+from supervisor.format.layout import is_collectives_request
+
 # How each file syscall names its file: "fd" (arg 0 is a descriptor), "path" (arg 0 is a path),
 # "at" (arg 0 a directory descriptor, arg 1 a path relative to it). Numbers per architecture.
 _X86_64 = {
@@ -172,7 +174,7 @@ def blocked_io(pid: int) -> list[BlockedCall]:
         name, how, value = arg
         if how == "fd":
             path = _fd_target(pid, signed32(value))
-            if path and not is_file(path):
+            if path and (not is_file(path) or is_collectives_request(path)):
                 continue
         else:
             path = _read_path(pid, value)

@@ -7,11 +7,13 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from supervisor import shared_options as shared
+from supervisor.format.collectives import DEFAULT_FR_ENTRIES, ENV_FR_BUFFER
 from supervisor.format.notice import notice_signal
 from supervisor.options import NOT_NEGATIVE, POSITIVE, nested, option
-from supervisor.store.ioerrors import IO_RETRY_S
 from supervisor.watch.liveness import DEFAULT_LEARN_FLOOR_S, PhaseTimeouts
 from supervisor.watch.restart_policy import RestartPolicy
+from supervisor.watch.stragglers import DEFAULT_FACTOR, DEFAULT_HOLD, DEFAULT_WINDOW
 
 # torchrun + gloo: a restarted group that reuses the agent's TCPStore hangs or fails to connect
 # (see docs/watchdog.md); set in the child's environment unless the operator set it.
@@ -44,6 +46,12 @@ HANG = "hang detection (seconds without progress, per phase: a long phase that p
 STORAGE = "storage"
 RESTARTS = "restart policy"
 REMOTE = "remote tier (docs/tiers.md); pass the same --remote to the trainer"
+STRAGGLERS = "stragglers (node 0's watchdog judges every rank's recent steps; docs/watchdog.md#stragglers)"
+
+
+def _factor(value: float) -> str:
+    """A factor of 1 or less would flag a rank no slower than its peers."""
+    return "" if value == 0 or value > 1 else "must be above 1 (0: never flag)"
 
 
 def parse_notice_signal(raw: str) -> signal.Signals:
@@ -54,7 +62,7 @@ def parse_notice_signal(raw: str) -> signal.Signals:
 class WatchConfig:
     """Everything the watchdog is told; each option field is its ``watch`` flag (supervisor.options)."""
 
-    root: Path = option("the run's checkpoint root", flag="--ckpt-root")
+    root: Path = shared.ckpt_root()
     command: tuple[str, ...] = ()  # the positional COMMAND, not an option (cli/watch.py refuses none)
     deep_verify: bool = option(
         "check before each relaunch", False, flag="--verify", choices={"quick": False, "deep": True}
@@ -80,7 +88,18 @@ class WatchConfig:
         check=POSITIVE,
         group=HANG,
     )
-    dump_wait_s: float = option("wait for stack dumps", DEFAULT_DUMP_WAIT_S, flag="--dump-wait", group=HANG)
+    dump_wait_s: float = option(
+        "wait for stack dumps and the ranks' collectives", DEFAULT_DUMP_WAIT_S, flag="--dump-wait", group=HANG
+    )
+    flight_recorder: int = option(
+        f"collectives torch's flight recorder keeps per rank ({ENV_FR_BUFFER}, set for each launch "
+        "unless the environment sets it): on a hang the ranks report theirs, and the verdict names "
+        "the collective they are stuck in and the rank that never entered it; 0: off",
+        DEFAULT_FR_ENTRIES,
+        metavar="ENTRIES",
+        check=NOT_NEGATIVE,
+        group=HANG,
+    )
     kill_grace_s: float = option("SIGTERM to SIGKILL", DEFAULT_KILL_GRACE_S, flag="--kill-grace", group=HANG)
     # When the watchdog itself is told to stop (SIGTERM: a preemption with PreemptMode=REQUEUE
     # signals every process of the step), its ranks get this long to checkpoint; None: kill_grace_s.
@@ -122,19 +141,9 @@ class WatchConfig:
         check=NOT_NEGATIVE,
         group=HANG,
     )
-    io_retry_s: float = option(  # transient storage errors are retried this long, then exit 14
-        "retry unreadable checkpoints (EIO, ESTALE...) this long before a relaunch, then exit 14",
-        IO_RETRY_S,
-        flag="--io-retry",
-        metavar="SECONDS",
-        check=NOT_NEGATIVE,
-        group=STORAGE,
-    )
-    allow_fresh_start: bool = option(  # start from step 0 although the run has quarantined checkpoints
-        "start from step 0 when no checkpoint is usable although the run has quarantined ones "
-        "(pass the trainer's --allow-fresh-start too)",
-        False,
-        group=STORAGE,
+    io_retry_s: float = shared.io_retry("exit 14 (before a relaunch)", group=STORAGE)
+    allow_fresh_start: bool = shared.allow_fresh_start(
+        "relaunch from step 0 (pass the trainer's --allow-fresh-start too)", group=STORAGE
     )
     policy: RestartPolicy = nested(RestartPolicy, RESTARTS)
     reset_budget: bool = option("forget restarts recorded in state.json", False, group=RESTARTS)
@@ -153,9 +162,7 @@ class WatchConfig:
     remote: str | None = option(  # URL of the remote tier (docs/tiers.md); None: local only
         "shared directory or s3://bucket/prefix to resume from after node loss", None, group=REMOTE
     )
-    remote_endpoint: str | None = option(
-        "S3 endpoint URL (default: AWS_ENDPOINT_URL or AWS)", None, group=REMOTE
-    )
+    remote_endpoint: str | None = shared.remote_endpoint(group=REMOTE)
     remote_wait_s: float = option(
         "seconds to retry an unreachable remote when nothing local is valid, then stop",
         DEFAULT_REMOTE_WAIT_S,
@@ -179,6 +186,19 @@ class WatchConfig:
         check=POSITIVE,
         group=HANG,
     )
+    metrics_file: Path | None = option(
+        "keep this node_exporter textfile (NAME.prom) current with the run's metrics: step, steps/s, "
+        "launches, restarts, recovery by phase, checkpoint age, quarantined (docs/cli.md#metrics)",
+        None,
+        metavar="PATH",
+    )
+    metrics_interval_s: float = option(
+        "seconds between two writes of --metrics-file",
+        15.0,
+        flag="--metrics-interval",
+        metavar="SECONDS",
+        check=POSITIVE,
+    )
     # --signing-key's key (docs/security.md): picks skip checkpoints not signed with it. Never printed.
     sign_key: bytes | None = field(default=None, repr=False)
     require_heartbeat: bool = option(
@@ -191,9 +211,40 @@ class WatchConfig:
         "keep each step's whole state in node-local shared memory (the ranks copy it there; this "
         "watchdog owns it, picks from it before a relaunch, removes it at the end): a relaunch "
         "redoes no step (docs/tiers.md#the-memory-tier)",
-        True,
-        flag="--no-memory-tier",
+        False,
         group=RESTARTS,
+    )
+    roster: str | None = option(
+        "launch only as the run's roster (supervisor/roster.json) with this key says: this node at its "
+        "node rank, or waiting as a spare with its standby's imports done; written by the SLURM job's "
+        "coordinator (docs/slurm.md#hot-spares); COMMAND is a --standalone torchrun whose ranks join the "
+        "group at supervisor.resumable.wait_if_standby",
+        None,
+        metavar="KEY",
+        group=RESTARTS,
+    )
+    straggler_factor: float = option(
+        "flag a rank whose own compute per step is FACTOR times its peers' median, or that arrives "
+        "that late at the step boundary, over --straggler-window steps (0: never)",
+        DEFAULT_FACTOR,
+        metavar="FACTOR",
+        check=_factor,
+        group=STRAGGLERS,
+    )
+    straggler_window: int = option(
+        "the steps each rank is judged on (their trimmed mean)",
+        DEFAULT_WINDOW,
+        metavar="STEPS",
+        check=POSITIVE,
+        group=STRAGGLERS,
+    )
+    straggler_hold: int = option(
+        "judgements in a row, each on a newer window, that must score a rank --straggler-factor or "
+        "more before it is flagged (one busy second fills a window of short steps)",
+        DEFAULT_HOLD,
+        metavar="TIMES",
+        check=POSITIVE,
+        group=STRAGGLERS,
     )
     standby: bool = option(
         "keep the next launch started ahead of a failure, its ranks waiting with their imports done "

@@ -30,6 +30,7 @@ BACKWARD = ("torch/autograd/", "_engine_run_backward")
 INNERMOST = 3  # frames of a culprit's stack named in the hang event; the full dump is in stack_dump
 
 _HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+.*\(most recent call first\):|^Stack \(most")
+_STDLIB = re.compile(r"/lib/python3\.[0-9]+/")
 _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+|\?+) in (?P<func>.+)$')
 
 
@@ -125,10 +126,19 @@ class Finding:
     wchan: str
     frames: tuple[Frame, ...]  # main thread, innermost first
 
+    @property
+    def at(self) -> int:
+        """The index of the innermost frame that is not the standard library's (a wait in
+        ``queue.get`` or ``selectors.select`` says little; the DataLoader that called it does)."""
+        return next((i for i, f in enumerate(self.frames) if not _stdlib(f.file)), 0)
+
     def describe(self) -> str:
         who = f"rank {self.rank} (pid {self.pid})"
         kernel = f" [state {self.state or '?'}{f', in {self.wchan}' if self.wchan else ''}]"
-        stack = " <- ".join(f.short() for f in self.frames[:INNERMOST]) or "no Python frame"
+        shown = self.frames[self.at : self.at + INNERMOST]
+        stack = " <- ".join(f.short() for f in shown) or "no Python frame"
+        if self.at:
+            stack = f"{stack} (waiting in {self.frames[0].short()})"
         if self.where == Where.STOPPED:
             return f"{who} is stopped (SIGSTOP?): {stack}"
         if self.where == Where.NO_DUMP:
@@ -145,7 +155,15 @@ class Finding:
             "state": self.state,
             "wchan": self.wchan,
             "frames": [f.to_dict() for f in self.frames[:INNERMOST]],
+            "at": [f.to_dict() for f in self.frames[self.at : self.at + INNERMOST]],
         }
+
+
+def _stdlib(path: str) -> bool:
+    """A file of Python's standard library, as a dump names it (``<frozen runpy>``, or under
+    ``lib/python3.X/`` outside site-packages)."""
+    p = path.replace("\\", "/")
+    return p.startswith("<") or (bool(_STDLIB.search(p)) and "-packages/" not in p)
 
 
 @dataclass(frozen=True)
@@ -158,13 +176,18 @@ class Diagnosis:
     def waiting(self) -> list[int]:
         return [f.rank for f in self.findings if f.where == Where.COLLECTIVE]
 
-    def summary(self) -> str:
-        """One line for the hang event and the launch's reason; '' when no rank was probed."""
+    def summary(self, collective: str = "") -> str:
+        """One line for the hang event and the launch's reason; '' when no rank was probed.
+        ``collective``: what the ranks' collectives say (collectives.Stuck.describe), first; it
+        replaces the guess from the stacks of where the culprit is."""
         if not self.findings:
-            return ""
-        parts = [f"culprit {f.describe()}" for f in self.culprits]
+            return collective
+        parts = [collective] if collective else []
+        parts += [f"culprit {f.describe()}" for f in self.culprits]
         parts += [f"suspect {f.describe()}" for f in self.suspects]
         waiting = self.waiting
+        if collective:  # it says who waits, and where
+            return "; ".join(parts)
         if waiting and len(waiting) == len(self.findings):
             parts.append(
                 "every rank here waits in a collective: the culprit is on another node, or the ranks "
@@ -195,13 +218,17 @@ def locate(p: Probe) -> Finding:
     return Finding(p.rank, p.pid, where, p.state, p.wchan, frames or ())
 
 
-def diagnose(probes: Iterable[Probe]) -> Diagnosis:
-    """Culprits: the stopped ranks if any; else the ranks outside a collective, when some rank waits
-    in one (or only one rank is outside). Ranks without a dump are suspects either way."""
+def diagnose(probes: Iterable[Probe], blamed: Iterable[int] = ()) -> Diagnosis:
+    """Culprits: the stopped ranks if any; else the ranks the collectives blame (``blamed``: they
+    never entered the collective the others wait in, or entered another one: collectives.py),
+    wherever their stacks are; else the ranks outside a collective, when some rank waits in one
+    (or only one rank is outside). Ranks without a dump are suspects unless blamed."""
     found = tuple(locate(p) for p in sorted(probes, key=lambda p: p.rank))
     stopped = tuple(f for f in found if f.where == Where.STOPPED)
+    named = set(blamed)
+    by_collective = tuple(f for f in found if f.rank in named)
     elsewhere = tuple(f for f in found if f.where == Where.ELSEWHERE)
     waiting = any(f.where == Where.COLLECTIVE for f in found)
-    culprits = stopped or (elsewhere if waiting or len(elsewhere) == 1 else ())
-    suspects = tuple(f for f in found if f.where == Where.NO_DUMP)
+    culprits = stopped or by_collective or (elsewhere if waiting or len(elsewhere) == 1 else ())
+    suspects = tuple(f for f in found if f.where == Where.NO_DUMP and f not in culprits)
     return Diagnosis(found, culprits, suspects)

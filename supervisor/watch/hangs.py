@@ -1,19 +1,24 @@
 """A launch's hangs: found by the pure detectors (phase timeouts, learned train timeout), then,
 before the kill, diagnosed: the file syscall /proc shows a hung rank blocked in, every local rank's
-stacks (dumped by SIGUSR2), and the culprit named from where each rank waits (culprit.py)."""
+collectives (torch's flight recorder, asked through the library: collectives.py) and stacks
+(dumped by SIGUSR2), the stuck collective and the rank that never entered it, else the culprit
+named from where each rank waits (culprit.py); when every rank came and none finished, the
+connections the network does not deliver (network.py)."""
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
 from supervisor.format import eventtypes as ev
+from supervisor.format.collectives import CollectiveDump
 from supervisor.format.events import EventLog
 from supervisor.format.heartbeat import Heartbeat, HeartbeatSnapshot, Phase, boot_id, read_heartbeat_folder
 from supervisor.format.layout import stack_dump_filename
-from supervisor.watch import culprit, detectors, liveness, process
+from supervisor.watch import collectives, culprit, detectors, liveness, network, process
 from supervisor.watch.config import WatchConfig
 from supervisor.watch.detectors import Hang
 
@@ -88,18 +93,32 @@ class Hangs:
     def handle(
         self, child: process.Child, hangs: list[Hang], launch_id: str, detected: float, note: str = ""
     ) -> str:
-        """Dump every local rank's stacks, name the culprit from where each rank waits, log it with
-        the dumps (``note`` first: what ranks that gave up waiting said), then kill the launch.
-        Returns who hung it, for the launch's reason."""
+        """Ask every local rank what its flight recorder saw of its collectives and dump its stacks,
+        name the stuck collective and the culprit (the rank that never entered it, else where each
+        rank waits), log it with the dumps (``note`` first: what ranks that gave up waiting said),
+        then kill the launch. Returns who hung it, for the launch's reason."""
         beats = detectors.launch_heartbeats(read_heartbeat_folder(self.hb_dir), launch_id)  # every rank
         tree = set(child.tree())
         stopped = set(process.stopped(tree))
         targets = {b.rank: b.pid for b in beats if b.host == self.host and b.pid in tree}
         procs = {r: process.proc_state(pid) for r, pid in targets.items()}  # before SIGCONT
         paths = {r: self.hb_dir / stack_dump_filename(r) for r in targets}
+        token = f"{launch_id}.{time.time_ns()}"
+        unasked = collectives.request(self.hb_dir, targets, token)  # a stopped rank answers after SIGCONT
+        deadline = time.monotonic() + self.cfg.dump_wait_s
         dumps = process.dump_stacks(targets, paths, self.cfg.dump_wait_s)
-        diag = culprit.diagnose(culprit.Probe(r, pid, *procs[r], dumps.get(r)) for r, pid in targets.items())
-        who = diag.summary()
+        answers = collectives.collect(self.hb_dir, set(targets) - set(unasked), token, deadline)
+        stuck = next(iter(collectives.find_stuck(answers)), None)
+        diag = culprit.diagnose(
+            (culprit.Probe(r, pid, *procs[r], dumps.get(r)) for r, pid in targets.items()),
+            stuck.culprits if stuck else (),
+        )
+        world = max((b.world_size for b in beats), default=len(targets))
+        steps = {b.rank: b.step for b in beats} | {r: a.step for r, a in answers.items() if a.step >= 0}
+        line = stuck.describe(steps, len(targets), world) if stuck else ""
+        net = network.undelivered(targets) if stuck is not None and not stuck.culprits else []
+        line += "".join(f"; {n.describe()}" for n in net)
+        who = diag.summary(line)
         self.log.emit(
             ev.Hang(
                 ranks=[h.rank for h in hangs],
@@ -109,6 +128,13 @@ class Hangs:
                 culprits=[f.to_dict() for f in diag.culprits],
                 suspects=[f.to_dict() for f in diag.suspects],
                 waiting_ranks=diag.waiting,
+                collective=stuck.to_dict() if stuck else None,
+                collectives=_answers(targets, unasked, answers, self.cfg.dump_wait_s),
+                network=[n.to_dict() for n in net],
+                late_s=round(
+                    max((h.silent_s - h.timeout_s for h in hangs if h.rank is not None), default=0.0), 3
+                ),
+                stuck_s=round(detected - stuck.entered_t, 3) if stuck and stuck.entered_t else None,
             ),
             (f"{note}; " if note else "") + "; ".join(h.reason for h in hangs) + (f"; {who}" if who else ""),
         )
@@ -122,7 +148,26 @@ class Hangs:
         self.log.emit(
             ev.Kill(sigkilled=child.sigkilled, unreaped=child.unreaped), f"hung launch killed: {note}"
         )
-        return "; ".join(f"culprit {f.describe()}" for f in diag.culprits) or who
+        blame = "; ".join(f"culprit {f.describe()}" for f in diag.culprits)
+        return "; ".join(p for p in (line, blame) if p) or who
+
+
+def _answers(
+    targets: Mapping[int, int],
+    unasked: Mapping[int, str],
+    answers: Mapping[int, CollectiveDump],
+    wait_s: float,
+) -> dict[str, str]:
+    """Each local rank's collectives in flight, or why it said nothing (for the hang event)."""
+    out = {}
+    for r in sorted(targets):
+        if r in unasked:
+            out[str(r)] = unasked[r]
+        elif (a := answers.get(r)) is None:
+            out[str(r)] = f"no answer within {wait_s:g}s"
+        else:
+            out[str(r)] = a.problem or collectives.pending_line(a.groups)
+    return out
 
 
 def _clock() -> liveness.Clock:

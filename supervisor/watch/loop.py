@@ -30,6 +30,7 @@ from supervisor import store
 from supervisor.format import confined, events
 from supervisor.format import eventtypes as ev
 from supervisor.format.atomic import hostname
+from supervisor.format.collectives import recorder_env
 from supervisor.format.events import EventLog, RunState
 from supervisor.format.exitcodes import Exit
 from supervisor.format.heartbeat import (
@@ -50,6 +51,7 @@ from supervisor.format.layout import (
     launch_id,
     node_local_base,
 )
+from supervisor.format.roster import ENV_GROUP, RELEASED, GroupFacts
 from supervisor.format.runstatus import RunStatus
 from supervisor.store.ioerrors import StorageUnavailable, describe, retry_transient
 from supervisor.watch import (
@@ -65,13 +67,17 @@ from supervisor.watch import (
 from supervisor.watch.config import ELASTIC_LOG_DIR_ENV, SHARE_STORE_ENV, WatchConfig
 from supervisor.watch.hangs import Hangs
 from supervisor.watch.memory import Memory
+from supervisor.watch.metrics_file import MetricsFile
 from supervisor.watch.monitor import SIGNAL_POLL_S, Ended, Monitor
 from supervisor.watch.picker import Picker
 from supervisor.watch.recovery import Moment
+from supervisor.watch.roster import RosterFollower, Stopped
 from supervisor.watch.signals import Signals
 from supervisor.watch.standby import Standby
 from supervisor.watch.state_file import StateFile
 from supervisor.watch.stops import Interrupted, Stop
+from supervisor.watch.straggler_watch import StragglerWatch
+from supervisor.watch.stragglers import Params
 from supervisor.watch.torchrun_cmd import restarts_inside
 
 T = TypeVar("T")
@@ -96,6 +102,7 @@ class Watchdog:
         # thread that publishes them as the node's summary.
         self.hb_dir = RunDir.of(cfg.root).heartbeats
         self.publisher: node_summary.Publisher | None = None
+        self.metrics: MetricsFile | None = None
         initial = RunState(
             node=cfg.node,
             host=self.host,
@@ -109,6 +116,15 @@ class Watchdog:
         self.standby = Standby(cfg.root, self.host, self.log, lambda n: self._start_launch(n, standby=True))
         self.oom_kills: int | None = None  # the memory cgroup's OOM kills when the launch started
         self.memory = Memory(self.log)  # the memory tier's folder on this node (memory.py)
+        self.follower = (
+            RosterFollower(cfg.root, cfg.roster, cfg.node, self.log, self._save, self._publish, self._poke)
+            if cfg.roster
+            else None
+        )
+        params = Params(cfg.straggler_factor, cfg.straggler_window, hold=cfg.straggler_hold)
+        self.stragglers = StragglerWatch(
+            cfg.root, cfg.node, self.log, params, cfg.summary_interval_s, self._publish
+        )
 
     @property
     def state(self) -> RunState:
@@ -165,14 +181,27 @@ class Watchdog:
             self.memory.remove()
             if self.publisher is not None:
                 self.publisher.stop()
+            if self.metrics is not None:
+                self.metrics.stop()
 
     def _run(self) -> int:
         monitor = self._start_up()
         while True:
+            group = None
+            if self.follower is not None:  # --roster: this node's turn, or stop
+                turn = self.follower.turn(self.signals, self._keep_standby)
+                if turn is None:
+                    return self._interrupted("while waiting for the roster", "while waiting for the roster")
+                if isinstance(turn, Stopped):  # DONE only after a launch: a spare not needed stops
+                    status = RunStatus.STOPPED if turn.code == Exit.OK else RunStatus.FAILED
+                    if turn.code == Exit.REQUEUE_REQUESTED:
+                        status = RunStatus.REQUEUED
+                    return self._finish(turn.code, status, turn.reason)
+                group = turn
             resumed_from = self._pick()
             if self.signals.interrupted:
                 return self._interrupted("before a launch", "before launch")
-            rec, ended = self._launch_once(monitor, resumed_from)
+            rec, ended = self._launch_once(monitor, resumed_from, group)
             d = self._decide(rec, ended)
             if not d.relaunch:
                 failed = RunStatus.STOPPED if ended.stop_signal else RunStatus.FAILED
@@ -200,6 +229,9 @@ class Watchdog:
         )
         self._node_local()
         self._save(reason="starting")
+        if self.cfg.metrics_file is not None:
+            self.metrics = MetricsFile(self.cfg.root, self.cfg.metrics_file, self.cfg.metrics_interval_s)
+            self.metrics.start()
         hangs = Hangs(self.cfg, self.log, self.hb_dir, self.host)
         return Monitor(self.cfg, self.log, self.hb_dir, self.host, self.signals, hangs)
 
@@ -213,8 +245,8 @@ class Watchdog:
         local = self.hb_dir != RunDir.of(self.cfg.root).heartbeats
         if self.cfg.memory_tier:
             self.memory.start(base, self.cfg.root, self.cfg.node, local)
-        if not local:
-            return
+        if not local and not self.cfg.roster:
+            return  # under a roster the summary is the node's readiness: published all the same
         facts = node_summary.NodeFacts(self.cfg.node, self.host, os.getpid(), self.cfg.summary_interval_s)
         self.publisher = node_summary.Publisher(self.cfg.root, self.hb_dir, facts, self.cfg.timeouts)
         self.publisher.start()
@@ -228,6 +260,8 @@ class Watchdog:
         resumed_from = None if first else self._memory_pick()
         if resumed_from is None:
             resumed_from = self.picker.pick(first_launch=first)
+        if resumed_from is None:  # another trainer's checkpoints (torchtitan's step-N/): it resumes itself
+            resumed_from = self._io(lambda: store.newest_foreign_step(self.cfg.root), "listing checkpoints")
         if self.recovering is not None:
             self.recovering[Moment.CHECKPOINT_PICKED] = time.time()
         return resumed_from
@@ -286,10 +320,13 @@ class Watchdog:
 
     # ------------------------------------------------------------ one launch
 
-    def _launch_once(self, monitor: Monitor, resumed_from: int | None) -> tuple[LaunchRecord, Ended]:
+    def _launch_once(
+        self, monitor: Monitor, resumed_from: int | None, group: GroupFacts | None = None
+    ) -> tuple[LaunchRecord, Ended]:
         number = self.state.launch_count + 1
         self.oom_kills = oom.cgroup_oom_kills()
-        launch_id, child = self.standby.take(number) or self._start_launch(number)
+        release = group.to_json() if group is not None else ""
+        launch_id, child = self.standby.take(number, release) or self._start_launch(number, group=group)
         if self.recovering is not None:
             self.recovering[Moment.PROCESS_STARTED] = child.started
         try:  # whatever goes wrong in here, nothing of the launch outlives it
@@ -338,7 +375,9 @@ class Watchdog:
             outcome=cls.outcome,
             reason=cls.reason,
             resumed_from=resumed_from,
-            newest_after=refs[0].step if refs else None,
+            newest_after=refs[0].step
+            if refs
+            else self._io(lambda: store.newest_foreign_step(self.cfg.root), "listing checkpoints"),
             last_step=died_at(beats),
         )
         self.log.emit(
@@ -383,6 +422,7 @@ class Watchdog:
         env[HEARTBEAT_DIR_ENV] = str(self.hb_dir)
         env[ENV_PHASE_TIMEOUTS] = json.dumps(self.cfg.timeouts.to_dict())
         env.update(self.memory.env())
+        env.update(recorder_env(env, self.cfg.flight_recorder))  # a hang's collectives (hangs.py)
         if self.cfg.share_store_fix and restarts_inside(self.cfg.command):
             env.setdefault(SHARE_STORE_ENV, "1")
         run = RunDir.of(self.cfg.root)
@@ -398,13 +438,18 @@ class Watchdog:
         env.setdefault(ELASTIC_LOG_DIR_ENV, str(run.elastic_logs(launch_id)))
         return env
 
-    def _start_launch(self, number: int, standby: bool = False) -> tuple[str, process.Child]:
-        """Start COMMAND as launch ``number``; a standby's ranks wait for _take_standby."""
+    def _start_launch(
+        self, number: int, standby: bool = False, group: GroupFacts | None = None
+    ) -> tuple[str, process.Child]:
+        """Start COMMAND as launch ``number``; a standby's ranks wait for its release (under a
+        roster their group's facts come with it, a cold launch's in its environment)."""
         lid = launch_id(self.host, self.cfg.node, os.getpid(), number, uuid.uuid4().hex[:6])
         env = self._launch_env(lid, number)
         if standby:
             env[ENV_STANDBY_RELEASE] = str(RunDir.of(self.cfg.root).release_file(lid))
             env[ENV_WATCHDOG_PID] = str(os.getpid())
+        if self.cfg.roster:
+            env[ENV_GROUP] = RELEASED if standby or group is None else group.to_json()
         return lid, self._start(env, own_subtree=standby)
 
     # ------------------------------------------------------------ standby (--standby)
@@ -430,9 +475,11 @@ class Watchdog:
             ) from None
 
     def _on_beats(self, child: process.Child, beats: list[Heartbeat]) -> None:
-        """Each poll's heartbeats: the recovery's breakdown once the ranks have made a step; then,
-        with --standby and no recovery under way, the next launch started ahead."""
+        """Each poll's heartbeats: the recovery's breakdown once the ranks have made a step; the
+        straggler verdict when due (node 0); then, with --standby and no recovery under way, the
+        next launch started ahead."""
         self._track_recovery(beats, self.state.launch_count)
+        self.stragglers.check([b for b in beats if b.host == self.host])
         if self.cfg.standby and self.recovering is None:
             self.standby.keep(child, beats, self.state.launch_count + 1)
 
@@ -454,7 +501,20 @@ class Watchdog:
         )
         self._save(recovery=phases)
 
-    def _publish(self, **facts: str | int | None) -> None:
+    def _keep_standby(self, wanted: bool) -> None:
+        """While this node waits for its roster: its next launch kept started ahead (a spare's
+        imports done), or dropped when the roster leaves the node out."""
+        if wanted:
+            self.standby.ensure(self.state.launch_count + 1)
+        else:
+            self.standby.drop("not needed: the roster leaves this node out")
+
+    def _poke(self) -> None:
+        """The node summary written now (the roster's readiness), not at its next interval."""
+        if self.publisher is not None:
+            self.publisher.poke()
+
+    def _publish(self, **facts: object) -> None:
         """News for the node summary (written at its next interval)."""
         if self.publisher is not None:
             self.publisher.update(**facts)
@@ -479,19 +539,9 @@ class Watchdog:
 
         ends = rootcause.rank_ends(beats, {d.rank for d in dead}, causes, killed)
         if ends:
-            line, first = rootcause.describe_ends(ends), ends[0]
+            line = rootcause.describe_ends(ends)
             self.log.emit(
-                ev.RootCause(
-                    launch=number,
-                    problems=problems,
-                    rank=first.rank,
-                    pid=first.pid,
-                    step=first.step,
-                    how=first.how,
-                    signal=first.signal,
-                    consequences=[e.describe() for e in ends[1:]],
-                ),
-                f"launch {number}: root cause {line}{unusable}",
+                rootcause.ends_event(number, problems, ends), f"launch {number}: root cause {line}{unusable}"
             )
             return line
         cause, problems = rootcause.find_root_cause(
@@ -500,20 +550,7 @@ class Watchdog:
         unusable = f" (unusable: {'; '.join(problems)})" if problems else ""
         if cause is not None:
             msg = f"launch {number}: root cause {cause.describe()}{unusable}"
-            self.log.emit(
-                ev.RootCause(
-                    launch=number,
-                    problems=problems,
-                    rank=cause.rank,
-                    local_rank=cause.local_rank,
-                    type=cause.type,
-                    message=cause.message,
-                    file=cause.file,
-                    line=cause.line,
-                    error_file=cause.source,
-                ),
-                msg,
-            )
+            self.log.emit(rootcause.file_event(number, problems, cause), msg)
             return cause.describe()
         if problems:
             msg = f"launch {number}: no root cause: error files unusable: {'; '.join(problems)}"

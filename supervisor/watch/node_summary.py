@@ -23,7 +23,13 @@ from typing import Any
 from supervisor.format import events
 from supervisor.format.heartbeat import Heartbeat, HeartbeatSnapshot, Phase, boot_id, read_heartbeat_folder
 from supervisor.format.layout import RunDir, job_key, node_heartbeat_dir
-from supervisor.format.nodesummary import RankProblem, SummaryHeader, stale_after, write_summary
+from supervisor.format.nodesummary import (
+    RankProblem,
+    StragglerNote,
+    SummaryHeader,
+    stale_after,
+    write_summary,
+)
 from supervisor.store.ioerrors import describe
 from supervisor.watch.liveness import Clock, PhaseTimeouts, rank_stale, silences
 
@@ -48,6 +54,10 @@ class NodeFacts:
     launch_id: str = ""  # the launch running now ('' between launches)
     verdict: str = ""
     culprit: str = ""
+    role: str = ""  # under a roster (--roster): nodesummary.ROLE_*
+    roster_gen: int = 0
+    roster_wait: int = 0
+    stragglers: tuple[StragglerNote, ...] = ()  # this watchdog's straggler verdicts (the judge's)
 
 
 def build_summary(
@@ -103,6 +113,10 @@ def build_summary(
         live_step_max=max((b.step for b in fine), default=None),
         last_step_s=step_times[len(step_times) // 2] if step_times else None,
         attention=tuple(sorted(attention)),
+        role=facts.role,
+        roster_gen=facts.roster_gen,
+        roster_wait=facts.roster_wait,
+        stragglers=facts.stragglers,
     )
     return header, records, problems
 
@@ -148,11 +162,17 @@ class Publisher:
         self.root, self.folder, self.facts, self.timeouts = root, folder, facts, timeouts
         self.error = ""  # why the last write failed ('' when it worked)
         self._stop = threading.Event()
+        self._wake = threading.Event()  # write now, not at the next interval (``poke``)
         self._thread = threading.Thread(target=self._run, name="node-summary", daemon=True)
 
-    def update(self, **changes: str | int | None) -> None:
-        """A new launch id, verdict or culprit: in the next summary (one write per interval)."""
+    def update(self, **changes: object) -> None:
+        """A new launch id, verdict, culprit or straggler verdicts: in the next summary (one write
+        per interval)."""
         self.facts = replace(self.facts, **changes)  # type: ignore[arg-type]
+
+    def poke(self) -> None:
+        """Write the summary now: news another node waits for (a roster's readiness)."""
+        self._wake.set()
 
     def start(self) -> None:
         self._thread.start()
@@ -160,7 +180,9 @@ class Publisher:
     def _run(self) -> None:
         while True:
             self.publish()
-            if self._stop.wait(self.facts.interval_s):
+            self._wake.wait(self.facts.interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
                 return
 
     def publish(self) -> bool:
@@ -187,6 +209,7 @@ class Publisher:
         removed: it is memory, and everything in it is in the summary. Kept when that last
         summary could not be written, or the thread is stuck in a write."""
         self._stop.set()
+        self._wake.set()
         if self._thread.is_alive():
             self._thread.join(STOP_WAIT_S)
         if self._thread.is_alive() or not self.publish():

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from supervisor.format.layout import STACK_DUMP_SIGNAL
 from supervisor.libc import libc_function
 from supervisor.watch.blocked import blocked_io
 
@@ -262,20 +263,65 @@ def describe_stuck(pid: int) -> str:
 
 
 def dump_stacks(targets: Mapping[int, int], dump_path: Mapping[int, Path], wait_s: float) -> dict[int, str]:
-    """Send SIGUSR2 to each rank's pid (``targets``: rank -> pid) and SIGCONT (a stopped process
-    writes its dump once it runs); return rank -> the text each appended to its dump file."""
+    """Send the stack-dump signal to each rank's pid (``targets``: rank -> pid) and SIGCONT (a
+    stopped process writes its dump once it runs); return rank -> the text each appended to its
+    dump file, read once its handler has returned (faulthandler writes a dump in many small
+    writes: one read as soon as the file grew got half a dump under load, without the main
+    thread, which comes last). ``wait_s`` bounds the wait for a rank whose handler never runs."""
     before = {r: _size(dump_path[r]) for r in targets}
-    send(targets.values(), signal.SIGUSR2)
+    masked = {r: _blocking(pid, STACK_DUMP_SIGNAL) for r, pid in targets.items()}
+    send(targets.values(), STACK_DUMP_SIGNAL)
     send(targets.values(), signal.SIGCONT)
     deadline = time.monotonic() + wait_s
     grown: dict[int, str] = {}
-    while time.monotonic() < deadline and len(grown) < len(targets):
-        time.sleep(POLL_S)
-        for r in targets:
-            if r not in grown and _size(dump_path[r]) > before[r]:
-                time.sleep(POLL_S)  # let the writer finish its dump
+    while len(grown) < len(targets):
+        for r, pid in targets.items():
+            # The size first: a dump begun by then is whole once the handler is seen to be done.
+            if r not in grown and _size(dump_path[r]) > before[r] and _handled(pid, masked[r]):
                 grown[r] = _read_from(dump_path[r], before[r])
+        if len(grown) == len(targets) or time.monotonic() >= deadline:
+            break
+        time.sleep(POLL_S)
     return grown
+
+
+def _handled(pid: int, masked: frozenset[int]) -> bool:
+    """The stack-dump signal sent to ``pid`` is neither pending nor being handled: no thread
+    blocks it now that did not before it was sent (the kernel blocks it in the thread running
+    its handler), and it is pending for no thread and not for the process. True when pid is gone."""
+    tasks = _task_status(pid)
+    bit = 1 << (STACK_DUMP_SIGNAL - 1)
+    return not any(
+        (st.get("SigPnd", 0) | st.get("ShdPnd", 0)) & bit or (st.get("SigBlk", 0) & bit and tid not in masked)
+        for tid, st in tasks.items()
+    )
+
+
+def _blocking(pid: int, sig: int) -> frozenset[int]:
+    """The threads of ``pid`` that block ``sig``."""
+    bit = 1 << (sig - 1)
+    return frozenset(tid for tid, st in _task_status(pid).items() if st.get("SigBlk", 0) & bit)
+
+
+def _task_status(pid: int) -> dict[int, dict[str, int]]:
+    """Each thread of ``pid``: its signal masks from /proc (SigPnd, ShdPnd, SigBlk...); {} when gone."""
+    out: dict[int, dict[str, int]] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            lines = Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines()
+        except OSError:
+            continue  # the thread ended
+        masks = (line.split(":", 1) for line in lines if line.startswith(("Sig", "ShdPnd")))
+        out[int(tid)] = {k: int(v.strip(), 16) for k, v in masks if _is_hex(v.strip())}
+    return out
+
+
+def _is_hex(text: str) -> bool:
+    return bool(text) and all(c in "0123456789abcdefABCDEF" for c in text)
 
 
 def _size(path: Path) -> int:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from supervisor.format import eventtypes as ev
 from supervisor.format.capped import read_capped
 from supervisor.format.heartbeat import Heartbeat
 from supervisor.format.layout import ELASTIC_ERROR
@@ -201,6 +202,39 @@ def rank_ends(
         elif hb.rank in gone:
             ends.append(RankEnd(hb.rank, hb.pid, hb.step, hb.wall_time, killed(hb), signal=True))
     return sorted(ends, key=lambda e: (e.t, not e.signal, e.rank))
+
+
+def ends_event(launch: int, problems: list[str], ends: Sequence[RankEnd]) -> ev.RootCause:
+    """The root_cause event of a launch whose first failing rank is ``ends[0]``: the others' ends
+    are its consequences."""
+    first = ends[0]
+    return ev.RootCause(
+        launch=launch,
+        problems=problems,
+        rank=first.rank,
+        pid=first.pid,
+        step=first.step,
+        how=first.how,
+        signal=first.signal,
+        consequences=[e.describe() for e in ends[1:]],
+        failed_at=round(first.t, 3),
+    )
+
+
+def file_event(launch: int, problems: list[str], cause: RootCause) -> ev.RootCause:
+    """The root_cause event of an exception read from torchelastic's error file."""
+    return ev.RootCause(
+        launch=launch,
+        problems=problems,
+        rank=cause.rank,
+        local_rank=cause.local_rank,
+        type=cause.type,
+        message=cause.message,
+        file=cause.file,
+        line=cause.line,
+        error_file=cause.source,
+        failed_at=round(cause.at, 3) if cause.at else 0.0,
+    )
 
 
 def describe_ends(ends: Sequence[RankEnd]) -> str:

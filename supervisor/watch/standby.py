@@ -18,6 +18,9 @@ from supervisor.watch import process
 
 # Starts launch N as a standby: its id and process.
 StartStandby = Callable[[int], tuple[str, process.Child]]
+# A standby that exited before it was released (its command fails at start?) is started again
+# after this long, not at the next poll.
+RETRY_S = 5.0
 
 
 class Standby:
@@ -25,6 +28,7 @@ class Standby:
         self.run = RunDir.of(root)
         self.host, self.log, self.start = host, log, start
         self.spare: tuple[int, str, process.Child] | None = None  # made for launch N: id, process
+        self._retry_at = 0.0  # ``ensure`` starts none before this (time.monotonic)
 
     @property
     def launch_id(self) -> str | None:
@@ -46,9 +50,29 @@ class Standby:
             f"standby for launch {number} (id {launch_id}) started, pid {spare.pid}: released on a relaunch",
         )
 
-    def take(self, number: int) -> tuple[str, process.Child] | None:
-        """Release the standby as launch ``number``: None (start cold) without one, or when it died
-        meanwhile or was made for another launch (the reason in the event log)."""
+    def ensure(self, number: int) -> None:
+        """No launch is running (a spare, a node waiting for its roster): start launch ``number``
+        ahead now, if none is."""
+        if self.spare is not None:
+            made_for, _, spare = self.spare
+            if made_for == number and spare.poll() is None:
+                return
+            if spare.poll() is not None:
+                self._retry_at = time.monotonic() + RETRY_S
+            self.drop(f"made for launch {made_for}" if made_for != number else f"exited {spare.returncode()}")
+        if time.monotonic() < self._retry_at:
+            return
+        launch_id, spare = self.start(number)
+        self.spare = (number, launch_id, spare)
+        self.log.emit(
+            ev.Standby(launch=number, launch_id=launch_id, pid=spare.pid),
+            f"standby for launch {number} (id {launch_id}) started, pid {spare.pid}: released when this node launches",
+        )
+
+    def take(self, number: int, release: str = "") -> tuple[str, process.Child] | None:
+        """Release the standby as launch ``number`` (``release``: what its ranks read in the release
+        file, e.g. their group's facts under a roster): None (start cold) without one, or when it
+        died meanwhile or was made for another launch (the reason in the event log)."""
         if self.spare is None:
             return None
         made_for, launch_id, spare = self.spare
@@ -57,7 +81,8 @@ class Standby:
         why = why or (f"made for launch {made_for}" if made_for != number else "")
         if not why:
             try:
-                atomic_write_text(self.run.release_file(launch_id), f"{time.time()}\n", self.run.root)
+                text = release or f"{time.time()}\n"
+                atomic_write_text(self.run.release_file(launch_id), text, self.run.root)
             except OSError as e:
                 why = f"its release file could not be written: {describe(e)}"
         if why:
@@ -67,9 +92,9 @@ class Standby:
         spare.started, spare.started_mono = time.time(), time.monotonic()
         return launch_id, spare
 
-    def drop(self) -> None:
-        """The watchdog is done: the standby goes, never released."""
+    def drop(self, why: str = "not needed") -> None:
+        """The standby goes, never released (the watchdog is done, or it is no longer wanted)."""
         if self.spare is not None:
             _, launch_id, spare = self.spare
             self.spare = None
-            self.log.emit(ev.Kill(), f"standby {launch_id} not needed: {spare.kill(0.0)}")
+            self.log.emit(ev.Kill(), f"standby {launch_id} {why}: {spare.kill(0.0)}")

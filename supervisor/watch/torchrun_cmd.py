@@ -3,7 +3,7 @@
 torchrun's agent restarts its worker group on its own when ``--max-restarts`` > 0 and a rank
 fails, and, in a multi-node elastic run, whenever a node joins. With gloo the restarted group
 hangs on the agent's shared TCPStore unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
-(docs/watchdog.md). That setting has a cost: the agent then picks the ranks' port by binding port
+(docs/architecture.md). That setting has a cost: the agent then picks the ranks' port by binding port
 0 and closing it, and rank 0 binds it seconds later, after its imports; another process can take
 the port in between (EADDRINUSE). A single-node torchrun with no restarts of its own never
 restarts its group (the watchdog relaunches it whole, with a new agent and a new store), so it

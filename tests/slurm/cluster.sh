@@ -9,6 +9,9 @@
 #   tests/slurm/cluster.sh status DIR    which daemons run, and sinfo
 #   tests/slurm/cluster.sh restart-ctld DIR   restart slurmctld alone (state kept); its periodic
 #                                        30 s checks (time limits, their --signal) restart with it
+#   tests/slurm/cluster.sh kill-node DIR NODE   (--nodes N > 1) the node lost: SIGKILL to every
+#                                        process in its network namespace, its slurmd included
+#   tests/slurm/cluster.sh start-node DIR NODE  its slurmd started again, the node resumed and idle
 #
 # Everything lives under DIR (default: a new /tmp/slurm-ci.XXXXXX): config, state, logs, pid files,
 # and a private munged with its own key and socket, so two clusters on one machine do not collide
@@ -34,6 +37,9 @@ IDLE_TIMEOUT_S=${SLURM_CI_IDLE_TIMEOUT_S:-60}
 STOP_TIMEOUT_S=10
 # SIGTERM to SIGKILL when ci-urgent preempts a ci job: room for the ranks to checkpoint under load.
 GRACE_TIME_S=${SLURM_CI_GRACE_TIME_S:-60}
+# How long slurmctld waits for a silent slurmd before it marks the node DOWN (SLURM's default 300):
+# the tests that lose a node set less, so the job's end does not wait minutes for it.
+SLURMD_TIMEOUT_S=${SLURM_CI_SLURMD_TIMEOUT_S:-300}
 PACKAGES=(slurmctld slurmd slurm-client munge)
 COMMANDS=(slurmctld slurmd sbatch srun scontrol squeue sinfo scancel munged mungekey munge)
 PYTHON=${PYTHON:-python3}
@@ -41,7 +47,7 @@ PYTHON=${PYTHON:-python3}
 log() { printf 'cluster.sh: %s\n' "$*" >&2; }
 
 usage() {
-  echo "usage: $0 start [--nodes N] [DIR] | stop DIR | status DIR | restart-ctld DIR" >&2
+  echo "usage: $0 start [--nodes N] [DIR] | stop DIR | status DIR | restart-ctld DIR | kill-node DIR NODE | start-node DIR NODE" >&2
   exit 2
 }
 
@@ -151,6 +157,7 @@ SelectTypeParameters=CR_Core
 ReturnToService=2
 JobRequeue=1
 KillWait=5
+SlurmdTimeout=$SLURMD_TIMEOUT_S
 OverTimeLimit=0
 MinJobAge=600
 InactiveLimit=0
@@ -411,6 +418,36 @@ cmd_restart_ctld() {
   wait_idle "$dir" || { print_logs "$dir"; exit 1; }
 }
 
+# The network namespace of node NAME of the cluster in DIR (from its net file).
+node_netns() {
+  local dir=$1 name=$2 kind ns
+  while read -r kind ns; do
+    [ "$kind" = netns ] && [ "${ns##*-}" = "$name" ] && { printf '%s' "$ns"; return 0; }
+  done <"$dir/$NET_FILE"
+  log "no node $name in $dir (a cluster started with --nodes N > 1?)"
+  exit 2
+}
+
+cmd_kill_node() {
+  local dir=${1:?usage: cluster.sh kill-node DIR NODE} name=${2:?usage: cluster.sh kill-node DIR NODE} ns pids
+  dir=${dir%/slurm.conf}
+  ns=$(node_netns "$dir" "$name")
+  pids=$(ip netns pids "$ns" | tr '\n' ' ')
+  [ -n "$pids" ] && kill -KILL $pids 2>/dev/null
+  log "node $name lost: SIGKILL to every process of $ns (${pids:-none})"
+}
+
+cmd_start_node() {
+  local dir=${1:?usage: cluster.sh start-node DIR NODE} name=${2:?usage: cluster.sh start-node DIR NODE} ns
+  dir=${dir%/slurm.conf}
+  ns=$(node_netns "$dir" "$name")
+  # shellcheck disable=SC2016  # $1 and $2 are the inner shell's arguments
+  ip netns exec "$ns" unshare --uts sh -c 'hostname "$1" && exec slurmd -N "$1" -f "$2"' \
+    sh "$name" "$dir/slurm.conf" </dev/null >>"$dir/daemons.out" 2>&1
+  SLURM_CONF="$dir/slurm.conf" scontrol update NodeName="$name" State=RESUME 2>/dev/null || true
+  wait_idle "$dir" || { print_logs "$dir"; exit 1; }
+}
+
 cmd_status() {
   local dir=${1:?usage: cluster.sh status DIR} name pid rc=0
   dir=${dir%/slurm.conf}
@@ -431,5 +468,7 @@ case "${1:-}" in
   stop) cmd_stop "${2:-}" ;;
   status) cmd_status "${2:-}" ;;
   restart-ctld) cmd_restart_ctld "${2:-}" ;;
+  kill-node) cmd_kill_node "${2:-}" "${3:-}" ;;
+  start-node) cmd_start_node "${2:-}" "${3:-}" ;;
   *) usage ;;
 esac

@@ -1,0 +1,150 @@
+"""Hot spares, bad nodes and stragglers on four real slurmd nodes (tests/slurm/cluster.sh --nodes 4,
+each slurmd in its own network and UTS namespace; SlurmdTimeout 20 s so a lost node's job can end).
+
+- ``spare``: a job of 2 training nodes and 1 spare loses a training node (every process of its
+  namespace SIGKILLed, its slurmd too); the spare takes its node rank inside the allocation, no
+  requeue, the digest equal to an uninterrupted run of two 1-rank nodes;
+- ``bad_node``: one node's rank is killed twice; each failure is pinned on it (its rank died
+  first), the second makes it a bad node, the next generation leaves it out for the spare, and the
+  preempted job's requeue excludes it: the requeued job runs on the other nodes, digest equal;
+- ``straggler``: four 1-rank nodes (the tiny config's global batch of 8 does not split over 3), one
+  rank's CPU limited by a cgroup quota: node 0's watchdog names the rank and its node (event,
+  status).
+
+One rank per node, ddp (the straggler verdict's compute mark), 30 steps, a save every 10: CI runs
+this on 2 cores. Timings are measured (and printed), never asserted: `make spare-bench` measures
+the recovery's budget (tests/spare_bench.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from slurm_helpers import DONE_STATES, TRAIN, Cluster, Job, golden_digest, node_of, running_cluster, submit
+from spare_helpers import DDP, NODES, SLURMD_TIMEOUT_S, generations, lose_a_node_to_the_spare
+from straggler_helpers import cpu_cgroup_root, cpu_limit
+
+from supervisor.format import events
+from supervisor.format import eventtypes as ev
+from supervisor.format.badnodes import read_bad_nodes
+from supervisor.format.eventtypes import Logged
+from supervisor.report import build_report
+from train_ref import hold
+
+pytestmark = pytest.mark.slurm
+
+
+@pytest.fixture(scope="module")
+def cluster4(pytestconfig: pytest.Config) -> Iterator[Cluster]:
+    with running_cluster(pytestconfig, nodes=NODES, SLURM_CI_SLURMD_TIMEOUT_S=SLURMD_TIMEOUT_S) as c:
+        yield c
+
+
+@pytest.fixture
+def submit_here(cluster4: Cluster, tmp_path: Path) -> Iterator[Callable[..., tuple[Job, Path]]]:
+    """``submit`` on the module's cluster; whatever the test leaves running is cancelled after it
+    (a held job would keep its nodes from the next test)."""
+    jobs: list[Job] = []
+
+    def sub(*train: str, **kw: Any) -> tuple[Job, Path]:
+        job, gate = submit(cluster4, tmp_path, *train, **kw)
+        jobs.append(job)
+        return job, gate
+
+    yield sub
+    for job in jobs:
+        if job.info().get("JobState") not in DONE_STATES:
+            cluster4.run("scancel", job.job_id)
+            job.wait_done()
+
+
+@pytest.fixture(scope="module")
+def golden(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Two 1-rank nodes, ddp, never interrupted."""
+    return golden_digest(tmp_path_factory.mktemp("golden_spares") / "run", 2, DDP)
+
+
+def test_spare_takes_a_lost_nodes_place_without_a_requeue_digest_equal(
+    cluster4: Cluster, tmp_path: Path, golden: str
+) -> None:
+    took = lose_a_node_to_the_spare(cluster4, tmp_path, golden)
+    print(f"node loss -> first step of the next launch: {took:.1f}s")
+
+
+def test_bad_node_twice_left_out_then_excluded_from_the_requeue(
+    cluster4: Cluster, submit_here: Callable[..., tuple[Job, Path]], golden: str
+) -> None:
+    """n2's rank is SIGKILLed while held after step 12, then after step 16 (its watchdog lives):
+    two incidents (its rank died first), a bad node; generation 3 trains on n1 and the spare n3.
+    Held after step 20, notified, released: the job requeues (n2 excluded) and finishes on
+    n1, n3, n4."""
+    job, gate = submit_here(*DDP, hold_at=12, nodes=3, nproc_per_node=1, spares=1, NODE_TIMEOUT_S="10")
+    for step, next_hold in ((12, 16), (16, 20)):
+        acks = job.wait_held(gate, step)
+        victim = next(a["pid"] for a in acks.values() if node_of(a["pid"]) == "n2")
+        os.kill(victim, signal.SIGKILL)
+        hold.hold_at(gate, next_hold)
+    acks = job.wait_held(gate, 20)
+    assert {node_of(a["pid"]) for a in acks.values()} == {"n1", "n3"}, job.explain()
+    bad = read_bad_nodes(job.run_dir)
+    assert bad is not None and list(bad.bad) == ["n2"], job.explain()
+    assert [i.why for i in bad.of("n2")] == [("died_first",), ("died_first",)]
+    assert all("SIGKILL" in i.evidence[0] or "killed" in i.evidence[0] for i in bad.of("n2")), bad.of("n2")
+    job.notify()
+    job.wait_notice_forwarded()
+    hold.release(gate)
+    info = job.wait_done()
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), job.explain()
+    assert info["ExcNodeList"] == "n2" and "n2" not in info["NodeList"], job.explain()
+    out = job.output()
+    assert "excluded n2: ExcNodeList=n2" in out
+    gens = generations(job)
+    assert any(g.event.replaced == {"n2": "n3"} and "n2 is a bad node" in g.msg for g in gens), gens
+    assert job.digest() == golden
+    report = build_report(job.run_dir)
+    assert report.bad_nodes[0].startswith("BAD n2: 2 incidents"), report.bad_nodes
+
+
+@pytest.mark.skipif(
+    cpu_cgroup_root() is None, reason="no writable cgroup cpu controller (root, cgroup v1/v2)"
+)
+def test_straggler_a_rank_limited_by_a_cpu_quota_is_named_with_its_node(
+    cluster4: Cluster, submit_here: Callable[..., tuple[Job, Path]]
+) -> None:
+    """n3's rank gets a fifth of a CPU after step 5: node 0's watchdog flags it (compute-slow,
+    its own compute against its three peers' median), naming rank and node, and status shows it."""
+    job, gate = submit_here(
+        *TRAIN,
+        "--parallel",
+        "ddp",
+        "--num-workers",
+        "0",
+        "--steps",
+        "400",
+        hold_at=5,
+        nodes=4,
+        nproc_per_node=1,
+        WATCH_OPTS="--straggler-window 10 --summary-interval 1",
+    )
+    acks = job.wait_held(gate, 5)
+    rank, pid = next((r, a["pid"]) for r, a in acks.items() if node_of(a["pid"]) == "n3")
+    with cpu_limit([pid], 0.2):
+        hold.release(gate)
+
+        def flagged() -> Logged[ev.Event] | None:
+            evs = events.read_logged(events.events_path(job.run_dir, 0))
+            return next((e for e in evs if isinstance(e.event, ev.Straggler)), None)
+
+        e = job.wait_until("node 0's watchdog to flag a straggler", flagged)
+        assert isinstance(e, Logged) and isinstance(e.event, ev.Straggler), e
+        assert (e.event.rank, e.event.host, e.event.kind) == (rank, "n3", "compute"), e
+        assert f"rank {rank} on n3 computes" in e.msg
+        report = job.wait_until("status to show it", lambda: build_report(job.run_dir).stragglers)
+        assert isinstance(report, tuple) and f"rank {rank} on n3" in report[0]
+    cluster4.run("scancel", job.job_id)
+    job.wait_done()
