@@ -22,6 +22,7 @@ from supervisor import store
 from supervisor.drill.corruption import Corruption, corrupt
 from supervisor.format.exitcodes import Exit
 from supervisor.format.layout import RunDir
+from supervisor.format.metrics import read_metrics
 from train_ref import hold
 
 pytestmark = pytest.mark.slow
@@ -79,6 +80,29 @@ def test_kill9_worker_resumes_digest_equal(tmp_path, reference):
     ends = [e for e in events(root) if e["event"] == "launch_end"]
     assert [e["outcome"] for e in ends] == ["crash", "done"], out[-3000:]
     assert digest(root) == reference
+    assert not leftovers(root)
+
+
+def test_kill9_after_an_unsaved_step_resumes_from_the_memory_tier_redoing_nothing(tmp_path, reference):
+    """--memory-tier: a kill -9 of a rank held after step 25 (the disk's newest: step 20) relaunches
+    from the memory snapshot the watchdog picked and verified, newer than the disk's; the relaunch's
+    first step is the one after it (nothing redone), the run ends bit-identical, and the memory
+    folder is gone at the end."""
+    root, gate = tmp_path / "run", held_at(tmp_path)
+    p = start_watch(root, standalone(root), "--memory-tier", gate=gate)
+    os.kill(wait_held(gate, 2, HOLD_AT, proc=p)[1]["pid"], signal.SIGKILL)
+    hold.release(gate)
+    rc, out = finish(p)
+    assert rc == Exit.OK, out[-3000:]
+    evs = events(root)
+    (folder,) = [e["path"] for e in evs if e["event"] == "memory_dir"]
+    (pick,) = [e for e in evs if e["event"] == "memory_pick"]
+    assert pick["disk_step"] is not None and pick["disk_step"] < pick["step"] <= HOLD_AT, pick
+    relaunch = [e["launch_id"] for e in evs if e["event"] == "launch"][1]
+    first = next(m.step for m in read_metrics(RunDir.of(root).metrics) if m.launch == relaunch)
+    assert first == pick["step"] + 1
+    assert digest(root) == reference
+    assert folder and not Path(folder).exists()
     assert not leftovers(root)
 
 

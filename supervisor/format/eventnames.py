@@ -35,6 +35,9 @@ class EventName(str, Enum):
     STANDBY = "standby"  # the next launch started ahead of a failure (--standby)
     RECOVERY = "recovery"  # a relaunch's phases, from the failure's verdict to the first step
     HEARTBEAT_DIR = "heartbeat_dir"  # where this node's ranks write their heartbeats, and why there
+    MEMORY_DIR = "memory_dir"  # where this node's memory snapshots live (the memory tier), or why none
+    MEMORY_PICK = "memory_pick"  # a relaunch resumes from a memory snapshot
+    MEMORY_FALLBACK = "memory_fallback"  # a memory snapshot could not be used: the reason, then the disk
     STRAGGLER = "straggler"  # the judge (node 0) flags a rank: it computes, or arrives, late (stragglers.py)
     STRAGGLER_CLEARED = "straggler_cleared"  # a flagged rank keeps up again
     ROSTER = "roster"  # --roster: this node trains in a roster generation, at a node rank

@@ -290,6 +290,39 @@ class Recovery(Event):
 
 
 @dataclass(frozen=True)
+class MemoryDir(Event):
+    """At start: the node-local folder of the memory tier's snapshots ('' : no memory tier, and why)."""
+
+    NAME = EventName.MEMORY_DIR
+    path: str
+
+
+@dataclass(frozen=True)
+class MemoryPick(Event):
+    """Before a relaunch: the memory snapshot it resumes from, verified (every rank's checksum)."""
+
+    NAME = EventName.MEMORY_PICK
+    step: int
+    launch: int  # the launch it is picked for
+    folder: str  # this node's memory folder, or the buddy's replica in it
+    ranks: int
+    bytes: int
+    verify_s: float
+    disk_step: int | None  # the newest checkpoint on disk then
+
+
+@dataclass(frozen=True)
+class MemoryFallback(Event):
+    """A memory snapshot was not used (corrupt, incomplete, older than the disk's, refused by the
+    ranks): the reason; the relaunch resumes from the disk tier."""
+
+    NAME = EventName.MEMORY_FALLBACK
+    reason: str
+    step: int | None = None  # the snapshot's step, when there was one
+    by: str = "watchdog"  # or "ranks": the launch's ranks refused the watchdog's pick
+
+
+@dataclass(frozen=True)
 class _StragglerVerdict(Event):
     rank: int
     host: str
@@ -524,11 +557,11 @@ class LocalPruned(Event):
 _ALL: tuple[type[Event], ...] = (
     WatchdogStart, HeartbeatDir, Pick, Launch, LaunchEnd, Kill, Stop, RankDied, BlockedIo, Hang,
     StackDump, Relaunch, WatchdogExit, Preempt, Quarantine, Untrusted, IoRetry, StateUnreadable,
-    RemoteUnavailable, SaveFailed, SaveRecovered, RootCause, Standby, Recovery, Straggler,
-    StragglerCleared, RosterJoined, Spare, Generation, NodeLost, Incident, BadNode,
-    BadNodesUnreadable, JobExit, DownloadWait, Downloaded, LocalQuarantined, RemoteQuarantined,
-    RemoteUnreachable, UploadOk, UploadSkipped, UploadRefused, UploadDeferred, RemoteDown,
-    RemoteBack, RemotePruned, LocalPruned,
+    RemoteUnavailable, SaveFailed, SaveRecovered, RootCause, Standby, Recovery, MemoryDir, MemoryPick,
+    MemoryFallback, Straggler, StragglerCleared, RosterJoined, Spare, Generation, NodeLost, Incident,
+    BadNode, BadNodesUnreadable, JobExit, DownloadWait, Downloaded, LocalQuarantined,
+    RemoteQuarantined, RemoteUnreachable, UploadOk, UploadSkipped, UploadRefused, UploadDeferred,
+    RemoteDown, RemoteBack, RemotePruned, LocalPruned,
 )  # fmt: skip
 BY_NAME: dict[EventName, type[Event]] = {cls.NAME: cls for cls in _ALL}
 

@@ -119,6 +119,9 @@ NODE_PREFIX = "node_"
 NODE_DIR_ENV = "SUPERVISOR_NODE_DIR"
 HEARTBEAT_DIR_ENV = "SUPERVISOR_HEARTBEAT_DIR"
 SHM = "/dev/shm"
+# The memory tier (supervisor/format/memsnap.py): the node-local folder its watchdog owns, handed to
+# each launch's ranks in MEMORY_DIR_ENV (unset: no memory tier).
+MEMORY_DIR_ENV = "SUPERVISOR_MEMORY_DIR"
 
 # Checkpoints of other trainers (supervisor/store/foreign.py): torchtitan's step folders, Lightning's
 # files, and the sidecar `ckpt seal` writes beside either.
@@ -327,6 +330,12 @@ def node_heartbeat_dir(base: str | Path, root: str | Path, node: int, job: str) 
     ``local``), run directory and node, so two runs, jobs or watchdogs on one machine never
     share one; tools on the node find a run's folders by the hash of its root."""
     return Path(base) / f"supervisor-{os.getuid()}" / f"{job}-{run_key(root)}" / f"node{node}"
+
+
+def node_memory_dir(base: str | Path, root: str | Path, node: int, job: str) -> Path:
+    """``BASE/supervisor-UID/JOB-RUNHASH/memoryN``: the memory tier's snapshots of node N, beside its
+    heartbeat folder (``node_heartbeat_dir``), with the same owner and the same lifetime."""
+    return node_heartbeat_dir(base, root, node, job).with_name(f"memory{node}")
 
 
 def run_key(root: str | Path) -> str:

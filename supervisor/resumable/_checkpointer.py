@@ -211,6 +211,19 @@ class Saveable(Protocol):
         ...
 
 
+_STEP_FLAGS = 3  # preempt, a save's stage busy, a time-based save due; then the memory tier's
+
+
+@dataclass(frozen=True)
+class MemoryAgreed:
+    """The memory tier's flags as the ranks last agreed them: some rank still copying, rank 0's
+    interval, some rank's tier off. Until the first agreement: none busy, interval 1."""
+
+    busy: bool = False
+    interval: int = 1
+    off: bool = False
+
+
 @dataclass(frozen=True)
 class CommitInfo:
     """What every manifest of this run records besides its files (``run``: each commit sets its
@@ -499,6 +512,10 @@ class Checkpointer:
         self._worker: ThreadPoolExecutor | None = None
         self._pruning: _Pruning | None = None
         self._agreed: list[bool] | None = None  # flags agreed by reduce_with_control this step
+        # The memory tier's part of the same all-reduce (supervisor/resumable/_memory.py): this
+        # rank's (busy, rank 0's interval, off), and their newest agreement, summed.
+        self.memory_flags: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0)
+        self.memory_agreed = MemoryAgreed()
         self._per_rank: bool | None = None  # saves write an index per rank (decided at the first)
         self.last_blocking_s = 0.0  # time the training loop was blocked by the last save call
         self.last_staging_wait_s = 0.0  # ... and then waiting for its staging before a step
@@ -611,8 +628,14 @@ class Checkpointer:
         packed = torch.cat([t.reshape(-1), flags])
         dist.all_reduce(packed)
         # SUM of 0/1 flags: > 0 when any rank set it, exact in any float dtype.
-        self._agreed = [v > 0 for v in packed[t.numel() :].tolist()]
+        self._agreed = self._agree_flags(packed[t.numel() :].tolist())
         return packed[: t.numel()].reshape(t.shape)
+
+    def _agree_flags(self, summed: list[float]) -> list[bool]:
+        """The step's flags from their sums; the memory tier's part kept in ``memory_agreed``."""
+        busy, interval, off = summed[_STEP_FLAGS:]
+        self.memory_agreed = MemoryAgreed(busy > 0, round(interval), off > 0)
+        return [v > 0 for v in summed[:_STEP_FLAGS]]
 
     def step_boundary(self, preempt_requested: bool) -> bool:
         """Do all ranks agree the upload is done (then commit), and has any rank been asked to
@@ -630,7 +653,7 @@ class Checkpointer:
         if agreed is None:
             flags = self._flags(preempt_requested, save_due)
             dist.all_reduce(flags, group=self.ctl_group)
-            agreed = [v > 0 for v in flags.tolist()]
+            agreed = self._agree_flags(flags.tolist())
         preempt, busy, due = agreed
         if self.in_flight is not None and not busy:
             if self.in_flight.committed is None:
@@ -644,7 +667,8 @@ class Checkpointer:
         due (rank 0's clock only)], to be SUM-reduced."""
         busy = self.in_flight is not None and not self.in_flight.stage().done()
         due = save_due and self.rank == 0
-        return torch.tensor([int(preempt_requested), int(busy), int(due)], dtype=torch.int64)
+        memory = self.memory_flags()
+        return torch.tensor([int(preempt_requested), int(busy), int(due), *memory], dtype=torch.int64)
 
     def finish(self) -> SaveOutcome | None:
         """Take the in-flight save's outcome (committed, or failed on some rank) into the heartbeat

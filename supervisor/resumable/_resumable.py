@@ -60,13 +60,13 @@ from supervisor.errors import Program, ToolkitError, exit_code
 from supervisor.format.appender import LineAppender
 from supervisor.format.atomic import atomic_write_json
 from supervisor.format.exitcodes import Exit
-from supervisor.format.heartbeat import HeartbeatWriter, Phase, Progress, stack_dump_path
+from supervisor.format.heartbeat import ENV_LAUNCH_ID, HeartbeatWriter, Phase, Progress, stack_dump_path
 from supervisor.format.hooks import When
 from supervisor.format.layout import FINAL, RunDir, parse_committed
 from supervisor.format.manifest import META_RECENT_LOSSES, CheckpointInfo
 from supervisor.format.metrics import MetricsRecord
 from supervisor.format.statediff import RANK_LOADERS, RANK_OWN, SHARED
-from supervisor.options import nested, option
+from supervisor.options import NOT_NEGATIVE, nested, option
 from supervisor.resumable import _agree, _launch_marks, _tiering
 from supervisor.resumable._checkpointer import (
     Checkpointer,
@@ -82,6 +82,7 @@ from supervisor.resumable._digest import params_digest, tensors_digest
 from supervisor.resumable._hooks import BoundaryHook, boundary_hook, no_hook
 from supervisor.resumable._loader import Rank, ResumableLoader, SamplerPosition, build, prepare, saved_as
 from supervisor.resumable._loader_check import LoaderCheck
+from supervisor.resumable._memory import NO_PICK, MemoryTier, Planned, combined, loaded_line
 from supervisor.resumable._optim_state import prime_for_load
 from supervisor.resumable._progress_io import ProgressFileSystem, kept_alive
 from supervisor.resumable._resume import (
@@ -151,6 +152,13 @@ class Saves:
         "also exit 74 when a save fails and nothing was committed for this long (0: no limit)",
         0.0,
         metavar="SECONDS",
+    )
+    memory_every: int = option(
+        "under the watchdog, snapshot the whole state into node-local memory every N steps (0: the "
+        "interval that keeps the copy within 3 percent of the step time; none without the watchdog's --memory-tier)",
+        0,
+        metavar="N",
+        check=NOT_NEGATIVE,
     )
     # What prune keeps locally beyond the newest ``keep`` (one per period, best by a metric of
     # ``step_end``, all); None: the newest ``keep``. Recorded for `status` and `ckpt list`.
@@ -577,6 +585,10 @@ class Resumable:
         self._loader_check = LoaderCheck(self._warn)
         self._last_save = time.monotonic()
         self._t_end = time.perf_counter()
+        # The memory tier (supervisor/resumable/_memory.py): only under a watchdog that made its folder.
+        self._memory = MemoryTier.from_env(self.rank, self.world_size, self._saves.memory_every)
+        if self._memory is not None:
+            self._ckpt.memory_flags = self._memory.flags
         self._clock = StepClock(self._t_end)  # each step's compute and wait, for the straggler verdict
         # The staging wait, before every optimizer step, so no caller can forget it.
         self._state_optimizer().register_step_pre_hook(lambda *_: self._before_optimizer_step())
@@ -593,32 +605,23 @@ class Resumable:
         with the next one. Stops the process with the right exit code when it may not go on."""
         if self._problem:
             self._stop(Exit.BAD_CONFIG, Phase.STARTUP, f"refused: bad config: {self._problem}")
-        choice = self._choose()
+        planned = self._memory_plan()
+        choice = Choice(os.environ.get(ENV_LAUNCH_ID, "")) if planned is not None else self._choose()
         self.launch = choice.launch
+        if self._memory is not None:
+            self._memory.launch = self.launch
         self._at_boundary = boundary_hook(self.rank, self.launch)  # injected: supervisor/format/hooks.py
-        if self._options.remote.url and self.rank == 0:
-            self._uploader = _tiering.start_uploader(self._root, self._options.remote, self._saves.keep)
-        if self.rank == 0 and self._uploader is None:  # for `status` and `ckpt list`/`prune` by hand
-            try:
-                store.record_policy(self._root, self._saves.retention_policy())
-            except OSError as e:
-                log.warning("could not record the retention policy: %s", e)
+        self._start_remote()
         diff = self._identity_change(choice)
         if self.identity.seed is not None:
             seed_rank_rng(self.identity.seed, self.rank, 0)
-        self._init_source = ""  # --init-from's checkpoint, recorded in every manifest of this run
-        if choice.ckpt is not None:
-            self._load_checked(choice)
-            self._init_source = str(choice.manifest.meta.get("init_from", "")) if choice.manifest else ""
-        elif self._options.init_from:
-            self._init_from(self._options.init_from)
-        else:
-            self._fresh()
+        resumed = self._restore(planned, choice, diff)
         if diff:
             self.apply_config_change(diff)
         self.start = self.state.step
-        if choice.ckpt is not None and choice.manifest is not None:
-            self._resumed(choice, config_changed=bool(diff))
+        if resumed is not None:
+            meta, lr, line = resumed
+            self._resumed(meta, lr, line() if callable(line) else line)
         _launch_marks.loaded(self._hb)
         if self.rank == 0:
             self._metrics_file = LineAppender(RunDir.of(self._root).metrics, self._root)
@@ -627,6 +630,38 @@ class Resumable:
         self._clock.restart(self._t_end)
         self._open_loaders()
         return self.start
+
+    def _start_remote(self) -> None:
+        """Rank 0: the remote tier's uploader, or else the retention policy recorded."""
+        if self._options.remote.url and self.rank == 0:
+            self._uploader = _tiering.start_uploader(self._root, self._options.remote, self._saves.keep)
+        if self.rank == 0 and self._uploader is None:  # for `status` and `ckpt list`/`prune` by hand
+            try:
+                store.record_policy(self._root, self._saves.retention_policy())
+            except OSError as e:
+                log.warning("could not record the retention policy: %s", e)
+
+    def _restore(
+        self, planned: Planned | None, choice: Choice, diff: Mapping[str, tuple[Any, Any]]
+    ) -> tuple[Mapping[str, Any], float | None, str | Callable[[], str]] | None:
+        """Load what was chosen (a memory snapshot, a checkpoint, --init-from's weights) or start
+        fresh; for a resume, what ``_resumed`` takes (the resume line once the start is known)."""
+        self._init_source = ""  # --init-from's checkpoint, recorded in every manifest of this run
+        if planned is not None:
+            return self._load_memory(planned)
+        if choice.ckpt is not None and choice.manifest is not None:
+            self._load_checked(choice)
+            m = choice.manifest
+            self._init_source = str(m.meta.get("init_from", ""))
+            line = lambda: resume_line(  # noqa: E731
+                choice, self._options, self.world_size, bool(diff), self._root, self.state.step
+            )
+            return m.meta, None if diff else m.metrics.get("lr"), line
+        if self._options.init_from:
+            self._init_from(self._options.init_from)
+        else:
+            self._fresh()
+        return None
 
     def _choose(self) -> Choice:
         """The checkpoint to load (``choose_checkpoint``), or the exit that says why none. The
@@ -714,21 +749,87 @@ class Resumable:
         self._rank_items.loaders[name] = obj
         self._ckpt.rank_extra = self._rank_items
 
-    def _resumed(self, choice: Choice, config_changed: bool) -> None:
-        """The losses reported before the checkpoint continue the window; rank 0 says where the
-        run resumed and what was verified, and judges the first steps after it (the sanity step;
-        not their LR against the saved one when an ``allow_config_change`` was applied: it may
-        have changed it)."""
-        manifest = choice.manifest
-        assert manifest is not None
-        saved = manifest.meta.get(META_RECENT_LOSSES)
+    def _resumed(self, meta: Mapping[str, Any], lr: float | None, line: str) -> None:
+        """The losses reported before the checkpoint (its ``meta``) continue the window; rank 0
+        says where the run resumed and what was verified (``line``), and judges the first steps
+        after it (the sanity step; with ``lr`` None not their LR against the saved one: an
+        ``allow_config_change`` may have changed it)."""
+        saved = meta.get(META_RECENT_LOSSES)
         window = [float(x) for x in saved if isinstance(x, int | float)] if isinstance(saved, list) else []
         self._recent_losses.extend(window)
         if self.rank != 0:
             return
-        tell(resume_line(choice, self._options, self.world_size, config_changed, self._root, self.start))
-        lr = None if config_changed else manifest.metrics.get("lr")
+        tell(line)
         self._sanity = ResumeSanity(window, lr, self.steps - self.start)
+
+    # ------------------------------------------------------------ the memory tier
+
+    def _memory_identity(self) -> dict[str, Any]:
+        """What a memory snapshot must share with this run to be resumed from (as a manifest's)."""
+        return {
+            "config_hash": self.identity.config_hash,
+            "data": self.identity.data,
+            "global_batch": self.identity.global_batch,
+        }
+
+    def _memory_plan(self) -> Planned | None:
+        """Every rank: the watchdog's pick of a memory snapshot for this launch, checked by every
+        rank (its own part: identity, structure, checksum) and agreed; None when there is none,
+        or when some rank refused it: then the disk tier's pick, and each node's local rank 0
+        forgets the node's snapshots (a future the run abandons) and says why for the watchdog's
+        event log."""
+        m = self._memory
+        if m is None or getattr(self.state, "ablate", None):
+            return None
+        pick = m.planned()
+        mine: Planned | str = NO_PICK if pick is None else m.check(pick, self._memory_identity(), self.state)
+        verdict = (-1 if pick is None else pick.step, "" if isinstance(mine, Planned) else mine)
+        beat = lambda: self._hb.beat(0, Phase.VERIFY, waiting="every rank's check of its memory snapshot")  # noqa: E731
+        gathered = _agree.gather_to_root(verdict, None, beat)
+        agreed = _agree.broadcast(None if gathered is None else combined(gathered), None, beat)
+        if not agreed:
+            assert isinstance(mine, Planned)
+            return mine
+        if agreed != NO_PICK and pick is not None:
+            m.reject(pick, agreed)
+            if self.rank == 0:
+                log.warning(
+                    "memory snapshot of step %d not used: %s; resuming from the disk tier", pick.step, agreed
+                )
+        return None
+
+    def _load_memory(self, planned: Planned) -> tuple[Mapping[str, Any], float | None, str]:
+        """Load the agreed snapshot; returns its meta, LR and the resume line. A failure after the
+        copies began stops the launch (the state is half loaded), the node's snapshots forgotten
+        so the relaunch resumes from the disk tier."""
+        assert self._memory is not None
+        t0 = time.perf_counter()
+        try:
+            meta = self._memory.load(planned, self.state, self._ckpt.rank_extra)
+        except Exception as e:
+            line = self._load_failure = one_line(e)
+            self._memory.reject(planned.pick, f"rank {self.rank}: the load failed: {line}")
+            self._stop(
+                RETRY_LATER,
+                Phase.LOAD,
+                f"cannot resume: the memory snapshot of step {planned.pick.step} failed to load ({line}); "
+                "the relaunch resumes from the disk tier",
+            )
+        self._init_source = str(meta.get("init_from", ""))
+        metrics = meta.get("metrics")
+        lr = metrics.get("lr") if isinstance(metrics, dict) else None
+        line = loaded_line(self.state.step, planned, self.world_size, time.perf_counter() - t0)
+        return meta, lr if isinstance(lr, float) else None, line
+
+    def _snapshot(self, step: int, step_s: float) -> None:
+        """``step_end``: the memory snapshot of ``step`` when it is due (the same on every rank)."""
+        m = self._memory
+        if m is None:
+            return
+        agreed = self._ckpt.memory_agreed
+        if m.due(step, agreed.busy, agreed.interval, agreed.off):
+            m.snapshot(step, self.state, self._ckpt.rank_extra, self.save_meta(), self._memory_identity())
+        m.observe(step_s)
 
     def _fresh(self) -> None:
         if self.rank == 0:
@@ -803,6 +904,8 @@ class Resumable:
     def _before_optimizer_step(self) -> None:
         self._refuse_if_failed()
         self._ckpt.before_optimizer_step()
+        if self._memory is not None:
+            self._memory.wait()
 
     def _refuse_if_failed(self) -> None:
         """LoadFailed when a load left the state half read (``_load_failed``)."""
@@ -928,6 +1031,7 @@ class Resumable:
         if self._sanity is not None:
             self._sanity.observe(step, self._metrics)
             self._sanity = None if self._sanity.done else self._sanity
+        self._snapshot(step, dt)  # before the metrics line: a step logged is a step in memory
         if self._metrics_file is not None:
             rec = MetricsRecord.of(step, self._metrics, self._hb.restart_count, self.launch)
             self._metrics_file.append(rec.to_line())
@@ -1066,6 +1170,8 @@ class Resumable:
         heartbeat says done. Returns the digest (sha256 of the full parameters, any sharding)."""
         self._refuse_if_failed()
         try:
+            if self._memory is not None:
+                self._memory.close()
             if self.state.step > self.start:
                 self._final_save()
             self._ckpt.close()

@@ -207,6 +207,13 @@ class WatchConfig:
         False,
         group=HANG,
     )
+    memory_tier: bool = option(
+        "keep each step's whole state in node-local shared memory (the ranks copy it there; this "
+        "watchdog owns it, picks from it before a relaunch, removes it at the end): a relaunch "
+        "redoes no step (docs/tiers.md#the-memory-tier)",
+        False,
+        group=RESTARTS,
+    )
     roster: str | None = option(
         "launch only as the run's roster (supervisor/roster.json) with this key says: this node at its "
         "node rank, or waiting as a spare with its standby's imports done; written by the SLURM job's "

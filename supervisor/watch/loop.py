@@ -66,6 +66,7 @@ from supervisor.watch import (
 )
 from supervisor.watch.config import ELASTIC_LOG_DIR_ENV, SHARE_STORE_ENV, WatchConfig
 from supervisor.watch.hangs import Hangs
+from supervisor.watch.memory import Memory
 from supervisor.watch.metrics_file import MetricsFile
 from supervisor.watch.monitor import SIGNAL_POLL_S, Ended, Monitor
 from supervisor.watch.picker import Picker
@@ -114,6 +115,7 @@ class Watchdog:
         self.picker = Picker(cfg, self.log, self._io, self._pick_retry, self._sleep)
         self.standby = Standby(cfg.root, self.host, self.log, lambda n: self._start_launch(n, standby=True))
         self.oom_kills: int | None = None  # the memory cgroup's OOM kills when the launch started
+        self.memory = Memory(self.log)  # the memory tier's folder on this node (memory.py)
         self.follower = (
             RosterFollower(cfg.root, cfg.roster, cfg.node, self.log, self._save, self._publish, self._poke)
             if cfg.roster
@@ -176,6 +178,7 @@ class Watchdog:
             return self._finish(Exit.STORAGE_UNAVAILABLE, RunStatus.FAILED, why)
         finally:
             self.standby.drop()
+            self.memory.remove()
             if self.publisher is not None:
                 self.publisher.stop()
             if self.metrics is not None:
@@ -239,22 +242,36 @@ class Watchdog:
         base = self.cfg.node_dir or node_local_base()
         self.hb_dir, msg = node_summary.choose_folder(base, self.cfg.root, self.cfg.node)
         self.log.emit(ev.HeartbeatDir(path=str(self.hb_dir)), msg)
-        if self.hb_dir == RunDir.of(self.cfg.root).heartbeats and not self.cfg.roster:
+        local = self.hb_dir != RunDir.of(self.cfg.root).heartbeats
+        if self.cfg.memory_tier:
+            self.memory.start(base, self.cfg.root, self.cfg.node, local)
+        if not local and not self.cfg.roster:
             return  # under a roster the summary is the node's readiness: published all the same
         facts = node_summary.NodeFacts(self.cfg.node, self.host, os.getpid(), self.cfg.summary_interval_s)
         self.publisher = node_summary.Publisher(self.cfg.root, self.hb_dir, facts, self.cfg.timeouts)
         self.publisher.start()
 
     def _pick(self) -> int | None:
-        """The checkpoint to resume from (picker.py), timed as part of a recovery."""
+        """The step to resume from, timed as part of a recovery: a memory snapshot (memory.py)
+        when one is usable, else the disk tier's pick (picker.py)."""
         if self.recovering is not None:
             self.recovering[Moment.BACKED_OFF] = time.time()
-        resumed_from = self.picker.pick(first_launch=self.state.launch_count == 0)
+        first = self.state.launch_count == 0
+        resumed_from = None if first else self._memory_pick()
+        if resumed_from is None:
+            resumed_from = self.picker.pick(first_launch=first)
         if resumed_from is None:  # another trainer's checkpoints (torchtitan's step-N/): it resumes itself
             resumed_from = self._io(lambda: store.newest_foreign_step(self.cfg.root), "listing checkpoints")
         if self.recovering is not None:
             self.recovering[Moment.CHECKPOINT_PICKED] = time.time()
         return resumed_from
+
+    def _memory_pick(self) -> int | None:
+        """The memory snapshot's step the next launch resumes from, or None (the disk tier's)."""
+        if self.memory.folder is None:
+            return None
+        refs = self._io(lambda: store.list_checkpoints(self.cfg.root), "listing checkpoints")
+        return self.memory.pick(self.state.launch_count + 1, refs[0].step if refs else None)
 
     def _decide(self, rec: LaunchRecord, ended: Ended) -> restart_policy.Decision:
         """The restart policy's decision on the launch that ended (its record is the newest of the
@@ -404,6 +421,7 @@ class Watchdog:
         env[ENV_RESTART_COUNT] = str(number - 1)
         env[HEARTBEAT_DIR_ENV] = str(self.hb_dir)
         env[ENV_PHASE_TIMEOUTS] = json.dumps(self.cfg.timeouts.to_dict())
+        env.update(self.memory.env())
         env.update(recorder_env(env, self.cfg.flight_recorder))  # a hang's collectives (hangs.py)
         if self.cfg.share_store_fix and restarts_inside(self.cfg.command):
             env.setdefault(SHARE_STORE_ENV, "1")
@@ -475,6 +493,7 @@ class Watchdog:
         if not (final or recovery.complete(at)):
             return
         self.recovering = None
+        self.memory.note_rejected()
         phases = recovery.breakdown(at)
         self.log.emit(
             ev.Recovery(launch=number, phases=phases),

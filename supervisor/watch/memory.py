@@ -1,0 +1,130 @@
+"""The watchdog's side of the memory tier (docs/tiers.md#the-memory-tier): it owns the node-local
+folder the ranks snapshot into (made fresh at start, handed to every launch, removed at the end),
+and before a relaunch it picks the snapshot the launch resumes from.
+
+The pick: the newest snapshot every local rank finished (``memsnap.complete``) that is not older
+than the newest checkpoint on disk, each rank's data checked against its index's checksum here,
+before the launch (a snapshot that fails is skipped for the one in the other slot, with the reason
+in the event log); its choice goes to ``pick.json`` for that launch's ranks, who check their own
+part again before copying a byte. None usable: the reason in the events, the folder's snapshots
+forgotten (the run goes on from the disk, and a snapshot of the future it abandons must never be
+picked later), and the disk tier's pick.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from supervisor.format import eventtypes as ev
+from supervisor.format import memsnap
+from supervisor.format.events import EventLog
+from supervisor.format.layout import MEMORY_DIR_ENV, job_key, node_memory_dir
+from supervisor.store.ioerrors import describe
+
+
+class Memory:
+    """The memory folder of this node's watchdog, or none (``folder`` None: the tier is off)."""
+
+    def __init__(self, log: EventLog) -> None:
+        self.log = log
+        self.folder: Path | None = None
+
+    def start(self, base: Path, root: Path, node: int, heartbeats_local: bool) -> None:
+        """Make the folder, empty (what a watchdog before this one left is not this one's to
+        trust); the event says where, or why there is none."""
+        if not heartbeats_local:
+            self.log.emit(ev.MemoryDir(path=""), "memory tier off: no node-local folder (see heartbeat_dir)")
+            return
+        folder = node_memory_dir(base, root, node, job_key())
+        memsnap.remove(folder)
+        try:
+            folder.mkdir(mode=0o700)
+        except OSError as e:
+            self.log.emit(ev.MemoryDir(path=""), f"memory tier off: {folder} not made ({describe(e)})")
+            return
+        self.folder = folder
+        self.log.emit(ev.MemoryDir(path=str(folder)), f"memory snapshots of this node's ranks in {folder}")
+
+    def env(self) -> dict[str, str]:
+        """What a launch's environment gets: the folder, when there is one."""
+        return {MEMORY_DIR_ENV: str(self.folder)} if self.folder is not None else {}
+
+    def pick(self, launch: int, disk_step: int | None) -> int | None:
+        """Before launch number ``launch``: the step of the memory snapshot it resumes from, its
+        choice written for its ranks; None: resume from the disk tier (the reason in the events)."""
+        if self.folder is None:
+            return None
+        self.note_rejected()
+        t0 = time.monotonic()
+        indexes, problems = memsnap.read_slots(self.folder)
+        reasons = list(problems)
+        for snap in memsnap.complete(self.folder, indexes):
+            if disk_step is not None and snap.step < disk_step:
+                reasons.append(
+                    f"the newest complete snapshot, step {snap.step}, is older than step {disk_step} on disk"
+                )
+                break
+            why = memsnap.verify(snap)
+            if why:
+                reasons.append(why)
+                continue
+            return self._picked(launch, snap, disk_step, time.monotonic() - t0)
+        if not indexes and not problems:
+            reasons.append("no snapshot in memory")
+        elif not reasons:
+            reasons.append(f"no step that every rank of this node finished ({len(indexes)} rank snapshots)")
+        newest = max((ix.step for _, ix in indexes), default=None)
+        self._fallback("; ".join(reasons), newest)
+        return None
+
+    def _picked(self, launch: int, snap: memsnap.NodeSnapshot, disk_step: int | None, took: float) -> int:
+        assert self.folder is not None
+        pick = memsnap.Pick(launch, snap.step, snap.slot, "", time.time())
+        memsnap.write_record(self.folder / memsnap.PICK, pick.to_dict())
+        self.log.emit(
+            ev.MemoryPick(
+                step=snap.step,
+                launch=launch,
+                folder=str(self.folder),
+                ranks=len(snap.ranks),
+                bytes=snap.size,
+                verify_s=round(took, 4),
+                disk_step=disk_step,
+            ),
+            f"resume launch {launch} from the memory snapshot of step {snap.step} ({len(snap.ranks)} ranks, "
+            f"{snap.size} bytes, checksums verified in {took:.3f}s; newest on disk: "
+            f"{'none' if disk_step is None else f'step {disk_step}'})",
+        )
+        return snap.step
+
+    def _fallback(self, reason: str, step: int | None, by: str = "watchdog") -> None:
+        assert self.folder is not None
+        memsnap.clear(self.folder)
+        self.log.emit(
+            ev.MemoryFallback(reason=reason, step=step, by=by),
+            f"memory snapshot not used ({reason}): resuming from the disk tier",
+        )
+
+    def note_rejected(self) -> None:
+        """The ranks' refusal of a pick (rejected.json), into the event log, once."""
+        if self.folder is None:
+            return
+        rejected = memsnap.read_rejected(self.folder)
+        try:
+            os.unlink(self.folder / memsnap.REJECTED)
+        except OSError:
+            return
+        if rejected is not None:
+            self.log.emit(
+                ev.MemoryFallback(reason=rejected.reason, step=rejected.step, by="ranks"),
+                f"launch {rejected.launch}'s ranks refused the memory snapshot of step {rejected.step} "
+                f"({rejected.reason}): it resumed from the disk tier",
+            )
+
+    def remove(self) -> None:
+        """The run is over (whatever its end): the memory goes."""
+        if self.folder is not None:
+            memsnap.remove(self.folder)
+            self.folder = None

@@ -1,0 +1,92 @@
+"""One launch of a plain loop on one rank (no torchrun), for tests/test_memory_tier.py: a model with
+a buffer its forward changes (BatchNorm), AdamW, a schedule, a shuffled loader whose samples draw
+noise from the global torch RNG, and python's and numpy's RNGs drawn in every step. Under the
+environment a watchdog gives its ranks (the memory tier's folder, the launch number), so the test
+plays the watchdog.
+
+    python tests/memory_worker.py --root DIR --steps N [--save-every K] [--die-after S] [--lr LR]
+
+``--die-after S``: SIGKILL itself right after the first step >= S whose memory snapshot is
+written (the loop waits for its copy first) once the disk's save before it committed (an async
+save commits at a later step's end: on a busy machine after S), as a kill -9 would end it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from supervisor import store
+from supervisor.resumable import Identity, Resumable, Saves
+
+
+class Noisy(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, n: int) -> None:
+        self.x = torch.randn(n, 8, generator=torch.Generator().manual_seed(11))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.x[i] + 0.1 * torch.randn(8)
+        return x, x.sum(dim=0, keepdim=True).cos()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--root", type=Path, required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--save-every", type=int, default=10)
+    p.add_argument("--die-after", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-2)
+    a = p.parse_args()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)
+    r = Resumable(
+        a.root,
+        {"model": model, "optimizer": opt, "scheduler": sched},
+        steps=a.steps,
+        identity=Identity({"lr": a.lr}, seed=5),
+        saves=Saves(every_steps=a.save_every, memory_every=1),
+    )
+    loader = r.loader(Noisy(64), batch_size=4, shuffle=True)
+    step = r.resume()
+    while step < a.steps:
+        for x, y in loader:
+            scale = 1.0 + 0.01 * (random.random() + float(np.random.rand()))
+            loss = F.mse_loss(model(x), y) * scale
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            step += 1
+            done = r.step_end(step, {"loss": float(loss)})
+            if a.die_after and step >= a.die_after:
+                memory = r._memory
+                assert memory is not None, "no memory tier: the test sets its folder"
+                memory.wait()
+                saved = store.list_checkpoints(a.root)  # the async save before it committed (a step end does)
+                on_disk = bool(saved) and saved[0].step >= step // a.save_every * a.save_every
+                if memory.last == step and not memory.broken and on_disk:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            if done:
+                break
+    r.finish()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

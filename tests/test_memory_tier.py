@@ -1,0 +1,163 @@
+"""The memory tier, rank side and watchdog side, without torchrun: a plain loop on one rank
+(tests/memory_worker.py) under the environment a watchdog gives its ranks, the test playing the
+watchdog (``supervisor.watch.memory.Memory``: its pick before the relaunch, its events). A kill -9
+right after a step that no disk checkpoint holds resumes from that very step, and the run ends
+bit-identical to an uninterrupted one; a corrupt snapshot is caught (by the watchdog's check, or by
+the ranks' own when the watchdog's was bypassed) and the run falls back to the disk, with the
+reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from commands import REPO
+from waiting import PATIENCE_S
+
+from supervisor.format import memsnap
+from supervisor.format.events import EventLog, events_path, read_events
+from supervisor.format.heartbeat import ENV_LAUNCH_ID, ENV_RESTART_COUNT
+from supervisor.format.layout import MEMORY_DIR_ENV
+from supervisor.format.metrics import read_metrics
+from supervisor.watch.memory import Memory
+
+pytestmark = pytest.mark.slow
+
+WORKER = str(REPO / "tests" / "memory_worker.py")
+STEPS, SAVE_EVERY, DIE_AFTER = 24, 10, 13  # the kill lands after step 13: the disk has step 10
+
+
+def launch(root: Path, mem: Path | None, number: int, *args: str) -> subprocess.CompletedProcess[str]:
+    """Launch ``number`` of the worker; with ``mem``, under the memory tier's folder."""
+    env = {k: v for k, v in os.environ.items() if k not in (MEMORY_DIR_ENV, ENV_LAUNCH_ID)}
+    env.update(
+        {ENV_RESTART_COUNT: str(number - 1), ENV_LAUNCH_ID: f"launch-{number}", "PYTHONPATH": str(REPO)}
+    )
+    if mem is not None:
+        env[MEMORY_DIR_ENV] = str(mem)
+    argv = [
+        sys.executable,
+        WORKER,
+        "--root",
+        str(root),
+        "--steps",
+        str(STEPS),
+        "--save-every",
+        str(SAVE_EVERY),
+    ]
+    return subprocess.run(
+        [*argv, *args], env=env, capture_output=True, text=True, timeout=PATIENCE_S, cwd=REPO
+    )
+
+
+def losses(root: Path) -> dict[int, float]:
+    """The loss of each step, the last launch's where a step was done twice."""
+    return {m.step: m.loss for m in read_metrics(root / "metrics.jsonl") if m.loss is not None}
+
+
+def first_step_of(root: Path, launch: str) -> int:
+    return next(m.step for m in read_metrics(root / "metrics.jsonl") if m.launch == launch)
+
+
+def digest(root: Path) -> str:
+    return json.loads((root / "final.json").read_text())["params_sha256"]
+
+
+@pytest.fixture(scope="module")
+def golden(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same run, uninterrupted and without the memory tier."""
+    root = tmp_path_factory.mktemp("golden") / "run"
+    done = launch(root, None, 1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return root
+
+
+def killed_after_unsaved_step(tmp_path: Path) -> tuple[Path, Path, Memory, int]:
+    """Launch 1, killed (SIGKILL) right after a step past the last save whose snapshot is in
+    memory: the run dir, the memory folder, the watchdog's side of it, the last step logged."""
+    root, mem = tmp_path / "run", tmp_path / "memory"
+    mem.mkdir()
+    memory = Memory(EventLog(root, 0))
+    memory.folder = mem
+    died = launch(root, mem, 1, "--die-after", str(DIE_AFTER))
+    assert died.returncode == -9, died.stderr[-3000:]
+    last = max(losses(root))
+    assert DIE_AFTER <= last < 2 * SAVE_EVERY
+    return root, mem, memory, last
+
+
+def test_a_kill_after_an_unsaved_step_resumes_from_memory_redoing_nothing_bit_identical(
+    tmp_path: Path, golden: Path
+) -> None:
+    root, mem, memory, last = killed_after_unsaved_step(tmp_path)
+    assert memory.pick(2, disk_step=SAVE_EVERY) == last
+    (picked,) = [e for e in read_events(events_path(root)) if e["event"] == "memory_pick"]
+    assert (picked["step"], picked["disk_step"], picked["ranks"]) == (last, SAVE_EVERY, 1)
+    done = launch(root, mem, 2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resumed from the memory snapshot of step {last}, next step {last + 1}" in done.stderr
+    assert first_step_of(root, "launch-2") == last + 1  # nothing redone
+    assert losses(root) == losses(golden)  # every step's loss: the RNG streams and the data order too
+    assert digest(root) == digest(golden)
+    assert not (mem / memsnap.PICK).exists()  # consumed by the launch that used it
+
+
+def test_a_corrupt_snapshot_is_caught_by_the_watchdog_and_the_run_falls_back_to_the_disk(
+    tmp_path: Path, golden: Path
+) -> None:
+    """The newest snapshot damaged: the one before it (the other slot) is picked instead, the
+    reason logged; both damaged: the disk."""
+    root, mem, memory, last = killed_after_unsaved_step(tmp_path)
+    newest, older = sorted(mem.glob("slot*/rank_00000.data"), key=_index_step, reverse=True)
+    _flip(newest, newest.stat().st_size // 2)
+    assert memory.pick(2, disk_step=SAVE_EVERY) == _index_step(older) < last
+    _flip(older, 0)
+    assert memory.pick(2, disk_step=SAVE_EVERY) is None
+    (fell,) = [e for e in read_events(events_path(root)) if e["event"] == "memory_fallback"]
+    assert fell["by"] == "watchdog" and fell["reason"].count("checksum") == 2, fell
+    assert not list(mem.glob("slot*/*"))  # forgotten: never picked later
+    done = launch(root, mem, 2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert first_step_of(root, "launch-2") == SAVE_EVERY + 1
+    assert digest(root) == digest(golden)
+
+
+def test_the_ranks_refuse_a_corrupt_snapshot_the_watchdog_did_not_check(tmp_path: Path, golden: Path) -> None:
+    """A snapshot damaged after the watchdog's check (a pick written by hand here): every rank
+    checks its own part before copying a byte; the refusal is agreed, the run resumes from the
+    disk, and the watchdog logs the ranks' reason."""
+    root, mem, memory, last = killed_after_unsaved_step(tmp_path)
+    assert memory.pick(2, disk_step=SAVE_EVERY) == last
+    (victim,) = [p for p in mem.glob("slot*/rank_00000.data") if _index_step(p) == last]
+    _flip(victim, 0)
+    done = launch(root, mem, 2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"memory snapshot of step {last} not used: rank 0:" in done.stderr and "checksum" in done.stderr
+    assert first_step_of(root, "launch-2") == SAVE_EVERY + 1
+    assert digest(root) == digest(golden)
+    memory.note_rejected()
+    (fell,) = [e for e in read_events(events_path(root)) if e["event"] == "memory_fallback"]
+    assert fell["by"] == "ranks" and fell["step"] == last and "checksum" in fell["reason"], fell
+
+
+def test_a_snapshot_of_another_config_is_refused(tmp_path: Path) -> None:
+    root, mem, memory, last = killed_after_unsaved_step(tmp_path)
+    assert memory.pick(2, disk_step=SAVE_EVERY) == last
+    done = launch(root, mem, 2, "--lr", "0.5")  # the disk refuses it too: a mismatch, exit 65
+    assert "config_hash differ from this run's" in done.stderr, done.stderr[-3000:]
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _index_step(data: Path) -> int:
+    return memsnap.read_index(data.with_suffix(memsnap.INDEX_SUFFIX)).step
