@@ -209,8 +209,8 @@ class WatchConfig:
     )
     memory_tier: bool = option(
         "keep each step's whole state in node-local shared memory (the ranks copy it there; this "
-        "watchdog owns it, picks from it before a relaunch, removes it at the end): a relaunch "
-        "redoes no step (docs/tiers.md#the-memory-tier)",
+        "watchdog owns it, picks from it before a relaunch, removes it at the end), every step or "
+        "every N so the copy costs <= 3%: a relaunch redoes at most N - 1 steps (docs/tiers.md#the-memory-tier)",
         False,
         group=RESTARTS,
     )

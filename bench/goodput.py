@@ -1,0 +1,207 @@
+"""Goodput under steady faults, side by side in one run (issue 40).
+
+    .venv/bin/python bench/goodput.py [--steps 1500] [--every 10,30] [--variants torchrun,watch,standby,memory]
+
+The reference trainer (tiny config, 2 ddp ranks, a disk save every ``--save-every`` steps) runs
+``--steps`` steps uninterrupted under plain torchrun (its wall time is the reference, its digest
+the golden one), then once per variant and fault period F with a kill -9 of a random rank of the
+running launch every F seconds (the first F seconds after the start; each once the launch it hits
+logged a step after the previous kill) until it is done:
+
+- ``torchrun``: torchrun's own restarts (``--max-restarts=99``, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1);
+- ``watch``: `supervisor watch` over torchrun (``--max-restarts=0``);
+- ``standby``: ``watch --standby``;
+- ``memory``: ``watch --standby --memory-tier`` (the interval by the 3% rule).
+
+Per run: goodput = uninterrupted wall / faulted wall; kills; steps redone in all (metrics records
+beyond ``--steps``) and per kill; time lost per kill ((faulted - uninterrupted wall) / kills); the
+watchdog's recovery per kill (its ``recovery`` events: failure -> first step; median, max); and
+whether the final digest equals the golden one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from supervisor.format.events import events_path, read_events  # noqa: E402
+from supervisor.format.heartbeat import ENV_LAUNCH_ID  # noqa: E402
+from supervisor.format.layout import RunDir  # noqa: E402
+from supervisor.format.metrics import read_metrics  # noqa: E402
+
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+NPROC = 2
+VARIANTS = {
+    "torchrun": None,
+    "watch": (),
+    "standby": ("--standby",),
+    "memory": ("--standby", "--memory-tier"),
+}
+POLL_S = 0.05
+
+
+@dataclass
+class Run:
+    variant: str
+    every_s: float
+    wall_s: float = 0.0
+    kills: int = 0
+    redone: int = 0
+    recoveries: list[float] = field(default_factory=list)
+    digest_equal: bool = False
+
+    def row(self, reference_s: float) -> str:
+        goodput = reference_s / self.wall_s
+        lost = (self.wall_s - reference_s) / self.kills if self.kills else 0.0
+        rec = (
+            f"recovery median {statistics.median(self.recoveries):.2f} s, max {max(self.recoveries):.2f} s"
+            if self.recoveries
+            else "recovery: not reported"
+        )
+        per = self.redone / self.kills if self.kills else 0.0
+        return (
+            f"{self.variant:<9} F={self.every_s:>4.0f} s: goodput {goodput:.2f}, {self.kills} kills, "
+            f"{self.redone} steps redone ({per:.1f} per kill), {lost:.2f} s lost per kill, {rec}, "
+            f"digest {'equal' if self.digest_equal else 'DIFFERENT'}"
+        )
+
+
+def train(root: Path, steps: int, save_every: int) -> list[str]:
+    return [
+        "-m", "train_ref.train", "--config", "tiny", "--parallel", "ddp", "--num-workers", "0",
+        "--ckpt-root", str(root), "--steps", str(steps), "--save-every", str(save_every), "--seed", "0",
+    ]  # fmt: skip
+
+
+def command(variant: str, root: Path, steps: int, save_every: int) -> list[str]:
+    flags = VARIANTS[variant]
+    if flags is None:
+        return [
+            TORCHRUN,
+            "--standalone",
+            f"--nproc-per-node={NPROC}",
+            "--max-restarts=99",
+            *train(root, steps, save_every),
+        ]
+    watch = [sys.executable, "-m", "supervisor", "watch", "--ckpt-root", str(root), *flags]
+    watch += ["--max-restarts", "1000", "--backoff-initial", "0", "--backoff-jitter", "0", "--"]
+    return [*watch, TORCHRUN, "--standalone", f"--nproc-per-node={NPROC}", *train(root, steps, save_every)]
+
+
+def running_ranks(root: Path, after: int) -> list[int]:
+    """The pids of the ranks of the launch that trains now, once it logged a step past record
+    number ``after`` (a kill lands on a launch that trains, not on one still starting): torchrun's
+    workers (LOCAL_RANK in their environment) of the reference trainer on this root, of the launch
+    that wrote the newest metrics line (a standby's ranks wait under the next launch's id)."""
+    rows = read_metrics(RunDir.of(root).metrics) if RunDir.of(root).metrics.exists() else []
+    if len(rows) <= after:
+        return []
+    launch = rows[-1].launch
+    pids = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            argv = Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0")
+            env = Path(f"/proc/{name}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        worker = any(e.startswith(b"LOCAL_RANK=") for e in env)  # torchrun's agent has none
+        if not worker or b"train_ref.train" not in argv or str(root).encode() not in argv:
+            continue
+        ids = [e.split(b"=", 1)[1].decode() for e in env if e.startswith(f"{ENV_LAUNCH_ID}=".encode())]
+        if not ids or ids[0] == launch:
+            pids.append(int(name))
+    return pids
+
+
+def records(root: Path) -> int:
+    return len(read_metrics(RunDir.of(root).metrics)) if RunDir.of(root).metrics.exists() else 0
+
+
+def faulted(
+    variant: str, every_s: float, root: Path, steps: int, save_every: int, golden: str, seed: int
+) -> Run:
+    rng = random.Random(seed)
+    run = Run(variant, every_s)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if variant == "torchrun":
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    final = root / "final.json"
+    t0 = time.monotonic()
+    with (root.parent / f"{variant}.log").open("wb") as log:
+        p = subprocess.Popen(
+            command(variant, root, steps, save_every), cwd=REPO, env=env, stdout=log, stderr=log
+        )
+        next_kill, logged = t0 + every_s, 0
+        while p.poll() is None:
+            time.sleep(POLL_S)
+            if time.monotonic() < next_kill or final.exists():
+                continue
+            pids = running_ranks(root, logged)
+            if len(pids) == NPROC:
+                os.kill(rng.choice(sorted(pids)), signal.SIGKILL)
+                run.kills += 1
+                next_kill, logged = time.monotonic() + every_s, records(root)
+    run.wall_s = time.monotonic() - t0
+    if p.returncode != 0:
+        raise SystemExit(f"{variant} F={every_s}: exit {p.returncode}; see {root.parent / f'{variant}.log'}")
+    run.redone = len(read_metrics(RunDir.of(root).metrics)) - steps
+    run.recoveries = [
+        e["phases"]["total"]
+        for e in read_events(events_path(root))
+        if e["event"] == "recovery" and "total" in e.get("phases", {})
+    ]
+    run.digest_equal = json.loads(final.read_text())["params_sha256"] == golden
+    return run
+
+
+def uninterrupted(root: Path, steps: int, save_every: int) -> tuple[float, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    t0 = time.monotonic()
+    cmd = [TORCHRUN, "--standalone", f"--nproc-per-node={NPROC}", *train(root, steps, save_every)]
+    subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True)
+    return time.monotonic() - t0, json.loads((root / "final.json").read_text())["params_sha256"]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--save-every", type=int, default=10)
+    p.add_argument("--every", default="10,30", help="fault periods F in seconds, comma-separated")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--seed", type=int, default=0, help="which rank each kill hits")
+    opts = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench-goodput-"))
+    try:
+        reference_s, golden = uninterrupted(work / "golden" / "run", opts.steps, opts.save_every)
+        print(f"uninterrupted (torchrun): {reference_s:.1f} s for {opts.steps} steps", flush=True)
+        for every in (float(f) for f in opts.every.split(",")):
+            for variant in opts.variants.split(","):
+                root = work / f"{variant}-{every:.0f}" / "run"
+                root.parent.mkdir(parents=True)
+                run = faulted(variant, every, root, opts.steps, opts.save_every, golden, opts.seed)
+                print(run.row(reference_s), flush=True)
+    except SystemExit:
+        print(f"kept for a look: {work}", file=sys.stderr)
+        raise
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
