@@ -30,7 +30,7 @@ from pathlib import Path
 from supervisor import options, slurm
 from supervisor.format import events
 from supervisor.format.atomic import hostname
-from supervisor.format.badnodes import bad_hosts_line, read_bad_nodes, write_bad_nodes
+from supervisor.format.badnodes import BadNodes, bad_hosts_line, read_bad_nodes, write_bad_nodes
 from supervisor.format.eventnames import RequeueEvent
 from supervisor.format.exitcodes import Exit
 from supervisor.format.notice import DEFAULT_NOTICE_SIGNAL, NoticeSignalError, notice_signal
@@ -154,15 +154,22 @@ def start(args: argparse.Namespace) -> int:
     return Exit.OK
 
 
-def _say_bad_nodes(knobs: Knobs, hosts: list[str]) -> None:
-    """The run's bad nodes, and those this allocation holds anyway (a fresh sbatch, or a requeue
-    SLURM made itself): with spares they are left out while a spare can take their place."""
+def _bad_nodes(knobs: Knobs, then: str = "") -> BadNodes | None:
+    """The run's bad-node list when a host is bad on it, else None (one that cannot be read is
+    said, with ``then``: what follows from it)."""
     try:
         bad = read_bad_nodes(knobs.run_dir)
     except (OSError, ValueError) as e:
-        say(f"bad-node list not readable ({e})")
-        return
-    if bad is None or not bad.bad:
+        say(f"bad-node list not readable ({e}){then}")
+        return None
+    return bad if bad is not None and bad.bad else None
+
+
+def _say_bad_nodes(knobs: Knobs, hosts: list[str]) -> None:
+    """The run's bad nodes, and those this allocation holds anyway (a fresh sbatch, or a requeue
+    SLURM made itself): with spares they are left out while a spare can take their place."""
+    bad = _bad_nodes(knobs)
+    if bad is None:
         return
     say(f"the run's bad nodes: {bad_hosts_line(bad)}")
     here = sorted(set(bad.bad) & set(hosts))
@@ -278,12 +285,8 @@ def finish(args: argparse.Namespace) -> int:
 def _keep_bad_nodes_out(job: JobEnv, knobs: Knobs, state: slurm.RequeueState) -> None:
     """The requeued job excludes the run's bad nodes (``scontrol update JobId ExcNodeList``, added
     to what it excluded already); with BAD_NODE_ACTION=drain they are drained too."""
-    try:
-        bad = read_bad_nodes(knobs.run_dir)
-    except (OSError, ValueError) as e:
-        say(f"bad-node list not readable ({e}): the requeued job excludes no node")
-        return
-    if bad is None or not bad.bad:
+    bad = _bad_nodes(knobs, ": the requeued job excludes no node")
+    if bad is None:
         return
     done = slurm.keep_out(job, sorted(bad.bad), knobs.bad_node_action, slurm.roster_key(job))
     for action in done.actions:

@@ -8,7 +8,6 @@ time: the coordinator has exited when finish runs); read by `status`.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
 from enum import Enum
@@ -16,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.format.atomic import atomic_write_json
-from supervisor.format.capped import RECORD_MAX, TooLarge, read_capped
+from supervisor.format.capped import read_record
 from supervisor.format.layout import RunDir
 
 BAD_NODES_VERSION = 1
@@ -164,17 +163,7 @@ def parse_bad_nodes(d: Any) -> BadNodes:
 def read_bad_nodes(root: str | Path) -> BadNodes | None:
     """The list as it is (None when there is none); ValueError when it is garbage, OSError when it
     cannot be read."""
-    path = RunDir.of(root).bad_nodes
-    try:
-        text = read_capped(path, RECORD_MAX)
-    except FileNotFoundError:
-        return None
-    except TooLarge as e:
-        raise ValueError(str(e)) from None
-    try:
-        return parse_bad_nodes(json.loads(text))
-    except (ValueError, RecursionError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: {e}") from None
+    return read_record(RunDir.of(root).bad_nodes, parse_bad_nodes)
 
 
 def write_bad_nodes(root: str | Path, bad: BadNodes) -> None:

@@ -16,8 +16,13 @@ with room to spare; a JSON record is read into Python objects at up to ~10x its 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
 
 # One JSON record of the run's own: a heartbeat, a watchdog's state, an error file, the remote
 # tier's status, the retention policy, SLURM's requeue record, reason.txt, ``latest``, final.json.
@@ -132,6 +137,21 @@ def read_capped(path: str | os.PathLike[str], cap: int, *, follow: bool = True) 
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+def read_record(path: str | os.PathLike[str], parse: Callable[[Any], _T]) -> _T | None:
+    """The JSON record at ``path`` parsed by ``parse`` (None when there is none); ValueError naming
+    the file when it is garbage or larger than a record can be, OSError when it cannot be read."""
+    try:
+        text = read_capped(path, RECORD_MAX)
+    except FileNotFoundError:
+        return None
+    except TooLarge as e:
+        raise ValueError(str(e)) from None
+    try:
+        return parse(json.loads(text))
+    except (ValueError, RecursionError, UnicodeDecodeError) as e:
+        raise ValueError(f"{os.fspath(path)}: {e}") from None
 
 
 def read_tail(path: str | os.PathLike[str], tail: int) -> tuple[bytes, bool]:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.format.atomic import atomic_write_json
-from supervisor.format.capped import RECORD_MAX, TooLarge, read_capped
+from supervisor.format.capped import read_record
 from supervisor.format.layout import RunDir
 
 ROSTER_VERSION = 1
@@ -196,17 +196,7 @@ def parse_roster(d: Any) -> Roster:
 def read_roster(root: str | Path) -> Roster | None:
     """The roster as it is (None when there is none); ValueError when it is garbage, OSError when
     it cannot be read."""
-    path = RunDir.of(root).roster
-    try:
-        text = read_capped(path, RECORD_MAX)
-    except FileNotFoundError:
-        return None
-    except TooLarge as e:
-        raise ValueError(str(e)) from None
-    try:
-        return parse_roster(json.loads(text))
-    except (ValueError, RecursionError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: {e}") from None
+    return read_record(RunDir.of(root).roster, parse_roster)
 
 
 def write_roster(root: str | Path, roster: Roster) -> None:
