@@ -49,7 +49,8 @@ hang-sweep: $(STAMP)
 
 # Stragglers on this machine (tests/straggler_sweep.py): 4 ranks under watch, each trial one rank slowed
 # to 1/1.5 of its speed by a calibrated CPU quota; trials flagged within 30 steps, false flags in the
-# clean steps (about 20 min). STRAGGLER_SWEEP_ARGS: e.g. --trials 5 --clean-steps 1000.
+# clean steps (about 20 min). STRAGGLER_SWEEP_ARGS: e.g. --trials 5 --clean-steps 1000, or --config medium
+# (0.5 s steps) --clean-steps 0 for the latency on longer steps (15 min).
 STRAGGLER_SWEEP_ARGS ?= --trials 20 --clean-steps 10000
 straggler-sweep: $(STAMP)
 	$(PY) tests/straggler_sweep.py $(STRAGGLER_SWEEP_ARGS)

@@ -773,3 +773,42 @@ def test_the_json_report_carries_every_check_fault_and_resume_and_redacts_urls(t
         "no /dev/fuse on this machine",
         [],
     )
+
+
+def memory_pick(step: int, disk_step: int | None) -> ev.MemoryPick:
+    return ev.MemoryPick(
+        step=step, launch=2, folder="/dev/shm/m", ranks=2, bytes=1, verify_s=0.0, disk_step=disk_step
+    )
+
+
+def test_memory_kill_is_planned_on_a_step_no_save_holds_and_may_redo_one():
+    faults = [plan("memory", seed=s, steps=80, save_every=EVERY, ranks=2)[0] for s in range(30)]
+    assert all(f.kind == Kind.MEMORY and f.at_step % EVERY for f in faults)
+    assert steps_redone_bound(Kind.MEMORY, EVERY) == 1
+
+
+def test_a_memory_kill_passes_only_when_resumed_from_the_memory_pick_newer_than_the_disk():
+    """Killed after step 17 (the disk has 10): a resume from the memory snapshot of step 17 passes;
+    the same resume with no pick logged, or a pick no newer than the disk's, fails the check."""
+    fault = Fault(Kind.MEMORY, 17, 1)
+    drill = seen_after_fault(faithful_run(kill_at=17, resume_from=17))
+
+    def judged(*picked: ev.Event):
+        return verdict(
+            drill,
+            faults=[fault],
+            scenario="memory",
+            fault_times=[T0],
+            events=[logged(T0 + 1, e) for e in picked],
+        )
+
+    v = judged(memory_pick(17, 10))
+    assert v.ok, v.failures()
+    assert "memory snapshot picked: step 17, on disk: step 10" in next(
+        c.detail for c in v.checks if c.name == "resumed from the memory tier"
+    )
+    assert failed(judged()) == {"resumed from the memory tier"}
+    assert failed(judged(ev.MemoryFallback(reason="no snapshot in memory"))) == {
+        "resumed from the memory tier"
+    }
+    assert failed(judged(memory_pick(17, 17))) == {"resumed from the memory tier"}

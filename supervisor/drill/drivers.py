@@ -56,6 +56,17 @@ class Kill(Driver):
         return scene.kill(fault, launch, signal.SIGSTOP if fault.kind == Kind.SIGSTOP else signal.SIGKILL)
 
 
+class MemoryKill(Kill):
+    """kill -9 a rank right after a step that no disk checkpoint holds, the memory tier on: the
+    watchdog with --memory-tier, the reference trainer with a snapshot every step (a user's script
+    keeps its own interval, ``Saves.memory_every``)."""
+
+    kinds = frozenset({Kind.MEMORY})
+
+    def job_args(self, cfg: DrillConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        return ("--memory-tier",), (() if cfg.trainer else ("--memory-every", "1"))
+
+
 class KillDuringSave(Kill):
     """kill -9 a rank while an async save of the fault's step or later is in flight (the runner
     widens the write with ENV_SAVE_DELAY so the kill lands inside it)."""
@@ -142,7 +153,9 @@ def switch_hang(f: Fault) -> switch.Hang:
 
 
 DRIVERS: dict[Kind, type[Driver]] = {
-    k: d for d in (Kill, KillDuringSave, Preempt, CorruptLatest, SelfInflictedHang) for k in d.kinds
+    k: d
+    for d in (Kill, MemoryKill, KillDuringSave, Preempt, CorruptLatest, SelfInflictedHang)
+    for k in d.kinds
 }
 assert set(DRIVERS) == set(Kind) - set(STORAGE), (
     "a driver for every fault kind (storage.py: the storage ones)"

@@ -236,6 +236,35 @@ def lost_preemption(case: Case, fault: Fault) -> str:
     return f"the preemption checkpoint was lost: {how}"
 
 
+def memory_resumes(case: Case) -> list[Check]:
+    """A kill under the memory tier (the memory scenario): its resume came from the snapshot the
+    watchdog picked and verified, a step newer than the newest disk checkpoint; a resume from the
+    disk would mean the tier saved nothing."""
+    results = []
+    for res, (fault, _) in zip(case.resumes, case.resumable, strict=False):
+        if fault.kind != Kind.MEMORY:
+            continue
+        t0 = next(
+            (t for f, t in zip(case.run.injected, case.run.fault_times, strict=False) if f == fault), 0.0
+        )
+        pick = next((e.event for e in ev.every(case.run.events, ev.MemoryPick) if e.t >= t0), None)
+        if pick is None:
+            fell = next((e.msg for e in ev.every(case.run.events, ev.MemoryFallback) if e.t >= t0), "")
+            results.append(
+                (False, f"resumed from step {res.ckpt_step}, no memory pick ({fell or 'none logged'})")
+            )
+            continue
+        disk = "none" if pick.disk_step is None else f"step {pick.disk_step}"
+        newer = pick.disk_step is None or pick.step > pick.disk_step
+        results.append(
+            (
+                pick.step == res.ckpt_step and newer,
+                f"resumed from step {res.ckpt_step}; the memory snapshot picked: step {pick.step}, on disk: {disk}",
+            )
+        )
+    return [_check("resumed from the memory tier", results)] if results else []
+
+
 def hangs(case: Case) -> list[Check]:
     if not any(f.kind in HANGS for f in case.faults):
         return []
@@ -331,6 +360,7 @@ CHECKS: tuple[Callable[[Case], list[Check]], ...] = (
     faults_injected,
     resumed_after_each,
     steps_redone,
+    memory_resumes,
     hangs,
     storage_faults,
     lr_continuous,

@@ -24,6 +24,7 @@ class Kind(str, Enum):
     DISK_FULL = "disk-full"
     SLOW_STORAGE = "slow-storage"
     HOSTILE = "hostile"
+    MEMORY = "memory"
 
 
 # Hangs the trainer inflicts on itself through the drill switch (switch.py): no signal cures them.
@@ -50,9 +51,9 @@ DISK_FULL_INTERVALS = DISK_FULL_FAILURES + 2  # the disk may fill in the save af
 # not between two saves (issue 44: where in a save the disk fills decided whether the ranks agreed).
 DISK_FULL_FILL_WITHIN = 200
 CHAOS = "chaos"
-# Chaos does not draw these: each needs what a run may lack (3 ranks, DataLoader workers), and
-# leaving them out keeps the plans every seed gave before they existed.
-NOT_DRAWN = frozenset({Kind.HANG_COLLECTIVE, Kind.HANG_LOADER})
+# Chaos does not draw these: each needs what a run may lack (3 ranks, DataLoader workers, the
+# memory tier: opt-in), and leaving them out keeps the plans every seed gave before they existed.
+NOT_DRAWN = frozenset({Kind.HANG_COLLECTIVE, Kind.HANG_LOADER, Kind.MEMORY})
 # Chaos draws this many faults (fewer, down to CHAOS_LEAST, where --steps has no room: ``adapt``).
 CHAOS_FAULTS = (3, 4)
 CHAOS_LEAST = 2
@@ -100,6 +101,7 @@ class Fault:
             ),
             Kind.SLOW_STORAGE: f"throttle checkpoint reads and writes, then kill -9 rank {self.rank}",
             Kind.HOSTILE: f"plant links out of the run dir, a deep tmp dir, sparse files; kill -9 rank {self.rank}",
+            Kind.MEMORY: f"kill -9 rank {self.rank} right after a step no disk checkpoint holds (the memory tier on)",
         }[self.kind]
         return f"{what} after step {self.at_step}"
 
@@ -109,13 +111,16 @@ def steps_redone_bound(kind: Kind, save_every: int, save_in_flight: bool = False
 
     A kill or hang loses at most the steps since the last committed save; when it lands while an
     async save is in flight, that save is lost too (by design it is never used): two intervals.
-    A preemption checkpoints at the step boundary, so none. Stopping the job for a corruption
+    A preemption checkpoints at the step boundary, so none. Under the memory tier with a snapshot
+    every step, a kill loses at most the step whose copy was still in flight: one. Stopping the job for a corruption
     checkpoints first, and the damaged newest one is skipped, so up to one interval. (A SIGSTOP is
     cured by the watchdog's SIGCONT and SIGTERM, so it usually checkpoints too; it is held to the
     bound of a kill, which it meets when SIGTERM's grace runs out.)
     """
     if kind == Kind.PREEMPT:
         return 0
+    if kind == Kind.MEMORY:  # a snapshot every step: at most the one whose copy was in flight
+        return 1
     if kind in IN_SAVE or (save_in_flight and kind != Kind.CORRUPT_LATEST):
         return 2 * save_every
     if kind == Kind.HANG_LOADER:  # the rank hangs a few steps later, when the prefetched batches run out
@@ -184,6 +189,11 @@ def plan(
             preempt_as=preempt_as,
         )
         for kind, at in zip(kinds, at_steps, strict=True)
+    ]
+    # memory: a step no disk checkpoint holds (a save's step moves one on)
+    faults = [
+        replace(f, at_step=f.at_step + 1) if f.kind == Kind.MEMORY and f.at_step % save_every == 0 else f
+        for f in faults
     ]
     # drawn last: the other scenarios' plans stay what their seeds always gave
     return [

@@ -440,8 +440,10 @@ def job_for(
         env[ENV_BOUNDARY_HOOK] = switch.HOOK
         if any(h.how == switch.How.LOADER for h in hangs.hangs):
             env[ENV_WORKER_HOOK] = switch.WORKER_HOOK
-    watch_args, train_args = driver.job_args(cfg) if driver else ((), ())
-    return Job(root, env, watch_args, train_args)
+    # the flags each fault's driver needs (the storage driver's, or one per kind: memory's tier)
+    drivers = [driver] if driver else [DRIVERS[k]() for k in dict.fromkeys(f.kind for f in faults)]
+    args = [d.job_args(cfg) for d in drivers]
+    return Job(root, env, tuple(a for w, _ in args for a in w), tuple(a for _, t in args for a in t))
 
 
 def run_scenario(

@@ -210,7 +210,7 @@ class WatchConfig:
     memory_tier: bool = option(
         "keep each step's whole state in node-local shared memory (the ranks copy it there; this "
         "watchdog owns it, picks from it before a relaunch, removes it at the end), every step or "
-        "every N so the copy costs <= 3%: a relaunch redoes at most N - 1 steps (docs/tiers.md#the-memory-tier)",
+        "every N so the copy costs at most 3 percent: a relaunch redoes at most N - 1 steps (docs/tiers.md#the-memory-tier)",
         False,
         group=RESTARTS,
     )
