@@ -8,6 +8,7 @@ import torch.distributed.checkpoint.state_dict as torch_state_dict
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from supervisor.resumable._canonical_names import CanonicalNames
+from supervisor.resumable._resumable import Objects
 
 
 def _model_and_optimizer(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -50,6 +51,26 @@ def test_the_state_dict_is_torchs_and_each_name_is_walked_once(walks) -> None:
     # the first call inside walked each distinct name once; the later ones walked none
     distinct = len(set(walks[:per_call]))
     assert len(walks) == per_call + distinct and distinct < per_call
+
+
+def test_resumables_state_walks_each_name_once_across_its_calls(walks) -> None:
+    """``Resumable``'s state (a plain loop's model and optimizer) keeps its names too: the memory
+    tier takes its state dict every step."""
+    model, optimizer = _model_and_optimizer(0)
+    plain_model, _ = get_state_dict(model, optimizer)
+    per_call = len(walks)
+    state = Objects({"model": model, "optimizer": optimizer})
+    first = state.state_dict()
+    walked = len(walks) - per_call
+    for _ in range(2):
+        again = state.state_dict()
+        assert again["model"].keys() == plain_model.keys() == first["model"].keys()
+        assert all(torch.equal(again["model"][k], plain_model[k]) for k in plain_model)
+    assert 0 < walked < per_call and len(walks) == per_call + walked
+    state.load_state_dict(first)
+    loaded = len(walks)
+    state.load_state_dict(first)  # a load's own walks, kept as well
+    assert len(walks) == loaded
 
 
 def test_a_load_through_the_kept_names_restores_the_state(walks) -> None:

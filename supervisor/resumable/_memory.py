@@ -55,6 +55,7 @@ from supervisor.format.layout import MEMORY_DIR_ENV
 from supervisor.format.statediff import RANK_USER_ITEMS
 from supervisor.resumable._optim_state import prime_for_load
 from supervisor.resumable._train_state import RankState
+from supervisor.store.ioerrors import describe
 
 log = logging.getLogger("resumable")
 
@@ -153,7 +154,8 @@ class _Captured:
     index: memsnap.RankIndex
     tensors: list[torch.Tensor]
     slot: int
-    started: float
+    on_loop: bool  # written on the loop (else on the thread)
+    capture_s: float  # the loop's time in the capture
 
 
 @dataclass(frozen=True)
@@ -251,7 +253,7 @@ class MemoryTier:
                 memsnap.Commit(step, slot, self.launch, time.time()).to_dict(),
             )
         except OSError as e:
-            self._off(f"{self.folder / memsnap.COMMITTED}: {e.strerror}")
+            self._off(f"{self.folder / memsnap.COMMITTED}: {describe(e)}")
 
     # ------------------------------------------------------------ taking a snapshot
 
@@ -273,7 +275,7 @@ class MemoryTier:
             else:
                 self._pending = self._executor().submit(self._finish, cap)
         except (OSError, memsnap.Unsupported, memsnap.SnapshotError) as e:
-            self._off(str(e) if not isinstance(e, OSError) else f"{e.filename or self.folder}: {e.strerror}")
+            self._off(self._os_error(e) if isinstance(e, OSError) else str(e))
         self.last, self.snapshots = step, self.snapshots + 1
         self.blocked_s += time.perf_counter() - t0
 
@@ -321,16 +323,21 @@ class MemoryTier:
         os.makedirs(memsnap.slot_dir(self.folder, slot), mode=0o700, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):  # the index first: its data is overwritten now
             os.unlink(memsnap.index_path(self.folder, slot, self.rank))
-        return _Captured(index, tensors, slot, started)
+        return _Captured(index, tensors, slot, self.sync, time.perf_counter() - started)
 
     def _finish(self, cap: _Captured) -> str:
-        """Write the tensors and hash them, then the index; on the loop or the thread."""
+        """Write the tensors and hash them, then the index; on the loop or the thread. The cost
+        the interval rule sees is what the snapshot takes from training: the capture's time on the
+        loop, and the write's time on the loop or its CPU time on the thread (its wall there counts
+        every wait for the interpreter lock that the loop holds meanwhile)."""
+        clock = time.perf_counter if cap.on_loop else time.thread_time
+        t0 = clock()
         fd = self._data_file(cap.slot, cap.index.size)
         checksum = _write(fd, cap.index.tensors, cap.tensors)
         index = replace(cap.index, checksum=checksum, written=time.time())
         memsnap.write_record(memsnap.index_path(self.folder, cap.slot, self.rank), index.to_dict())
         self.uncommitted = (index.step, cap.slot)
-        took = time.perf_counter() - cap.started
+        took = cap.capture_s + clock() - t0
         self.copy_s = took if not self.copy_s else (1 - _EWMA) * self.copy_s + _EWMA * took
         return index.checksum
 
@@ -356,7 +363,7 @@ class MemoryTier:
         try:
             pending.result()
         except OSError as e:
-            self._off(f"{e.filename or self.folder}: {e.strerror}")
+            self._off(self._os_error(e))
         self.blocked_s += time.perf_counter() - t0
 
     def observe(self, step_s: float) -> None:
@@ -364,6 +371,9 @@ class MemoryTier:
         self.step_s = step_s if not self.step_s else (1 - _EWMA) * self.step_s + _EWMA * step_s
         if self.copy_s:
             self.sync, self.interval = memsnap.plan(self.copy_s, self.step_s, self.every)
+
+    def _os_error(self, e: OSError) -> str:
+        return f"{e.filename or self.folder}: {describe(e)}"
 
     def _off(self, why: str) -> None:
         if not self.broken:
@@ -399,7 +409,7 @@ class MemoryTier:
         try:
             ix = memsnap.read_index(memsnap.index_path(folder, pick.slot, self.rank))
         except (OSError, memsnap.SnapshotError) as e:
-            return str(e) if not isinstance(e, OSError) else f"{e.filename}: {e.strerror}"
+            return f"{e.filename}: {describe(e)}" if isinstance(e, OSError) else str(e)
         if (ix.step, ix.rank, ix.world_size) != (pick.step, self.rank, self.world_size):
             return (
                 f"its snapshot is of step {ix.step}, rank {ix.rank} of {ix.world_size} "
@@ -446,7 +456,7 @@ class MemoryTier:
                     self.folder / memsnap.REJECTED, memsnap.Rejected(pick.launch, pick.step, reason).to_dict()
                 )
             except OSError as e:
-                log.warning("%s: %s", self.folder / memsnap.REJECTED, e.strerror)
+                log.warning("%s: %s", self.folder / memsnap.REJECTED, describe(e))
 
 
 def _structure(ix: memsnap.RankIndex, state: Any) -> dict[tuple[Any, ...], torch.Tensor]:

@@ -68,6 +68,7 @@ from supervisor.format.metrics import MetricsRecord
 from supervisor.format.statediff import RANK_LOADERS, RANK_OWN, SHARED
 from supervisor.options import NOT_NEGATIVE, nested, option
 from supervisor.resumable import _agree, _launch_marks, _tiering
+from supervisor.resumable._canonical_names import CanonicalNames
 from supervisor.resumable._checkpointer import (
     Checkpointer,
     CommitInfo,
@@ -270,7 +271,8 @@ class Objects(Stateful):
     """A plain loop's state as DCP saves it: ``model`` and ``optimizer`` through
     ``get_state_dict``/``set_state_dict`` (keyed by parameter names, so DCP reshards them), every
     other entry by its own ``state_dict``/``load_state_dict`` (scheduler, scaler, sampler), and the
-    step."""
+    step. The model's canonical names are worked out once (``CanonicalNames``: the model is wrapped
+    before ``Resumable`` gets it): the memory tier takes this state dict every step."""
 
     def __init__(self, objects: Mapping[str, Any]):
         if "model" not in objects or "optimizer" not in objects:
@@ -279,6 +281,7 @@ class Objects(Stateful):
         self.optimizer: torch.optim.Optimizer = objects["optimizer"]
         self.others = {k: v for k, v in objects.items() if k not in ("model", "optimizer")}
         self.step = 0
+        self.names = CanonicalNames(self.model)
 
     def saving(self, rank: int, world_size: int) -> Stateful:
         return self
@@ -293,7 +296,8 @@ class Objects(Stateful):
         return any(v is obj for v in self.others.values())
 
     def state_dict(self) -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        with self.names.kept():
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         return {
             "model": model_sd,
             "optim": optim_sd,
@@ -302,7 +306,10 @@ class Objects(Stateful):
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        with self.names.kept():
+            set_state_dict(
+                self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
+            )
         for k, v in self.others.items():
             v.load_state_dict(sd[k])
         self.step = int(sd["step"])
