@@ -16,7 +16,10 @@ logged a step after the previous kill) until it is done:
 Per run: goodput = uninterrupted wall / faulted wall; kills; steps redone in all (metrics records
 beyond ``--steps``) and per kill; time lost per kill ((faulted - uninterrupted wall) / kills); the
 watchdog's recovery per kill (its ``recovery`` events: failure -> first step; median, max); and
-whether the final digest equals the golden one.
+whether the final digest equals the golden one. Where the time lost per kill went: the recovery
+(mean), the steps (every logged step's ``step_time`` summed, less the uninterrupted run's: the
+steps redone and every step made slower, by the tier's copies or a standby's imports on the same
+cores), and the rest (starts and ends, checkpoint waits, the part of a killed step never logged).
 """
 
 from __future__ import annotations
@@ -62,22 +65,32 @@ class Run:
     kills: int = 0
     redone: int = 0
     recoveries: list[float] = field(default_factory=list)
+    step_time_s: float = 0.0  # the logged steps' step_time, summed
     digest_equal: bool = False
 
-    def row(self, reference_s: float) -> str:
+    def row(self, reference_s: float, reference_steps_s: float) -> str:
         goodput = reference_s / self.wall_s
-        lost = (self.wall_s - reference_s) / self.kills if self.kills else 0.0
+        kills = max(self.kills, 1)
+        lost = (self.wall_s - reference_s) / kills
         rec = (
             f"recovery median {statistics.median(self.recoveries):.2f} s, max {max(self.recoveries):.2f} s"
             if self.recoveries
             else "recovery: not reported"
         )
-        per = self.redone / self.kills if self.kills else 0.0
+        recovery = sum(self.recoveries) / kills
+        steps = (self.step_time_s - reference_steps_s) / kills
+        split = f"recovery {recovery:.2f} + steps {steps:.2f} + rest {lost - recovery - steps:.2f}"
+        if not self.recoveries:
+            split = f"steps {steps:.2f} + the rest {lost - steps:.2f}"
         return (
             f"{self.variant:<9} F={self.every_s:>4.0f} s: goodput {goodput:.2f}, {self.kills} kills, "
-            f"{self.redone} steps redone ({per:.1f} per kill), {lost:.2f} s lost per kill, {rec}, "
-            f"digest {'equal' if self.digest_equal else 'DIFFERENT'}"
+            f"{self.redone} steps redone ({self.redone / kills:.1f} per kill), {lost:.2f} s lost per kill "
+            f"({split}), {rec}, digest {'equal' if self.digest_equal else 'DIFFERENT'}"
         )
+
+
+def step_time_s(root: Path) -> float:
+    return sum(m.step_time for m in read_metrics(RunDir.of(root).metrics))
 
 
 def train(root: Path, steps: int, save_every: int) -> list[str]:
@@ -161,6 +174,7 @@ def faulted(
     if p.returncode != 0:
         raise SystemExit(f"{variant} F={every_s}: exit {p.returncode}; see {root.parent / f'{variant}.log'}")
     run.redone = len(read_metrics(RunDir.of(root).metrics)) - steps
+    run.step_time_s = step_time_s(root)
     run.recoveries = [
         e["phases"]["total"]
         for e in read_events(events_path(root))
@@ -170,12 +184,14 @@ def faulted(
     return run
 
 
-def uninterrupted(root: Path, steps: int, save_every: int) -> tuple[float, str]:
+def uninterrupted(root: Path, steps: int, save_every: int) -> tuple[float, float, str]:
+    """Its wall time, its steps' time summed, its digest."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     t0 = time.monotonic()
     cmd = [TORCHRUN, "--standalone", f"--nproc-per-node={NPROC}", *train(root, steps, save_every)]
     subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True)
-    return time.monotonic() - t0, json.loads((root / "final.json").read_text())["params_sha256"]
+    wall = time.monotonic() - t0
+    return wall, step_time_s(root), json.loads((root / "final.json").read_text())["params_sha256"]
 
 
 def main() -> int:
@@ -188,14 +204,16 @@ def main() -> int:
     opts = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-goodput-"))
     try:
-        reference_s, golden = uninterrupted(work / "golden" / "run", opts.steps, opts.save_every)
+        reference_s, reference_steps_s, golden = uninterrupted(
+            work / "golden" / "run", opts.steps, opts.save_every
+        )
         print(f"uninterrupted (torchrun): {reference_s:.1f} s for {opts.steps} steps", flush=True)
         for every in (float(f) for f in opts.every.split(",")):
             for variant in opts.variants.split(","):
                 root = work / f"{variant}-{every:.0f}" / "run"
                 root.parent.mkdir(parents=True)
                 run = faulted(variant, every, root, opts.steps, opts.save_every, golden, opts.seed)
-                print(run.row(reference_s), flush=True)
+                print(run.row(reference_s, reference_steps_s), flush=True)
     except SystemExit:
         print(f"kept for a look: {work}", file=sys.stderr)
         raise

@@ -1,7 +1,8 @@
-"""The standby gate of the reference trainer (supervisor/resumable/_standby.py): without the watchdog's
-variable it is a no-op; with it, the rank says it is ready and waits for the release file, or
-exits 0 once the watchdog that started it is gone. The end-to-end use (a relaunch taken from the
-standby) is in tests/test_watch_e2e.py."""
+"""The standby gate (supervisor/resumable/_standby.py), which importing supervisor.resumable
+passes: without the watchdog's variable it is a no-op; with it, the rank says it is ready and
+waits for the release file, or exits 0 once the watchdog that started it is gone. The end-to-end
+use (a relaunch taken from the standby) is in tests/test_watch_e2e.py (the reference trainer) and
+tests/test_examples_drill.py (a user's loop, ``drill --standby``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 import threading
 
 import pytest
+from commands import REPO
 from waiting import wait_for
 
 from supervisor.format.heartbeat import ENV_STANDBY_RELEASE, ENV_WATCHDOG_PID
@@ -74,3 +76,28 @@ def test_a_standby_is_a_tree_of_its_own(tmp_path):
         launch.kill(0.0)
         spare.kill(0.0)
     assert spare.tree() == []
+
+
+def test_importing_the_api_is_the_gate_and_the_ranks_children_are_not_gated(tmp_path):
+    """A user's loop that only imports ``supervisor.resumable`` waits at the import until released;
+    once through, the watchdog's variable is gone from its environment (its DataLoader workers,
+    which import the package again, must not wait)."""
+    release = tmp_path / "release"
+    code = (
+        f"import os, supervisor.resumable; print(os.environ.get({ENV_STANDBY_RELEASE!r}, 'gone'), flush=True)"
+    )
+    env = dict(
+        os.environ, **{ENV_STANDBY_RELEASE: str(release), ENV_WATCHDOG_PID: str(os.getpid()), "RANK": "3"}
+    )
+    rank = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True, cwd=REPO
+    )
+    try:
+        wait_for((tmp_path / standby_ready_filename(3)).exists, "the rank's ready file", proc=rank)
+        assert rank.poll() is None  # ready, imports done, and waiting: nothing released it
+        release.write_text("go\n")
+        out, _ = rank.communicate(timeout=120)
+    finally:
+        rank.kill()
+        rank.wait()
+    assert (rank.returncode, out.strip()) == (0, "gone")

@@ -63,7 +63,6 @@ from supervisor.resumable import (
     full_tensor,
     install_signals,
     refuse_start,
-    wait_if_standby,
 )
 from supervisor.signing import SigningKeyError, add_signing_key_arg, load_key
 from supervisor.store.retention_policy import add_retention_args, policy_from_args
@@ -165,7 +164,6 @@ def init_group(backend: str, alone: bool) -> None:
 def init_distributed() -> Dist:
     """The process group, and this rank's device: ``devices.device_index`` (LOCAL_RANK when every
     local rank has its own visible GPU, device 0 when the process sees exactly one)."""
-    wait_if_standby()  # a launch started ahead of a failure (watch --standby) waits here
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     alone = "WORLD_SIZE" not in os.environ
     if alone:

@@ -31,9 +31,6 @@ ROSTER_VERSION = 1
 # come in the standby's release file.
 ENV_GROUP = "SUPERVISOR_GROUP"
 RELEASED = "release"
-# Set by the ranks' gate once it joined them to the group (the generation): a trainer that never
-# called the gate trains alone on its node, which Resumable refuses.
-ENV_GROUP_JOINED = "SUPERVISOR_GROUP_JOINED"
 
 
 @dataclass(frozen=True)
@@ -88,7 +85,6 @@ class GroupFacts:
             "MASTER_ADDR": self.master_addr,
             "MASTER_PORT": str(self.master_port),
             "TORCHELASTIC_USE_AGENT_STORE": "False",
-            ENV_GROUP_JOINED: str(self.generation),
         }
 
 

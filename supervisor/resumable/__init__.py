@@ -6,6 +6,12 @@ Everything public is in ``__all__``; the modules beside this file are private (t
 with ``_``) and may change. Nothing torch-free imports this package: the watchdog and the login-node
 commands (``python -m supervisor status|ckpt|watch``) never load torch (tests/test_layers.py).
 
+In a launch the watchdog started ahead of a failure (``watch --standby``, a hot spare), importing
+this package is the standby's gate (``wait_if_standby``): the import returns once the watchdog
+released the launch, so a user's loop that imports it before ``init_process_group`` (at the top,
+as everyone does) waits there, imports done, without a call of its own. Anywhere else the import
+does not wait.
+
 Extension hooks of ``Resumable`` (override in a subclass, as the reference trainer does): see its
 class docstring.
 
@@ -43,6 +49,8 @@ from supervisor.resumable._sampler import ByIndex, ResumableBatchSampler, Sample
 from supervisor.resumable._standby import wait_if_standby
 from supervisor.resumable._tiering import RemoteOptions
 from supervisor.resumable._train_state import TrainState
+
+wait_if_standby()  # a standby launch waits here for its release (no-op otherwise, and once passed)
 
 # name -> (private module, the extra that installs its framework): imported on first use, so
 # ``import supervisor.resumable`` never imports Lightning, Accelerate or transformers.

@@ -99,7 +99,6 @@ from supervisor.resumable._safe_load import CorruptRecord, PeerLoadFailed, load_
 from supervisor.resumable._sanity import LOSS_WINDOW, ResumeSanity
 from supervisor.resumable._save_policy import DEFAULT_MAX_FAILED_SAVES, SavePolicy
 from supervisor.resumable._signals import PreemptionFlag, on_uncaught, record_uncaught, register_stack_dump
-from supervisor.resumable._standby import group_problem
 from supervisor.resumable._step_clock import StepClock
 from supervisor.resumable._tiering import RemoteOptions
 from supervisor.resumable._train_state import RANK_ITEMS, seed_rank_rng
@@ -550,9 +549,7 @@ class Resumable:
             self._hb.folder, self._hb.within, self.rank, lambda: self.state.step
         )
         on_uncaught(self._hb.died)  # the exception that ends this rank, in its last heartbeat
-        self._problem = (
-            group_problem() or install_signals() or self._saves.problem() or self._remote_problem()
-        )
+        self._problem = install_signals() or self._saves.problem() or self._remote_problem()
         self._uploader: Uploader | None = None  # rank 0 with a remote, from resume() on
         remote = bool(self._options.remote.url) and self.rank == 0
         run = CheckpointInfo(

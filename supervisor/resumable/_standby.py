@@ -9,6 +9,11 @@
   the master's address) from the watchdog's facts: in the environment for a launch started cold,
   in the release file for a standby.
 
+Importing ``supervisor.resumable`` passes the gate (a user's loop needs no call of its own, nor
+does the reference trainer); a later call returns at once. Once passed, the
+watchdog's variables are taken out of the environment: the rank's own children (DataLoader
+workers that import the package again) must not wait, nor join a group.
+
 Without the watchdog's variables this returns at once."""
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from supervisor.format.atomic import atomic_write_text, pid_alive
 from supervisor.format.capped import RECORD_MAX, read_capped
 from supervisor.format.heartbeat import ENV_STANDBY_RELEASE, ENV_WATCHDOG_PID
 from supervisor.format.layout import standby_ready_filename
-from supervisor.format.roster import ENV_GROUP, ENV_GROUP_JOINED, RELEASED, GroupFacts
+from supervisor.format.roster import ENV_GROUP, RELEASED, GroupFacts
 
 POLL_S = 0.005  # a stat every 5 ms: negligible, and the release costs at most this
 # What the trainer would import lazily after the gate (measured: ~235 modules during main, most of
@@ -42,6 +47,8 @@ def wait_if_standby() -> None:
     if group:
         text = group if group != RELEASED else read_capped(release or "", RECORD_MAX).decode()
         join_group(GroupFacts.parse(text))
+    os.environ.pop(ENV_STANDBY_RELEASE, None)
+    os.environ.pop(ENV_GROUP, None)
 
 
 def _wait(release: Path) -> None:
@@ -63,14 +70,3 @@ def join_group(facts: GroupFacts) -> None:
     local = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     os.environ.update(facts.environ(local, local_world))
-
-
-def group_problem() -> str:
-    """Why this rank must not train: a launch under a roster whose trainer never called the gate
-    (its node's ranks would form a group of their own and train alone); '' otherwise."""
-    if os.environ.get(ENV_GROUP) and not os.environ.get(ENV_GROUP_JOINED):
-        return (
-            "this launch follows a roster (SLURM hot spares): call supervisor.resumable.wait_if_standby() "
-            "before init_process_group, which joins this node's ranks to the job's group"
-        )
-    return ""
