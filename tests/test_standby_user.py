@@ -27,16 +27,10 @@ pytestmark = pytest.mark.slow
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 STEPS, SAVE_EVERY, HOLD_AT = 30, 5, 12
-WATCH = [
-    "--hang-timeout",
-    "60",
-    "--poll-interval",
-    "0.2",
-    "--backoff-initial",
-    "0.5",
-    "--backoff-jitter",
-    "0",
-]
+# The held ranks beat no heartbeat (the hook has none to beat) for as long as the standby takes to
+# get ready: a hang timeout as long as the test's patience, so no verdict cuts the hold short.
+WATCH = ["--hang-timeout", f"{PATIENCE_S:g}", "--poll-interval", "0.2", "--backoff-initial", "0.5"]
+WATCH += ["--backoff-jitter", "0"]
 
 
 def plain_loop(root: Path) -> list[str]:
