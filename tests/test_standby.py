@@ -2,7 +2,7 @@
 passes: without the watchdog's variable it is a no-op; with it, the rank says it is ready and
 waits for the release file, or exits 0 once the watchdog that started it is gone. The end-to-end
 use (a relaunch taken from the standby) is in tests/test_watch_e2e.py (the reference trainer) and
-tests/test_examples_drill.py (a user's loop, ``drill --standby``)."""
+tests/test_standby_user.py (a user's loop, examples/plain_loop.py)."""
 
 from __future__ import annotations
 

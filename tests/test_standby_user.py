@@ -5,7 +5,6 @@ standby, and the run ends bit-identical to the script's own uninterrupted run.""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from commands import REPO
+from trainer_helpers import digest
 from waiting import PATIENCE_S, wait_for, wait_held, watchdog_events
 from watch_helpers import events, finish, leftovers, of, watch_argv
 
@@ -38,10 +38,6 @@ def plain_loop(root: Path) -> list[str]:
         TORCHRUN, "--standalone", "--nproc-per-node=2", "examples/plain_loop.py",
         "--ckpt-root", str(root), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--num-workers", "2",
     ]  # fmt: skip
-
-
-def digest(root: Path) -> str:
-    return json.loads((root / "final.json").read_text())["params_sha256"]
 
 
 def test_a_users_loop_relaunches_from_the_standby_its_import_of_the_api_gated(tmp_path: Path) -> None:
