@@ -32,7 +32,6 @@ from straggler_helpers import cpu_cgroup_root, cpu_limit
 from supervisor.format import events
 from supervisor.format import eventtypes as ev
 from supervisor.format.badnodes import read_bad_nodes
-from supervisor.format.eventtypes import Logged
 from supervisor.report import build_report
 from train_ref import hold
 
@@ -117,7 +116,11 @@ def test_straggler_a_rank_limited_by_a_cpu_quota_is_named_with_its_node(
     cluster4: Cluster, submit_here: Callable[..., tuple[Job, Path]]
 ) -> None:
     """n3's rank gets a fifth of a CPU after step 5: node 0's watchdog flags it (compute-slow,
-    its own compute against its three peers' median), naming rank and node, and status shows it."""
+    its own compute against its three peers' median), naming rank and node, and status shows it.
+
+    The test waits for that rank's flag, not for the first flag: on CI's two cores, shared with the
+    other nodes and other work, an unlimited rank starved for seconds really computes slower than
+    its peers and may be flagged first (one was, at 2.86x). No flag may name n3 as another rank."""
     job, gate = submit_here(
         *TRAIN,
         "--parallel",
@@ -136,15 +139,22 @@ def test_straggler_a_rank_limited_by_a_cpu_quota_is_named_with_its_node(
     with cpu_limit([pid], 0.2):
         hold.release(gate)
 
-        def flagged() -> Logged[ev.Event] | None:
+        def flags() -> list[ev.Straggler]:
             evs = events.read_logged(events.events_path(job.run_dir, 0))
-            return next((e for e in evs if isinstance(e.event, ev.Straggler)), None)
+            return [e.event for e in evs if isinstance(e.event, ev.Straggler)]
 
-        e = job.wait_until("node 0's watchdog to flag a straggler", flagged)
-        assert isinstance(e, Logged) and isinstance(e.event, ev.Straggler), e
-        assert (e.event.rank, e.event.host, e.event.kind) == (rank, "n3", "compute"), e
-        assert f"rank {rank} on n3 computes" in e.msg
-        report = job.wait_until("status to show it", lambda: build_report(job.run_dir).stragglers)
-        assert isinstance(report, tuple) and f"rank {rank} on n3" in report[0]
+        def flagged() -> ev.Straggler | None:
+            return next((f for f in flags() if f.rank == rank), None)
+
+        f = job.wait_until(f"node 0's watchdog to flag rank {rank}", flagged)
+        assert isinstance(f, ev.Straggler) and (f.host, f.kind) == ("n3", "compute"), f
+        others = [o for o in flags() if o.rank != rank]
+        print("flags of other ranks (starved by the machine's other work):", others)
+        assert all(o.host != "n3" for o in others), others
+
+        def shown() -> str | None:
+            return next((s for s in build_report(job.run_dir).stragglers if f"rank {rank} on n3" in s), None)
+
+        assert job.wait_until("status to show it", shown)
     cluster4.run("scancel", job.job_id)
     job.wait_done()

@@ -24,7 +24,10 @@ SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 ELASTIC_LOG_DIR_ENV = "PET_LOG_DIR"
 DEFAULT_POLL_S = 0.5
 DEFAULT_KILL_GRACE_S = 10.0
-DEFAULT_DUMP_WAIT_S = 2.0
+# Only a bound for a rank that never answers (its handler cannot run, its reporter thread cannot get
+# the GIL): the wait ends as soon as every rank has answered. 2 s was too short on a loaded node, where
+# a waiting rank's reporter answered later and the verdict lost the collective and its culprit.
+DEFAULT_DUMP_WAIT_S = 10.0
 # With --remote and nothing valid locally, how long to wait for an unreachable remote before giving up.
 DEFAULT_REMOTE_WAIT_S = 600.0
 # After SIGKILL, how long to wait for the tree to be reaped before naming what is left (a process
