@@ -133,18 +133,24 @@ def _written(folder: Path, ix: memsnap.RankIndex, slot: int = 0) -> memsnap.Rank
     return ix
 
 
-def test_verify_catches_a_flipped_byte_and_a_short_file(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mapped", [False, True], ids=["read (the watchdog)", "mapped (the rank)"])
+def test_verify_catches_a_flipped_byte_and_a_short_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mapped: bool
+) -> None:
+    """Read in chunks smaller than a tensor (into one reused buffer) or hashed from a mapping,
+    the checksum is the one over each tensor's bytes whole."""
+    monkeypatch.setattr(memsnap, "READ_CHUNK", 7)
     ix = _written(tmp_path, _index())
     ((slot, read),), problems = memsnap.read_slots(tmp_path)
     assert (slot, read, problems) == (0, ix, [])
-    assert memsnap.verify_rank(tmp_path, 0, ix) == ""
+    assert memsnap.verify_rank(tmp_path, 0, ix, mapped=mapped) == ""
     path = memsnap.data_path(tmp_path, 0, 0)
     raw = bytearray(path.read_bytes())
-    raw[ix.tensors[1].offset] ^= 1
+    raw[ix.tensors[1].offset + ix.tensors[1].nbytes - 1] ^= 1
     path.write_bytes(bytes(raw))
-    assert "checksum" in memsnap.verify_rank(tmp_path, 0, ix)
+    assert "checksum" in memsnap.verify_rank(tmp_path, 0, ix, mapped=mapped)
     path.write_bytes(bytes(raw[:-1]))
-    assert "135 bytes, its index says 136" in memsnap.verify_rank(tmp_path, 0, ix)
+    assert "135 bytes, its index says 136" in memsnap.verify_rank(tmp_path, 0, ix, mapped=mapped)
 
 
 def test_records_are_checked_and_a_pick_never_names_a_folder_outside(tmp_path: Path) -> None:

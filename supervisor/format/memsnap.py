@@ -35,6 +35,7 @@ import base64
 import contextlib
 import json
 import math
+import mmap
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -480,12 +481,22 @@ def complete(folder: Path, indexes: Sequence[tuple[int, RankIndex]]) -> list[Nod
     return sorted(out, key=lambda s: -s.step)
 
 
-def verify_rank(folder: Path, slot: int, ix: RankIndex, progress: Callable[[int], None] | None = None) -> str:
-    """'' when the rank's data file holds what its index says (size, checksum), else why not (one
-    line naming the file). Read with pread, never mapped: a file truncated meanwhile is a short
-    read, not a SIGBUS."""
-    import xxhash  # here: listing never hashes
+class _Short(Exception):
+    """A data file ended before a tensor its index names (truncated meanwhile)."""
 
+
+def verify_rank(
+    folder: Path,
+    slot: int,
+    ix: RankIndex,
+    progress: Callable[[int], None] | None = None,
+    mapped: bool = False,
+) -> str:
+    """'' when the rank's data file holds what its index says (size, checksum), else why not (one
+    line naming the file). Read with pread into one reused buffer: a file truncated meanwhile is a
+    short read, not a SIGBUS (the watchdog reads here: it must outlive any file). ``mapped``: hashed
+    where it lies in a mapping, no copy, for the rank about to copy from that mapping (it risks a
+    truncation's SIGBUS anyway; the watchdog verified the file just before its pick)."""
     path = data_path(folder, slot, ix.rank)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -495,21 +506,39 @@ def verify_rank(folder: Path, slot: int, ix: RankIndex, progress: Callable[[int]
         size = os.fstat(fd).st_size
         if size != ix.size:
             return f"{path}: {size} bytes, its index says {ix.size}"
-        h = xxhash.xxh3_128()
-        for t in ix.tensors:
-            done = 0
-            while done < t.nbytes:
-                chunk = os.pread(fd, min(READ_CHUNK, t.nbytes - done), t.offset + done)
-                if not chunk:
-                    return f"{path}: short read at {t.offset + done}"
-                h.update(chunk)
-                done += len(chunk)
-                if progress is not None:
-                    progress(len(chunk))
+        if not (mapped and size):  # an empty file cannot be mapped
+            return _compare(path, ix, _read(fd, ix, progress))
+        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mm, memoryview(mm) as view:
+            return _compare(path, ix, (view[t.offset : t.offset + t.nbytes] for t in ix.tensors))
     except OSError as e:
         return f"{path}: {e.strerror}"
+    except _Short as e:
+        return f"{path}: short read at {e}"
     finally:
         os.close(fd)
+
+
+def _read(fd: int, ix: RankIndex, progress: Callable[[int], None] | None) -> Iterator[memoryview]:
+    """The tensors' bytes in index order, in chunks read into one buffer (each valid until the next)."""
+    buf = memoryview(bytearray(READ_CHUNK))
+    for t in ix.tensors:
+        done = 0
+        while done < t.nbytes:
+            n = os.preadv(fd, [buf[: min(READ_CHUNK, t.nbytes - done)]], t.offset + done)
+            if not n:
+                raise _Short(t.offset + done)
+            yield buf[:n]
+            done += n
+            if progress is not None:
+                progress(n)
+
+
+def _compare(path: Path, ix: RankIndex, chunks: Iterator[memoryview]) -> str:
+    import xxhash  # here: listing never hashes
+
+    h = xxhash.xxh3_128()
+    for chunk in chunks:
+        h.update(chunk)
     if h.hexdigest() != ix.checksum:
         return f"{path}: checksum {h.hexdigest()[:16]}... differs from its index's {ix.checksum[:16]}... (step {ix.step})"
     return ""

@@ -422,7 +422,7 @@ class MemoryTier:
             template = _structure(ix, state)
         except (memsnap.SnapshotError, memsnap.Unsupported) as e:
             return str(e)
-        why = memsnap.verify_rank(folder, pick.slot, ix)
+        why = memsnap.verify_rank(folder, pick.slot, ix, mapped=True)
         return why or Planned(pick, ix, folder, template)
 
     def load(self, planned: Planned, state: Any, extra: Stateful | None) -> Mapping[str, Any]:
