@@ -89,10 +89,6 @@ class Run:
         )
 
 
-def step_time_s(root: Path) -> float:
-    return sum(m.step_time for m in read_metrics(RunDir.of(root).metrics))
-
-
 def train(root: Path, steps: int, save_every: int) -> list[str]:
     return [
         "-m", "train_ref.train", "--config", "tiny", "--parallel", "ddp", "--num-workers", "0",
@@ -173,8 +169,9 @@ def faulted(
     run.wall_s = time.monotonic() - t0
     if p.returncode != 0:
         raise SystemExit(f"{variant} F={every_s}: exit {p.returncode}; see {root.parent / f'{variant}.log'}")
-    run.redone = len(read_metrics(RunDir.of(root).metrics)) - steps
-    run.step_time_s = step_time_s(root)
+    logged_steps = read_metrics(RunDir.of(root).metrics)  # every step's record, redone ones too
+    run.redone = len(logged_steps) - steps
+    run.step_time_s = sum(m.step_time for m in logged_steps)
     run.recoveries = [
         e["phases"]["total"]
         for e in read_events(events_path(root))
@@ -191,7 +188,11 @@ def uninterrupted(root: Path, steps: int, save_every: int) -> tuple[float, float
     cmd = [TORCHRUN, "--standalone", f"--nproc-per-node={NPROC}", *train(root, steps, save_every)]
     subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True)
     wall = time.monotonic() - t0
-    return wall, step_time_s(root), json.loads((root / "final.json").read_text())["params_sha256"]
+    return (
+        wall,
+        sum(m.step_time for m in read_metrics(RunDir.of(root).metrics)),
+        json.loads((root / "final.json").read_text())["params_sha256"],
+    )
 
 
 def main() -> int:

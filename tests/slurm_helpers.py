@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from commands import REPO, supervisor_cmd
+from trainer_helpers import digest
 from waiting import wait_for
 
 from supervisor import slurm
@@ -180,7 +181,7 @@ class Job:
         return read_metrics(RunDir.of(self.run_dir).metrics)
 
     def digest(self) -> str:
-        return json.loads((self.run_dir / "final.json").read_text())["params_sha256"]
+        return digest(self.run_dir)
 
     def requeue_state(self) -> dict:
         return json.loads(slurm.requeue_path(self.run_dir).read_text())
@@ -315,7 +316,7 @@ def golden_digest(root: Path, nodes: int, train: tuple[str, ...], timeout: float
     ]
     outs = [p.communicate(timeout=timeout)[0] for p in procs]
     assert [p.returncode for p in procs] == [0] * nodes, "\n".join(o[-3000:] for o in outs)
-    return json.loads((root / "final.json").read_text())["params_sha256"]
+    return digest(root)
 
 
 def free_port() -> int:

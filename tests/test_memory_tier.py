@@ -8,7 +8,6 @@ reason."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from commands import REPO
+from trainer_helpers import digest
 from waiting import PATIENCE_S
 
 from supervisor.format import memsnap
@@ -64,10 +64,6 @@ def losses(root: Path) -> dict[int, float]:
 
 def first_step_of(root: Path, launch: str) -> int:
     return next(m.step for m in read_metrics(root / "metrics.jsonl") if m.launch == launch)
-
-
-def digest(root: Path) -> str:
-    return json.loads((root / "final.json").read_text())["params_sha256"]
 
 
 @pytest.fixture(scope="module")

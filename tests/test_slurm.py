@@ -13,7 +13,6 @@ is installed but does not start is a failure.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -35,6 +34,7 @@ from slurm_helpers import (
     running_cluster,
     submit,
 )
+from trainer_helpers import digest
 
 from supervisor.format import events
 from supervisor.format.exitcodes import Exit
@@ -70,7 +70,7 @@ def golden_digest(root: Path, steps: int) -> str:
     assert r.returncode == 0, (
         f"golden torchrun failed ({r.returncode}):\n{r.stdout[-3000:]}{r.stderr[-3000:]}"
     )
-    return json.loads((root / "final.json").read_text())["params_sha256"]
+    return digest(root)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ so the run is still running by construction."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -15,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from trainer_helpers import digest
 from waiting import wait_for, wait_held, watchdog_events
 from watch_helpers import events, finish, leftovers, start_watchdog
 
@@ -56,10 +56,6 @@ def held_at(tmp_path: Path) -> Path:
     gate = tmp_path / "hold"
     hold.hold_at(gate, HOLD_AT)
     return gate
-
-
-def digest(root: Path) -> str:
-    return json.loads((root / "final.json").read_text())["params_sha256"]
 
 
 @pytest.fixture(scope="module")
