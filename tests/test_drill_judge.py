@@ -383,6 +383,21 @@ def test_a_hang_judged_wrong_fails_with_its_reason(events, failing, says):
     assert any(says in c.detail for c in v.checks if c.name in failing)
 
 
+@pytest.mark.parametrize("picked", [True, False], ids=["memory pick", "no pick"])
+def test_a_hang_resumed_from_the_memory_tier_passes_only_from_the_watchdogs_pick(picked: bool) -> None:
+    """Under the memory tier a hang resumes from the snapshot of the last step every rank
+    finished (16 here, after the disk's 10): the periodic check accepts it when the watchdog
+    picked that snapshot; a resume from a step no checkpoint or pick holds still fails."""
+    pick = ev.MemoryPick(step=16, launch=2, folder="/m", ranks=2, bytes=1, verify_s=0.1, disk_step=10)
+    events = hang_events() + ([logged(T0 + 16.5, pick)] if picked else [])
+    events.sort(key=lambda e: e.t)
+    v = hang_verdict(events, drill=faithful_run(kill_at=17, resume_from=16))
+    detail = {c.name: (c.ok, c.detail) for c in v.checks}
+    ok, says = detail["resumed from the last periodic checkpoint"]
+    assert ok == picked, says
+    assert ("the memory snapshot of step 16" if picked else "newest periodic checkpoint step 10") in says
+
+
 def test_a_culprit_without_its_stack_fails():
     events = hang_events()
     events[1].event.culprits[0]["frames"] = []

@@ -402,7 +402,9 @@ def hang_trials(
     with its stack, and the collective the others wait in (where the kind involves one), in time
     (``timeout_s``: the train timeout; 0: only the verdict's own lateness is judged); a
     self-inflicted one (no signal cures it) also needed SIGKILL, and resumed from the newest
-    periodic checkpoint, not from one the hung launch wrote on its way out (exit 75)."""
+    periodic checkpoint, not from one the hung launch wrote on its way out (exit 75), or, under
+    the memory tier, from the snapshot the watchdog picked (taken at a step end every rank
+    reached, never by a hung launch; not older than the disk's newest)."""
     out = []
     for i, (fault, window) in enumerate(zip(injected, windows, strict=False)):
         if fault.kind not in HANGS:
@@ -525,11 +527,20 @@ def _resumed_periodic(
         problems.append(f"the launch ended as {end.outcome}, not a hang")
     if Exit.REQUEUE in codes:
         problems.append(f"a rank exited {int(Exit.REQUEUE)}: it checkpointed, so it was not stuck")
-    if resume.ckpt_step != newest or resume.ckpt_step % save_every:
+    memory = next(
+        (e.event for e in ev.every(window, ev.MemoryPick) if e.event.step == resume.ckpt_step), None
+    )
+    if memory is not None:  # the memory tier's snapshot: one every rank finished, at a step end
+        if newest is not None and resume.ckpt_step < newest:
+            problems.append(
+                f"resumed from the memory snapshot of step {resume.ckpt_step}, older than step {newest} on disk"
+            )
+    elif resume.ckpt_step != newest or resume.ckpt_step % save_every:
         problems.append(f"resumed from step {resume.ckpt_step}, newest periodic checkpoint step {newest}")
     if problems:
         return False, f"{kind}: " + ", ".join(problems)
-    return True, f"{kind}: resumed from step {resume.ckpt_step} (rank exit codes {codes or 'none'})"
+    source = "the memory snapshot of step" if memory is not None else "step"
+    return True, f"{kind}: resumed from {source} {resume.ckpt_step} (rank exit codes {codes or 'none'})"
 
 
 def storage_checks(
