@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,7 +45,7 @@ sys.path.insert(0, str(REPO))
 from supervisor.format.events import events_path, read_events  # noqa: E402
 from supervisor.format.heartbeat import ENV_LAUNCH_ID  # noqa: E402
 from supervisor.format.layout import RunDir  # noqa: E402
-from supervisor.format.metrics import read_metrics  # noqa: E402
+from supervisor.format.metrics import MetricsRecord, read_metrics  # noqa: E402
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 NPROC = 2
@@ -87,6 +88,11 @@ class Run:
             f"{self.redone} steps redone ({self.redone / kills:.1f} per kill), {lost:.2f} s lost per kill "
             f"({split}), {rec}, digest {'equal' if self.digest_equal else 'DIFFERENT'}"
         )
+
+
+def step_time_s(logged: Sequence[MetricsRecord]) -> float:
+    """The steps' own time summed (redone and slowed steps included)."""
+    return sum(m.step_time for m in logged)
 
 
 def train(root: Path, steps: int, save_every: int) -> list[str]:
@@ -171,7 +177,7 @@ def faulted(
         raise SystemExit(f"{variant} F={every_s}: exit {p.returncode}; see {root.parent / f'{variant}.log'}")
     logged_steps = read_metrics(RunDir.of(root).metrics)  # every step's record, redone ones too
     run.redone = len(logged_steps) - steps
-    run.step_time_s = sum(m.step_time for m in logged_steps)
+    run.step_time_s = step_time_s(logged_steps)
     run.recoveries = [
         e["phases"]["total"]
         for e in read_events(events_path(root))
@@ -190,7 +196,7 @@ def uninterrupted(root: Path, steps: int, save_every: int) -> tuple[float, float
     wall = time.monotonic() - t0
     return (
         wall,
-        sum(m.step_time for m in read_metrics(RunDir.of(root).metrics)),
+        step_time_s(read_metrics(RunDir.of(root).metrics)),
         json.loads((root / "final.json").read_text())["params_sha256"],
     )
 

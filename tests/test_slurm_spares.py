@@ -32,6 +32,7 @@ from straggler_helpers import cpu_cgroup_root, cpu_limit
 from supervisor.format import events
 from supervisor.format import eventtypes as ev
 from supervisor.format.badnodes import read_bad_nodes
+from supervisor.format.eventtypes import Logged
 from supervisor.report import build_report
 from train_ref import hold
 
@@ -139,18 +140,20 @@ def test_straggler_a_rank_limited_by_a_cpu_quota_is_named_with_its_node(
     with cpu_limit([pid], 0.2):
         hold.release(gate)
 
-        def flags() -> list[ev.Straggler]:
+        def flags() -> list[Logged[ev.Event]]:
             evs = events.read_logged(events.events_path(job.run_dir, 0))
-            return [e.event for e in evs if isinstance(e.event, ev.Straggler)]
+            return [e for e in evs if isinstance(e.event, ev.Straggler)]
 
-        def flagged() -> ev.Straggler | None:
-            return next((f for f in flags() if f.rank == rank), None)
+        def flagged() -> Logged[ev.Event] | None:
+            return next((e for e in flags() if getattr(e.event, "rank", None) == rank), None)
 
-        f = job.wait_until(f"node 0's watchdog to flag rank {rank}", flagged)
-        assert isinstance(f, ev.Straggler) and (f.host, f.kind) == ("n3", "compute"), f
-        others = [o for o in flags() if o.rank != rank]
+        e = job.wait_until(f"node 0's watchdog to flag rank {rank}", flagged)
+        assert isinstance(e, Logged) and isinstance(e.event, ev.Straggler), e
+        assert (e.event.host, e.event.kind) == ("n3", "compute"), e
+        assert f"rank {rank} on n3 computes" in e.msg
+        others = [o.event for o in flags() if getattr(o.event, "rank", None) != rank]
         print("flags of other ranks (starved by the machine's other work):", others)
-        assert all(o.host != "n3" for o in others), others
+        assert all(getattr(o, "host", None) != "n3" for o in others), others
 
         def shown() -> str | None:
             return next((s for s in build_report(job.run_dir).stragglers if f"rank {rank} on n3" in s), None)
