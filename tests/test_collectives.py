@@ -34,8 +34,9 @@ from supervisor.format.layout import (
     collectives_filename,
     collectives_request_filename,
     is_collectives_request,
+    stack_dump_filename,
 )
-from supervisor.watch import collectives, network
+from supervisor.watch import collectives, hangs, network
 from supervisor.watch.culprit import Probe, diagnose
 
 # ---------------------------------------------------------------- the record
@@ -241,21 +242,24 @@ def test_a_request_fifo_is_made_fresh_and_only_a_fifo_is_written_to(tmp_path):
     assert "not a FIFO" in problems[3] and "no request FIFO" in problems[4]
 
 
+# A rank whose main thread waits (for its stdin to close) with the library's stack dump and reporter.
 REPORTING_RANK = """
-import os, sys, time
+import sys
 from pathlib import Path
 import torch, torch.distributed as dist
+from supervisor.format.layout import stack_dump_filename
 from supervisor.resumable._collectives import CollectiveReporter
+from supervisor.resumable._signals import register_stack_dump
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 for _ in range(3):
     dist.all_reduce(torch.ones(2))
 dist.barrier()
 folder = Path(sys.argv[1])
 r = CollectiveReporter.start(folder, folder.parent, 0, lambda: 41)
+stacks = register_stack_dump(folder / stack_dump_filename(0), folder.parent) if r else None
 print("ready" if r else "off", flush=True)
 if r:
-    while not (folder / "done").exists():
-        time.sleep(0.01)
+    sys.stdin.read()
     r.close()
 """
 
@@ -274,9 +278,8 @@ def test_a_rank_answers_from_torchs_flight_recorder_while_its_main_thread_waits(
         timeout=120,
     )
     assert off.stdout.strip() == "off", off.stderr
-    p = subprocess.Popen(cmd, env={**env, ENV_FR_BUFFER: "64"}, stdout=subprocess.PIPE, text=True)
+    p = _reporting_rank(cmd, env)
     try:
-        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
         # gloo marks a collective finished in the recorder from a callback that may run after the
         # caller has returned, so a busy machine can show the last ones still running: ask again
         # (a new token each time) until all four are finished.
@@ -299,12 +302,47 @@ def test_a_rank_answers_from_torchs_flight_recorder_while_its_main_thread_waits(
         ]
         assert all(c.done and c.backend == "gloo" for c in g.recent)
         assert collectives.read_answer(folder / collectives_filename(0), "another") is None
-        (folder / "done").touch()
+        p.stdin.close()
         assert p.wait(timeout=60) == 0
     finally:
         p.kill()
         p.wait()
     assert "No such device" in collectives.request(folder, [0], "t2")[0]  # the rank is gone
+
+
+def _reporting_rank(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    """REPORTING_RANK started with the flight recorder on, once it says it is ready."""
+    p = subprocess.Popen(
+        cmd, env={**env, ENV_FR_BUFFER: "64"}, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    return p
+
+
+def test_a_hung_ranks_stacks_are_dumped_before_it_is_asked_so_its_answer_never_runs_under_the_walk(
+    tmp_path,
+):
+    """faulthandler walks every thread's frames from a signal handler without the GIL; a reporter
+    woken by the question at that moment runs Python under the walk, and a drill's rank died of
+    it (its dump cut mid-line, no answer). The watchdog dumps first, then asks: in the whole dump
+    the reporter is still waiting for the question, and the answer comes after it."""
+    folder = tmp_path / "node0"
+    p = _reporting_rank(
+        [sys.executable, "-c", REPORTING_RANK, str(folder)], dict(os.environ, PYTHONPATH=str(REPO))
+    )
+    try:
+        path = folder / stack_dump_filename(0)
+        dumps, unasked, answers = hangs.dump_then_ask(folder, {0: p.pid}, {0: path}, 30, "t1")
+        assert not unasked and (answers[0].token, answers[0].step) == ("t1", 41)
+        threads = dumps[0].strip().split("\n\n")
+        assert threads[-1].splitlines()[-1].endswith("in <module>"), dumps[0]  # the main thread: last
+        (reporter,) = [t for t in threads if "_collectives.py" in t]
+        assert reporter.splitlines()[1].endswith("in _run"), reporter  # waiting in its read
+        p.stdin.close()
+        assert p.wait(timeout=60) == 0
+    finally:
+        p.kill()
+        p.wait()
 
 
 # ---------------------------------------------------------------- the network

@@ -25,8 +25,9 @@ ELASTIC_LOG_DIR_ENV = "PET_LOG_DIR"
 DEFAULT_POLL_S = 0.5
 DEFAULT_KILL_GRACE_S = 10.0
 # Only a bound for a rank that never answers (its handler cannot run, its reporter thread cannot get
-# the GIL): the wait ends as soon as every rank has answered. 2 s was too short on a loaded node, where
-# a waiting rank's reporter answered later and the verdict lost the collective and its culprit.
+# the GIL): each wait ends as soon as every rank has answered. Generous, for a reporter thread starved
+# of CPU on a loaded node (the answers lost at 2 s were most likely ranks killed by the dump racing
+# the answer, which hangs.py now orders).
 DEFAULT_DUMP_WAIT_S = 10.0
 # With --remote and nothing valid locally, how long to wait for an unreachable remote before giving up.
 DEFAULT_REMOTE_WAIT_S = 600.0
@@ -92,7 +93,10 @@ class WatchConfig:
         group=HANG,
     )
     dump_wait_s: float = option(
-        "wait for stack dumps and the ranks' collectives", DEFAULT_DUMP_WAIT_S, flag="--dump-wait", group=HANG
+        "wait for stack dumps, then as long for the ranks' collectives",
+        DEFAULT_DUMP_WAIT_S,
+        flag="--dump-wait",
+        group=HANG,
     )
     flight_recorder: int = option(
         f"collectives torch's flight recorder keeps per rank ({ENV_FR_BUFFER}, set for each launch "

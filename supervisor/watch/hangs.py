@@ -93,7 +93,7 @@ class Hangs:
     def handle(
         self, child: process.Child, hangs: list[Hang], launch_id: str, detected: float, note: str = ""
     ) -> str:
-        """Ask every local rank what its flight recorder saw of its collectives and dump its stacks,
+        """Dump every local rank's stacks and ask it what its flight recorder saw of its collectives,
         name the stuck collective and the culprit (the rank that never entered it, else where each
         rank waits), log it with the dumps (``note`` first: what ranks that gave up waiting said),
         then kill the launch. Returns who hung it, for the launch's reason."""
@@ -104,10 +104,7 @@ class Hangs:
         procs = {r: process.proc_state(pid) for r, pid in targets.items()}  # before SIGCONT
         paths = {r: self.hb_dir / stack_dump_filename(r) for r in targets}
         token = f"{launch_id}.{time.time_ns()}"
-        unasked = collectives.request(self.hb_dir, targets, token)  # a stopped rank answers after SIGCONT
-        deadline = time.monotonic() + self.cfg.dump_wait_s
-        dumps = process.dump_stacks(targets, paths, self.cfg.dump_wait_s)
-        answers = collectives.collect(self.hb_dir, set(targets) - set(unasked), token, deadline)
+        dumps, unasked, answers = dump_then_ask(self.hb_dir, targets, paths, self.cfg.dump_wait_s, token)
         stuck = next(iter(collectives.find_stuck(answers)), None)
         diag = culprit.diagnose(
             (culprit.Probe(r, pid, *procs[r], dumps.get(r)) for r, pid in targets.items()),
@@ -150,6 +147,20 @@ class Hangs:
         )
         blame = "; ".join(f"culprit {f.describe()}" for f in diag.culprits)
         return "; ".join(p for p in (line, blame) if p) or who
+
+
+def dump_then_ask(
+    folder: Path, targets: Mapping[int, int], paths: Mapping[int, Path], wait_s: float, token: str
+) -> tuple[dict[int, str], dict[int, str], dict[int, CollectiveDump]]:
+    """Each rank's stack dump (``targets``: rank -> pid; returns rank -> its text), then each rank's
+    collectives (rank -> why it could not be asked; rank -> its answer); ``wait_s`` bounds each wait.
+    In this order: faulthandler walks every thread's frames from a signal handler, without the GIL,
+    and a reporter thread woken by the question at the same moment runs Python under that walk (a
+    drill on a loaded node: the rank died of it, its dump cut mid-line, answering nothing)."""
+    dumps = process.dump_stacks(targets, paths, wait_s)  # and SIGCONT: a stopped rank answers too
+    unasked = collectives.request(folder, targets, token)
+    answers = collectives.collect(folder, set(targets) - set(unasked), token, time.monotonic() + wait_s)
+    return dumps, unasked, answers
 
 
 def _answers(
