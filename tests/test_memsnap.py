@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 
 import pytest
-import xxhash
+from memsnap_helpers import index, written
 
 from supervisor.format import memsnap
 
@@ -73,20 +73,8 @@ def test_decode_refuses_a_tree_encode_never_makes(tree: object) -> None:
         memsnap.decode(tree, lambda ref, path: ref)
 
 
-def _index(
-    step: int = 5, rank: int = 0, local_rank: int = 0, lws: int = 1, **kw: object
-) -> memsnap.RankIndex:
-    entries, size = memsnap.layout([("float32", (3, 2)), ("bfloat16", (5,)), ("int64", ())])
-    fields = dict(
-        step=step, launch="L", rank=rank, local_rank=local_rank, local_world_size=lws, world_size=lws,
-        identity={"config_hash": "h"}, size=size, checksum="", tensors=tuple(entries), shared=None, own=None,
-    )  # fmt: skip
-    fields.update(kw)
-    return memsnap.RankIndex(**fields)  # type: ignore[arg-type]
-
-
 def test_layout_aligns_each_tensor_and_an_index_round_trips() -> None:
-    ix = _index()
+    ix = index()
     assert [t.offset % memsnap.ALIGN for t in ix.tensors] == [0, 0, 0]
     assert [t.nbytes for t in ix.tensors] == [24, 10, 8] and ix.size == 136
     assert memsnap.parse_index(json.dumps(ix.to_dict()).encode(), "x") == ix
@@ -105,32 +93,18 @@ def test_layout_aligns_each_tensor_and_an_index_round_trips() -> None:
     ],
 )
 def test_a_bad_index_is_refused_naming_what(change, why) -> None:
-    d = _index().to_dict()
+    d = index().to_dict()
     change(d)
     with pytest.raises(memsnap.SnapshotError, match=why):
         memsnap.parse_index(json.dumps(d).encode(), "idx")
 
 
 def test_complete_wants_every_local_rank_at_one_step_in_one_slot(tmp_path: Path) -> None:
-    two = [(0, _index(5, 0, 0, 2)), (0, _index(5, 1, 1, 2)), (1, _index(4, 0, 0, 2)), (0, _index(6, 1, 1, 2))]
+    two = [(0, index(5, 0, 0, 2)), (0, index(5, 1, 1, 2)), (1, index(4, 0, 0, 2)), (0, index(6, 1, 1, 2))]
     done = memsnap.complete(tmp_path, two)
     assert [(s.step, s.slot, sorted(s.ranks)) for s in done] == [(5, 0, [0, 1])]
-    split = [(0, _index(5, 0, 0, 2)), (1, _index(5, 1, 1, 2))]  # one rank's in the other slot
+    split = [(0, index(5, 0, 0, 2)), (1, index(5, 1, 1, 2))]  # one rank's in the other slot
     assert memsnap.complete(tmp_path, split) == []
-
-
-def _written(folder: Path, ix: memsnap.RankIndex, slot: int = 0) -> memsnap.RankIndex:
-    data = bytearray(ix.size)
-    for n, t in enumerate(ix.tensors):
-        data[t.offset : t.offset + t.nbytes] = bytes([n + 1]) * t.nbytes
-    h = xxhash.xxh3_128()
-    for t in ix.tensors:
-        h.update(bytes(data[t.offset : t.offset + t.nbytes]))
-    memsnap.slot_dir(folder, slot).mkdir(parents=True, exist_ok=True)
-    memsnap.data_path(folder, slot, ix.rank).write_bytes(bytes(data))
-    ix = memsnap.RankIndex(**{**ix.__dict__, "checksum": h.hexdigest()})
-    memsnap.write_record(memsnap.index_path(folder, slot, ix.rank), ix.to_dict())
-    return ix
 
 
 @pytest.mark.parametrize("mapped", [False, True], ids=["read (the watchdog)", "mapped (the rank)"])
@@ -140,7 +114,7 @@ def test_verify_catches_a_flipped_byte_and_a_short_file(
     """Read in chunks smaller than a tensor (into one reused buffer) or hashed from a mapping,
     the checksum is the one over each tensor's bytes whole."""
     monkeypatch.setattr(memsnap, "READ_CHUNK", 7)
-    ix = _written(tmp_path, _index())
+    ix = written(tmp_path, index())
     ((slot, read),), problems = memsnap.read_slots(tmp_path)
     assert (slot, read, problems) == (0, ix, [])
     assert memsnap.verify_rank(tmp_path, 0, ix, mapped=mapped) == ""
@@ -177,3 +151,20 @@ def test_records_are_checked_and_a_pick_never_names_a_folder_outside(tmp_path: P
 )
 def test_the_interval_keeps_the_copy_within_the_budget(copy_s, step_s, every, plan) -> None:
     assert memsnap.plan(copy_s, step_s, every) == plan
+
+
+def test_a_pinned_slot_makes_the_rank_busy_until_the_pin_goes(tmp_path: Path) -> None:
+    """The watchdog pins the slot it pushes to the buddy: the rank whose next snapshot would
+    overwrite it says busy in the step's control all-reduce (every rank then skips), and not for
+    the other slot, nor once the pin is gone (each change seen, whatever the stat cache holds)."""
+    from supervisor.resumable._memory import MemoryTier
+
+    tier = MemoryTier(tmp_path, rank=0, world_size=1, every=1)
+    nxt = (tier.first_slot + tier.snapshots) % memsnap.SLOTS
+    assert tier.flags()[0] == 0
+    memsnap.write_record(tmp_path / memsnap.PINNED, memsnap.Pinned(nxt, 4).to_dict())
+    assert tier.flags()[0] == 1
+    memsnap.write_record(tmp_path / memsnap.PINNED, memsnap.Pinned(1 - nxt, 5).to_dict())
+    assert tier.flags()[0] == 0
+    (tmp_path / memsnap.PINNED).unlink()
+    assert tier.flags()[0] == 0

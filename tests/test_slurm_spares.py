@@ -29,7 +29,7 @@ from slurm_helpers import DONE_STATES, TRAIN, Cluster, Job, golden_digest, node_
 from spare_helpers import DDP, NODES, SLURMD_TIMEOUT_S, generations, lose_a_node_to_the_spare
 from straggler_helpers import cpu_cgroup_root, cpu_limit
 
-from supervisor.format import events
+from supervisor.format import events, memsnap
 from supervisor.format import eventtypes as ev
 from supervisor.format.badnodes import read_bad_nodes
 from supervisor.format.eventtypes import Logged
@@ -74,6 +74,58 @@ def test_spare_takes_a_lost_nodes_place_without_a_requeue_digest_equal(
 ) -> None:
     took = lose_a_node_to_the_spare(cluster4, tmp_path, golden)
     print(f"node loss -> first step of the next launch: {took:.1f}s")
+
+
+def memory_folder(job: Job, node: int) -> Path:
+    """Node ``node``'s memory folder, as its watchdog's memory_dir event says."""
+    evs = events.read_logged(events.events_path(job.run_dir, node))
+    return Path(next(e.event.path for e in evs if isinstance(e.event, ev.MemoryDir) and e.event.path))
+
+
+def test_a_lost_nodes_rank_resumes_on_the_spare_from_its_replica_digest_equal(
+    cluster4: Cluster, submit_here: Callable[..., tuple[Job, Path]], golden: str
+) -> None:
+    """--memory-tier, a snapshot every step: each node's committed snapshot is kept by the next
+    node of the allocation (n2's by the spare n3). n2 is lost while the ranks hold after step 12,
+    once n3 keeps n2's newest committed snapshot: n3 takes n2's node rank and its rank resumes from
+    that replica, n1's from its own memory, at the same step, newer than the disk's; digest equal."""
+    job, gate = submit_here(
+        *DDP, "--memory-every", "1", hold_at=12, nodes=3, nproc_per_node=1, spares=1,
+        NODE_TIMEOUT_S="5", WATCH_OPTS="--memory-tier",
+    )  # fmt: skip
+    try:
+        job.wait_held(gate, 12)
+        own, kept = memory_folder(job, 1), memsnap.replica_dir(memory_folder(job, 2), 1)
+
+        def replicated() -> int | None:
+            mine, theirs = memsnap.read_commit(own), memsnap.read_commit(kept)
+            return mine.step if mine and theirs and mine.step == theirs.step else None
+
+        step = job.wait_until("n3 to keep n2's newest committed snapshot", replicated)
+        cluster4.kill_node("n2")
+        hold.release(gate)
+        info = job.wait_done()
+        assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), (
+            job.explain()
+        )
+        picks = {
+            node: [
+                e.event
+                for e in events.read_logged(events.events_path(job.run_dir, node))
+                if isinstance(e.event, ev.MemoryPick)
+            ]
+            for node in (0, 2)
+        }
+        (n1,), (n3,) = picks[0], picks[2]
+        assert (n1.step, n3.step) == (step, step), picks
+        assert n3.folder == str(kept) and n1.folder == str(memory_folder(job, 0)), picks
+        assert n3.disk_step is None or n3.disk_step < step, picks
+        assert job.digest() == golden
+    finally:
+        if job.info().get("JobState") not in DONE_STATES:
+            cluster4.run("scancel", job.job_id)
+            job.wait_done()
+        cluster4.start_node("n2")
 
 
 def test_bad_node_twice_left_out_then_excluded_from_the_requeue(

@@ -38,6 +38,10 @@ class EventName(str, Enum):
     MEMORY_DIR = "memory_dir"  # where this node's memory snapshots live (the memory tier), or why none
     MEMORY_PICK = "memory_pick"  # a relaunch resumes from a memory snapshot
     MEMORY_FALLBACK = "memory_fallback"  # a memory snapshot could not be used: the reason, then the disk
+    REPLICA = "replica"  # the buddy replica: this node's receiver listens, or why there is none
+    REPLICA_PUSHED = "replica_pushed"  # this node's snapshot kept by its buddy (the first, then each minute)
+    REPLICA_FAILED = "replica_failed"  # a push to the buddy failed (each new reason once)
+    REPLICA_SERVED = "replica_served"  # the receiver refused a push, or answered a pull
     STRAGGLER = "straggler"  # the judge (node 0) flags a rank: it computes, or arrives, late (stragglers.py)
     STRAGGLER_CLEARED = "straggler_cleared"  # a flagged rank keeps up again
     ROSTER = "roster"  # --roster: this node trains in a roster generation, at a node rank

@@ -323,6 +323,53 @@ class MemoryFallback(Event):
 
 
 @dataclass(frozen=True)
+class Replica(Event):
+    """At start, with --memory-tier on more than one node: where this node's replica receiver
+    listens and which node it pushes to ('' host: no replica, and why)."""
+
+    NAME = EventName.REPLICA
+    host: str
+    port: int
+    buddy: int  # the node this one pushes its snapshots to
+
+
+@dataclass(frozen=True)
+class ReplicaPushed(Event):
+    """This node's snapshot of ``step`` kept, verified, by its buddy (the first, then at most one a
+    minute: a push per committed snapshot would flood the log)."""
+
+    NAME = EventName.REPLICA_PUSHED
+    step: int
+    buddy: int
+    bytes: int
+    seconds: float
+    pushes: int  # since the last such event
+
+
+@dataclass(frozen=True)
+class ReplicaFailed(Event):
+    """A push to the buddy failed (unreachable, refused: the reason); each new reason once."""
+
+    NAME = EventName.REPLICA_FAILED
+    step: int
+    buddy: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class ReplicaServed(Event):
+    """This node's receiver refused a push (the reason), or answered a pull of a node's replica."""
+
+    NAME = EventName.REPLICA_SERVED
+    op: str  # push | pull
+    node: int
+    step: int
+    bytes: int
+    seconds: float
+    reason: str = ""
+
+
+@dataclass(frozen=True)
 class _StragglerVerdict(Event):
     rank: int
     host: str
@@ -558,7 +605,7 @@ _ALL: tuple[type[Event], ...] = (
     WatchdogStart, HeartbeatDir, Pick, Launch, LaunchEnd, Kill, Stop, RankDied, BlockedIo, Hang,
     StackDump, Relaunch, WatchdogExit, Preempt, Quarantine, Untrusted, IoRetry, StateUnreadable,
     RemoteUnavailable, SaveFailed, SaveRecovered, RootCause, Standby, Recovery, MemoryDir, MemoryPick,
-    MemoryFallback, Straggler, StragglerCleared, RosterJoined, Spare, Generation, NodeLost, Incident,
+    MemoryFallback, Replica, ReplicaPushed, ReplicaFailed, ReplicaServed, Straggler, StragglerCleared, RosterJoined, Spare, Generation, NodeLost, Incident,
     BadNode, BadNodesUnreadable, JobExit, DownloadWait, Downloaded, LocalQuarantined,
     RemoteQuarantined, RemoteUnreachable, UploadOk, UploadSkipped, UploadRefused, UploadDeferred,
     RemoteDown, RemoteBack, RemotePruned, LocalPruned,

@@ -100,6 +100,9 @@ STATUS_CACHE = "status_cache.json"
 # @record writes its own ELASTIC_ERROR under <run id>/attempt_<n>/<local rank>/.
 LAUNCHES = "launches"
 ELASTIC_ERROR = "error.json"
+# Under SUPERVISOR/REPLICAS: each node's replica receiver (node_NNNNN.json: memsnap.Endpoint) and the
+# job's secret its handshake uses without --signing-key (key, 0600): supervisor/watch/buddy.py.
+REPLICAS = "replica"
 # torchelastic's variable naming a process's error file: torchrun sets it for each worker (under its
 # log dir), the watchdog for the launched command; @record, and Resumable for an uncaught exception
 # (supervisor/resumable/_signals.py), write the exception there.
@@ -510,6 +513,15 @@ class RunDir:
     @property
     def remote_events(self) -> Path:
         return self.supervisor / REMOTE_EVENTS
+
+    def replica_endpoint(self, node: int) -> Path:
+        """Where node ``node``'s watchdog says its replica receiver listens (memsnap.Endpoint)."""
+        return self.supervisor / REPLICAS / f"node_{node:05d}.json"
+
+    @property
+    def replica_key(self) -> Path:
+        """The job's secret for the replica's handshake when no --signing-key is given (0600)."""
+        return self.supervisor / REPLICAS / "key"
 
     def launch_dir(self, launch_id: str) -> Path:
         """One launch's own files (the id as tmp names spell hosts: nothing but [A-Za-z0-9_-])."""

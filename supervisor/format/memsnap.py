@@ -10,6 +10,7 @@ verdict leaves the state of the last step behind for the relaunch.
       committed.json                      Commit: the newest step every rank of the job finished
       pick.json                           Pick: the watchdog's choice for the next launch
       rejected.json                       Rejected: a launch's ranks refused the pick (the reason)
+      pinned.json                         Pinned: the slot the watchdog is pushing to its buddy
       replica/<node>/slot0/...            a buddy node's committed snapshot, streamed here
 
 No pickle: the index is JSON (the state's structure, each non-tensor value, each tensor's dtype,
@@ -40,7 +41,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from supervisor.format.capped import RECORD_MAX, read_capped
 
@@ -51,6 +52,7 @@ INDEX_SUFFIX = ".json"
 COMMITTED = "committed.json"
 PICK = "pick.json"
 REJECTED = "rejected.json"
+PINNED = "pinned.json"
 REPLICA = "replica"
 # Offsets of tensors in a data file are multiples of this (aligned copies).
 ALIGN = 64
@@ -232,7 +234,8 @@ def layout(tensors: Sequence[tuple[str, tuple[int, ...]]]) -> tuple[list[TensorE
     return out, end
 
 
-def _nat(v: object) -> bool:
+def natural(v: object) -> TypeGuard[int]:
+    """An int >= 0, not a bool (JSON's true is not a step)."""
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
@@ -245,7 +248,7 @@ def parse_index(raw: bytes, where: str) -> RankIndex:
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         raise SnapshotError(f"{where}: not a memory snapshot index of format {FORMAT}")
     nat = ("step", "rank", "local_rank", "local_world_size", "world_size", "size")
-    bad = [k for k in nat if not _nat(d.get(k))]
+    bad = [k for k in nat if not natural(d.get(k))]
     bad += [k for k in ("launch", "checksum") if not isinstance(d.get(k), str)]
     bad += [k for k in ("identity", "meta") if not isinstance(d.get(k), dict)]
     if d.get("checksum_algo") != CHECKSUM:
@@ -276,7 +279,7 @@ def parse_index(raw: bytes, where: str) -> RankIndex:
 
 def _entry(t: object, size: int, where: str) -> TensorEntry:
     ok = isinstance(t, list) and len(t) == 4 and t[0] in DTYPE_SIZES and isinstance(t[1], list)
-    if not ok or not all(_nat(n) for n in t[1]) or not (_nat(t[2]) and _nat(t[3])):  # type: ignore[index]
+    if not ok or not all(natural(n) for n in t[1]) or not (natural(t[2]) and natural(t[3])):  # type: ignore[index]
         raise SnapshotError(
             f"{where}: a tensor entry that is not [dtype, shape, offset, nbytes]: {str(t)[:80]}"
         )
@@ -338,6 +341,57 @@ class Rejected:
         return {"format": FORMAT, "launch": self.launch, "step": self.step, "reason": self.reason}
 
 
+@dataclass(frozen=True)
+class Pinned:
+    """The watchdog pushes the snapshot of ``step`` in ``slot`` to its buddy: the ranks write no
+    snapshot into that slot until it is gone (their busy flag; the push would fail its checksum)."""
+
+    slot: int
+    step: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": FORMAT, "slot": self.slot, "step": self.step}
+
+
+def read_pinned(folder: Path) -> Pinned | None:
+    d = _record(folder / PINNED)
+    if d is None or not (d.get("slot") in range(SLOTS) and natural(d.get("step"))):
+        return None
+    return Pinned(d["slot"], d["step"])
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a node's watchdog receives its buddy's pushes and answers pulls (in the run dir:
+    layout.RunDir.replica_endpoint), for as long as process ``pid`` on ``host`` runs."""
+
+    node: int
+    host: str
+    port: int
+    pid: int
+    t: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "node": self.node,
+            "host": self.host,
+            "port": self.port,
+            "pid": self.pid,
+            "t": self.t,
+        }
+
+
+def read_endpoint(path: Path) -> Endpoint | None:
+    d = _record(path)
+    if d is None or not (natural(d.get("node")) and natural(d.get("pid")) and isinstance(d.get("host"), str)):
+        return None
+    port = d.get("port")
+    if not (natural(port) and 0 < port < 65536) or not d["host"]:
+        return None
+    return Endpoint(d["node"], d["host"][:255], port, d["pid"], float(d.get("t", 0.0) or 0.0))
+
+
 def _record(path: Path) -> dict[str, Any] | None:
     """A small JSON record of MEMDIR, or None when it is missing or not one."""
     try:
@@ -350,7 +404,7 @@ def _record(path: Path) -> dict[str, Any] | None:
 def read_commit(folder: Path) -> Commit | None:
     d = _record(folder / COMMITTED)
     if d is None or not (
-        _nat(d.get("step")) and d.get("slot") in range(SLOTS) and isinstance(d.get("launch"), str)
+        natural(d.get("step")) and d.get("slot") in range(SLOTS) and isinstance(d.get("launch"), str)
     ):
         return None
     return Commit(d["step"], d["slot"], d["launch"], float(d.get("t", 0.0) or 0.0))
@@ -358,7 +412,9 @@ def read_commit(folder: Path) -> Commit | None:
 
 def read_pick(folder: Path) -> Pick | None:
     d = _record(folder / PICK)
-    if d is None or not (_nat(d.get("launch")) and _nat(d.get("step")) and d.get("slot") in range(SLOTS)):
+    if d is None or not (
+        natural(d.get("launch")) and natural(d.get("step")) and d.get("slot") in range(SLOTS)
+    ):
         return None
     if not isinstance(d.get("folder"), str) or not _inside(d["folder"]):
         return None
@@ -367,7 +423,9 @@ def read_pick(folder: Path) -> Pick | None:
 
 def read_rejected(folder: Path) -> Rejected | None:
     d = _record(folder / REJECTED)
-    if d is None or not (_nat(d.get("launch")) and _nat(d.get("step")) and isinstance(d.get("reason"), str)):
+    if d is None or not (
+        natural(d.get("launch")) and natural(d.get("step")) and isinstance(d.get("reason"), str)
+    ):
         return None
     return Rejected(d["launch"], d["step"], d["reason"][:2000])
 

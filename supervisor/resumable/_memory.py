@@ -209,6 +209,7 @@ class MemoryTier:
         self.snapshots = 0  # taken by this launch: the slot alternates
         self.first_slot = 0
         self.uncommitted: tuple[int, int] | None = None  # (step, slot) of the last one, to commit
+        self._pin: tuple[tuple[int, int], int | None] | None = None  # pinned.json's (inode, mtime), slot
         self.copy_s = 0.0  # running copy time of one snapshot, and step time without snapshots
         self.step_s = 0.0
         self.blocked_s = 0.0  # the loop's time in snapshots and their waits, this launch
@@ -229,8 +230,21 @@ class MemoryTier:
     def flags(self) -> tuple[int, int, int]:
         """This rank's part of the step's control all-reduce (SUM): still copying, rank 0's
         interval, off."""
-        busy = self._pending is not None and not self._pending.done()
+        busy = (self._pending is not None and not self._pending.done()) or self._pinned()
         return int(busy), self.interval if self.rank == 0 else 0, int(bool(self.broken))
+
+    def _pinned(self) -> bool:
+        """The slot the next snapshot goes to is being pushed to the buddy (memsnap.Pinned). One
+        stat a step; the record is read only when it changed."""
+        try:
+            st = os.stat(self.folder / memsnap.PINNED)
+        except OSError:
+            self._pin = None
+            return False
+        if self._pin is None or self._pin[0] != (st.st_ino, st.st_mtime_ns):
+            pinned = memsnap.read_pinned(self.folder)
+            self._pin = ((st.st_ino, st.st_mtime_ns), pinned.slot if pinned else None)
+        return self._pin[1] == (self.first_slot + self.snapshots) % memsnap.SLOTS
 
     def due(self, step: int, busy: bool, interval: int, off: bool) -> bool:
         """Whether this step is snapshotted: the same answer on every rank (every input agreed, or

@@ -29,6 +29,8 @@ DEFAULT_KILL_GRACE_S = 10.0
 # of CPU on a loaded node (the answers lost at 2 s were most likely ranks killed by the dump racing
 # the answer, which hangs.py now orders).
 DEFAULT_DUMP_WAIT_S = 10.0
+# The buddy replica's bandwidth cap: a tenth of a 100 Gb/s link, a snapshot of 10 GB in 8 s.
+DEFAULT_REPLICA_MB_S = 1250.0
 # With --remote and nothing valid locally, how long to wait for an unreachable remote before giving up.
 DEFAULT_REMOTE_WAIT_S = 600.0
 # After SIGKILL, how long to wait for the tree to be reaped before naming what is left (a process
@@ -219,6 +221,24 @@ class WatchConfig:
         "watchdog owns it, picks from it before a relaunch, removes it at the end), every step or "
         "every N so the copy costs at most 3 percent: a relaunch redoes at most N - 1 steps (docs/tiers.md#the-memory-tier)",
         False,
+        group=RESTARTS,
+    )
+    nodes: int = option(
+        "nodes in the job (default $SLURM_JOB_NUM_NODES or 1): with --memory-tier and more than one, "
+        "each node's watchdog keeps a replica of the next node's memory snapshots (its buddy: node "
+        "i+1's of node i, in a ring)",
+        1,
+        env="SLURM_JOB_NUM_NODES",
+        check=POSITIVE,
+        group=RESTARTS,
+    )
+    replica_bandwidth: float = option(
+        "MB a second at most for pushing this node's memory snapshot to its buddy's replica, so it "
+        "never crowds the training network (0: no cap)",
+        DEFAULT_REPLICA_MB_S,
+        flag="--replica-bandwidth",
+        metavar="MB_S",
+        check=NOT_NEGATIVE,
         group=RESTARTS,
     )
     roster: str | None = option(

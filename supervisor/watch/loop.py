@@ -64,6 +64,7 @@ from supervisor.watch import (
     restart_policy,
     rootcause,
 )
+from supervisor.watch.buddy import Buddy
 from supervisor.watch.config import ELASTIC_LOG_DIR_ENV, SHARE_STORE_ENV, WatchConfig
 from supervisor.watch.hangs import Hangs
 from supervisor.watch.memory import Memory
@@ -116,6 +117,7 @@ class Watchdog:
         self.standby = Standby(cfg.root, self.host, self.log, lambda n: self._start_launch(n, standby=True))
         self.oom_kills: int | None = None  # the memory cgroup's OOM kills when the launch started
         self.memory = Memory(self.log)  # the memory tier's folder on this node (memory.py)
+        self.buddy: Buddy | None = None  # its replica on the next node, and the previous one's here
         self.follower = (
             RosterFollower(cfg.root, cfg.roster, cfg.node, self.log, self._save, self._publish, self._poke)
             if cfg.roster
@@ -178,6 +180,8 @@ class Watchdog:
             return self._finish(Exit.STORAGE_UNAVAILABLE, RunStatus.FAILED, why)
         finally:
             self.standby.drop()
+            if self.buddy is not None:
+                self.buddy.close()
             self.memory.remove()
             if self.publisher is not None:
                 self.publisher.stop()
@@ -245,6 +249,17 @@ class Watchdog:
         local = self.hb_dir != RunDir.of(self.cfg.root).heartbeats
         if self.cfg.memory_tier:
             self.memory.start(base, self.cfg.root, self.cfg.node, local)
+        if self.memory.folder is not None and self.cfg.nodes > 1:
+            self.buddy = Buddy(
+                self.log,
+                RunDir.of(self.cfg.root),
+                self.memory.folder,
+                self.cfg.node,
+                self.cfg.nodes,
+                self.cfg.replica_bandwidth,
+                self.cfg.poll_s,
+            )
+            self.buddy.start(self.cfg.sign_key)
         if not local and not self.cfg.roster:
             return  # under a roster the summary is the node's readiness: published all the same
         facts = node_summary.NodeFacts(self.cfg.node, self.host, os.getpid(), self.cfg.summary_interval_s)
@@ -257,7 +272,8 @@ class Watchdog:
         if self.recovering is not None:
             self.recovering[Moment.BACKED_OFF] = time.time()
         first = self.state.launch_count == 0
-        resumed_from = None if first else self._memory_pick()
+        standing_in = self.follower is not None and self.follower.stands_in_for is not None
+        resumed_from = None if first and not standing_in else self._memory_pick()
         if resumed_from is None:
             resumed_from = self.picker.pick(first_launch=first)
         if resumed_from is None:  # another trainer's checkpoints (torchtitan's step-N/): it resumes itself
@@ -271,7 +287,11 @@ class Watchdog:
         if self.memory.folder is None:
             return None
         refs = self._io(lambda: store.list_checkpoints(self.cfg.root), "listing checkpoints")
-        return self.memory.pick(self.state.launch_count + 1, refs[0].step if refs else None)
+        stand_in = self.follower.stands_in_for if self.follower is not None else None
+        fetch = self.buddy.fetch if self.buddy is not None else None
+        return self.memory.pick(
+            self.state.launch_count + 1, refs[0].step if refs else None, stand_in, fetch, self.cfg.nodes > 1
+        )
 
     def _decide(self, rec: LaunchRecord, ended: Ended) -> restart_policy.Decision:
         """The restart policy's decision on the launch that ended (its record is the newest of the

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from supervisor.format import eventtypes as ev
@@ -51,16 +52,37 @@ class Memory:
         """What a launch's environment gets: the folder, when there is one."""
         return {MEMORY_DIR_ENV: str(self.folder)} if self.folder is not None else {}
 
-    def pick(self, launch: int, disk_step: int | None) -> int | None:
+    def pick(
+        self,
+        launch: int,
+        disk_step: int | None,
+        stand_in: int | None = None,
+        fetch: Callable[[int], str] | None = None,
+        committed_only: bool = False,
+    ) -> int | None:
         """Before launch number ``launch``: the step of the memory snapshot it resumes from, its
-        choice written for its ranks; None: resume from the disk tier (the reason in the events)."""
+        choice written for its ranks; None: resume from the disk tier (the reason in the events).
+        ``stand_in``: this node took lost node ``stand_in``'s place, so its ranks resume from that
+        node's replica (``fetch(node)`` brings it here from the buddy that keeps it: '' or why not).
+        ``committed_only`` (a job of several nodes): no snapshot newer than the folder's commit, the
+        newest step every rank of the job finished: one this node's ranks finished alone may be
+        missing on another node, and every node must pick the same step."""
         if self.folder is None:
             return None
         self.note_rejected()
         t0 = time.monotonic()
-        indexes, problems = memsnap.read_slots(self.folder)
-        reasons = list(problems)
-        for snap in memsnap.complete(self.folder, indexes):
+        rel = "" if stand_in is None else f"{memsnap.REPLICA}/{stand_in}"
+        folder = self.folder / rel if rel else self.folder
+        fetched = fetch(stand_in) if stand_in is not None and fetch is not None else ""
+        indexes, problems = memsnap.read_slots(folder)
+        reasons = [*([fetched] if fetched else []), *problems]
+        snaps = memsnap.complete(folder, indexes)
+        if committed_only:
+            commit = memsnap.read_commit(folder)
+            snaps = [s for s in snaps if commit is not None and s.step <= commit.step]
+            if not snaps and indexes:
+                reasons.append(f"no snapshot every rank of the job finished ({folder / memsnap.COMMITTED})")
+        for snap in snaps:
             if disk_step is not None and snap.step < disk_step:
                 reasons.append(
                     f"the newest complete snapshot, step {snap.step}, is older than step {disk_step} on disk"
@@ -70,30 +92,33 @@ class Memory:
             if why:
                 reasons.append(why)
                 continue
-            return self._picked(launch, snap, disk_step, time.monotonic() - t0)
+            return self._picked(launch, snap, rel, disk_step, time.monotonic() - t0)
         if not indexes and not problems:
-            reasons.append("no snapshot in memory")
+            reasons.append(f"no replica of node {stand_in} here" if rel else "no snapshot in memory")
         elif not reasons:
             reasons.append(f"no step that every rank of this node finished ({len(indexes)} rank snapshots)")
         newest = max((ix.step for _, ix in indexes), default=None)
         self._fallback("; ".join(reasons), newest)
         return None
 
-    def _picked(self, launch: int, snap: memsnap.NodeSnapshot, disk_step: int | None, took: float) -> int:
+    def _picked(
+        self, launch: int, snap: memsnap.NodeSnapshot, rel: str, disk_step: int | None, took: float
+    ) -> int:
         assert self.folder is not None
-        pick = memsnap.Pick(launch, snap.step, snap.slot, "", time.time())
+        pick = memsnap.Pick(launch, snap.step, snap.slot, rel, time.time())
         memsnap.write_record(self.folder / memsnap.PICK, pick.to_dict())
+        whose = f"the replica of node {rel.rpartition('/')[2]}'s" if rel else "the"
         self.log.emit(
             ev.MemoryPick(
                 step=snap.step,
                 launch=launch,
-                folder=str(self.folder),
+                folder=str(snap.folder),
                 ranks=len(snap.ranks),
                 bytes=snap.size,
                 verify_s=round(took, 4),
                 disk_step=disk_step,
             ),
-            f"resume launch {launch} from the memory snapshot of step {snap.step} ({len(snap.ranks)} ranks, "
+            f"resume launch {launch} from {whose} memory snapshot of step {snap.step} ({len(snap.ranks)} ranks, "
             f"{snap.size} bytes, checksums verified in {took:.3f}s; newest on disk: "
             f"{'none' if disk_step is None else f'step {disk_step}'})",
         )

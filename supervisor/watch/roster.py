@@ -51,6 +51,7 @@ class RosterFollower:
         self.root, self.key, self.node, self.log = root, key, node, log
         self.save, self.publish, self.poke = save, publish, poke
         self.generation = 0  # of this node's last launch
+        self.stands_in_for: int | None = None  # the lost node whose node rank this one took in it
         self._said: tuple[int, str] | None = None  # the generation and role last said
         self._problem = ""  # why the roster cannot be read, said once
 
@@ -73,6 +74,7 @@ class RosterFollower:
                 facts = roster.facts(self.node) if roster.generation >= wait else None
                 if facts is not None:
                     self.generation = roster.generation
+                    self.stands_in_for = _stood_in_for(roster, self.node)
                     self._joined(roster, facts)
                     return facts
                 self._waiting(roster)
@@ -124,3 +126,10 @@ class RosterFollower:
         reason = f"roster generation {roster.generation}: this node ({roster.host(self.node)}) {what}"
         self.save(reason=reason)
         self.log.emit(ev.Spare(generation=roster.generation, role=role), reason)
+
+
+def _stood_in_for(roster: Roster, node: int) -> int | None:
+    """The node whose place ``node`` takes in ``roster``'s generation (its host replaced by this
+    one's), or None: its memory snapshots are the ones this node's ranks resume from."""
+    lost = [h for h, by in roster.replaced.items() if by == roster.host(node) and h in roster.hosts]
+    return roster.hosts.index(lost[0]) if lost else None
