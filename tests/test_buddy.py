@@ -158,3 +158,30 @@ def test_the_slot_being_pushed_is_pinned_for_the_push_only(tmp_path: Path, ring)
     assert (pinned.slot, pinned.step) == (1, 9)
     wait_for(lambda: b0.pushed == 9, "the push done")
     assert memsnap.read_pinned(b0.folder) is None
+
+
+@pytest.mark.parametrize("spare", [1, 2], ids=["kept here", "pulled from the keeper"])
+def test_a_replica_corrupted_where_it_is_kept_is_caught_and_the_pick_falls_back_saying_why(
+    ring, spare: int
+) -> None:
+    """A byte of node 0's replica flips on node 1 after it was kept verified (memory going bad,
+    a stray write). The node taking node 0's place never loads it: node 1 finds it in the check
+    before its pick, node 2 when the pulled bytes fail their checksum; either falls back to the disk
+    with the reason in its event."""
+    run, buddies = ring(3)
+    commit(buddies[0].folder, 7, 0)
+    wait_for(lambda: buddies[0].pushed == 7, "node 0's snapshot kept by node 1")
+    buddies[0].close()
+    kept = memsnap.replica_dir(buddies[1].folder, 0)
+    kept_commit = memsnap.read_commit(kept)
+    assert kept_commit is not None
+    data = memsnap.data_path(kept, kept_commit.slot, 1)
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0x01
+    data.write_bytes(bytes(raw))
+    memory = Memory(EventLog(run.root, spare))
+    memory.folder = buddies[spare].folder
+    assert memory.pick(2, disk_step=5, stand_in=0, fetch=buddies[spare].fetch) is None
+    assert memsnap.read_pick(buddies[spare].folder) is None
+    (fell,) = logged(run, spare, ev.MemoryFallback)
+    assert f"{data.name}: checksum" in fell.reason, fell  # type: ignore[attr-defined]
