@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from memsnap_helpers import index, written
+from waiting import wait_for
 
 from supervisor.format import memsnap
 from supervisor.watch import replica
@@ -35,23 +36,29 @@ def snapshot(folder: Path, step: int, slot: int = 0, ranks: int = 2) -> memsnap.
 
 
 @pytest.fixture
-def receiver(tmp_path: Path) -> Iterator[tuple[Receiver, list[Moved], threading.Event]]:
-    """A receiver on 127.0.0.1 keeping replicas under tmp_path/buddy; what it heard of each request."""
+def receiver(tmp_path: Path) -> Iterator[tuple[Receiver, list[Moved]]]:
+    """A receiver on 127.0.0.1 keeping replicas under tmp_path/buddy; what it heard of each request
+    (``report``)."""
     heard: list[Moved] = []
-    each = threading.Event()
 
     def on_request(op: str, m: Moved) -> None:
         heard.append(m)
-        each.set()
 
     (tmp_path / "buddy").mkdir()
     rx = Receiver(tmp_path / "buddy", KEY, host="127.0.0.1", timeout=30, on_request=on_request).start()
-    yield rx, heard, each
+    yield rx, heard
     rx.close()
 
 
+def report(heard: list[Moved], n: int) -> Moved:
+    """The receiver's report of its ``n``-th request (from 0). It reports a request once it has
+    answered it, so the sender may be back before the report is in: wait for it."""
+    wait_for(lambda: len(heard) > n, f"the receiver's report of request {n}")
+    return heard[n]
+
+
 def test_a_push_arrives_verified_and_the_next_goes_to_the_other_slot(tmp_path: Path, receiver) -> None:
-    rx, heard, _ = receiver
+    rx, heard = receiver
     own = tmp_path / "node3"
     first = push(rx.address, KEY, 3, snapshot(own, 10))
     assert (first.node, first.step, first.bytes) == (3, 10, snapshot(own, 10).size)
@@ -67,28 +74,29 @@ def test_a_push_arrives_verified_and_the_next_goes_to_the_other_slot(tmp_path: P
     snaps = memsnap.complete(kept, found)
     assert not problems and [s.step for s in snaps] == [11, 10], snaps  # both whole, newest first
     assert all(memsnap.verify(s) == "" for s in snaps)
-    assert [(h.node, h.step, h.why) for h in heard] == [(3, 10, ""), (3, 11, "")]
+    assert [(h.node, h.step, h.why) for h in (report(heard, 0), report(heard, 1))] == [
+        (3, 10, ""),
+        (3, 11, ""),
+    ]
 
 
 def _refused(
-    tmp_path: Path, receiver, send: Callable[[], object], says: str
-) -> tuple[str, memsnap.Commit | None]:
-    """``send`` fails naming ``says``; what the receiver heard, and the replica's commit after."""
-    _rx, heard, each = receiver
-    each.clear()
+    tmp_path: Path, receiver, send: Callable[[], object], says: str, before: int = 0
+) -> tuple[Moved, memsnap.Commit | None]:
+    """``send`` (after ``before`` other requests) fails naming ``says``; what the receiver heard of
+    it, and the replica's commit after."""
     with pytest.raises(ReplicaError, match=says):
         send()
-    assert each.wait(30)
-    return heard[-1].why, memsnap.read_commit(memsnap.replica_dir(tmp_path / "buddy", 3))
+    return report(receiver[1], before), memsnap.read_commit(memsnap.replica_dir(tmp_path / "buddy", 3))
 
 
 def test_a_sender_without_the_key_is_refused_and_nothing_is_kept(tmp_path: Path, receiver) -> None:
-    rx, _, _ = receiver
+    rx, _ = receiver
     snap = snapshot(tmp_path / "node3", 10)
-    why, commit = _refused(
+    heard, commit = _refused(
         tmp_path, receiver, lambda: push(rx.address, b"x" * 32, 3, snap), "refused the handshake"
     )
-    assert "the sender could not prove it holds the job's key" in why and commit is None
+    assert "the sender could not prove it holds the job's key" in heard.why and commit is None
     assert not memsnap.replica_dir(tmp_path / "buddy", 3).exists()
 
 
@@ -128,14 +136,16 @@ class FlipRelay:
 def test_data_altered_on_the_way_fails_its_checksum_and_the_last_replica_stays(
     tmp_path: Path, receiver
 ) -> None:
-    rx, _, _ = receiver
+    rx, _ = receiver
     own = tmp_path / "node3"
     push(rx.address, KEY, 3, snapshot(own, 10))
     snap = snapshot(own, 11, slot=1)
     relay = FlipRelay(rx.address, at=2 << 20)  # inside rank 0's data
-    why, commit = _refused(tmp_path, receiver, lambda: push(relay.address, KEY, 3, snap), "checksum")
-    assert "checksum" in why and "rank_00000.data" in why, why
-    assert (receiver[1][-1].node, receiver[1][-1].step) == (3, 11)  # named though refused
+    heard, commit = _refused(
+        tmp_path, receiver, lambda: push(relay.address, KEY, 3, snap), "checksum", before=1
+    )
+    assert "checksum" in heard.why and "rank_00000.data" in heard.why, heard
+    assert (heard.node, heard.step) == (3, 11)  # named though refused
     assert commit is not None and commit.step == 10
     kept = memsnap.replica_dir(tmp_path / "buddy", 3)
     found, _ = memsnap.read_slots(kept)
@@ -143,18 +153,18 @@ def test_data_altered_on_the_way_fails_its_checksum_and_the_last_replica_stays(
 
 
 def test_an_index_that_contradicts_the_header_is_refused(tmp_path: Path, receiver) -> None:
-    rx, _, _ = receiver
+    rx, _ = receiver
     snap = snapshot(tmp_path / "node3", 10)
     lying = memsnap.NodeSnapshot(snap.folder, 12, snap.launch, snap.slot, snap.ranks)  # header says 12
-    why, commit = _refused(
+    heard, commit = _refused(
         tmp_path, receiver, lambda: push(rx.address, KEY, 3, lying), "says rank 0, step 10"
     )
-    assert "the header: step 12" in why and commit is None
+    assert "the header: step 12" in heard.why and commit is None
 
 
 def test_a_push_is_paced_to_the_bandwidth_cap(tmp_path: Path, receiver, monkeypatch) -> None:
     """A lower bound only: a paced push can never be faster than its bytes over the rate."""
-    rx, _, _ = receiver
+    rx, _ = receiver
     monkeypatch.setattr(replica, "SEND_CHUNK", 256 << 10)
     snap = snapshot(tmp_path / "node3", 10)
     rate = snap.size / 1.5  # bytes a second: the push must take 1.5 s or more
@@ -166,7 +176,7 @@ def test_a_node_taking_a_lost_ones_place_pulls_its_replica_from_the_buddy(tmp_pa
     """Node 3 pushed its snapshot and was lost: the spare pulls node 3's replica from node 3's
     buddy into its own memory folder, whole and verified, bytes equal to what node 3 had; a pull
     of a node the buddy holds nothing of says so."""
-    rx, heard, each = receiver
+    rx, heard = receiver
     own = tmp_path / "node3"
     push(rx.address, KEY, 3, snapshot(own, 10))
     spare = tmp_path / "spare"
@@ -179,7 +189,7 @@ def test_a_node_taking_a_lost_ones_place_pulls_its_replica_from_the_buddy(tmp_pa
     assert not problems and snap.step == 10 and memsnap.verify(snap) == ""
     for r in range(2):
         assert memsnap.data_path(mine, snap.slot, r).read_bytes() == memsnap.data_path(own, 0, r).read_bytes()
-    each.clear()
     with pytest.raises(ReplicaError, match=r"the buddy has none: .*no complete replica"):
         pull(rx.address, KEY, 4, spare)
-    assert each.wait(30) and heard[-1].why and heard[-1].node == 4
+    nothing = report(heard, 2)  # after the push and the first pull
+    assert nothing.why and nothing.node == 4, nothing
