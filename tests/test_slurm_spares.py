@@ -88,7 +88,7 @@ def test_a_lost_nodes_rank_resumes_on_the_spare_from_its_replica_digest_equal(
     """--memory-tier, a snapshot every step: each node's committed snapshot is kept by the next
     node of the allocation (n2's by the spare n3). n2 is lost while the ranks hold after step 12,
     once n3 keeps n2's newest committed snapshot: n3 takes n2's node rank and its rank resumes from
-    that replica, n1's from its own memory, at the same step, newer than the disk's; digest equal."""
+    that replica, n1's from its own memory, at the same step, not older than the disk's; digest equal."""
     job, gate = submit_here(
         *DDP, "--memory-every", "1", hold_at=12, nodes=3, nproc_per_node=1, spares=1,
         NODE_TIMEOUT_S="5", WATCH_OPTS="--memory-tier",
@@ -119,7 +119,9 @@ def test_a_lost_nodes_rank_resumes_on_the_spare_from_its_replica_digest_equal(
         (n1,), (n3,) = picks[0], picks[2]
         assert (n1.step, n3.step) == (step, step), picks
         assert n3.folder == str(kept) and n1.folder == str(memory_folder(job, 0)), picks
-        assert n3.disk_step is None or n3.disk_step < step, picks
+        # Not older than the disk. Newer only when the commit got past the disk's step (10) before
+        # the loss: under load the replica waited for may be the commit of step 10 itself.
+        assert n3.disk_step is None or n3.disk_step <= step, picks
         assert job.digest() == golden
     finally:
         if job.info().get("JobState") not in DONE_STATES:
