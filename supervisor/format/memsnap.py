@@ -539,6 +539,15 @@ def complete(folder: Path, indexes: Sequence[tuple[int, RankIndex]]) -> list[Nod
     return sorted(out, key=lambda s: -s.step)
 
 
+def named(folder: Path, commit: Commit | None) -> NodeSnapshot | None:
+    """The complete snapshot of ``folder`` that ``commit`` names; None when there is none (no
+    commit, or its slot overwritten or unfinished since)."""
+    if commit is None:
+        return None
+    found, _ = read_slots(folder)
+    return next((s for s in complete(folder, found) if (s.step, s.slot) == (commit.step, commit.slot)), None)
+
+
 class _Short(Exception):
     """A data file ended before a tensor its index names (truncated meanwhile)."""
 

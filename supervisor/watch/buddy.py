@@ -171,15 +171,7 @@ class Buddy:
 
     def _push(self, commit: memsnap.Commit) -> None:
         self.tried = commit.step
-        found, _ = memsnap.read_slots(self.folder)
-        snap = next(
-            (
-                s
-                for s in memsnap.complete(self.folder, found)
-                if (s.step, s.slot) == (commit.step, commit.slot)
-            ),
-            None,
-        )
+        snap = memsnap.named(self.folder, commit)
         endpoint = memsnap.read_endpoint(self.run.replica_endpoint(self.buddy))
         pin = self.folder / memsnap.PINNED
         try:

@@ -395,16 +395,7 @@ def _request(payload: bytes) -> tuple[str, int]:
 
 def _newest(dest: Path) -> memsnap.NodeSnapshot:
     """The replica's newest complete snapshot: the one its commit record names."""
-    commit = memsnap.read_commit(dest)
-    found, _ = memsnap.read_slots(dest)
-    snap = next(
-        (
-            s
-            for s in memsnap.complete(dest, found)
-            if commit and (s.step, s.slot) == (commit.step, commit.slot)
-        ),
-        None,
-    )
+    snap = memsnap.named(dest, memsnap.read_commit(dest))
     if snap is None:
         raise ReplicaError(f"{dest}: no complete replica here")
     return snap
