@@ -8,8 +8,9 @@ periodic disk save, as a user's loop would be.
 
 1. Training overhead: the same loop without the tier and with it (its folder in /dev/shm, the
    interval chosen by the 3% rule: ``Saves.memory_every`` 0), the variants interleaved over
-   ``--rounds``; each run's step time is the median over its steps after the first 5.
-   Overhead = median with / median without - 1. Budget: <= 3%.
+   ``--rounds``; each run's step time is the mean over its steps after the first 5 (not the
+   median: a snapshot every N steps costs one step in N, which a median never sees).
+   Overhead = the median over the rounds of (mean with / mean without) - 1. Budget: <= 3%.
 2. Load: a run with a snapshot every step ends with a disk checkpoint of its last step (the final
    save) and that step's snapshot in memory; the watchdog's side (``watch.memory.Memory``) picks
    and verifies the snapshot, then two children resume: one from the memory snapshot, one from
@@ -125,16 +126,18 @@ def fresh(work: Path, name: str) -> Path:
 
 
 def overhead(config: str, steps: int, rounds: int, work: Path, shm: Path) -> tuple[float, float, float]:
-    """Median step time without and with the tier, and the overhead."""
+    """Mean step time without and with the tier (each the median of the rounds), and the overhead:
+    the median of the rounds' ratios (a round's two runs are side by side in time; this machine's
+    speed drifts by 10-20% between runs minutes apart)."""
     off: list[float] = []
     on: list[float] = []
     for i in range(rounds):
         for variant in ("off", "on") if i % 2 == 0 else ("on", "off"):
             mem = fresh(shm, "memory") if variant == "on" else None
             out = run_child(config, fresh(work, "run") / "r", steps, mem)
-            (on if variant == "on" else off).append(statistics.median(out["times"][WARMUP_STEPS:]))
-    a, b = statistics.median(off), statistics.median(on)
-    return a, b, b / a - 1
+            (on if variant == "on" else off).append(statistics.fmean(out["times"][WARMUP_STEPS:]))
+    ratio = statistics.median(b / a for a, b in zip(off, on, strict=True))
+    return statistics.median(off), statistics.median(on), ratio - 1
 
 
 def load(config: str, steps: int, work: Path, shm: Path) -> tuple[float, float, int]:

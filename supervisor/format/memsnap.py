@@ -653,8 +653,8 @@ def remove(folder: Path) -> None:
 
 def plan(copy_s: float, step_s: float, every: int = 0, budget: float = OVERHEAD_BUDGET) -> tuple[bool, int]:
     """(synchronous, interval): how the next snapshots are taken, from the last copy's cost
-    (``copy_s``: what one snapshot takes from training: its capture on the loop, and its write and
-    hashing on the loop or their CPU time on the thread) and the step time. A copy within the budget of
+    (``copy_s``: what one snapshot takes from training, measured on the loop: its time there, or
+    its start and how much it slowed the steps beside its thread) and the step time. A copy within the budget of
     one step is made on the loop (no thread to hand it to, and the step's metrics line is written
     only once its snapshot is), every step; a larger one off the loop, every N steps so that one
     copy per N steps stays within the budget (CheckFreq's rule). ``every`` > 0: that interval,
