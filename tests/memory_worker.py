@@ -1,10 +1,16 @@
-"""One launch of a plain loop on one rank (no torchrun), for tests/test_memory_tier.py: a model with
-a buffer its forward changes (BatchNorm), AdamW, a schedule, a shuffled loader whose samples draw
-noise from the global torch RNG, and python's and numpy's RNGs drawn in every step. Under the
-environment a watchdog gives its ranks (the memory tier's folder, the launch number), so the test
-plays the watchdog.
+"""One launch of a plain loop on one rank or a few (no torchrun), for tests/test_memory_tier.py:
+a model with a buffer its forward changes (BatchNorm), AdamW, a schedule, a shuffled loader whose
+samples draw noise from the global torch RNG, and python's and numpy's RNGs drawn in every step.
+Under the environment a watchdog gives its ranks (the memory tier's folder, the launch number),
+so the test plays the watchdog.
 
-    python tests/memory_worker.py --root DIR --steps N [--save-every K] [--die-after S] [--lr LR]
+    python tests/memory_worker.py --root DIR --steps N [--save-every K] [--lr LR]
+        [--die-after S | --die-at S] [--memory-every N] [--store FILE --rank R --world-size W]
+
+``--store``: one of W ranks (DDP), meeting the others through a file store (a fresh path per
+launch); each can be given a memory folder of its own, as one rank per node. ``--die-at S``:
+SIGKILL itself right after step S, whatever is saved (every rank at the same step).
+``--memory-every N``: a memory snapshot every N steps (default 1).
 
 ``--die-after S``: SIGKILL itself right after the first step >= S whose memory snapshot is
 written (the loop waits for its copy first) once the disk's save before it committed (an async
@@ -24,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset
 
 from supervisor import store
@@ -49,10 +56,17 @@ def main() -> None:
     p.add_argument("--save-every", type=int, default=10)
     p.add_argument("--die-after", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--die-at", type=int, default=0)
+    p.add_argument("--memory-every", type=int, default=1)
+    p.add_argument("--store", type=Path)
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--world-size", type=int, default=1)
     a = p.parse_args()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    store_ = dist.FileStore(str(a.store), a.world_size) if a.store else dist.HashStore()
+    dist.init_process_group("gloo", store=store_, rank=a.rank, world_size=a.world_size)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
+    net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
+    model = DDP(net) if a.world_size > 1 else net
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)
     r = Resumable(
@@ -60,7 +74,7 @@ def main() -> None:
         {"model": model, "optimizer": opt, "scheduler": sched},
         steps=a.steps,
         identity=Identity({"lr": a.lr}, seed=5),
-        saves=Saves(every_steps=a.save_every, memory_every=1),
+        saves=Saves(every_steps=a.save_every, memory_every=a.memory_every),
     )
     loader = r.loader(Noisy(64), batch_size=4, shuffle=True)
     step = r.resume()
@@ -74,6 +88,8 @@ def main() -> None:
             sched.step()
             step += 1
             done = r.step_end(step, {"loss": float(loss)})
+            if step == a.die_at:
+                os.kill(os.getpid(), signal.SIGKILL)
             if a.die_after and step >= a.die_after:
                 memory = r._memory
                 assert memory is not None, "no memory tier: the test sets its folder"

@@ -33,8 +33,9 @@ WORKER = str(REPO / "tests" / "memory_worker.py")
 STEPS, SAVE_EVERY, DIE_AFTER = 24, 10, 13  # the kill lands after step 13: the disk has step 10
 
 
-def launch(root: Path, mem: Path | None, number: int, *args: str) -> subprocess.CompletedProcess[str]:
-    """Launch ``number`` of the worker; with ``mem``, under the memory tier's folder."""
+def command(root: Path, mem: Path | None, number: int, *args: str) -> tuple[list[str], dict[str, str]]:
+    """Launch ``number`` of the worker: its argv and environment; with ``mem``, under the memory
+    tier's folder."""
     env = {k: v for k, v in os.environ.items() if k not in (MEMORY_DIR_ENV, ENV_LAUNCH_ID)}
     env.update(
         {ENV_RESTART_COUNT: str(number - 1), ENV_LAUNCH_ID: f"launch-{number}", "PYTHONPATH": str(REPO)}
@@ -51,9 +52,31 @@ def launch(root: Path, mem: Path | None, number: int, *args: str) -> subprocess.
         "--save-every",
         str(SAVE_EVERY),
     ]
-    return subprocess.run(
-        [*argv, *args], env=env, capture_output=True, text=True, timeout=PATIENCE_S, cwd=REPO
-    )
+    return [*argv, *args], env
+
+
+def launch(root: Path, mem: Path | None, number: int, *args: str) -> subprocess.CompletedProcess[str]:
+    """Launch ``number`` of the worker, one rank; with ``mem``, under the memory tier's folder."""
+    argv, env = command(root, mem, number, *args)
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=PATIENCE_S, cwd=REPO)
+
+
+def launch_nodes(root: Path, mems: list[Path | None], number: int, *args: str) -> list[tuple[int, str]]:
+    """Launch ``number`` of the worker as one rank per node (DDP over a file store), rank r under
+    memory folder ``mems[r]``: each rank's exit code and stderr."""
+    store, procs, logs = root.parent / f"store-{number}", [], []
+    try:
+        for r, mem in enumerate(mems):
+            extra = ("--store", str(store), "--rank", str(r), "--world-size", str(len(mems)))
+            argv, env = command(root, mem, number, *args, *extra)
+            logs.append(root.parent / f"launch-{number}-rank-{r}.log")
+            with open(logs[-1], "w") as err:
+                procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err, cwd=REPO))
+        codes = [p.wait(timeout=PATIENCE_S) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [(code, log.read_text()) for code, log in zip(codes, logs, strict=True)]
 
 
 def losses(root: Path) -> dict[int, float]:
@@ -142,6 +165,65 @@ def test_the_ranks_refuse_a_corrupt_snapshot_the_watchdog_did_not_check(tmp_path
     assert fell["by"] == "ranks" and fell["step"] == last and "checksum" in fell["reason"], fell
 
 
+@pytest.fixture(scope="module")
+def golden_nodes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two ranks (a node each), uninterrupted, without the memory tier."""
+    root = tmp_path_factory.mktemp("golden_nodes") / "run"
+    done = launch_nodes(root, [None, None], 1, "--save-every", "100")
+    assert [code for code, _ in done] == [0, 0], done
+    return root
+
+
+def test_nodes_resume_from_the_newest_step_every_node_holds_when_one_holds_an_older_newest(
+    tmp_path: Path, golden_nodes: Path
+) -> None:
+    """Two nodes of a rank each, a snapshot every 4 steps, both killed after step 15: each holds
+    two committed snapshots (13 and 9). Node 1's newest removed, as a stand-in's replica one push
+    behind: node 0 picks the newest, node 1 the older. The ranks agree on the older, which both
+    hold (not the disk, which has nothing), node 0 forgets its newest (a future the run
+    abandons), and the run ends bit-identical."""
+    root, mems = tmp_path / "run", [tmp_path / "node0", tmp_path / "node1"]
+    for mem in mems:
+        mem.mkdir()
+    died = launch_nodes(root, [*mems], 1, "--save-every", "100", "--memory-every", "4", "--die-at", "15")
+    assert [code for code, _ in died] == [-9, -9], died
+    held = [sorted(ix.step for _, ix in memsnap.read_slots(mem)[0]) for mem in mems]
+    commit = memsnap.read_commit(mems[0])
+    assert held[0] == held[1] and commit is not None and commit.step == held[0][-1], (held, commit)
+    older, newest = held[0]
+    (ahead,) = [p for p in mems[1].glob(f"slot*/rank_00001{memsnap.INDEX_SUFFIX}") if _step_of(p) == newest]
+    ahead.unlink()
+    nodes = [Memory(EventLog(root, node)) for node in range(2)]
+    for node, mem in zip(nodes, mems, strict=True):
+        node.folder = mem
+    assert [node.pick(2, None, committed_only=True) for node in nodes] == [newest, older]
+    pick = memsnap.read_pick(mems[0])
+    assert pick is not None and pick.steps() == (newest, older), pick
+    done = launch_nodes(root, [*mems], 2, "--save-every", "100", "--memory-every", "4")
+    assert [code for code, _ in done] == [0, 0], done
+    said = f"memory snapshot of step {newest}: not held by every node; resuming from step {older}"
+    assert said in done[0][1], done[0][1][-3000:]
+    assert f"resumed from the memory snapshot of step {older}, next step {older + 1}" in done[0][1]
+    assert first_step_of(root, "launch-2") == older + 1
+    assert losses(root) == losses(golden_nodes)
+    assert digest(root) == digest(golden_nodes)
+
+
+def test_a_resume_from_an_older_step_forgets_the_nodes_newer_snapshots(tmp_path: Path) -> None:
+    """What the nodes did not all hold is a future the run abandons: never to be picked later
+    (``MemoryTier.load`` forgets it on each node once the ranks resumed)."""
+    tier = MemoryTier(tmp_path, rank=0, world_size=1, every=1)
+    try:
+        for step in (8, 12):
+            tier.snapshot(step, _Small(), None, {}, {})
+    finally:
+        tier.close()
+    held = lambda: sorted(ix.step for _, ix in memsnap.read_slots(tmp_path)[0])  # noqa: E731
+    assert held() == [8, 12]
+    memsnap.forget_newer(tmp_path, 8)
+    assert held() == [8]
+
+
 def test_a_snapshot_of_another_config_is_refused(tmp_path: Path) -> None:
     root, mem, memory, last = killed_after_unsaved_step(tmp_path)
     assert memory.pick(2, disk_step=SAVE_EVERY) == last
@@ -158,7 +240,11 @@ def _flip(path: Path, offset: int) -> None:
 
 
 def _index_step(data: Path) -> int:
-    return memsnap.read_index(data.with_suffix(memsnap.INDEX_SUFFIX)).step
+    return _step_of(data.with_suffix(memsnap.INDEX_SUFFIX))
+
+
+def _step_of(index: Path) -> int:
+    return memsnap.read_index(index).step
 
 
 class _Small:

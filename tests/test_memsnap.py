@@ -130,6 +130,14 @@ def test_verify_catches_a_flipped_byte_and_a_short_file(
 def test_records_are_checked_and_a_pick_never_names_a_folder_outside(tmp_path: Path) -> None:
     memsnap.write_record(tmp_path / memsnap.PICK, memsnap.Pick(3, 40, 1, "replica/2").to_dict())
     assert memsnap.read_pick(tmp_path) == memsnap.Pick(3, 40, 1, "replica/2")
+    pick = memsnap.Pick(3, 40, 1, "", older=((30, 0),))
+    memsnap.write_record(tmp_path / memsnap.PICK, pick.to_dict())
+    assert memsnap.read_pick(tmp_path) == pick
+    assert (pick.steps(), pick.at(30), pick.at(40)) == ((40, 30), memsnap.Pick(3, 30, 0, ""), pick)
+    # an older one that is not older, in the pick's own slot, or more than the other slot holds
+    for older in ([[40, 0]], [[30, 1]], [[30, 0], [20, 0]], [[30, 2]], [["30", 0]], "30"):
+        memsnap.write_record(tmp_path / memsnap.PICK, {**pick.to_dict(), "older": older})
+        assert memsnap.read_pick(tmp_path) is None, older
     for folder in ("../x", "replica/../../x", "/etc"):
         memsnap.write_record(
             tmp_path / memsnap.PICK, {**memsnap.Pick(3, 40, 1, "").to_dict(), "folder": folder}
@@ -151,6 +159,29 @@ def test_records_are_checked_and_a_pick_never_names_a_folder_outside(tmp_path: P
 )
 def test_the_interval_keeps_the_copy_within_the_budget(copy_s, step_s, every, plan) -> None:
     assert memsnap.plan(copy_s, step_s, every) == plan
+
+
+@pytest.mark.parametrize(
+    ("offers", "agreed"),
+    [
+        ([(12, 8), (12, 8)], 12),
+        ([(12, 8), (8,)], 8),  # a node one push behind: every node goes back to the step before
+        (
+            [(12,), (12, 8), (8, 4)],
+            "no step that every node holds a snapshot of (rank 0: 12; rank 1: 12, 8; rank 2: 8, 4)",
+        ),
+        ([(), ()], "no memory snapshot picked for this launch"),
+        ([(12, 8), ()], "rank 1: no memory snapshot picked for this launch"),
+        (
+            [(9,), (8,), (7,), (6,), (5,), (5,)],
+            "no step that every node holds a snapshot of (rank 0: 9; rank 1: 8; rank 2: 7; rank 3: 6; and 1 more)",
+        ),
+    ],
+)
+def test_the_ranks_agree_on_the_newest_step_every_node_holds(offers, agreed) -> None:
+    from supervisor.resumable._memory import common_step
+
+    assert common_step(offers) == agreed
 
 
 def test_a_pinned_slot_makes_the_rank_busy_until_the_pin_goes(tmp_path: Path) -> None:

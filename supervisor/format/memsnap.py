@@ -310,13 +310,28 @@ class Commit:
 @dataclass(frozen=True)
 class Pick:
     """The watchdog's choice for launch number ``launch``: resume from the snapshot of ``step`` in
-    ``slot`` (under ``folder``: this node's own, or a buddy's replica), verified before the launch."""
+    ``slot`` (under ``folder``: this node's own, or a buddy's replica), verified before the launch.
+    ``older``: (step, slot) of the older complete snapshots there, newest first, not verified: the
+    launch's ranks fall back to one of them when another node holds no snapshot of ``step`` (a
+    replica one push behind), and check it themselves."""
 
     launch: int
     step: int
     slot: int
     folder: str  # relative to MEMDIR: "" for this node's own snapshots, else replica/<node>
     t: float = 0.0
+    older: tuple[tuple[int, int], ...] = ()
+
+    def steps(self) -> tuple[int, ...]:
+        """The steps this node can resume from, newest first."""
+        return (self.step, *(step for step, _ in self.older))
+
+    def at(self, step: int) -> Pick:
+        """This pick moved to its older snapshot of ``step`` (one of ``steps()``)."""
+        if step == self.step:
+            return self
+        slot = next(slot for s, slot in self.older if s == step)
+        return Pick(self.launch, step, slot, self.folder, self.t)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -326,6 +341,7 @@ class Pick:
             "slot": self.slot,
             "folder": self.folder,
             "t": self.t,
+            "older": [list(o) for o in self.older],
         }
 
 
@@ -418,7 +434,23 @@ def read_pick(folder: Path) -> Pick | None:
         return None
     if not isinstance(d.get("folder"), str) or not _inside(d["folder"]):
         return None
-    return Pick(d["launch"], d["step"], d["slot"], d["folder"], float(d.get("t", 0.0) or 0.0))
+    older = d.get("older", [])
+    if not (
+        isinstance(older, list)
+        and len(older) < SLOTS
+        and all(
+            isinstance(o, list)
+            and len(o) == 2
+            and natural(o[0])
+            and o[0] < d["step"]
+            and o[1] in range(SLOTS)
+            for o in older
+        )
+        and len({o[1] for o in older} | {d["slot"]}) == len(older) + 1
+    ):
+        return None
+    t = float(d.get("t", 0.0) or 0.0)
+    return Pick(d["launch"], d["step"], d["slot"], d["folder"], t, tuple((o[0], o[1]) for o in older))
 
 
 def read_rejected(folder: Path) -> Rejected | None:
@@ -632,6 +664,16 @@ def clear(folder: Path) -> None:
     for name in (COMMITTED, PICK):
         with contextlib.suppress(OSError):
             os.unlink(folder / name)
+
+
+def forget_newer(folder: Path, step: int) -> None:
+    """Forget this node's snapshots newer than ``step`` (their indexes; best effort): the run
+    resumed from ``step``, so they are a future it abandons, never to be picked later."""
+    found, _ = read_slots(folder)
+    for slot, ix in found:
+        if ix.step > step:
+            with contextlib.suppress(OSError):
+                os.unlink(index_path(folder, slot, ix.rank))
 
 
 def remove(folder: Path) -> None:

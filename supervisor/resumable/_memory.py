@@ -38,7 +38,7 @@ import logging
 import mmap
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -194,6 +194,27 @@ def combined(verdicts: list[tuple[int, str]]) -> str:
         return NO_PICK
     r, why = next(((r, w) for r, w in refusals if w != NO_PICK), refusals[0])
     return f"rank {r}: {why}"
+
+
+def common_step(offers: Sequence[Sequence[int]]) -> int | str:
+    """The newest step every rank's node holds a snapshot of (each rank offers its node's pick's
+    steps: ``Pick.steps``; none: no pick), or why there is none: NO_PICK when no rank has a pick.
+    A node standing in for a lost one holds that node's replica, which can be one push behind
+    the other nodes' newest: they all go back to the step before, not to the disk."""
+    if not any(offers):
+        return NO_PICK
+    without = next((r for r, steps in enumerate(offers) if not steps), None)
+    if without is not None:
+        return f"rank {without}: {NO_PICK}"
+    common = set(offers[0]).intersection(*offers[1:])
+    if common:
+        return max(common)
+    first: dict[tuple[int, ...], int] = {}  # each distinct offer, by the first rank that made it
+    for r, steps in enumerate(offers):
+        first.setdefault(tuple(steps), r)
+    shown = [f"rank {r}: {', '.join(map(str, steps))}" for steps, r in first.items()]
+    more = f"; and {len(shown) - 4} more" if len(shown) > 4 else ""
+    return f"no step that every node holds a snapshot of ({'; '.join(shown[:4])}{more})"
 
 
 class MemoryTier:
@@ -483,6 +504,7 @@ class MemoryTier:
         if self.local_rank == 0:  # consumed: a restart inside this launch (torchrun's) never reuses it
             with contextlib.suppress(OSError):
                 os.unlink(self.folder / memsnap.PICK)
+            memsnap.forget_newer(self.folder, ix.step)  # a step the other nodes did not hold
         return ix.meta
 
     def reject(self, pick: memsnap.Pick, reason: str) -> None:

@@ -57,6 +57,7 @@ from supervisor import shared_options as shared
 from supervisor import store
 from supervisor.display import human_bytes
 from supervisor.errors import Program, ToolkitError, exit_code
+from supervisor.format import memsnap
 from supervisor.format.appender import LineAppender
 from supervisor.format.atomic import atomic_write_json
 from supervisor.format.exitcodes import Exit
@@ -83,7 +84,7 @@ from supervisor.resumable._digest import params_digest, tensors_digest
 from supervisor.resumable._hooks import BoundaryHook, boundary_hook, no_hook
 from supervisor.resumable._loader import Rank, ResumableLoader, SamplerPosition, build, prepare, saved_as
 from supervisor.resumable._loader_check import LoaderCheck
-from supervisor.resumable._memory import NO_PICK, MemoryTier, Planned, combined, loaded_line
+from supervisor.resumable._memory import NO_PICK, MemoryTier, Planned, combined, common_step, loaded_line
 from supervisor.resumable._optim_state import prime_for_load
 from supervisor.resumable._progress_io import ProgressFileSystem, kept_alive
 from supervisor.resumable._resume import (
@@ -781,26 +782,49 @@ class Resumable:
         rank (its own part: identity, structure, checksum) and agreed; None when there is none,
         or when some rank refused it: then the disk tier's pick, and each node's local rank 0
         forgets the node's snapshots (a future the run abandons) and says why for the watchdog's
-        event log."""
+        event log. The step is the newest every node holds (``common_step``): a node's pick can
+        be one step ahead of another's (a stand-in's replica one push behind)."""
         m = self._memory
         if m is None or getattr(self.state, "ablate", None):
             return None
         pick = m.planned()
-        mine: Planned | str = NO_PICK if pick is None else m.check(pick, self._memory_identity(), self.state)
-        verdict = (-1 if pick is None else pick.step, "" if isinstance(mine, Planned) else mine)
         beat = lambda: self._hb.beat(0, Phase.VERIFY, waiting="every rank's check of its memory snapshot")  # noqa: E731
+        steps: tuple[int, ...] = () if pick is None else pick.steps()
+        offers = _agree.gather_to_root(steps, None, beat)
+        newest: int | str | None = None if offers is None else common_step(offers)
+        step = cast("int | str", _agree.broadcast(newest, None, beat))  # mypy joins the union to object
+        if isinstance(step, str):
+            self._memory_refused(pick, step)
+            return None
+        assert pick is not None
+        if step != pick.step and self.rank == 0:
+            log.warning(
+                "memory snapshot of step %d: not held by every node; resuming from step %d, the newest "
+                "every node holds",
+                pick.step,
+                step,
+            )
+        chosen = pick.at(step)
+        mine = m.check(chosen, self._memory_identity(), self.state)
+        verdict = (chosen.step, "" if isinstance(mine, Planned) else mine)
         gathered = _agree.gather_to_root(verdict, None, beat)
         agreed = _agree.broadcast(None if gathered is None else combined(gathered), None, beat)
         if not agreed:
             assert isinstance(mine, Planned)
             return mine
-        if agreed != NO_PICK and pick is not None:
-            m.reject(pick, agreed)
+        self._memory_refused(pick, agreed)
+        return None
+
+    def _memory_refused(self, pick: memsnap.Pick | None, why: str) -> None:
+        """No memory snapshot for this launch (``why``): the disk tier's pick; a pick this node
+        made is forgotten, and why goes to the watchdog (``MemoryTier.reject``)."""
+        if why != NO_PICK and pick is not None:
+            assert self._memory is not None
+            self._memory.reject(pick, why)
             if self.rank == 0:
                 log.warning(
-                    "memory snapshot of step %d not used: %s; resuming from the disk tier", pick.step, agreed
+                    "memory snapshot of step %d not used: %s; resuming from the disk tier", pick.step, why
                 )
-        return None
 
     def _load_memory(self, planned: Planned) -> tuple[Mapping[str, Any], float | None, str]:
         """Load the agreed snapshot; returns its meta, LR and the resume line. A failure after the

@@ -66,7 +66,9 @@ class Memory:
         node's replica (``fetch(node)`` brings it here from the buddy that keeps it: '' or why not).
         ``committed_only`` (a job of several nodes): no snapshot newer than the folder's commit, the
         newest step every rank of the job finished: one this node's ranks finished alone may be
-        missing on another node, and every node must pick the same step."""
+        missing on another node. The pick also names the older complete snapshots (not verified
+        here): where another node holds no snapshot of the step picked (a replica one push behind),
+        the launch's ranks agree on the newest step every node holds, and check it themselves."""
         if self.folder is None:
             return None
         self.note_rejected()
@@ -82,7 +84,7 @@ class Memory:
             snaps = [s for s in snaps if commit is not None and s.step <= commit.step]
             if not snaps and indexes:
                 reasons.append(f"no snapshot every rank of the job finished ({folder / memsnap.COMMITTED})")
-        for snap in snaps:
+        for i, snap in enumerate(snaps):
             if disk_step is not None and snap.step < disk_step:
                 reasons.append(
                     f"the newest complete snapshot, step {snap.step}, is older than step {disk_step} on disk"
@@ -92,7 +94,14 @@ class Memory:
             if why:
                 reasons.append(why)
                 continue
-            return self._picked(launch, snap, rel, disk_step, time.monotonic() - t0)
+            older = tuple(
+                (s.step, s.slot)
+                for s in snaps[i + 1 :]
+                if s.slot != snap.slot and (disk_step is None or s.step >= disk_step)
+            )
+            return self._picked(
+                launch, snap, older[: memsnap.SLOTS - 1], rel, disk_step, time.monotonic() - t0
+            )
         if not indexes and not problems:
             reasons.append(f"no replica of node {stand_in} here" if rel else "no snapshot in memory")
         elif not reasons:
@@ -102,10 +111,16 @@ class Memory:
         return None
 
     def _picked(
-        self, launch: int, snap: memsnap.NodeSnapshot, rel: str, disk_step: int | None, took: float
+        self,
+        launch: int,
+        snap: memsnap.NodeSnapshot,
+        older: tuple[tuple[int, int], ...],
+        rel: str,
+        disk_step: int | None,
+        took: float,
     ) -> int:
         assert self.folder is not None
-        pick = memsnap.Pick(launch, snap.step, snap.slot, rel, time.time())
+        pick = memsnap.Pick(launch, snap.step, snap.slot, rel, time.time(), older)
         memsnap.write_record(self.folder / memsnap.PICK, pick.to_dict())
         whose = f"the replica of node {rel.rpartition('/')[2]}'s" if rel else "the"
         self.log.emit(
