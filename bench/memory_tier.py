@@ -17,6 +17,10 @@ periodic disk save, as a user's loop would be.
    the disk (hot: the files were just written, and read once before timing), each timing its
    ``resume()`` (the pick's check or the quick verify, then the copy into the state). Ratio =
    disk / memory. Budget: >= 3.
+3. The snapshots' cost in one process (``in_one_process``, ``--blocks N``): blocks of N steps
+   with snapshots and without, alternating, 20 pairs; the median of the pairs' ratios. Free of
+   the drift between processes that makes 1. noisy on this machine (its rounds spread -11% to
+   +18%); not the tier's fixed costs (a stat and a few flags a step), which 1. includes.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ from supervisor.format.layout import MEMORY_DIR_ENV  # noqa: E402
 from supervisor.watch.memory import Memory  # noqa: E402
 
 WARMUP_STEPS = 5
+PAIRS = 20  # of blocks with snapshots and without, in one process
+AFTERMATH = 3  # steps after a snapshot that it may slow (supervisor/resumable/_memory.py: 2)
 VOCAB = 96
 BUDGET_OVERHEAD = 0.03
 BUDGET_LOAD = 3.0
@@ -75,6 +81,11 @@ def child(opts: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     step = r.resume()
     resume_s = time.perf_counter() - t0
+    if opts.blocks:  # every other block of steps takes no snapshot (the A/B in one process)
+        tier = r._memory
+        assert tier is not None, "--blocks: run under the memory tier's folder"
+        due = tier.due
+        tier.due = lambda s, *a: (s - 1) // opts.blocks % 2 == 0 and due(s, *a)  # type: ignore[method-assign]
     gen = torch.Generator().manual_seed(step)
     batch, block = cfg.global_batch, cfg.model.block_size
     times = []
@@ -94,7 +105,13 @@ def child(opts: argparse.Namespace) -> None:
 
 
 def run_child(
-    config: str, root: Path, steps: int, memory: Path | None, memory_every: int = 0, launch: int = 1
+    config: str,
+    root: Path,
+    steps: int,
+    memory: Path | None,
+    memory_every: int = 0,
+    launch: int = 1,
+    blocks: int = 0,
 ) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k not in (MEMORY_DIR_ENV, ENV_LAUNCH_ID, ENV_RESTART_COUNT)}
     env.update(
@@ -108,7 +125,7 @@ def run_child(
     if memory is not None:
         env[MEMORY_DIR_ENV] = str(memory)
     cmd = [sys.executable, __file__, "--child", "--config", config, "--root", str(root)]
-    cmd += ["--steps", str(steps), "--memory-every", str(memory_every)]
+    cmd += ["--steps", str(steps), "--memory-every", str(memory_every), "--blocks", str(blocks)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600, check=False)
     if r.returncode != 0:
         raise SystemExit(f"bench child failed ({r.returncode}): {r.stderr[-3000:]}")
@@ -125,10 +142,12 @@ def fresh(work: Path, name: str) -> Path:
     return p
 
 
-def overhead(config: str, steps: int, rounds: int, work: Path, shm: Path) -> tuple[float, float, float]:
-    """Mean step time without and with the tier (each the median of the rounds), and the overhead:
+def overhead(
+    config: str, steps: int, rounds: int, work: Path, shm: Path
+) -> tuple[float, float, float, list[float]]:
+    """Mean step time without and with the tier (each the median of the rounds), the overhead:
     the median of the rounds' ratios (a round's two runs are side by side in time; this machine's
-    speed drifts by 10-20% between runs minutes apart)."""
+    speed drifts by 10-20% between runs minutes apart), and each round's ratio."""
     off: list[float] = []
     on: list[float] = []
     for i in range(rounds):
@@ -136,8 +155,23 @@ def overhead(config: str, steps: int, rounds: int, work: Path, shm: Path) -> tup
             mem = fresh(shm, "memory") if variant == "on" else None
             out = run_child(config, fresh(work, "run") / "r", steps, mem)
             (on if variant == "on" else off).append(statistics.fmean(out["times"][WARMUP_STEPS:]))
-    ratio = statistics.median(b / a for a, b in zip(off, on, strict=True))
-    return statistics.median(off), statistics.median(on), ratio - 1
+    ratios = [b / a for a, b in zip(off, on, strict=True)]
+    return statistics.median(off), statistics.median(on), statistics.median(ratios) - 1, ratios
+
+
+def in_one_process(config: str, steps: int, block: int, work: Path, shm: Path) -> tuple[float, list[float]]:
+    """The snapshots' cost in one process (none of the 10-20% drift between processes): blocks of
+    ``block`` steps with snapshots and without, alternating; each pair's ratio of mean step times
+    (a block's first AFTERMATH steps left out: the previous block's last copy slows them). Not the
+    tier's fixed costs (a stat and a few flags a step), which the side-by-side runs include."""
+    out = run_child(config, fresh(work, "run") / "r", steps, fresh(shm, "memory"), blocks=block)
+    times = out["times"]
+    ratios = []
+    for on in range(0, len(times) - 2 * block + 1, 2 * block):
+        with_ = statistics.fmean(times[on + AFTERMATH : on + block])
+        without = statistics.fmean(times[on + block + AFTERMATH : on + 2 * block])
+        ratios.append(with_ / without)
+    return statistics.median(ratios) - 1, ratios
 
 
 def load(config: str, steps: int, work: Path, shm: Path) -> tuple[float, float, int]:
@@ -167,6 +201,12 @@ def main() -> int:
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--config", default="tiny", help=argparse.SUPPRESS)
     p.add_argument("--root", type=Path, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--blocks",
+        type=int,
+        default=50,
+        help=f"steps per block of the A/B in one process ({PAIRS} pairs; 0: none)",
+    )
     p.add_argument("--memory-every", type=int, default=0, help=argparse.SUPPRESS)
     opts = p.parse_args()
     if opts.child:
@@ -179,13 +219,24 @@ def main() -> int:
     failed = False
     try:
         for config in opts.configs.split(","):
-            a, b, over = overhead(config, opts.steps, opts.rounds, work, shm)
+            a, b, over, ratios = overhead(config, opts.steps, opts.rounds, work, shm)
             ok = over <= BUDGET_OVERHEAD
             failed |= not ok
             print(
                 f"{config}: step {a * 1e3:.1f} ms without the tier, {b * 1e3:.1f} ms with it: overhead "
-                f"{over * 100:+.2f}% (budget {BUDGET_OVERHEAD * 100:.0f}%: {'met' if ok else 'NOT met'})"
+                f"{over * 100:+.2f}% (budget {BUDGET_OVERHEAD * 100:.0f}%: {'met' if ok else 'NOT met'}); "
+                f"the rounds: {' '.join(f'{(r - 1) * 100:+.1f}%' for r in sorted(ratios))}"
             )
+            if opts.blocks:
+                over, ratios = in_one_process(config, 2 * PAIRS * opts.blocks, opts.blocks, work, shm)
+                ok = over <= BUDGET_OVERHEAD
+                failed |= not ok
+                print(
+                    f"{config}: in one process, blocks of {opts.blocks} steps with snapshots and without: "
+                    f"overhead {over * 100:+.2f}% (budget {BUDGET_OVERHEAD * 100:.0f}%: "
+                    f"{'met' if ok else 'NOT met'}); the {len(ratios)} pairs: "
+                    f"{' '.join(f'{(r - 1) * 100:+.1f}%' for r in sorted(ratios))}"
+                )
             mem_s, disk_s, size = load(config, min(opts.steps, 20), work, shm)
             ok = disk_s / mem_s >= BUDGET_LOAD
             failed |= not ok
