@@ -21,16 +21,21 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-import time
 from pathlib import Path
 
+from supervisor.appear import Appearance
 from supervisor.format.atomic import atomic_write_text, pid_alive
 from supervisor.format.capped import RECORD_MAX, read_capped
 from supervisor.format.heartbeat import ENV_STANDBY_RELEASE, ENV_WATCHDOG_PID
 from supervisor.format.layout import standby_ready_filename
 from supervisor.format.roster import ENV_GROUP, RELEASED, GroupFacts
 
-POLL_S = 0.005  # a stat every 5 ms: negligible, and the release costs at most this
+# The release wakes the wait at once (inotify on its folder); these bound the rest: a check of the
+# file every BACKSTOP_S (a release no local event announced), a stat every POLL_S where inotify is
+# not to be had, and whether the watchdog still lives every LIVENESS_S.
+BACKSTOP_S = 0.1
+POLL_S = 0.005
+LIVENESS_S = 1.0
 # What the trainer would import lazily after the gate (measured: ~235 modules during main, most of
 # them the optimizer's first step pulling in torch._dynamo): imported while waiting instead.
 WARM_IMPORTS = ("torch._dynamo", "numpy.random", "filelock")
@@ -57,12 +62,10 @@ def _wait(release: Path) -> None:
         importlib.import_module(name)
     ready = release.parent / standby_ready_filename(int(os.environ.get("RANK", "0")))
     atomic_write_text(ready, f"{os.getpid()}\n")  # for whoever wants to know it is ready (bench/mttr.py)
-    checks = 0
-    while not os.path.exists(release):
-        checks += 1
-        if watchdog and checks % 200 == 0 and not pid_alive(watchdog):
-            sys.exit(0)
-        time.sleep(POLL_S)
+    with Appearance(release, BACKSTOP_S, POLL_S) as appearance:
+        while not appearance.wait(LIVENESS_S):
+            if watchdog and not pid_alive(watchdog):
+                sys.exit(0)
 
 
 def join_group(facts: GroupFacts) -> None:
