@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import uuid
 from pathlib import Path
 
 import pytest
+from commands import free_port
 
 from supervisor import store
 from supervisor.format.manifest import CheckpointInfo
@@ -23,12 +23,6 @@ FAKE_CREDENTIALS = {
     "AWS_SECRET_ACCESS_KEY": "testing",
     "AWS_DEFAULT_REGION": "us-east-1",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class MotoServer:

@@ -7,7 +7,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -16,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from commands import REPO, supervisor_cmd
+from commands import REPO, free_port, supervisor_cmd
 from trainer_helpers import digest
 from waiting import wait_for
 
@@ -317,12 +316,6 @@ def golden_digest(root: Path, nodes: int, train: tuple[str, ...], timeout: float
     outs = [p.communicate(timeout=timeout)[0] for p in procs]
     assert [p.returncode for p in procs] == [0] * nodes, "\n".join(o[-3000:] for o in outs)
     return digest(root)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def node_of(pid: int) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import remote_support as rs
+from commands import free_port
 from trainer_helpers import (
     STEPS,
     digest,
@@ -170,7 +171,7 @@ def test_remote_down_mid_run_training_goes_on_and_uploads_catch_up(golden, tmp_p
 def test_an_unreachable_remote_with_nothing_local_is_a_retryable_exit(tmp_path):
     """Never a silent fresh start over a remote that may hold the run's progress."""
     root = tmp_path / "run"
-    dead = f"http://127.0.0.1:{rs.free_port()}"  # nobody listens there
+    dead = f"http://127.0.0.1:{free_port()}"  # nobody listens there
     r = run(
         root, 2, *train_args(PARALLEL, "--remote", "s3://bucket/run", "--remote-endpoint", dead), env=env()
     )

@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 import remote_support as rs
-from commands import REPO
+from commands import REPO, free_port
 
 from supervisor import store
 from supervisor.format.layout import MANIFEST, RunDir, step_dirname
@@ -209,7 +209,7 @@ def test_remote_retention_keeps_the_newest_and_milestones(tier, local):
 
 
 def test_an_unreachable_remote(tmp_path, moto, local):
-    dead = open_remote("s3://nobucket/run", endpoint=f"http://127.0.0.1:{rs.free_port()}")
+    dead = open_remote("s3://nobucket/run", endpoint=f"http://127.0.0.1:{free_port()}")
     with pytest.raises(RemoteUnavailable, match="not starting from scratch"):
         prepare_resume(local, dead)
     rs.fake_checkpoint(local, 10)
@@ -221,7 +221,7 @@ def test_an_unreachable_remote(tmp_path, moto, local):
 def test_a_failing_remote_call_draws_nothing_from_the_global_random(moto, tmp_path):
     """The uploader thread shares `random` with the training loop: a draw there (botocore's retry
     jitter did) changes the trainer's next random numbers, and the run is no longer exact."""
-    tier = open_remote(rs.new_bucket(moto), endpoint=f"http://127.0.0.1:{rs.free_port()}")  # nobody there
+    tier = open_remote(rs.new_bucket(moto), endpoint=f"http://127.0.0.1:{free_port()}")  # nobody there
     before = random.getstate()
     with pytest.raises(RemoteUnavailable):
         tier.scan()

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from commands import free_port
 from trainer_helpers import digest
 from waiting import wait_for, wait_held, watchdog_events
 from watch_helpers import events, finish, leftovers, start_watchdog
@@ -35,12 +35,6 @@ TRAIN = ["-m", "train_ref.train", "--steps", str(STEPS), "--save-every", str(SAV
 # its own, shorter one.
 WATCH = ["--hang-timeout", "60", "--poll-interval", "0.2", "--kill-grace", "20", "--dump-wait", "2"]
 WATCH += ["--backoff-initial", "0.5", "--backoff-jitter", "0"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def standalone(root: Path) -> list[str]:
