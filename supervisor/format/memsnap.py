@@ -39,7 +39,7 @@ import math
 import mmap
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -331,7 +331,7 @@ class Pick:
         if step == self.step:
             return self
         slot = next(slot for s, slot in self.older if s == step)
-        return Pick(self.launch, step, slot, self.folder, self.t)
+        return replace(self, step=step, slot=slot, older=())
 
     def to_dict(self) -> dict[str, Any]:
         return {
