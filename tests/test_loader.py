@@ -6,16 +6,19 @@ The ranks end to end: tests/test_preempt_all.py and the examples' drills."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import random
 import signal
 import subprocess
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, get_worker_info
 from waiting import EVENT_TIMEOUT_S, wait_for
 
@@ -120,6 +123,37 @@ def test_workers_outlive_sigterm_and_the_notice_from_others_and_exit_on_their_pa
     os.kill(pid, signal.SIGTERM)  # from its parent, as multiprocessing's exit and torch's shutdown send it
     it.inner._workers[0].join(EVENT_TIMEOUT_S)  # type: ignore[attr-defined]
     assert it.inner._workers[0].exitcode == 0  # type: ignore[attr-defined]
+
+
+class Collecting(Dataset[torch.Tensor]):
+    """Each read runs the garbage collector in the worker, as any allocation may."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        gc.collect()
+        return torch.tensor([i])
+
+
+def test_a_worker_never_collects_a_process_group_its_rank_dropped() -> None:
+    """A gloo group that is garbage in a cycle when the workers fork: collected in a worker, its
+    destructor, which deals with threads that are not in the worker, aborts it (without the
+    frozen collector: "DataLoader worker ... is killed by signal: Aborted") or, for a group whose
+    threads were waiting, hangs it (the loader's ``timeout`` makes that a failure here)."""
+    loader = _opened(build(Collecting(), 4, WHERE, num_workers=2, timeout=EVENT_TIMEOUT_S))
+    automatic = gc.isenabled()
+    gc.disable()  # the cycle stays garbage until the fork, as it can in a rank
+    try:
+        cycle: list[Any] = [dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=60))]
+        cycle.append(cycle)
+        del cycle
+        got = [t.tolist() for t in loader]
+    finally:
+        if automatic:
+            gc.enable()
+    assert sorted(i for batch in got for i in batch) == [[i] for i in range(8)]
+    assert gc.get_freeze_count() == 0  # the rank's own collector takes the garbage again
 
 
 def _stateful_dataloader() -> Any:

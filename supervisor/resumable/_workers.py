@@ -21,6 +21,7 @@ it (``isolated``), so fetching a batch never moves them.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import random
 import signal
@@ -74,14 +75,27 @@ def held_at_fork(active: bool = True) -> Iterator[None]:
     Without it a SIGTERM to every process of the job that lands between a worker's fork and its
     ``worker_init_fn`` kills it (the default action, or torch's handler) and the rank loses the
     preemption checkpoint (seen under load in the drill's chaos). The rank takes a signal that
-    came meanwhile when its mask is put back."""
+    came meanwhile when its mask is put back.
+
+    And the garbage collector frozen (``gc.freeze``), so a worker never collects garbage it
+    inherited: a process group the rank dropped (destroyed, made again, its holder replaced) can
+    still be garbage in a cycle at the fork; collected in a worker, gloo's destructor deals with
+    threads that exist only in the rank: it aborts the worker (the loop fails), or waits forever
+    on a condition variable they were waiting on (the worker hangs, and the loop with it: seen in
+    the test suite, a loader's second epoch after an in-process test's process groups). The
+    rank's own collector takes the garbage once the workers are forked. A rank that froze objects
+    itself keeps them frozen."""
     if not active:
         yield
         return
     old = signal.pthread_sigmask(signal.SIG_BLOCK, _held())
+    frozen_before = gc.get_freeze_count()
+    gc.freeze()
     try:
         yield
     finally:
+        if not frozen_before:
+            gc.unfreeze()
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
