@@ -79,7 +79,9 @@ def test_kill9_after_an_unsaved_step_resumes_from_the_memory_tier_redoing_nothin
     first step is the one after it (nothing redone), the run ends bit-identical, and the memory
     folder is gone at the end."""
     root, gate = tmp_path / "run", held_at(tmp_path)
-    p = start_watch(root, standalone(root), "--memory-tier", gate=gate)
+    # A snapshot every step: the 3% rule's interval grows with the load (a busy loop on each core
+    # made it 16 steps, the newest snapshot at the kill step 17, older than the disk's 20).
+    p = start_watch(root, [*standalone(root), "--memory-every", "1"], "--memory-tier", gate=gate)
     os.kill(wait_held(gate, 2, HOLD_AT, proc=p)[1]["pid"], signal.SIGKILL)
     hold.release(gate)
     rc, out = finish(p)
