@@ -9,9 +9,9 @@ running launch every F seconds (the first F seconds after the start; each once t
 logged a step after the previous kill) until it is done:
 
 - ``torchrun``: torchrun's own restarts (``--max-restarts=99``, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1);
-- ``watch``: `supervisor watch` over torchrun (``--max-restarts=0``);
-- ``standby``: ``watch --standby``;
-- ``memory``: ``watch --standby --memory-tier`` (the interval by the 3% rule);
+- ``watch``: `supervisor watch --no-memory-tier` over torchrun (``--max-restarts=0``);
+- ``standby``: ``watch --standby --no-memory-tier``;
+- ``memory``: ``watch --standby`` with its memory tier (on by default; the interval by the 3% rule);
 - ``memory1``: the same with a snapshot every step (``--memory-every 1``).
 
 Per run: goodput = uninterrupted wall / faulted wall; kills; steps redone in all (metrics records
@@ -61,10 +61,10 @@ from supervisor.format.metrics import MetricsRecord, read_metrics  # noqa: E402
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 VARIANTS = {
     "torchrun": None,
-    "watch": (),
-    "standby": ("--standby",),
-    "memory": ("--standby", "--memory-tier"),
-    "memory1": ("--standby", "--memory-tier"),
+    "watch": ("--no-memory-tier",),
+    "standby": ("--standby", "--no-memory-tier"),
+    "memory": ("--standby",),
+    "memory1": ("--standby",),
 }
 TRAINER_FLAGS = {"memory1": ("--memory-every", "1")}
 POLL_S = 0.01

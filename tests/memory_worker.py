@@ -13,8 +13,9 @@ SIGKILL itself right after step S, whatever is saved (every rank at the same ste
 ``--memory-every N``: a memory snapshot every N steps (default 1).
 
 ``--die-after S``: SIGKILL itself right after the first step >= S whose memory snapshot is
-written (the loop waits for its copy first) once the disk's save before it committed (an async
-save commits at a later step's end: on a busy machine after S), as a kill -9 would end it.
+written (the loop waits for its copy first), the disk's save before it committed first (an async
+save commits at a later step's end; on a busy machine that came after the run's end, and the
+worker finished with no kill), as a kill -9 would end it.
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ def main() -> None:
                 memory = r._memory
                 assert memory is not None, "no memory tier: the test sets its folder"
                 memory.wait()
-                saved = store.list_checkpoints(a.root)  # the async save before it committed (a step end does)
+                r._ckpt.finish()  # the async save in flight committed now, as a later step end would
+                saved = store.list_checkpoints(a.root)
                 on_disk = bool(saved) and saved[0].step >= step // a.save_every * a.save_every
                 if memory.last == step and not memory.broken and on_disk:
                     os.kill(os.getpid(), signal.SIGKILL)

@@ -19,6 +19,7 @@ from commands import REPO
 from trainer_helpers import digest
 from waiting import PATIENCE_S
 
+from supervisor import memroom, store
 from supervisor.format import memsnap
 from supervisor.format.events import EventLog, events_path, read_events
 from supervisor.format.heartbeat import ENV_LAUNCH_ID, ENV_RESTART_COUNT
@@ -125,6 +126,25 @@ def test_a_kill_after_an_unsaved_step_resumes_from_memory_redoing_nothing_bit_id
     assert losses(root) == losses(golden)  # every step's loss: the RNG streams and the data order too
     assert digest(root) == digest(golden)
     assert not (mem / memsnap.PICK).exists()  # consumed by the launch that used it
+
+
+def test_a_resume_from_a_snapshot_with_nothing_left_to_train_saves_it_to_the_disk(
+    tmp_path: Path, golden: Path
+) -> None:
+    """A relaunch that resumes from memory at its last step (killed right after it, say) trains
+    nothing, and that state is on no disk: its finish saves it all the same (the memory goes with
+    the watchdog; the run's last state must not). Here launch 2 ends at the snapshot's step; a
+    launch from the disk alone then carries on from that save to the end, bit-identical."""
+    root, mem, memory, last = killed_after_unsaved_step(tmp_path)
+    assert memory.pick(2, disk_step=SAVE_EVERY) == last
+    done = launch(root, mem, 2, "--steps", str(last))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resumed from the memory snapshot of step {last}" in done.stderr
+    assert store.list_checkpoints(root)[0].step == last
+    done = launch(root, None, 3)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert first_step_of(root, "launch-3") == last + 1
+    assert digest(root) == digest(golden)
 
 
 def test_a_corrupt_snapshot_is_caught_by_the_watchdog_and_the_run_falls_back_to_the_disk(
@@ -285,3 +305,27 @@ def test_a_copy_off_the_loop_costs_its_start_and_how_much_the_next_steps_slowed(
     tier.observe(0.020)  # a slow step far from any copy is the step time's, not the copy's
     assert tier.copy_s <= started_s + 0.008
     assert tier.step_s > 0.010
+
+
+def test_a_rank_whose_slots_would_leave_training_short_takes_no_snapshot(tmp_path: Path, monkeypatch) -> None:
+    """On by default, the tier must never take what training needs: two slots of every local rank
+    must leave a quarter of the node's memory (or its cgroup's). A node with 4 MiB left of 8 (a
+    stand-in for a large model on a full node; the bound is read in memroom, tested there) gets no
+    data file, the tier off with the reason, and training goes on."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(memroom, "room", lambda: memroom.Room(4 << 20, 8 << 20, "the node"))
+    tier = MemoryTier(tmp_path, rank=0, world_size=2, every=1)
+    try:
+        tier.snapshot(1, _Small(), None, {}, {})  # 2 slots x 16.9 KB x 2 ranks: fits
+        assert not tier.broken, tier.broken
+        big = _Small()
+        big.model = torch.nn.Linear(512, 512)  # 2 slots x 1 MiB x 2 ranks, of 4 MiB with 2 to keep
+        tier.snapshot(2, big, None, {}, {})
+    finally:
+        tier.close()
+    assert tier.broken.startswith("2 slots of "), tier.broken
+    assert (
+        "for each of this node's 2 ranks" in tier.broken
+        and "less than the 25% kept for training" in tier.broken
+    )
+    assert [ix.step for _, ix in memsnap.read_slots(tmp_path)[0]] == [1]

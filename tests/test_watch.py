@@ -78,6 +78,24 @@ def test_crash_relaunches_from_checkpoint(tmp_path):
     assert st.status == "done" and st.exit_code == 0 and len(st.restart_times) == 1
 
 
+@pytest.mark.parametrize(("flags", "on"), [([], True), (["--no-memory-tier"], False)])
+def test_the_memory_tier_is_on_by_default_and_one_flag_turns_it_off(tmp_path, flags, on):
+    """On by default: the watchdog makes its node's memory folder at start, hands it to every
+    launch, looks in it before the relaunch (the fake trainer took no snapshot: the disk) and
+    removes it at the end. ``--no-memory-tier``: no folder, no look."""
+    root = tmp_path / "run"
+    rc, evs = run(root, flags, ["--steps", "12", "--fault", "crash", "--fault-step", "7"])
+    assert rc == Exit.OK
+    folders = [e["path"] for e in of(evs, "memory_dir")]
+    fallbacks = [e["reason"] for e in of(evs, "memory_fallback")]
+    if on:
+        assert len(folders) == 1 and folders[0] and not Path(folders[0]).exists(), folders
+        assert fallbacks == ["no snapshot in memory"], fallbacks
+    else:
+        assert folders == [] and fallbacks == [], (folders, fallbacks)
+    assert of(evs, "launch")[1]["resumed_from"] == 5
+
+
 def test_launch_dirs_beyond_the_state_files_record_are_removed_for_this_node_only(tmp_path):
     """Launch dirs (error files, worker logs) pile up over weeks of relaunches: after each launch
     the watchdog removes its node's that its state file no longer records, and no other node's."""

@@ -74,14 +74,14 @@ def test_kill9_worker_resumes_digest_equal(tmp_path, reference):
 
 
 def test_kill9_after_an_unsaved_step_resumes_from_the_memory_tier_redoing_nothing(tmp_path, reference):
-    """--memory-tier: a kill -9 of a rank held after step 25 (the disk's newest: step 20) relaunches
-    from the memory snapshot the watchdog picked and verified, newer than the disk's; the relaunch's
-    first step is the one after it (nothing redone), the run ends bit-identical, and the memory
-    folder is gone at the end."""
+    """The memory tier, on by default (no flag): a kill -9 of a rank held after step 25 (the disk's
+    newest: step 20) relaunches from the memory snapshot the watchdog picked and verified, newer
+    than the disk's; the relaunch's first step is the one after it (nothing redone), the run ends
+    bit-identical, and the memory folder is gone at the end."""
     root, gate = tmp_path / "run", held_at(tmp_path)
     # A snapshot every step: the 3% rule's interval grows with the load (a busy loop on each core
     # made it 16 steps, the newest snapshot at the kill step 17, older than the disk's 20).
-    p = start_watch(root, [*standalone(root), "--memory-every", "1"], "--memory-tier", gate=gate)
+    p = start_watch(root, [*standalone(root), "--memory-every", "1"], gate=gate)
     os.kill(wait_held(gate, 2, HOLD_AT, proc=p)[1]["pid"], signal.SIGKILL)
     hold.release(gate)
     rc, out = finish(p)

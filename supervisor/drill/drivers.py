@@ -57,14 +57,14 @@ class Kill(Driver):
 
 
 class MemoryKill(Kill):
-    """kill -9 a rank right after a step that no disk checkpoint holds, the memory tier on: the
-    watchdog with --memory-tier, the reference trainer with a snapshot every step (a user's script
-    keeps its own interval, ``Saves.memory_every``)."""
+    """kill -9 a rank right after a step that no disk checkpoint holds, the memory tier on (the
+    watchdog's default): the reference trainer with a snapshot every step (a user's script keeps
+    its own interval, ``Saves.memory_every``)."""
 
     kinds = frozenset({Kind.MEMORY})
 
     def job_args(self, cfg: DrillConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        return ("--memory-tier",), (() if cfg.trainer else ("--memory-every", "1"))
+        return (), (() if cfg.trainer else ("--memory-every", "1"))
 
 
 class KillDuringSave(Kill):

@@ -51,8 +51,8 @@ DISK_FULL_INTERVALS = DISK_FULL_FAILURES + 2  # the disk may fill in the save af
 # not between two saves (issue 44: where in a save the disk fills decided whether the ranks agreed).
 DISK_FULL_FILL_WITHIN = 200
 CHAOS = "chaos"
-# Chaos does not draw these: each needs what a run may lack (3 ranks, DataLoader workers, the
-# memory tier: opt-in), and leaving them out keeps the plans every seed gave before they existed.
+# Chaos does not draw these: each needs what a run may lack (3 ranks, DataLoader workers, a
+# snapshot every step), and leaving them out keeps the plans every seed gave before they existed.
 NOT_DRAWN = frozenset({Kind.HANG_COLLECTIVE, Kind.HANG_LOADER, Kind.MEMORY})
 # Chaos draws this many faults (fewer, down to CHAOS_LEAST, where --steps has no room: ``adapt``).
 CHAOS_FAULTS = (3, 4)

@@ -41,6 +41,9 @@ EIO_READS = 3
 # Faults that strike a running job wait for this many committed checkpoints: one to resume from,
 # one to fall back to.
 MIN_COMMITTED = 2
+# The watchdog's flags where a scenario is about the disk's resume (its reads, its pace): a resume
+# from the memory tier (on by default) would read nothing from the disk.
+DISK_RESUME = ("--no-memory-tier",)
 # slow-storage: the throttle lets the newest checkpoint be read once in this many seconds. The
 # resume reads it about three times (the watchdog's deep pick, the trainer's verify and its load);
 # the verify and the load alone must take judge.SLOW_FACTOR (3) timeouts, so 2 reads of this many
@@ -100,9 +103,13 @@ def kill_under(scene: Scene, fault: Fault, launch: str, rule: str, what: str) ->
 
 class IoError(Driver):
     """EIO on the next reads of committed shard files, then kill -9 a rank: the resume's pick
-    (the watchdog's, then the trainer's) meets the errors and must retry, not quarantine."""
+    (the watchdog's, then the trainer's) meets the errors and must retry, not quarantine. The
+    memory tier is off (``DISK_RESUME``)."""
 
     kinds = frozenset({Kind.IO_ERROR})
+
+    def job_args(self, cfg: DrillConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        return DISK_RESUME, ()
 
     def drive(self, scene: Scene, fault: Fault) -> StorageFacts | None:
         assert scene.fs is not None
@@ -172,13 +179,13 @@ class SlowStorage(Driver):
     """Checkpoint reads and writes throttled so that the newest checkpoint takes SLOW_READ_S to read
     once, then kill -9 a rank: the resume's verify and load run for several times their timeouts
     (SLOW_TIMEOUT_S, passed to the watchdog) and must not be taken for a hang, since they progress.
-    The throttle is lifted at the first resumed step."""
+    The throttle is lifted at the first resumed step. The memory tier is off (``DISK_RESUME``)."""
 
     kinds = frozenset({Kind.SLOW_STORAGE})
 
     def job_args(self, cfg: DrillConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
         t = f"{SLOW_TIMEOUT_S:g}"
-        return ("--verify-timeout", t, "--load-timeout", t), ()
+        return ("--verify-timeout", t, "--load-timeout", t, *DISK_RESUME), ()
 
     def drive(self, scene: Scene, fault: Fault) -> StorageFacts | None:
         assert scene.fs is not None

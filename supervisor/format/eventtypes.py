@@ -324,7 +324,7 @@ class MemoryFallback(Event):
 
 @dataclass(frozen=True)
 class Replica(Event):
-    """At start, with --memory-tier on more than one node: where this node's replica receiver
+    """At start, with the memory tier on more than one node: where this node's replica receiver
     listens and which node it pushes to ('' host: no replica, and why)."""
 
     NAME = EventName.REPLICA

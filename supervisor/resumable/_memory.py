@@ -49,6 +49,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from supervisor import memroom
 from supervisor.format import memsnap
 from supervisor.format.heartbeat import ENV_RESTART_COUNT
 from supervisor.format.layout import MEMORY_DIR_ENV
@@ -362,10 +363,26 @@ class MemoryTier:
             own=own_tree,
             meta=meta,
         )
+        self._room_for(slot, size)
         os.makedirs(memsnap.slot_dir(self.folder, slot), mode=0o700, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):  # the index first: its data is overwritten now
             os.unlink(memsnap.index_path(self.folder, slot, self.rank))
         return _Captured(index, tensors, slot)
+
+    def _room_for(self, slot: int, size: int) -> None:
+        """Before a slot's pages are allocated (its first snapshot, or a state of another size):
+        both slots of every local rank (ranks alike: this rank's need times the node's ranks) must
+        leave a quarter of the node's memory, or of the job's cgroup limit, to training
+        (``memroom``). Else the tier is off for this launch, the reason in its one warning."""
+        if self._fds.get(slot, (-1, -1))[1] == size:
+            return
+        held = sum(sz for _, sz in self._fds.values())
+        need = (memsnap.SLOTS * size - held) * self.local_world_size
+        why = memroom.refusal(need, memroom.room())
+        if why:
+            raise memsnap.SnapshotError(
+                f"{memsnap.SLOTS} slots of {size} bytes for each of this node's {self.local_world_size} ranks: {why}"
+            )
 
     def _finish(self, cap: _Captured) -> str:
         """Write the tensors and hash them, then the index; on the loop or the thread."""

@@ -156,7 +156,7 @@ class Saves:
     )
     memory_every: int = option(
         "under the watchdog, snapshot the whole state into node-local memory every N steps (0: the "
-        "interval that keeps the copy within 3 percent of the step time; none without the watchdog's --memory-tier)",
+        "interval that keeps the copy within 3 percent of the step time; none without the watchdog, or under its --no-memory-tier)",
         0,
         metavar="N",
         check=NOT_NEGATIVE,
@@ -579,6 +579,7 @@ class Resumable:
         self.launch = ""
         self._init_source = ""
         self.start = 0  # the step this launch resumed at
+        self._from_memory = False  # resumed from a memory snapshot of a step the disk does not hold
         self._metrics: dict[str, float] = {}  # the last step's, saved into the manifest
         self._recent_losses: deque[float] = deque(maxlen=loss_window)  # saved into the manifest too
         self._sanity: ResumeSanity | None = None  # rank 0, the first steps after a resume
@@ -653,6 +654,8 @@ class Resumable:
         fresh; for a resume, what ``_resumed`` takes (the resume line once the start is known)."""
         self._init_source = ""  # --init-from's checkpoint, recorded in every manifest of this run
         if planned is not None:
+            on_disk = parse_committed(choice.ckpt.name) if choice.ckpt is not None else None
+            self._from_memory = on_disk != planned.pick.step
             return self._load_memory(planned)
         if choice.ckpt is not None and choice.manifest is not None:
             self._load_checked(choice)
@@ -1200,7 +1203,9 @@ class Resumable:
         try:
             if self._memory is not None:
                 self._memory.close()
-            if self.state.step > self.start:
+            # A state resumed from memory is on no disk (the last step's snapshot, say: nothing
+            # left to train), and the memory goes with the watchdog: saved all the same.
+            if self.state.step > self.start or self._from_memory:
                 self._final_save()
             self._ckpt.close()
         except StorageGaveUp as e:

@@ -1,5 +1,5 @@
 """This node's part in the memory tier's buddy replica (docs/tiers.md#the-buddy-replica): with
---memory-tier on a job of more than one node, each node's watchdog
+the memory tier on (the default) on a job of more than one node, each node's watchdog
 
 - receives: listens for the previous node's pushes (node i-1 in a ring) and keeps them in its own
   memory folder (``memsnap.replica_dir``), and answers pulls of what it keeps (a node taking a lost

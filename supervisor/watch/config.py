@@ -219,12 +219,15 @@ class WatchConfig:
     memory_tier: bool = option(
         "keep each step's whole state in node-local shared memory (the ranks copy it there; this "
         "watchdog owns it, picks from it before a relaunch, removes it at the end), every step or "
-        "every N so the copy costs at most 3 percent: a relaunch redoes at most N - 1 steps (docs/tiers.md#the-memory-tier)",
-        False,
+        "every N so the copy costs at most 3 percent: a relaunch redoes at most N - 1 steps; a rank "
+        "whose two slots would leave less than a quarter of the node's memory (or its cgroup's) "
+        "takes none (default; docs/tiers.md#the-memory-tier)",
+        True,
+        off="--no-memory-tier",
         group=RESTARTS,
     )
     nodes: int = option(
-        "nodes in the job (default $SLURM_JOB_NUM_NODES or 1): with --memory-tier and more than one, "
+        "nodes in the job (default $SLURM_JOB_NUM_NODES or 1): with the memory tier on and more than one, "
         "each node's watchdog keeps a replica of the next node's memory snapshots (its buddy: node "
         "i+1's of node i, in a ring)",
         1,

@@ -10,9 +10,10 @@ import os
 import re
 from collections.abc import Iterable
 
+from supervisor import memroom
+from supervisor.memroom import CGROUP_BASE, PROC_CGROUP
+
 KMSG = "/dev/kmsg"
-PROC_CGROUP = "/proc/self/cgroup"
-CGROUP_BASE = "/sys/fs/cgroup"
 MAX_KMSG_RECORDS = 20_000  # the kernel's ring buffer holds a few thousand; a bound, not a limit
 
 _OOM_KILL = re.compile(r"^oom_kill (\d+)$", re.MULTILINE)
@@ -64,18 +65,12 @@ def parse_oom_count(text: str) -> int | None:
 
 
 def cgroup_files(proc_cgroup: str, base: str = CGROUP_BASE) -> list[str]:
-    """Where this process's memory cgroup counts OOM kills, from /proc/<pid>/cgroup's text: the
-    v2 ``0::/path`` and the v1 ``N:memory:/path`` entries."""
-    paths = []
-    for line in proc_cgroup.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        if parts[0] == "0" and parts[1] == "":
-            paths.append(f"{base}{parts[2].rstrip('/')}/memory.events")
-        elif "memory" in parts[1].split(","):
-            paths.append(f"{base}/memory{parts[2].rstrip('/')}/memory.oom_control")
-    return paths
+    """Where this process's memory cgroup counts OOM kills, from /proc/<pid>/cgroup's text: v2's
+    memory.events, v1's memory.oom_control."""
+    return [
+        f"{folder}/{'memory.events' if version == 2 else 'memory.oom_control'}"
+        for version, folder in memroom.memory_cgroups(proc_cgroup, base)
+    ]
 
 
 def cgroup_oom_kills(proc_cgroup: str = PROC_CGROUP, base: str = CGROUP_BASE) -> int | None:
