@@ -23,6 +23,8 @@
 #   TORCHRUN_OPTS    more torchrun options (e.g. --local-addr=...; never --max-restarts > 0: the
 #                    watchdog owns restarts, `slurm start` refuses it)    default: none
 #   WATCH_OPTS       more watchdog options (python -m supervisor watch --help)        default: none
+#                    --standby on more than one node: a roster (as with SPARE_NODES) keeps every
+#                    node's next launch started and releases them together
 #   MAX_PREEMPT_REQUEUES  requeues after a preemption or time-limit checkpoint (exit 13)  default: 100
 #   MAX_REQUEUES     requeues after a failure (storage unavailable, exit 14)          default: 10
 #                    both counted in RUN_DIR/supervisor/slurm.json (shown by `supervisor status`),
@@ -53,8 +55,9 @@
 # unavailable past the watchdog's retries (exit 14: committed checkpoints intact) requeues the same
 # way, against MAX_REQUEUES instead. A finished run (0) and a non-retryable failure (12) end the
 # job without a requeue. On several nodes `slurm coordinate` runs beside srun: it finds lost nodes,
-# pins failures on hosts (RUN_DIR/supervisor/bad_nodes.json) and, with SPARE_NODES, writes the
-# roster (who trains, who waits) and says when the job is over (srun waits for a lost node's task).
+# pins failures on hosts (RUN_DIR/supervisor/bad_nodes.json) and, with SPARE_NODES (or --standby in
+# WATCH_OPTS), writes the roster (who trains, who waits) and says when the job is over (srun waits for
+# a lost node's task).
 #
 #SBATCH --job-name=resumable
 #SBATCH --nodes=1
@@ -114,10 +117,15 @@ fi
 
 "$PYTHON" -m supervisor slurm start --job-script "$0" -- "$@" || exit $?
 
-# With spares a lost node's task must not end the step (srun --no-kill; the job's --no-kill keeps
+# A roster drives the launches with spares, and with --standby in WATCH_OPTS on more than one node
+# (each node's standby released together): the same decision as supervisor.slurm.env.Knobs.rostered.
+ROSTER=0
+[ "$SPARE_NODES" -gt 0 ] && ROSTER=1
+[ "${SLURM_JOB_NUM_NODES:-1}" -gt 1 ] && [[ " $WATCH_OPTS " == *" --standby "* ]] && ROSTER=1
+# Under a roster a lost node's task must not end the step (srun --no-kill; the job's --no-kill keeps
 # the allocation when SLURM marks the node down).
 spare_opts=()
-[ "$SPARE_NODES" -gt 0 ] && spare_opts=(--no-kill)
+[ "$ROSTER" = 1 ] && spare_opts=(--no-kill)
 srun --ntasks-per-node=1 --cpus-per-task="${SLURM_CPUS_ON_NODE:-1}" --kill-on-bad-exit=0 "${spare_opts[@]}" \
   "$PYTHON" -m supervisor slurm launch -- "$@" &
 srun_pid=$!
@@ -126,10 +134,10 @@ if [ "${SLURM_JOB_NUM_NODES:-1}" -gt 1 ]; then
   "$PYTHON" -m supervisor slurm coordinate -- "$@" &
   coord_pid=$!
 fi
-# With spares the coordinator says when the job is over: srun may wait for a lost node's task
+# Under a roster the coordinator says when the job is over: srun may wait for a lost node's task
 # until SLURM marks that node down.
 coordinator_done() {
-  [ "$SPARE_NODES" -gt 0 ] && [ -n "$coord_pid" ] && ! kill -0 "$coord_pid" 2>/dev/null
+  [ "$ROSTER" = 1 ] && [ -n "$coord_pid" ] && ! kill -0 "$coord_pid" 2>/dev/null
 }
 # srun forwards USR1 (and USR2) to the step but drops URG, so URG goes to the steps through
 # slurmctld: scancel without --batch signals every process of the job's steps, not this shell.
@@ -167,10 +175,10 @@ else
   wait "$srun_pid"
   rc=$?
   if [ -n "$coord_pid" ]; then
-    # With spares the coordinator's code counts (a lost node's task reports no exit of its own):
+    # Under a roster the coordinator's code counts (a lost node's task reports no exit of its own):
     # it ends within a tick of the last watchdog's final summary. Without, it judges its last
     # evidence and goes.
-    if [ "$SPARE_NODES" -gt 0 ]; then
+    if [ "$ROSTER" = 1 ]; then
       deadline=$((SECONDS + ${NODE_TIMEOUT_S%.*} + 5))
       while kill -0 "$coord_pid" 2>/dev/null && [ "$SECONDS" -lt "$deadline" ]; do sleep 0.2; done
     fi
@@ -180,7 +188,7 @@ else
     else
       wait "$coord_pid"
       coord_rc=$?
-      [ "$SPARE_NODES" -gt 0 ] && rc=$coord_rc
+      [ "$ROSTER" = 1 ] && rc=$coord_rc
     fi
   fi
 fi

@@ -7,6 +7,8 @@ each slurmd in its own network and UTS namespace; SlurmdTimeout 20 s so a lost n
 - ``bad_node``: one node's rank is killed twice; each failure is pinned on it (its rank died
   first), the second makes it a bad node, the next generation leaves it out for the spare, and the
   preempted job's requeue excludes it: the requeued job runs on the other nodes, digest equal;
+- ``standby``: --standby on two nodes and no spare: the roster releases both nodes' standbys
+  together after a rank's SIGKILL, no requeue, digest equal;
 - ``straggler``: four 1-rank nodes (the tiny config's global batch of 8 does not split over 3), one
   rank's CPU limited by a cgroup quota: node 0's watchdog names the rank and its node (event,
   status).
@@ -128,6 +130,39 @@ def test_a_lost_nodes_rank_resumes_on_the_spare_from_its_replica_digest_equal(
             cluster4.run("scancel", job.job_id)
             job.wait_done()
         cluster4.start_node("n2")
+
+
+def launches_from_standby(job: Job, node: int) -> list[int]:
+    """The launches node ``node``'s watchdog released from its standby: a Standby event made for
+    the launch, then the launch started with that standby's id."""
+    evs = [e.event for e in events.read_logged(events.events_path(job.run_dir, node))]
+    made = {(e.launch, e.launch_id) for e in evs if isinstance(e, ev.Standby)}
+    return [e.launch for e in evs if isinstance(e, ev.Launch) and (e.launch, e.launch_id) in made]
+
+
+def test_standby_across_nodes_releases_every_nodes_standby_together_digest_equal(
+    cluster4: Cluster, submit_here: Callable[..., tuple[Job, Path]], golden: str
+) -> None:
+    """--standby on two nodes, no spare: a roster drives the launches (each node's torchrun
+    --standalone, its ranks joining the generation's group at the gate), as with spares, and each
+    node keeps its next launch started. Node 1's rank SIGKILLed after step 12 (its watchdog lives):
+    generation 2 is the same two nodes, each launched from its standby, released together; no
+    requeue; digest equal to an uninterrupted run."""
+    job, gate = submit_here(*DDP, hold_at=12, nodes=2, nproc_per_node=1, WATCH_OPTS="--standby")
+    acks = job.wait_held(gate, 12)
+    job.wait_until("both nodes to keep launch 2 started", lambda: all(
+        any(isinstance(e.event, ev.Standby) and e.event.launch == 2
+            for e in events.read_logged(events.events_path(job.run_dir, node)))
+        for node in (0, 1)
+    ))  # fmt: skip
+    os.kill(acks[1]["pid"], signal.SIGKILL)  # node rank 1's
+    hold.release(gate)
+    info = job.wait_done()
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), job.explain()
+    assert [launches_from_standby(job, node) for node in (0, 1)] == [[2], [2]], job.explain()
+    gens = generations(job)
+    assert [g.event.generation for g in gens] == [1, 2] and gens[0].event.nodes == gens[1].event.nodes, gens
+    assert job.digest() == golden
 
 
 def test_bad_node_twice_left_out_then_excluded_from_the_requeue(

@@ -4,7 +4,8 @@
                           knobs and the notice's --signal, record the start
     launch  -- TRAIN...   once per node (srun): exec the watchdog, which runs torchrun
     coordinate -- TRAIN...   beside srun (several nodes): lost nodes, incidents, the bad-node
-                          list; with SPARE_NODES the roster, and the job's exit code
+                          list; with SPARE_NODES (or --standby in WATCH_OPTS) the roster, and
+                          the job's exit code
     torchrun [--ignore-signal SIG] ARGS...   exec ``python -m torch.distributed.run ARGS`` with the
                           notice's signal ignored
     finish --exit-code N -- TRAIN...   after srun: requeue (exit 13, 14 or 15 and budget left,
@@ -146,7 +147,7 @@ def start(args: argparse.Namespace) -> int:
             "time-limit checkpoint it will end, and you resubmit it"
         )
     _say_bad_nodes(knobs, hosts)
-    roster = slurm.roster_key(job) if knobs.spare_nodes else ""
+    roster = slurm.roster_key(job) if knobs.rostered(job) else ""
     say(f"each node runs: {shlex.join(slurm.launch_command(knobs, rdzv, roster))}")
     slurm.save_requeue_state(
         knobs.run_dir, state.with_event(RequeueEvent.START, restart_count=job.restart_count, nodes=hosts)
@@ -216,7 +217,7 @@ def launch(args: argparse.Namespace) -> int:
     hosts, host_note = slurm.hostnames(job.nodelist)
     if host_note:
         say(host_note)
-    roster = slurm.roster_key(job) if knobs.spare_nodes else ""
+    roster = slurm.roster_key(job) if knobs.rostered(job) else ""
     cmd = slurm.launch_command(knobs, slurm.rendezvous(job, knobs, hosts[0]), roster)
     say(f"node {hostname()} (SLURM_NODEID={os.environ.get('SLURM_NODEID', '?')}): starting the watchdog")
     os.execvp(cmd[0], cmd)

@@ -6,7 +6,7 @@ import argparse
 
 from supervisor import options
 from supervisor.signing import add_signing_key_arg, load_key
-from supervisor.watch import config
+from supervisor.watch import config, torchrun_cmd
 
 EPILOG = """exit codes: 0 done; 10 restart budget exhausted; 11 no progress; 12 non-retryable child
 failure or no usable checkpoint (reason in DIR/supervisor/events.jsonl); 13 preempted and
@@ -41,6 +41,12 @@ def run(args: argparse.Namespace) -> int:
     if not command:
         args.parser.error("no COMMAND given; usage: watch --ckpt-root DIR [options] -- COMMAND...")
     cfg = options.build(config.WatchConfig, args, command=tuple(command), sign_key=_signing_key(args))
+    if cfg.standby and not cfg.roster and torchrun_cmd.joins_other_nodes(command):
+        args.parser.error(
+            "--standby with a torchrun of more than one node (--nnodes): its standby would join the running "
+            "launch's rendezvous; on SLURM set SPARE_NODES (the roster keeps every node's standby and releases "
+            "them together, docs/slurm.md#hot-spares), else run each node's torchrun --standalone"
+        )
     from supervisor.watch.loop import watch  # the loop and its process machinery: only when watching
 
     return watch(cfg)

@@ -2,9 +2,10 @@
 srun in the batch shell): it watches every node of the allocation through the run directory
 (each node's summary, each watchdog's event log) and SLURM (``scontrol show node``), finds lost
 nodes, pins failures on hosts (``incidents.py``) and keeps the run's bad-node list
-(supervisor/format/badnodes.py). With SPARE_NODES it also writes the roster (``spares.py``): the
-first generation at once, then the next one whenever every training node waits for it or is lost,
-a spare in each lost (or bad) node's place; and it ends the job: once every node that is not lost
+(supervisor/format/badnodes.py). With SPARE_NODES (or --standby in WATCH_OPTS: ``Knobs.rostered``)
+it also writes the roster (``spares.py``): the first generation at once, then the next one whenever
+every training node waits for it or is lost, a spare in each lost (or bad) node's place; and it
+ends the job: once every node that is not lost
 has its watchdog ended, it prints the job's exit code and exits with it (srun cannot say it while
 it waits for a lost node's task).
 
@@ -52,7 +53,7 @@ class Coordinator:
         self.root = knobs.run_dir
         self.run = RunDir.of(self.root)
         self.key = roster_key(job)
-        self.with_roster = knobs.spare_nodes > 0
+        self.with_roster = knobs.rostered(job)
         self.log = EventLog(self.root, echo=sys.stdout, path=self.run.job_events)
         self.started = time.monotonic()
         self.views = {n: spares.NodeView(n, h, silent_s=0.0) for n, h in enumerate(self.hosts)}

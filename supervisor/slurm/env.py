@@ -38,6 +38,10 @@ BAD_NODE = "bad-node"
 TORCHRUN_TERM_WINDOW_S = 30.0
 
 
+# In WATCH_OPTS on more than one node: the roster keeps every node's standby (Knobs.rostered).
+STANDBY_FLAG = "--standby"
+
+
 @dataclass(frozen=True)
 class JobEnv:
     """What SLURM tells the job about itself."""
@@ -142,6 +146,14 @@ class Knobs:
         check_torchrun_opts(knobs.torchrun_opts)
         check_spares(knobs)
         return knobs
+
+    def rostered(self, job: JobEnv) -> bool:
+        """Whether a roster drives the job's launches (docs/slurm.md#hot-spares): with spares, and
+        with --standby in WATCH_OPTS on more than one node, where each node's torchrun runs
+        --standalone and its standby's ranks join the generation's group when all are released
+        together (a torchrun of several nodes would take its standby into the running rendezvous).
+        sbatch/job.sh decides the same for srun (its ROSTER)."""
+        return self.spare_nodes > 0 or (job.num_nodes > 1 and STANDBY_FLAG in self.watch_opts)
 
     def train_nodes(self, job: JobEnv) -> int:
         """The nodes that train: NNODES, else the allocation's nodes less the spares."""

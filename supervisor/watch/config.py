@@ -278,8 +278,9 @@ class WatchConfig:
     )
     standby: bool = option(
         "keep the next launch started ahead of a failure, its ranks waiting with their imports done "
-        "(train_ref's standby gate), and release it on a relaunch; single-node or --standalone torchrun "
-        "only (a standby must not join the running job's rendezvous)",
+        "(the gate at import supervisor.resumable), and release it on a relaunch; a torchrun of more than "
+        "one node is refused (its standby would join the running launch's rendezvous): across nodes the "
+        "SLURM roster keeps each node's standby and releases them together (SPARE_NODES)",
         False,
         group=RESTARTS,
     )

@@ -16,7 +16,7 @@ import os
 import re
 from collections.abc import Sequence
 
-__all__ = ["restarts_inside"]
+__all__ = ["joins_other_nodes", "restarts_inside"]
 
 # torchrun's options that take no value; every other option does, after "=" or as the next word.
 _FLAGS = frozenset(
@@ -55,6 +55,12 @@ def _value(args: list[str], *names: str) -> str | None:
     return None
 
 
+def _max_nodes(args: list[str]) -> int | None:
+    """The most nodes torchrun's ``--nnodes`` (N or MIN:MAX) allows; None when it cannot be read."""
+    nnodes = "1" if "--standalone" in args else (_value(args, "--nnodes") or "1")
+    return int(nnodes.split(":")[-1]) if re.fullmatch(r"[0-9]+(:[0-9]+)?", nnodes) else None
+
+
 def restarts_inside(cmd: Sequence[str]) -> bool:
     """Whether torchrun in ``cmd`` may restart its worker group itself: more than one node (a
     join restarts it), or ``--max-restarts`` above 0. True when ``cmd`` is not a torchrun or an
@@ -63,7 +69,18 @@ def restarts_inside(cmd: Sequence[str]) -> bool:
     if args is None:
         return True
     restarts = _value(args, "--max-restarts", "--max_restarts") or "0"
-    nnodes = "1" if "--standalone" in args else (_value(args, "--nnodes") or "1")
-    if not re.fullmatch(r"[0-9]+", restarts) or not re.fullmatch(r"[0-9]+(:[0-9]+)?", nnodes):
+    nodes = _max_nodes(args)
+    if not re.fullmatch(r"[0-9]+", restarts) or nodes is None:
         return True
-    return int(restarts) > 0 or int(nnodes.split(":")[-1]) > 1
+    return int(restarts) > 0 or nodes > 1
+
+
+def joins_other_nodes(cmd: Sequence[str]) -> bool:
+    """Whether torchrun in ``cmd`` rendezvouses with other nodes (``--nnodes`` above 1, or not
+    readable): a standby of it would join the running launch's rendezvous. False for a command
+    that is not a torchrun (its ranks' group is its own business)."""
+    args = _torchrun_args(cmd)
+    if args is None:
+        return False
+    nodes = _max_nodes(args)
+    return nodes is None or nodes > 1
