@@ -21,6 +21,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from supervisor.format.capped import read_capped
+
 MEMINFO = "/proc/meminfo"
 PROC_CGROUP = "/proc/self/cgroup"
 CGROUP_BASE = "/sys/fs/cgroup"
@@ -87,12 +89,11 @@ def cgroup_room(version: int, folder: str, limit_text: str, usage_text: str, sta
     return Room(max(0, int(limit) - used), int(limit), f"memory cgroup {folder}")
 
 
-def tighter(rooms: list[Room]) -> Room | None:
+def tighter(node: Room | None, cgroups: list[Room]) -> Room | None:
     """The bound that leaves the least; a cgroup "limit" above the node's memory bounds nothing
     (v1 writes an unlimited cgroup's limit as 2^63 rounded to a page)."""
-    node = next((r for r in rooms if r.where == "the node"), None)
-    real = [r for r in rooms if node is None or r is node or r.limit < node.limit]
-    return min(real, key=lambda r: r.available, default=None)
+    real = [r for r in cgroups if node is None or r.limit < node.limit]
+    return min([*([node] if node else []), *real], key=lambda r: r.available, default=None)
 
 
 def refusal(need: int, room: Room | None, keep: float = KEEP_FRACTION) -> str:
@@ -114,16 +115,16 @@ def _gib(n: int) -> str:
 
 
 def _read(path: str) -> str:
+    """The file's text, '' when it cannot be read or is over ``_READ_LIMIT`` (``read_capped``)."""
     try:
-        with open(path, encoding="ascii", errors="replace") as f:
-            return f.read(_READ_LIMIT)
+        return read_capped(path, _READ_LIMIT).decode("ascii", errors="replace")
     except OSError:
         return ""
 
 
 def room(meminfo: str = MEMINFO, proc_cgroup: str = PROC_CGROUP, base: str = CGROUP_BASE) -> Room | None:
     """This process's tighter bound now (None: nothing readable)."""
-    rooms = [r for r in (node_room(_read(meminfo)),) if r is not None]
+    cgroups = []
     for version, folder in memory_cgroups(_read(proc_cgroup), base):
         names = (
             ("memory.max", "memory.current")
@@ -138,5 +139,5 @@ def room(meminfo: str = MEMINFO, proc_cgroup: str = PROC_CGROUP, base: str = CGR
             _read(os.path.join(folder, "memory.stat")),
         )
         if found is not None:
-            rooms.append(found)
-    return tighter(rooms)
+            cgroups.append(found)
+    return tighter(node_room(_read(meminfo)), cgroups)

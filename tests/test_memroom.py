@@ -52,9 +52,10 @@ def test_the_tighter_bound_counts_and_an_unlimited_v1_cgroup_bounds_nothing() ->
     node = Room(8 * GIB, 16 * GIB, "the node")
     job = Room(2 * GIB, 4 * GIB, "memory cgroup /job")
     unlimited = Room(2**63 - 4096 - 5 * GIB, 2**63 - 4096, "memory cgroup /")
-    assert memroom.tighter([node, job]) is job
-    assert memroom.tighter([node, unlimited]) is node
-    assert memroom.tighter([]) is None
+    assert memroom.tighter(node, [job]) is job
+    assert memroom.tighter(node, [unlimited]) is node
+    assert memroom.tighter(None, [job]) is job
+    assert memroom.tighter(None, []) is None
 
 
 def test_an_allocation_must_leave_a_quarter_of_the_bound() -> None:
