@@ -13,6 +13,7 @@ Both skip, with the reason printed, only where FUSE or mount cannot be used (not
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +23,9 @@ from hypothesis import HealthCheck, settings
 
 from supervisor.drill.faultctl import FaultFS, fuse_unavailable
 from supervisor.drill.mounts import SmallTmpfs, mount_unavailable
+from supervisor.format.layout import node_local_base
 from supervisor.tiers.remote import RemoteTier
+from supervisor.watch import memory_owner
 
 settings.register_profile("ci", deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci")
@@ -127,3 +130,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("slurm"):
             item.add_marker(pytest.mark.xdist_group("slurm"))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The memory folders this session's watchdogs left without their cleanup (the SLURM tests'
+    lost nodes, the watchdogs killed on purpose), removed as the next watchdog would: only those
+    whose owner is gone (another worker's live watchdogs keep theirs)."""
+    memory_owner.sweep(node_local_base() / f"supervisor-{os.getuid()}")

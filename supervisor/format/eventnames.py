@@ -36,6 +36,7 @@ class EventName(str, Enum):
     RECOVERY = "recovery"  # a relaunch's phases, from the failure's verdict to the first step
     HEARTBEAT_DIR = "heartbeat_dir"  # where this node's ranks write their heartbeats, and why there
     MEMORY_DIR = "memory_dir"  # where this node's memory snapshots live (the memory tier), or why none
+    MEMORY_SWEPT = "memory_swept"  # memory folders of watchdogs gone without their cleanup, removed at start
     MEMORY_PICK = "memory_pick"  # a relaunch resumes from a memory snapshot
     MEMORY_FALLBACK = "memory_fallback"  # a memory snapshot could not be used: the reason, then the disk
     REPLICA = "replica"  # the buddy replica: this node's receiver listens, or why there is none

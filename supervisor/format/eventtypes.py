@@ -298,6 +298,15 @@ class MemoryDir(Event):
 
 
 @dataclass(frozen=True)
+class MemorySwept(Event):
+    """At start: the memory folders on this node whose watchdogs died without their cleanup, removed (their RAM back)."""
+
+    NAME = EventName.MEMORY_SWEPT
+    paths: list[str]
+    bytes: int
+
+
+@dataclass(frozen=True)
 class MemoryPick(Event):
     """Before a relaunch: the memory snapshot it resumes from, verified (every rank's checksum)."""
 
@@ -604,7 +613,7 @@ class LocalPruned(Event):
 _ALL: tuple[type[Event], ...] = (
     WatchdogStart, HeartbeatDir, Pick, Launch, LaunchEnd, Kill, Stop, RankDied, BlockedIo, Hang,
     StackDump, Relaunch, WatchdogExit, Preempt, Quarantine, Untrusted, IoRetry, StateUnreadable,
-    RemoteUnavailable, SaveFailed, SaveRecovered, RootCause, Standby, Recovery, MemoryDir, MemoryPick,
+    RemoteUnavailable, SaveFailed, SaveRecovered, RootCause, Standby, Recovery, MemoryDir, MemorySwept, MemoryPick,
     MemoryFallback, Replica, ReplicaPushed, ReplicaFailed, ReplicaServed, Straggler, StragglerCleared, RosterJoined, Spare, Generation, NodeLost, Incident,
     BadNode, BadNodesUnreadable, JobExit, DownloadWait, Downloaded, LocalQuarantined,
     RemoteQuarantined, RemoteUnreachable, UploadOk, UploadSkipped, UploadRefused, UploadDeferred,

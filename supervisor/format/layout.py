@@ -125,6 +125,9 @@ SHM = "/dev/shm"
 # The memory tier (supervisor/format/memsnap.py): the node-local folder its watchdog owns, handed to
 # each launch's ranks in MEMORY_DIR_ENV (unset: no memory tier).
 MEMORY_DIR_ENV = "SUPERVISOR_MEMORY_DIR"
+# ... named memoryN (node N), beside the lock its watchdog holds for as long as it lives (memoryN.lock).
+MEMORY_PREFIX = "memory"
+OWNER_LOCK_SUFFIX = ".lock"
 
 # Checkpoints of other trainers (supervisor/store/foreign.py): torchtitan's step folders, Lightning's
 # files, and the sidecar `ckpt seal` writes beside either.
@@ -338,7 +341,19 @@ def node_heartbeat_dir(base: str | Path, root: str | Path, node: int, job: str) 
 def node_memory_dir(base: str | Path, root: str | Path, node: int, job: str) -> Path:
     """``BASE/supervisor-UID/JOB-RUNHASH/memoryN``: the memory tier's snapshots of node N, beside its
     heartbeat folder (``node_heartbeat_dir``), with the same owner and the same lifetime."""
-    return node_heartbeat_dir(base, root, node, job).with_name(f"memory{node}")
+    return node_heartbeat_dir(base, root, node, job).with_name(f"{MEMORY_PREFIX}{node}")
+
+
+def is_memory_dirname(name: str) -> bool:
+    """A memory tier's folder name (``memoryN``); not its lock, nor anything else."""
+    digits = name[len(MEMORY_PREFIX) :]
+    return name.startswith(MEMORY_PREFIX) and digits.isdigit()
+
+
+def owner_lock(folder: str | Path) -> Path:
+    """Beside a node-local folder: the lock its watchdog holds (supervisor/watch/memory_owner.py)."""
+    folder = Path(folder)
+    return folder.with_name(folder.name + OWNER_LOCK_SUFFIX)
 
 
 def run_key(root: str | Path) -> str:

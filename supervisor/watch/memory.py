@@ -1,5 +1,7 @@
 """The watchdog's side of the memory tier (docs/tiers.md#the-memory-tier): it owns the node-local
-folder the ranks snapshot into (made fresh at start, handed to every launch, removed at the end),
+folder the ranks snapshot into (made fresh at start, handed to every launch, removed at the end;
+locked for as long as the watchdog lives, so a later watchdog removes it if this one dies first:
+memory_owner.py),
 and before a relaunch it picks the snapshot the launch resumes from.
 
 The pick: the newest snapshot every local rank finished (``memsnap.complete``) that is not older
@@ -23,6 +25,7 @@ from supervisor.format import memsnap
 from supervisor.format.events import EventLog
 from supervisor.format.layout import MEMORY_DIR_ENV, job_key, node_memory_dir
 from supervisor.store.ioerrors import describe
+from supervisor.watch import memory_owner
 
 
 class Memory:
@@ -31,18 +34,41 @@ class Memory:
     def __init__(self, log: EventLog) -> None:
         self.log = log
         self.folder: Path | None = None
+        self._lock: int | None = None  # the descriptor holding the folder's lock (memory_owner.py)
 
     def start(self, base: Path, root: Path, node: int, heartbeats_local: bool) -> None:
-        """Make the folder, empty (what a watchdog before this one left is not this one's to
-        trust); the event says where, or why there is none."""
+        """Take the folder's lock, sweep the folders of watchdogs gone without their cleanup
+        (memory_owner.py), make the folder, empty (what a watchdog before this one left is not this
+        one's to trust); the events say what was swept, and where the folder is or why there is none."""
         if not heartbeats_local:
             self.log.emit(ev.MemoryDir(path=""), "memory tier off: no node-local folder (see heartbeat_dir)")
             return
         folder = node_memory_dir(base, root, node, job_key())
+        try:
+            self._lock = memory_owner.take(folder, memory_owner.TAKE_WAIT_S)
+        except OSError as e:
+            self.log.emit(ev.MemoryDir(path=""), f"memory tier off: {folder}'s lock not made ({describe(e)})")
+            return
+        if self._lock is None:
+            self.log.emit(
+                ev.MemoryDir(path=""),
+                f"memory tier off: {folder} belongs to another watchdog still running on this machine "
+                "(the same job, run directory and node: is this watchdog started twice?)",
+            )
+            return
+        swept = memory_owner.sweep(folder.parent.parent, folder)
+        if swept:
+            freed = sum(s.bytes for s in swept)
+            self.log.emit(
+                ev.MemorySwept(paths=[s.path for s in swept], bytes=freed),
+                f"removed {len(swept)} memory folder(s) of watchdogs gone without their cleanup "
+                f"({freed / 2**20:.1f} MiB back): {', '.join(s.path for s in swept)}",
+            )
         memsnap.remove(folder)
         try:
             folder.mkdir(mode=0o700)
         except OSError as e:
+            self._let_go(folder)
             self.log.emit(ev.MemoryDir(path=""), f"memory tier off: {folder} not made ({describe(e)})")
             return
         self.folder = folder
@@ -164,7 +190,13 @@ class Memory:
             )
 
     def remove(self) -> None:
-        """The run is over (whatever its end): the memory goes."""
+        """The run is over (whatever its end): the memory goes, then its lock."""
         if self.folder is not None:
             memsnap.remove(self.folder)
+            self._let_go(self.folder)
             self.folder = None
+
+    def _let_go(self, folder: Path) -> None:
+        if self._lock is not None:
+            memory_owner.release(folder, self._lock)
+            self._lock = None
