@@ -5,12 +5,18 @@ Under the environment a watchdog gives its ranks (the memory tier's folder, the 
 so the test plays the watchdog.
 
     python tests/memory_worker.py --root DIR --steps N [--save-every K] [--lr LR]
-        [--die-after S | --die-at S] [--memory-every N] [--store FILE --rank R --world-size W]
+        [--die-after S | --die-at S | --die-in-snapshot S] [--memory-every N] [--reduce]
+        [--store FILE --rank R --world-size W]
 
 ``--store``: one of W ranks (DDP), meeting the others through a file store (a fresh path per
 launch); each can be given a memory folder of its own, as one rank per node. ``--die-at S``:
-SIGKILL itself right after step S, whatever is saved (every rank at the same step).
-``--memory-every N``: a memory snapshot every N steps (default 1).
+SIGKILL itself right after step S once its memory copy is whole, whatever the disk holds (every
+rank at the same step).
+``--memory-every N``: a memory snapshot every N steps (default 1). ``--reduce``: each step's loss
+goes through ``Resumable.reduce`` (as a trainer that logs the mean loss does), which carries the
+step's control flags: ``step_end`` then makes no collective of its own. ``--die-in-snapshot S``:
+the last rank SIGKILLs itself in the middle of its memory snapshot of step S (its state being
+captured), every other rank right after step S: a kill -9 that lands while one rank copies.
 
 ``--die-after S``: SIGKILL itself right after the first step >= S whose memory snapshot is
 written (the loop waits for its copy first), the disk's save before it committed first (an async
@@ -38,6 +44,22 @@ from supervisor import store
 from supervisor.resumable import Identity, Resumable, Saves
 
 
+class KillInSnapshot:
+    """A user's item that SIGKILLs its rank when its state is taken at step ``at`` (the memory
+    snapshot's capture: no disk save falls on that step)."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.step = at, 0
+
+    def state_dict(self) -> dict[str, int]:
+        if self.at and self.step == self.at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return {}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        pass
+
+
 class Noisy(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     def __init__(self, n: int) -> None:
         self.x = torch.randn(n, 8, generator=torch.Generator().manual_seed(11))
@@ -59,6 +81,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--die-at", type=int, default=0)
     p.add_argument("--memory-every", type=int, default=1)
+    p.add_argument("--die-in-snapshot", type=int, default=0)
+    p.add_argument("--reduce", action="store_true")
     p.add_argument("--store", type=Path)
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--world-size", type=int, default=1)
@@ -70,9 +94,11 @@ def main() -> None:
     model = DDP(net) if a.world_size > 1 else net
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)
+    last = a.rank == a.world_size - 1
+    killer = KillInSnapshot(a.die_in_snapshot if last else 0)
     r = Resumable(
         a.root,
-        {"model": model, "optimizer": opt, "scheduler": sched},
+        {"model": model, "optimizer": opt, "scheduler": sched, "killer": killer},
         steps=a.steps,
         identity=Identity({"lr": a.lr}, seed=5),
         saves=Saves(every_steps=a.save_every, memory_every=a.memory_every),
@@ -87,9 +113,14 @@ def main() -> None:
             loss.backward()
             opt.step()
             sched.step()
+            if a.reduce:
+                r.reduce(loss.detach().reshape(1))
             step += 1
+            killer.step = step
             done = r.step_end(step, {"loss": float(loss)})
-            if step == a.die_at:
+            if step in (a.die_at, a.die_in_snapshot):
+                if r._memory is not None:
+                    r._memory.wait()  # its copy whole, as a kill -9 a moment later would find it
                 os.kill(os.getpid(), signal.SIGKILL)
             if a.die_after and step >= a.die_after:
                 memory = r._memory

@@ -5,6 +5,7 @@ training node, and the spare takes its place inside the allocation."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from slurm_helpers import DONE_STATES, TRAIN, Cluster, Job, node_of, submit
@@ -15,12 +16,14 @@ from supervisor.format.badnodes import read_bad_nodes
 from supervisor.format.eventtypes import Logged
 from supervisor.format.heartbeat import Mark
 from supervisor.format.layout import RunDir
+from supervisor.format.metrics import read_metrics
 from supervisor.format.nodesummary import read_run_heartbeats
 from supervisor.format.roster import read_roster
 from train_ref import hold
 
 NODES = 4  # the test cluster: 3 for the spare job, a fourth for the bad-node job's requeue
 STEPS = 30
+HOLD_AT = 12  # the ranks hold after this step until the node is lost
 DDP = (*TRAIN, "--parallel", "ddp", "--num-workers", "0", "--steps", str(STEPS))
 SLURMD_TIMEOUT_S = "20"  # cluster.sh: a lost node's job can end
 
@@ -47,16 +50,31 @@ def first_step_after(job: Job, t: float) -> float | None:
     return min(after) if after else None
 
 
-def lose_a_node_to_the_spare(cluster: Cluster, tmp: Path, golden: str) -> float:
+@dataclass(frozen=True)
+class NodeLoss:
+    """What one node loss cost: seconds from the loss to the next launch's first step, and the steps
+    trained twice (rank 0's metrics records beyond the run's steps: each step logs once per launch
+    that makes it)."""
+
+    recovery_s: float
+    redone: int
+
+    @property
+    def resumed_from(self) -> int:
+        return HOLD_AT - self.redone
+
+
+def lose_a_node_to_the_spare(cluster: Cluster, tmp: Path, golden: str) -> NodeLoss:
     """n2 of a job on n1, n2 (n3 its spare) is lost while the ranks hold after step 12: every
-    process of its namespace SIGKILLed, its slurmd too. Asserts that n3 took n2's node rank with no
-    requeue, the job completed, its digest is ``golden`` and n2 has its incident; returns the
-    seconds from the loss to the next launch's first step. n2 is started again on the way out."""
+    process of its namespace SIGKILLed, its slurmd too, at once (the memory tier on, by default:
+    its buddy may not keep its newest snapshot yet). Asserts that n3 took n2's node rank with no
+    requeue, the job completed, its digest is ``golden`` and n2 has its incident; returns what the
+    loss cost. n2 is started again on the way out."""
     job, gate = submit(
-        cluster, tmp, *DDP, hold_at=12, nodes=3, nproc_per_node=1, spares=1, NODE_TIMEOUT_S="5"
+        cluster, tmp, *DDP, hold_at=HOLD_AT, nodes=3, nproc_per_node=1, spares=1, NODE_TIMEOUT_S="5"
     )
     try:
-        acks = job.wait_held(gate, 12)
+        acks = job.wait_held(gate, HOLD_AT)
         where = {node_of(a["pid"]) for a in acks.values()}
         assert where == {"n1", "n2"}, job.explain()  # trains on the first two, n3 waits
         lost_at = time.time()
@@ -81,7 +99,7 @@ def lose_a_node_to_the_spare(cluster: Cluster, tmp: Path, golden: str) -> float:
         assert bad is not None and [(i.host, i.why) for i in bad.incidents] == [("n2", ("lost",))]
         first = first_step_after(job, lost_at)
         assert first is not None, job.explain()
-        return first - lost_at
+        return NodeLoss(first - lost_at, len(read_metrics(RunDir.of(job.run_dir).metrics)) - STEPS)
     finally:
         if job.info().get("JobState") not in DONE_STATES:
             cluster.run("scancel", job.job_id)

@@ -100,15 +100,17 @@ def golden(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def killed_after_unsaved_step(tmp_path: Path) -> tuple[Path, Path, Memory, int]:
     """Launch 1, killed (SIGKILL) right after a step past the last save whose snapshot is in
-    memory: the run dir, the memory folder, the watchdog's side of it, the last step logged."""
+    memory: the run dir, the memory folder, the watchdog's side of it, the step of that snapshot
+    (its metrics line may have died with the launch, held until the next exchange: _steplog.py)."""
     root, mem = tmp_path / "run", tmp_path / "memory"
     mem.mkdir()
     memory = Memory(EventLog(root, 0))
     memory.folder = mem
     died = launch(root, mem, 1, "--die-after", str(DIE_AFTER))
     assert died.returncode == -9, died.stderr[-3000:]
-    last = max(losses(root))
+    last = max(ix.step for _, ix in memsnap.read_slots(mem)[0])
     assert DIE_AFTER <= last < 2 * SAVE_EVERY
+    assert max(losses(root)) in (last - 1, last)
     return root, mem, memory, last
 
 
@@ -123,6 +125,7 @@ def test_a_kill_after_an_unsaved_step_resumes_from_memory_redoing_nothing_bit_id
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"resumed from the memory snapshot of step {last}, next step {last + 1}" in done.stderr
     assert first_step_of(root, "launch-2") == last + 1  # nothing redone
+    assert [m.step for m in read_metrics(root / "metrics.jsonl")] == list(range(1, STEPS + 1))
     assert losses(root) == losses(golden)  # every step's loss: the RNG streams and the data order too
     assert digest(root) == digest(golden)
     assert not (mem / memsnap.PICK).exists()  # consumed by the launch that used it
@@ -225,6 +228,57 @@ def test_nodes_resume_from_the_newest_step_every_node_holds_when_one_holds_an_ol
     assert said in done[0][1], done[0][1][-3000:]
     assert f"resumed from the memory snapshot of step {older}, next step {older + 1}" in done[0][1]
     assert first_step_of(root, "launch-2") == older + 1
+    assert losses(root) == losses(golden_nodes)
+    assert digest(root) == digest(golden_nodes)
+
+
+def _kill_and_relaunch_nodes(tmp_path: Path, committed_only: bool, *died_args: str) -> tuple[Path, list[int]]:
+    """Two ranks with a memory folder each, a snapshot every step, the loss reduced each step (the
+    control flags ride on it): launch 1 with ``died_args`` (every rank SIGKILLed at step 13), each
+    folder's pick as its watchdog's (``committed_only``: as one of several nodes, else as the node
+    of every rank), launch 2 to the end. The run dir, and the step of every metrics record."""
+    root, mems = tmp_path / "run", [tmp_path / "node0", tmp_path / "node1"]
+    for mem in mems:
+        mem.mkdir()
+    args = ("--save-every", "100", "--reduce")
+    died = launch_nodes(root, [*mems], 1, *args, *died_args)
+    assert [code for code, _ in died] == [-9, -9], died
+    for node, mem in enumerate(mems):
+        watchdog = Memory(EventLog(root, node))
+        watchdog.folder = mem
+        watchdog.pick(2, None, committed_only=committed_only)
+    done = launch_nodes(root, [*mems], 2, *args)
+    assert [code for code, _ in done] == [0, 0], done
+    return root, [m.step for m in read_metrics(root / "metrics.jsonl")]
+
+
+def test_a_rank_killed_mid_snapshot_leaves_no_line_of_the_step_it_lost_nothing_logged_twice(
+    tmp_path: Path, golden_nodes: Path
+) -> None:
+    """Rank 1 is killed in the middle of its snapshot of step 13, rank 0 right after it finished
+    its own: step 13 is in no snapshot every rank holds, so the run resumes from 12 and trains 13
+    again. Rank 0's line of step 13 waited for the ranks' next exchange, which never came: every
+    step is logged once (a line written at rank 0's own snapshot made step 13 a step logged, and
+    so trained, twice)."""
+    root, steps = _kill_and_relaunch_nodes(tmp_path, True, "--die-in-snapshot", "13")
+    assert first_step_of(root, "launch-2") == 13
+    assert steps == list(range(1, STEPS + 1))
+    assert losses(root) == losses(golden_nodes)
+    assert digest(root) == digest(golden_nodes)
+
+
+def test_a_step_every_rank_snapshotted_whose_line_was_never_written_is_logged_by_the_relaunch(
+    tmp_path: Path, golden_nodes: Path
+) -> None:
+    """Both ranks killed right after step 13, each copy whole, before any exchange told rank 0 so:
+    its line of step 13 was held, and died with it. The relaunch resumes from step 13's snapshot,
+    which every rank holds, and writes that line from the snapshot (launch 1's record, with its
+    loss): every step logged once, the losses the uninterrupted run's."""
+    root, steps = _kill_and_relaunch_nodes(tmp_path, False, "--die-at", "13")
+    assert first_step_of(root, "launch-2") == 14
+    assert steps == list(range(1, STEPS + 1))
+    (relogged,) = [m for m in read_metrics(root / "metrics.jsonl") if m.step == 13]
+    assert relogged.launch == "launch-1"
     assert losses(root) == losses(golden_nodes)
     assert digest(root) == digest(golden_nodes)
 

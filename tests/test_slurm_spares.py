@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 from slurm_helpers import DONE_STATES, TRAIN, Cluster, Job, golden_digest, node_of, running_cluster, submit
-from spare_helpers import DDP, NODES, SLURMD_TIMEOUT_S, generations, lose_a_node_to_the_spare
+from spare_helpers import DDP, HOLD_AT, NODES, SLURMD_TIMEOUT_S, generations, lose_a_node_to_the_spare
 from straggler_helpers import cpu_cgroup_root, cpu_limit
 
 from supervisor.format import events, memsnap
@@ -74,8 +74,9 @@ def golden(tmp_path_factory: pytest.TempPathFactory) -> str:
 def test_spare_takes_a_lost_nodes_place_without_a_requeue_digest_equal(
     cluster4: Cluster, tmp_path: Path, golden: str
 ) -> None:
-    took = lose_a_node_to_the_spare(cluster4, tmp_path, golden)
-    print(f"node loss -> first step of the next launch: {took:.1f}s")
+    loss = lose_a_node_to_the_spare(cluster4, tmp_path, golden)
+    assert 0 <= loss.redone <= HOLD_AT, loss
+    print(f"node loss -> first step of the next launch: {loss.recovery_s:.1f}s, {loss.redone} steps redone")
 
 
 def memory_folder(job: Job, node: int) -> Path:

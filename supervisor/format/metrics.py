@@ -77,3 +77,19 @@ def read_metrics(path: Path) -> list[MetricsRecord]:
     if cut:
         text = text.split(b"\n", 1)[-1]
     return [r for line in text.splitlines() if (r := parse_line(line)) is not None]
+
+
+# How far back from its end a resumed step's record is looked for (``holds``): a memory snapshot's
+# step is the newest its launch logged or the one after it, a few lines from the end.
+TAIL_LOOK = 64 << 10
+
+
+def holds(path: Path, step: int, launch: str) -> bool:
+    """Whether the file's last ``TAIL_LOOK`` bytes hold ``launch``'s record of ``step``."""
+    try:
+        text, _cut = read_tail(path, TAIL_LOOK)
+    except FileNotFoundError:
+        return False
+    return any(
+        r is not None and (r.step, r.launch) == (step, launch) for r in map(parse_line, text.splitlines())
+    )

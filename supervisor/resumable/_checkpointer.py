@@ -216,12 +216,14 @@ _STEP_FLAGS = 3  # preempt, a save's stage busy, a time-based save due; then the
 
 @dataclass(frozen=True)
 class MemoryAgreed:
-    """The memory tier's flags as the ranks last agreed them: some rank still copying, rank 0's
-    interval, some rank's tier off. Until the first agreement: none busy, interval 1."""
+    """The memory tier's flags as the ranks last agreed them: some rank not free to snapshot (its
+    copy running, or its next slot pinned by a push to the buddy), rank 0's interval, some rank's
+    tier off, some rank's copy running. Until the first agreement: none busy, interval 1."""
 
     busy: bool = False
     interval: int = 1
     off: bool = False
+    copying: bool = False
 
 
 @dataclass(frozen=True)
@@ -514,8 +516,12 @@ class Checkpointer:
         self._agreed: list[bool] | None = None  # flags agreed by reduce_with_control this step
         # The memory tier's part of the same all-reduce (supervisor/resumable/_memory.py): this
         # rank's (busy, rank 0's interval, off), and their newest agreement, summed.
-        self.memory_flags: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0)
+        self.memory_flags: Callable[[], tuple[int, int, int, int]] = lambda: (0, 0, 0, 0)
         self.memory_agreed = MemoryAgreed()
+        # The control exchanges done so far (one per step, in ``reduce_with_control`` or
+        # ``boundary``), and the last one at which no rank's memory copy was running: every
+        # snapshot begun before it is whole on every rank (_steplog.py).
+        self.exchanges = self.settled = 0
         self._per_rank: bool | None = None  # saves write an index per rank (decided at the first)
         self.last_blocking_s = 0.0  # time the training loop was blocked by the last save call
         self.last_staging_wait_s = 0.0  # ... and then waiting for its staging before a step
@@ -633,8 +639,11 @@ class Checkpointer:
 
     def _agree_flags(self, summed: list[float]) -> list[bool]:
         """The step's flags from their sums; the memory tier's part kept in ``memory_agreed``."""
-        busy, interval, off = summed[_STEP_FLAGS:]
-        self.memory_agreed = MemoryAgreed(busy > 0, round(interval), off > 0)
+        busy, interval, off, copying = summed[_STEP_FLAGS:]
+        self.memory_agreed = MemoryAgreed(busy > 0, round(interval), off > 0, copying > 0)
+        self.exchanges += 1
+        if not copying:
+            self.settled = self.exchanges
         return [v > 0 for v in summed[:_STEP_FLAGS]]
 
     def step_boundary(self, preempt_requested: bool) -> bool:

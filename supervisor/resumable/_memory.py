@@ -254,11 +254,12 @@ class MemoryTier:
 
     # ------------------------------------------------------------ the control all-reduce
 
-    def flags(self) -> tuple[int, int, int]:
-        """This rank's part of the step's control all-reduce (SUM): still copying, rank 0's
-        interval, off."""
-        busy = (self._pending is not None and not self._pending.done()) or self._pinned()
-        return int(busy), self.interval if self.rank == 0 else 0, int(bool(self.broken))
+    def flags(self) -> tuple[int, int, int, int]:
+        """This rank's part of the step's control all-reduce (SUM): not free to snapshot, rank 0's
+        interval, off, still copying."""
+        copying = self._pending is not None and not self._pending.done()
+        busy = copying or self._pinned()
+        return int(busy), self.interval if self.rank == 0 else 0, int(bool(self.broken)), int(copying)
 
     def _pinned(self) -> bool:
         """The slot the next snapshot goes to is being pushed to the buddy (memsnap.Pinned). One
@@ -305,11 +306,13 @@ class MemoryTier:
         extra: Stateful | None,
         meta: Mapping[str, Any],
         identity: Mapping[str, Any],
-    ) -> None:
-        """Snapshot ``state`` (a Saveable: its full state dict, not a save's share) at ``step``."""
+    ) -> bool:
+        """Snapshot ``state`` (a Saveable: its full state dict, not a save's share) at ``step``;
+        whether it was taken (made on the loop, or its copy started on the thread)."""
         t0 = time.perf_counter()
         self.wait()
         self._settle()
+        taken = False
         try:
             cap = self._capture(step, state, extra, meta, identity)
             if self.sync:
@@ -318,10 +321,12 @@ class MemoryTier:
             else:
                 self._pending = self._executor().submit(self._finish, cap)
                 self._near = (0, time.perf_counter() - t0, 0.0)
+            taken = True
         except (OSError, memsnap.Unsupported, memsnap.SnapshotError) as e:
             self._off(self._os_error(e) if isinstance(e, OSError) else str(e))
         self.last, self.snapshots = step, self.snapshots + 1
         self.blocked_s += time.perf_counter() - t0
+        return taken
 
     def _capture(
         self,

@@ -65,7 +65,7 @@ from supervisor.format.heartbeat import ENV_LAUNCH_ID, HeartbeatWriter, Phase, P
 from supervisor.format.hooks import When
 from supervisor.format.layout import FINAL, RunDir, parse_committed
 from supervisor.format.manifest import META_RECENT_LOSSES, CheckpointInfo
-from supervisor.format.metrics import MetricsRecord
+from supervisor.format.metrics import MetricsRecord, holds
 from supervisor.format.statediff import RANK_LOADERS, RANK_OWN, SHARED
 from supervisor.options import NOT_NEGATIVE, nested, option
 from supervisor.resumable import _agree, _launch_marks, _tiering
@@ -101,6 +101,7 @@ from supervisor.resumable._sanity import LOSS_WINDOW, ResumeSanity
 from supervisor.resumable._save_policy import DEFAULT_MAX_FAILED_SAVES, SavePolicy
 from supervisor.resumable._signals import PreemptionFlag, on_uncaught, record_uncaught, register_stack_dump
 from supervisor.resumable._step_clock import StepClock
+from supervisor.resumable._steplog import StepLog
 from supervisor.resumable._tiering import RemoteOptions
 from supervisor.resumable._train_state import RANK_ITEMS, seed_rank_rng
 from supervisor.safepickle import UnsafePickle
@@ -583,7 +584,7 @@ class Resumable:
         self._metrics: dict[str, float] = {}  # the last step's, saved into the manifest
         self._recent_losses: deque[float] = deque(maxlen=loss_window)  # saved into the manifest too
         self._sanity: ResumeSanity | None = None  # rank 0, the first steps after a resume
-        self._metrics_file: LineAppender | None = None
+        self._metrics_file: StepLog | None = None  # rank 0's metrics.jsonl (_steplog.py)
         self._at_boundary: BoundaryHook = no_hook  # until resume() knows the launch
         self._own_beats = 0  # the trainer's own beat() calls: its progress between steps
         self._loaders_closed = False  # resume() restored their positions
@@ -630,7 +631,9 @@ class Resumable:
             self._resumed(meta, lr, line() if callable(line) else line)
         _launch_marks.loaded(self._hb)
         if self.rank == 0:
-            self._metrics_file = LineAppender(RunDir.of(self._root).metrics, self._root)
+            self._metrics_file = StepLog(LineAppender(RunDir.of(self._root).metrics, self._root))
+            if planned is not None and resumed is not None:
+                self._relog(self._metrics_file, resumed[0])
         self._hb.beat(self.start, Phase.TRAIN, force=True)
         self._last_save, self._t_end = time.monotonic(), time.perf_counter()
         self._clock.restart(self._t_end)
@@ -770,6 +773,17 @@ class Resumable:
         tell(line)
         self._sanity = ResumeSanity(window, lr, self.steps - self.start)
 
+    def _relog(self, out: StepLog, meta: Mapping[str, Any]) -> None:
+        """Resumed from a memory snapshot: its step's metrics line, from the snapshot's meta, when
+        the launch that trained the step died before it wrote it (_steplog.py)."""
+        metrics, launch, restarts = meta.get("metrics"), meta.get("launch"), meta.get("restart_count")
+        if not isinstance(metrics, dict) or not isinstance(launch, str) or not launch:
+            return
+        if holds(RunDir.of(self._root).metrics, self.state.step, launch):
+            return
+        count = restarts if isinstance(restarts, int) else 0
+        out.write(MetricsRecord.of(self.state.step, metrics, count, launch).to_line())
+
     # ------------------------------------------------------------ the memory tier
 
     def _memory_identity(self) -> dict[str, Any]:
@@ -852,15 +866,19 @@ class Resumable:
         line = loaded_line(self.state.step, planned, self.world_size, time.perf_counter() - t0)
         return meta, lr if isinstance(lr, float) else None, line
 
-    def _snapshot(self, step: int, step_s: float) -> None:
-        """``step_end``: the memory snapshot of ``step`` when it is due (the same on every rank)."""
+    def _snapshot(self, step: int, step_s: float) -> bool:
+        """``step_end``: the memory snapshot of ``step`` when it is due (the same on every rank);
+        whether it was taken."""
         m = self._memory
         if m is None:
-            return
+            return False
         agreed = self._ckpt.memory_agreed
+        taken = False
         if m.due(step, agreed.busy, agreed.interval, agreed.off):
-            m.snapshot(step, self.state, self._ckpt.rank_extra, self.save_meta(), self._memory_identity())
+            meta, identity = self.save_meta(), self._memory_identity()
+            taken = m.snapshot(step, self.state, self._ckpt.rank_extra, meta, identity)
         m.observe(step_s)
+        return taken
 
     def _fresh(self) -> None:
         if self.rank == 0:
@@ -1062,10 +1080,14 @@ class Resumable:
         if self._sanity is not None:
             self._sanity.observe(step, self._metrics)
             self._sanity = None if self._sanity.done else self._sanity
-        self._snapshot(step, dt)  # before the metrics line: a step logged is a step in memory
+        exchanges = self._ckpt.exchanges
+        # Before the metrics line: a step logged is a step in memory. Its ``due`` commits the last
+        # snapshot once no rank copies, and then the lines held for it go (_steplog.py).
+        taken = self._snapshot(step, dt)
         if self._metrics_file is not None:
+            self._metrics_file.release(self._ckpt.settled)
             rec = MetricsRecord.of(step, self._metrics, self._hb.restart_count, self.launch)
-            self._metrics_file.append(rec.to_line())
+            self._metrics_file.write(rec.to_line(), exchanges if taken else None)
         self._hb.step_times = self._clock.step_done(step)
         self._hb.beat(step, Phase.TRAIN, last_step_s=dt)
         self._at_boundary(step, When.STEP)
@@ -1087,6 +1109,8 @@ class Resumable:
             self._stop(_code(e), Phase.SAVE, str(e))
         except PeersTimedOut as e:
             self._gave_up(e)
+        if self._metrics_file is not None:
+            self._metrics_file.release(self._ckpt.settled)  # a loop without ``reduce``: exchanged here
         self._t_end = time.perf_counter()
         self._clock.restart(self._t_end)
         return done
@@ -1154,6 +1178,7 @@ class Resumable:
         return {
             "config": self.identity.name,
             "launch": self.launch,
+            "restart_count": self._hb.restart_count,
             "loss": self._metrics.get("loss"),
             "identity": self.identity.all_fields,
             META_RECENT_LOSSES: list(self._recent_losses),
@@ -1213,9 +1238,7 @@ class Resumable:
             self._stop(_code(e), Phase.SAVE, str(e))
         except PeersTimedOut as e:
             self._gave_up(e)
-        if self._metrics_file is not None:
-            self._metrics_file.close()
-            self._metrics_file = None
+        self._close_metrics()
         digest = self._final_record()
         self._close_uploader(self._options.remote.flush_timeout_s)
         deliberate_exit(self._hb, self.rank, self.state.step, Phase.DONE, Exit.OK)
@@ -1307,18 +1330,20 @@ class Resumable:
         verdict (a hang of the launch: the others' stacks say who is stuck)."""
         print(f"resumable: {e}", file=sys.stderr, flush=True)
         self._close_uploader(0.0)
-        if self._metrics_file is not None:
-            self._metrics_file.close()
-            self._metrics_file = None
+        self._close_metrics()
         code = Exit.WAIT_GAVE_UP
         self._hb.beat(
             self.state.step, Phase.COMMIT, exit_code=int(code), waiting=e.what, wait_until=time.time()
         )
         raise SystemExit(int(code))
 
-    def _stop(self, code: Exit, phase: Phase, msg: str = "") -> NoReturn:
-        """A deliberate exit: the code into the heartbeat, ``msg`` on stderr (rank 0), SystemExit."""
-        if self._metrics_file is not None:  # lines a full disk held back get their last chance
+    def _close_metrics(self) -> None:
+        """The metrics file's held line and the lines a full disk held back get their last chance."""
+        if self._metrics_file is not None:
             self._metrics_file.close()
             self._metrics_file = None
+
+    def _stop(self, code: Exit, phase: Phase, msg: str = "") -> NoReturn:
+        """A deliberate exit: the code into the heartbeat, ``msg`` on stderr (rank 0), SystemExit."""
+        self._close_metrics()
         raise SystemExit(deliberate_exit(self._hb, self.rank, self.state.step, phase, code, msg))
