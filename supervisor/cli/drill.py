@@ -226,6 +226,7 @@ def _scenarios(
                 cfg.steps,
                 cfg.save_every,
                 hang_timeout_s=cfg.hang_timeout_s,
+                memory_every=0 if cfg.trainer else 1,  # drivers.MemoryKill: every step, ours
             )
         )
         _say(f"{s}: {v.result}")

@@ -177,6 +177,7 @@ class Case:
     hang_timeout_s: float = (
         0.0  # the watchdog's train timeout (0: a hang's latency is judged on its verdict alone)
     )
+    memory_every: int = 1  # the memory tier's interval the drill set (0: the trainer's own)
 
     @cached_property
     def resumes(self) -> list[Resume]:
@@ -218,7 +219,7 @@ def resumed_after_each(case: Case) -> list[Check]:
 def steps_redone(case: Case) -> list[Check]:
     over = []
     for res, (fault, in_flight) in zip(case.resumes, case.resumable, strict=False):
-        bound = steps_redone_bound(fault.kind, case.save_every, in_flight)
+        bound = steps_redone_bound(fault.kind, case.save_every, in_flight, case.memory_every)
         if res.redone > bound:
             lost = f"; {lost_preemption(case, fault)}" if fault.kind == Kind.PREEMPT else ""
             over.append(f"{fault.kind.value} redid {res.redone} steps (bound {bound}){lost}")

@@ -106,21 +106,26 @@ class Fault:
         return f"{what} after step {self.at_step}"
 
 
-def steps_redone_bound(kind: Kind, save_every: int, save_in_flight: bool = False) -> int:
+def steps_redone_bound(
+    kind: Kind, save_every: int, save_in_flight: bool = False, memory_every: int = 1
+) -> int:
     """Most steps a resume may redo after this fault.
 
     A kill or hang loses at most the steps since the last committed save; when it lands while an
     async save is in flight, that save is lost too (by design it is never used): two intervals.
     A preemption checkpoints at the step boundary, so none. Under the memory tier with a snapshot
-    every step, a kill loses at most the step whose copy was still in flight: one. Stopping the job for a corruption
+    every step (``memory_every`` 1), none: a step's line is written only once every rank's copy of it
+    is whole (supervisor/resumable/_steplog.py), so the run resumes from the last step logged; with
+    the trainer's own interval (0: a user's script), up to an interval of the disk's, which the
+    memory pick is never older than. Stopping the job for a corruption
     checkpoints first, and the damaged newest one is skipped, so up to one interval. (A SIGSTOP is
     cured by the watchdog's SIGCONT and SIGTERM, so it usually checkpoints too; it is held to the
     bound of a kill, which it meets when SIGTERM's grace runs out.)
     """
     if kind == Kind.PREEMPT:
         return 0
-    if kind == Kind.MEMORY:  # a snapshot every step: at most the one whose copy was in flight
-        return 1
+    if kind == Kind.MEMORY:
+        return 0 if memory_every == 1 else save_every
     if kind in IN_SAVE or (save_in_flight and kind != Kind.CORRUPT_LATEST):
         return 2 * save_every
     if kind == Kind.HANG_LOADER:  # the rank hangs a few steps later, when the prefetched batches run out

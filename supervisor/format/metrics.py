@@ -79,17 +79,18 @@ def read_metrics(path: Path) -> list[MetricsRecord]:
     return [r for line in text.splitlines() if (r := parse_line(line)) is not None]
 
 
-# How far back from its end a resumed step's record is looked for (``holds``): a memory snapshot's
-# step is the newest its launch logged or the one after it, a few lines from the end.
+# How far back from its end a resumed step's record is looked for (``logged_since``): a launch's
+# lines after the step it saved follow it, so its newest lines, near the end, tell.
 TAIL_LOOK = 64 << 10
 
 
-def holds(path: Path, step: int, launch: str) -> bool:
-    """Whether the file's last ``TAIL_LOOK`` bytes hold ``launch``'s record of ``step``."""
+def logged_since(path: Path, step: int, launch: str) -> bool:
+    """Whether ``launch`` logged ``step`` (the file's last ``TAIL_LOOK`` bytes hold a record of it
+    at that step or later: a launch's lines are in step order)."""
     try:
         text, _cut = read_tail(path, TAIL_LOOK)
     except FileNotFoundError:
         return False
     return any(
-        r is not None and (r.step, r.launch) == (step, launch) for r in map(parse_line, text.splitlines())
+        r is not None and r.launch == launch and r.step >= step for r in map(parse_line, text.splitlines())
     )

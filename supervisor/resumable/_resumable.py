@@ -65,7 +65,7 @@ from supervisor.format.heartbeat import ENV_LAUNCH_ID, HeartbeatWriter, Phase, P
 from supervisor.format.hooks import When
 from supervisor.format.layout import FINAL, RunDir, parse_committed
 from supervisor.format.manifest import META_RECENT_LOSSES, CheckpointInfo
-from supervisor.format.metrics import MetricsRecord, holds
+from supervisor.format.metrics import MetricsRecord, logged_since
 from supervisor.format.statediff import RANK_LOADERS, RANK_OWN, SHARED
 from supervisor.options import NOT_NEGATIVE, nested, option
 from supervisor.resumable import _agree, _launch_marks, _tiering
@@ -632,7 +632,7 @@ class Resumable:
         _launch_marks.loaded(self._hb)
         if self.rank == 0:
             self._metrics_file = StepLog(LineAppender(RunDir.of(self._root).metrics, self._root))
-            if planned is not None and resumed is not None:
+            if resumed is not None:
                 self._relog(self._metrics_file, resumed[0])
         self._hb.beat(self.start, Phase.TRAIN, force=True)
         self._last_save, self._t_end = time.monotonic(), time.perf_counter()
@@ -774,12 +774,12 @@ class Resumable:
         self._sanity = ResumeSanity(window, lr, self.steps - self.start)
 
     def _relog(self, out: StepLog, meta: Mapping[str, Any]) -> None:
-        """Resumed from a memory snapshot: its step's metrics line, from the snapshot's meta, when
-        the launch that trained the step died before it wrote it (_steplog.py)."""
+        """The resumed step's metrics line, from the state's meta, when the launch that trained
+        the step stopped before it wrote it (its line held: _steplog.py)."""
         metrics, launch, restarts = meta.get("metrics"), meta.get("launch"), meta.get("restart_count")
         if not isinstance(metrics, dict) or not isinstance(launch, str) or not launch:
             return
-        if holds(RunDir.of(self._root).metrics, self.state.step, launch):
+        if logged_since(RunDir.of(self._root).metrics, self.state.step, launch):
             return
         count = restarts if isinstance(restarts, int) else 0
         out.write(MetricsRecord.of(self.state.step, metrics, count, launch).to_line())
@@ -1216,6 +1216,7 @@ class Resumable:
                 f"storage: the preemption checkpoint of step {step} failed ({outcome.error}); "
                 f"nothing committed: the relaunch resumes from {outcome.latest or 'step 0'}; exit 74, retryable",
             )
+        self._close_metrics(finished=True)  # every step logged is in that checkpoint
         self._stop(Exit.REQUEUE, Phase.SAVE)
 
     # ------------------------------------------------------------ the end
@@ -1238,7 +1239,7 @@ class Resumable:
             self._stop(_code(e), Phase.SAVE, str(e))
         except PeersTimedOut as e:
             self._gave_up(e)
-        self._close_metrics()
+        self._close_metrics(finished=True)
         digest = self._final_record()
         self._close_uploader(self._options.remote.flush_timeout_s)
         deliberate_exit(self._hb, self.rank, self.state.step, Phase.DONE, Exit.OK)
@@ -1337,10 +1338,12 @@ class Resumable:
         )
         raise SystemExit(int(code))
 
-    def _close_metrics(self) -> None:
-        """The metrics file's held line and the lines a full disk held back get their last chance."""
+    def _close_metrics(self, finished: bool = False) -> None:
+        """The metrics file closed: its held lines written when every step they log is on the disk
+        (``finished``: the final or the preemption checkpoint committed), else dropped
+        (_steplog.py); the lines a full disk held back get their last chance."""
         if self._metrics_file is not None:
-            self._metrics_file.close()
+            self._metrics_file.close(finished)
             self._metrics_file = None
 
     def _stop(self, code: Exit, phase: Phase, msg: str = "") -> NoReturn:

@@ -8,8 +8,11 @@ all-reduce). So that step's line waits for that exchange, and the lines after it
 (lines stay in step order): a rank killed mid-copy leaves no line of a step the relaunch must
 train again (a step logged twice is a step trained twice). A launch killed between that exchange
 and the write leaves the line unwritten: the relaunch resumes from that very snapshot and writes
-the line from the state's meta (``Resumable._relog``). Held lines are written when the log
-closes, and when more than ``HELD_MAX`` wait (a copy that never ends must not keep every line).
+the line from the state's meta (``Resumable._relog``, on any resume: the step may be a disk
+checkpoint's too). Held lines are written when the run finishes or is preempted (the checkpoint
+that ends it holds their steps), and
+when more than ``HELD_MAX`` wait (a copy that never ends must not keep every line); a launch that
+stops any other way drops them: its relaunch writes each, or trains its step again.
 """
 
 from __future__ import annotations
@@ -45,7 +48,10 @@ class StepLog:
                 self._out.append(line)
             self._held.clear()
 
-    def close(self) -> None:
-        """The held lines, then the file (lines a full disk held back get their last chance)."""
-        self.release()
+    def close(self, finished: bool) -> None:
+        """The held lines when the run ``finished`` (else they are dropped: see the module), then
+        the file (lines a full disk held back get their last chance)."""
+        if finished:
+            self.release()
+        self._held.clear()
         self._out.close()
