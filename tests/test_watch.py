@@ -81,10 +81,12 @@ def test_crash_relaunches_from_checkpoint(tmp_path):
 @pytest.mark.parametrize(("flags", "on"), [([], True), (["--no-memory-tier"], False)])
 def test_the_memory_tier_is_on_by_default_and_one_flag_turns_it_off(tmp_path, flags, on):
     """On by default: the watchdog makes its node's memory folder at start, hands it to every
-    launch, looks in it before the relaunch (the fake trainer took no snapshot: the disk) and
-    removes it at the end. ``--no-memory-tier``: no folder, no look."""
+    launch, looks in it before each relaunch (the fake trainer takes no snapshot: the disk; said
+    once, not at every relaunch) and removes it at the end. ``--no-memory-tier``: no folder, no look."""
     root = tmp_path / "run"
-    rc, evs = run(root, flags, ["--steps", "12", "--fault", "crash", "--fault-step", "7"])
+    rc, evs = run(
+        root, flags, ["--steps", "12", "--fault", "crash", "--fault-step", "7", "--fault-launches", "2"]
+    )
     assert rc == Exit.OK
     folders = [e["path"] for e in of(evs, "memory_dir")]
     fallbacks = [e["reason"] for e in of(evs, "memory_fallback")]
@@ -93,7 +95,7 @@ def test_the_memory_tier_is_on_by_default_and_one_flag_turns_it_off(tmp_path, fl
         assert fallbacks == ["no snapshot in memory"], fallbacks
     else:
         assert folders == [] and fallbacks == [], (folders, fallbacks)
-    assert of(evs, "launch")[1]["resumed_from"] == 5
+    assert [e["resumed_from"] for e in of(evs, "launch")[1:]] == [5, 5]
 
 
 def test_launch_dirs_beyond_the_state_files_record_are_removed_for_this_node_only(tmp_path):

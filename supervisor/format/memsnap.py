@@ -676,18 +676,24 @@ def forget_newer(folder: Path, step: int) -> None:
                 os.unlink(index_path(folder, slot, ix.rank))
 
 
-def remove(folder: Path) -> None:
-    """The whole memory folder (the run is over); best effort, never through a link."""
+def remove(folder: Path) -> int:
+    """The whole memory folder (the run is over); best effort, never through a link. Returns the
+    memory its removed files held (allocated blocks: a slot is allocated whole), counted as it goes."""
+    freed = 0
     with contextlib.suppress(OSError):
         for dirpath, dirnames, filenames in os.walk(folder, topdown=False):
             for name in filenames:
+                path = os.path.join(dirpath, name)
                 with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(dirpath, name))
+                    blocks = os.lstat(path).st_blocks
+                    os.unlink(path)
+                    freed += blocks * 512
             for name in dirnames:
                 p = os.path.join(dirpath, name)
                 with contextlib.suppress(OSError):
                     os.unlink(p) if os.path.islink(p) else os.rmdir(p)
         os.rmdir(folder)
+    return freed
 
 
 # ---------------------------------------------------------------- the interval (pure)

@@ -35,6 +35,11 @@ class Memory:
         self.log = log
         self.folder: Path | None = None
         self._lock: int | None = None  # the descriptor holding the folder's lock (memory_owner.py)
+        # A command that takes no snapshots (no Resumable, the tier off in its loop) hears "no
+        # snapshot in memory" once, not at every relaunch: whether the folder was ever seen holding
+        # one, and whether its emptiness was said.
+        self._held = False
+        self._said_empty = False
 
     def start(self, base: Path, root: Path, node: int, heartbeats_local: bool) -> None:
         """Take the folder's lock, sweep the folders of watchdogs gone without their cleanup
@@ -103,6 +108,7 @@ class Memory:
         folder = self.folder / rel if rel else self.folder
         fetched = fetch(stand_in) if stand_in is not None and fetch is not None else ""
         indexes, problems = memsnap.read_slots(folder)
+        self._held = self._held or (bool(indexes) and not rel)
         reasons = [*([fetched] if fetched else []), *problems]
         snaps = memsnap.complete(folder, indexes)
         if committed_only:
@@ -129,6 +135,9 @@ class Memory:
                 launch, snap, older[: memsnap.SLOTS - 1], rel, disk_step, time.monotonic() - t0
             )
         if not indexes and not problems:
+            if not rel and not self._held and self._said_empty:
+                return None
+            self._said_empty = self._said_empty or not rel
             reasons.append(f"no replica of node {stand_in} here" if rel else "no snapshot in memory")
         elif not reasons:
             reasons.append(f"no step that every rank of this node finished ({len(indexes)} rank snapshots)")

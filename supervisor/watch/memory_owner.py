@@ -88,8 +88,7 @@ def sweep(user: Path, mine: Path | None = None) -> list[Swept]:
         if fd is None:
             continue  # its watchdog lives
         try:
-            size = _size(folder)
-            memsnap.remove(folder)
+            size = memsnap.remove(folder)
         finally:
             release(folder, fd)
         if not folder.exists():
@@ -114,13 +113,3 @@ def _is_dir(path: Path) -> bool:
         return stat.S_ISDIR(os.lstat(path).st_mode)
     except OSError:
         return False
-
-
-def _size(folder: Path) -> int:
-    """The memory a folder's files hold (allocated blocks: a slot is allocated whole)."""
-    total = 0
-    for dirpath, _dirs, files in os.walk(folder):
-        for name in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
-    return total
