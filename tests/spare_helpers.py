@@ -54,10 +54,12 @@ def first_step_after(job: Job, t: float) -> float | None:
 class NodeLoss:
     """What one node loss cost: seconds from the loss to the next launch's first step, and the steps
     trained twice (rank 0's metrics records beyond the run's steps: each step logs once per launch
-    that makes it)."""
+    that makes it); ``memory_every``: the memory tier's snapshot interval the ranks had agreed when
+    the node was lost (their hold acks; 0: the tier off), the budget's unit."""
 
     recovery_s: float
     redone: int
+    memory_every: int
 
     @property
     def resumed_from(self) -> int:
@@ -99,7 +101,8 @@ def lose_a_node_to_the_spare(cluster: Cluster, tmp: Path, golden: str) -> NodeLo
         assert bad is not None and [(i.host, i.why) for i in bad.incidents] == [("n2", ("lost",))]
         first = first_step_after(job, lost_at)
         assert first is not None, job.explain()
-        return NodeLoss(first - lost_at, len(read_metrics(RunDir.of(job.run_dir).metrics)) - STEPS)
+        redone = len(read_metrics(RunDir.of(job.run_dir).metrics)) - STEPS
+        return NodeLoss(first - lost_at, redone, max(int(a.get("memory_every", 0)) for a in acks.values()))
     finally:
         if job.info().get("JobState") not in DONE_STATES:
             cluster.run("scancel", job.job_id)

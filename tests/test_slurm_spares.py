@@ -75,8 +75,11 @@ def test_spare_takes_a_lost_nodes_place_without_a_requeue_digest_equal(
     cluster4: Cluster, tmp_path: Path, golden: str
 ) -> None:
     loss = lose_a_node_to_the_spare(cluster4, tmp_path, golden)
-    assert 0 <= loss.redone <= HOLD_AT, loss
-    print(f"node loss -> first step of the next launch: {loss.recovery_s:.1f}s, {loss.redone} steps redone")
+    assert 0 <= loss.redone <= HOLD_AT and loss.memory_every >= 1, loss
+    print(
+        f"node loss -> first step of the next launch: {loss.recovery_s:.1f}s, {loss.redone} steps redone "
+        f"(memory snapshots every {loss.memory_every})"
+    )
 
 
 def memory_folder(job: Job, node: int) -> Path:

@@ -86,8 +86,9 @@ def test_kill9_one_worker_then_relaunch_is_bit_exact(goldens, tmp_path, parallel
     hold.hold_at(gate, kill_at)
     proc = launch(root, nproc, *args, env=trainer_env(gate))
     try:
-        pid = wait_held(gate, nproc, kill_at, proc=proc)[victim]["pid"]
-        os.kill(pid, signal.SIGKILL)
+        acks = wait_held(gate, nproc, kill_at, proc=proc)
+        assert {a["memory_every"] for a in acks.values()} == {0}, acks  # no watchdog: no memory tier
+        os.kill(acks[victim]["pid"], signal.SIGKILL)
         hold.release(gate)  # the others go on into a collective with the dead rank and fail
         r = finish(proc)
     finally:

@@ -82,7 +82,9 @@ def test_kill9_after_an_unsaved_step_resumes_from_the_memory_tier_redoing_nothin
     # A snapshot every step: the 3% rule's interval grows with the load (a busy loop on each core
     # made it 16 steps, the newest snapshot at the kill step 17, older than the disk's 20).
     p = start_watch(root, [*standalone(root), "--memory-every", "1"], gate=gate)
-    os.kill(wait_held(gate, 2, HOLD_AT, proc=p)[1]["pid"], signal.SIGKILL)
+    acks = wait_held(gate, 2, HOLD_AT, proc=p)
+    assert [a["memory_every"] for a in acks.values()] == [1, 1], acks  # Resumable.memory_every
+    os.kill(acks[1]["pid"], signal.SIGKILL)
     hold.release(gate)
     rc, out = finish(p)
     assert rc == Exit.OK, out[-3000:]

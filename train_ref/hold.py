@@ -6,7 +6,7 @@ Both sides of the protocol live here, torch-free, so the fake trainer and the te
 
     TRAIN_REF_HOLD_FILE=PATH     unset: the gate is off (one None check per step, no file reads)
     PATH                         a step number N, written atomically (``hold_at``)
-    PATH.rank_RRRRR.ack          {"step": N, "pid", "launch"}: rank R is held after step N
+    PATH.rank_RRRRR.ack          {"step": N, "pid", "launch", "notice", "memory_every"}: rank R is held after step N
 
 After step N's boundary (its heartbeat, the preemption agreement and the start of its periodic
 save: an async save of step N stays uncommitted while held, a commit starts only at a step
@@ -69,12 +69,23 @@ class HoldGate:
         return read_hold(self.path) == step
 
     def hold(
-        self, step: int, beat: Callable[[], object], noticed: Callable[[], bool] = lambda: False
+        self,
+        step: int,
+        beat: Callable[[], object],
+        noticed: Callable[[], bool] = lambda: False,
+        memory_every: int = 0,
     ) -> None:
         """Acknowledge, then wait (beating) until the file no longer says ``step``. A preemption
         notice that arrives while held (``noticed()``) is acknowledged too, so a test can release
-        the ranks knowing they will act on it at the next step boundary."""
-        ack = {"step": step, "pid": os.getpid(), "launch": self.launch, "notice": noticed()}
+        the ranks knowing they will act on it at the next step boundary. ``memory_every``: the
+        memory tier's interval in force (Resumable.memory_every), for a test's bound on steps redone."""
+        ack = {
+            "step": step,
+            "pid": os.getpid(),
+            "launch": self.launch,
+            "notice": noticed(),
+            "memory_every": memory_every,
+        }
         atomic_write_json(ack_path(self.path, self.rank), ack)
         while read_hold(self.path) == step:
             if not ack["notice"] and noticed():

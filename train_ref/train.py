@@ -379,17 +379,20 @@ class Trainer:
             step_s = round(time.perf_counter() - t0, 6)
             self.r.step_end(step, {"loss": loss, "lr": lr, "grad_norm": norm, "step_time": step_s})
             if self.hold is not None:
-                hold_if_asked(self.hold, st.step, self.r.beat, lambda: self.r.preemption_noticed)
+                noticed = lambda: self.r.preemption_noticed  # noqa: E731
+                hold_if_asked(self.hold, st.step, self.r.beat, noticed, self.r.memory_every)
 
 
-def hold_if_asked(gate: HoldGate, step: int, beat: Callable[[], object], noticed: Callable[[], bool]) -> bool:
+def hold_if_asked(
+    gate: HoldGate, step: int, beat: Callable[[], object], noticed: Callable[[], bool], memory_every: int = 0
+) -> bool:
     """Test-only gate (train_ref/hold.py): every rank holds after ``step`` when any rank's view of
     the hold file says so (one may have read it just before it was written). Agreed by an
     all-reduce, so no rank goes on into a collective with a held peer. Returns whether it held."""
     want = torch.tensor([int(gate.wanted(step))], dtype=torch.int64)
     dist.all_reduce(want, op=dist.ReduceOp.MAX)
     if want.item():
-        gate.hold(step, beat, noticed)
+        gate.hold(step, beat, noticed, memory_every)
     return bool(want.item())
 
 

@@ -481,7 +481,7 @@ class Resumable:
     """The checkpoint lifecycle of one launch on this rank (every rank builds one, after
     ``init_process_group``): ``resume()``, then ``step_end()`` once per step, then ``finish()``.
     Between them: ``reduce()`` (a reduction that carries the step's control flags), ``beat()``
-    and ``phase()`` (long stretches of the trainer's own), ``preemption_noticed``, and
+    and ``phase()`` (long stretches of the trainer's own), ``preemption_noticed``, ``memory_every``, and
     ``compute_done()`` (where the step's own work ends, for the straggler verdict).
 
     The data, before ``resume()`` (docs/adopting.md#data):
@@ -1138,6 +1138,14 @@ class Resumable:
     def _save_due_by_time(self) -> bool:
         """--save-every-s: due by this rank's clock; only rank 0's counts (``boundary``)."""
         return self._saves.every_s > 0 and time.monotonic() - self._last_save >= self._saves.every_s
+
+    @property
+    def memory_every(self) -> int:
+        """The memory tier's snapshot interval in steps as the ranks last agreed it (rank 0's, by
+        the 3% rule or ``--memory-every``; the same on every rank); 0 when the tier is off. A kill
+        costs at most this many steps (docs/tiers.md): a loop may log it beside its metrics."""
+        agreed = self._ckpt.memory_agreed
+        return 0 if self._memory is None or agreed.off else max(1, agreed.interval)
 
     @property
     def preemption_noticed(self) -> bool:
