@@ -118,10 +118,11 @@ fi
 "$PYTHON" -m supervisor slurm start --job-script "$0" -- "$@" || exit $?
 
 # A roster drives the launches with spares, and with --standby in WATCH_OPTS on more than one node
-# (each node's standby released together): the same decision as supervisor.slurm.env.Knobs.rostered.
-ROSTER=0
-[ "$SPARE_NODES" -gt 0 ] && ROSTER=1
-[ "${SLURM_JOB_NUM_NODES:-1}" -gt 1 ] && [[ " $WATCH_OPTS " == *" --standby "* ]] && ROSTER=1
+# (each node's standby released together): supervisor.slurm.env.Knobs.rostered decides, 1 or 0.
+if ! ROSTER=$("$PYTHON" -m supervisor slurm rostered -- "$@"); then
+  echo "$ROSTER"
+  exit 2
+fi
 # Under a roster a lost node's task must not end the step (srun --no-kill; the job's --no-kill keeps
 # the allocation when SLURM marks the node down).
 spare_opts=()

@@ -571,3 +571,25 @@ def test_status_shows_both_budgets(tmp_path: Path) -> None:
     assert report.to_dict()["slurm"] == report.slurm
     slurm.requeue_path(tmp_path).write_text("[]")
     assert "slurm.json cannot be used: not a JSON object" in build_report(tmp_path).slurm
+
+
+@pytest.mark.parametrize(
+    ("nodes", "env", "says"),
+    [
+        ("2", {}, "0"),
+        ("2", {"WATCH_OPTS": "--standby"}, "1"),
+        ("1", {"WATCH_OPTS": "--standby"}, "0"),  # one node: its own standby, no roster
+        ("2", {"WATCH_OPTS": "--standby-timeout-s 5"}, "0"),  # another flag that starts the same
+        ("3", {"SPARE_NODES": "1"}, "1"),
+    ],
+)
+def test_rostered_is_job_sh_roster(tmp_path: Path, nodes: str, env: dict[str, str], says: str) -> None:
+    """job.sh's ROSTER (srun --no-kill, the coordinator's end) is this verb's one word."""
+    r = subprocess.run(
+        supervisor_cmd("slurm", "rostered"),
+        env={**os.environ, **JOB, "SLURM_JOB_NUM_NODES": nodes, **knob_env(tmp_path / "run"), **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (r.returncode, r.stdout) == (0, says + "\n"), r.stdout + r.stderr

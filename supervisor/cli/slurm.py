@@ -68,7 +68,9 @@ class TorchrunOptions:
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
-        "slurm", help="steps of sbatch/job.sh (start, launch, coordinate, finish)", description=__doc__
+        "slurm",
+        help="steps of sbatch/job.sh (start, rostered, launch, coordinate, finish)",
+        description=__doc__,
     )
     verbs = p.add_subparsers(dest="verb", required=True)
     for name, (func, helptext, opts) in VERBS.items():
@@ -234,6 +236,14 @@ def coordinate(args: argparse.Namespace) -> int:
     return code
 
 
+def rostered(args: argparse.Namespace) -> int:
+    """``1`` when a roster drives the job's launches (``Knobs.rostered``), else ``0``: job.sh's
+    ROSTER, decided here once rather than again in bash."""
+    job, knobs = _context(args)
+    print(int(knobs.rostered(job)))
+    return Exit.OK
+
+
 def torchrun(args: argparse.Namespace) -> int:
     # SLURM delivers a step's signals to every process in it; torchrun has no handler for the
     # notice's signal and USR1 would kill it. Ignoring it here is inherited by torchrun and its
@@ -341,6 +351,11 @@ VERBS: dict[str, tuple[Handler, str, type]] = {
         LaunchOptions,
     ),
     "finish": (finish, "requeue the job or end it, from the watchdogs' exit code", FinishOptions),
+    "rostered": (
+        rostered,
+        "print 1 when a roster drives the launches (spares, or --standby on several nodes), else 0",
+        LaunchOptions,
+    ),
     "torchrun": (
         torchrun,
         "exec torchrun with the notice's signal ignored (the watchdog's child)",

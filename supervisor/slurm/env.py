@@ -152,7 +152,7 @@ class Knobs:
         with --standby in WATCH_OPTS on more than one node, where each node's torchrun runs
         --standalone and its standby's ranks join the generation's group when all are released
         together (a torchrun of several nodes would take its standby into the running rendezvous).
-        sbatch/job.sh decides the same for srun (its ROSTER)."""
+        sbatch/job.sh asks (``slurm rostered``: its ROSTER, for srun and the coordinator's end)."""
         return self.spare_nodes > 0 or (job.num_nodes > 1 and STANDBY_FLAG in self.watch_opts)
 
     def train_nodes(self, job: JobEnv) -> int:
