@@ -58,7 +58,7 @@ class Appearance:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
-            if self._fd < 0:
+            if not self.watching:
                 time.sleep(min(left, self.sleep_s))
                 continue
             if self._poller.poll(1000 * min(left, self.sleep_s)):

@@ -295,3 +295,17 @@ def test_a_sigterm_before_a_worker_is_calmed_waits_for_it_when_the_fork_held_it(
     status = _forked_before_calm(hold=True)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
     assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) == before
+
+
+@pytest.mark.parametrize("calmed", [True, False])
+def test_the_fork_freezes_the_collector_whatever_the_worker_init(calmed: bool) -> None:
+    """The collector is frozen while workers fork (garbage a worker collects can hold the rank's
+    gloo threads) whether or not the worker_init is ours; the signals are held only for ours (it
+    unblocks them: a user's own would leave its worker deaf to SIGTERM)."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    with held_at_fork(True, calmed):
+        assert gc.get_freeze_count() > 0
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    assert (signal.SIGTERM in held) == calmed, held
+    assert gc.get_freeze_count() == 0
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) == before

@@ -109,7 +109,7 @@ class ResumableLoader(DataLoader[Any]):
                 "make the iterator after it"
             )
         self.position.before_iter()
-        with held_at_fork(self.num_workers > 0 and is_calm(self.worker_init_fn)):
+        with held_at_fork(self.num_workers > 0, is_calm(self.worker_init_fn)):
             inner = super().__iter__()
         return _Handed(inner, self.position)
 

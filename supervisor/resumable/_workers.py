@@ -69,8 +69,9 @@ def calm() -> None:
 
 
 @contextmanager
-def held_at_fork(active: bool = True) -> Iterator[None]:
-    """While a loader forks its workers (``iter()``): SIGTERM, SIGINT and the notice blocked in
+def held_at_fork(workers: bool = True, calm: bool = True) -> Iterator[None]:
+    """While a loader forks its ``workers`` (``iter()``; nothing without them): with a ``calm``
+    worker_init (``WorkerInit``, which unblocks them), SIGTERM, SIGINT and the notice blocked in
     this thread, so each worker starts with them blocked (a fork copies the mask) until ``calm``.
     Without it a SIGTERM to every process of the job that lands between a worker's fork and its
     ``worker_init_fn`` kills it (the default action, or torch's handler) and the rank loses the
@@ -84,11 +85,12 @@ def held_at_fork(active: bool = True) -> Iterator[None]:
     on a condition variable they were waiting on (the worker hangs, and the loop with it: seen in
     the test suite, a loader's second epoch after an in-process test's process groups). The
     rank's own collector takes the garbage once the workers are forked. A rank that froze objects
-    itself keeps them frozen."""
-    if not active:
+    itself keeps them frozen. The freeze does not depend on ``calm``: a worker whose init is the
+    user's own inherits the same garbage."""
+    if not workers:
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, _held())
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _held()) if calm else None
     frozen_before = gc.get_freeze_count()
     gc.freeze()
     try:
@@ -96,7 +98,8 @@ def held_at_fork(active: bool = True) -> Iterator[None]:
     finally:
         if not frozen_before:
             gc.unfreeze()
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        if old is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _exit_on_parents_sigterm(parent: int) -> None:
