@@ -26,7 +26,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run as a script too
 
 from slurm_helpers import EXIT_UNAVAILABLE, ClusterUnavailable, cluster, golden_digest  # noqa: E402
-from spare_helpers import DDP, HOLD_AT, NODES, SLURMD_TIMEOUT_S, lose_a_node_to_the_spare  # noqa: E402
+from spare_helpers import (  # noqa: E402
+    DDP,
+    HOLD_AT,
+    NODES,
+    SLURMD_TIMEOUT_S,
+    NodeLoss,
+    lose_a_node_to_the_spare,
+)
 from sweep_cli import run_and_report  # noqa: E402
 
 BUDGET_S = 15.0
@@ -34,45 +41,44 @@ BUDGET_S = 15.0
 
 @dataclass
 class Bench:
-    took: list[float] = field(default_factory=list)
-    redone: list[int] = field(default_factory=list)
-    every: list[int] = field(default_factory=list)
+    losses: list[tuple[int, NodeLoss]] = field(default_factory=list)  # (trial, what its loss cost)
     failed: list[str] = field(default_factory=list)
 
     def p95(self) -> float:
-        ranked = sorted(self.took)
+        ranked = sorted(loss.recovery_s for _, loss in self.losses)
         return ranked[math.ceil(0.95 * len(ranked)) - 1]
 
     def report(self) -> str:
         rows = [
-            f"trial {i + 1}: node loss -> first step {t:5.1f} s, {r} steps redone (resumed from step "
-            f"{HOLD_AT - r}; memory snapshots every {n} step(s))"
-            for i, (t, r, n) in enumerate(zip(self.took, self.redone, self.every, strict=True))
+            f"trial {i}: node loss -> first step {loss.recovery_s:5.1f} s, {loss.redone} steps redone (resumed "
+            f"from step {loss.resumed_from}; memory snapshots every {loss.memory_every} step(s))"
+            for i, loss in self.losses
         ]
-        if self.took:
+        if self.losses:
+            took = [loss.recovery_s for _, loss in self.losses]
+            redone = [loss.redone for _, loss in self.losses]
             verdict = "met" if self.p95() <= BUDGET_S else "NOT met"
             rows.append(
-                f"{len(self.took)} trials: median {statistics.median(self.took):.1f} s, max "
-                f"{max(self.took):.1f} s, p95 {self.p95():.1f} s (budget {BUDGET_S:.0f} s: {verdict}); "
-                f"no requeue, digests equal; steps redone per node loss: median {statistics.median(self.redone):g}, "
-                f"max {max(self.redone)} (the lost node held after step {HOLD_AT}, killed at once); within "
-                f"one snapshot interval: {len(self.took) - len(self.beyond())} of {len(self.took)}"
+                f"{len(took)} trials: median {statistics.median(took):.1f} s, max "
+                f"{max(took):.1f} s, p95 {self.p95():.1f} s (budget {BUDGET_S:.0f} s: {verdict}); "
+                f"no requeue, digests equal; steps redone per node loss: median {statistics.median(redone):g}, "
+                f"max {max(redone)} (the lost node held after step {HOLD_AT}, killed at once); within "
+                f"one snapshot interval: {len(took) - len(self.beyond())} of {len(took)}"
             )
         return "\n".join(rows)
 
-    def beyond(self) -> list[int]:
-        """The trials (0-based) whose loss redid more than one memory snapshot interval (the
-        issue's budget), or ran with the tier off."""
-        pairs = zip(self.redone, self.every, strict=True)
-        return [i for i, (r, n) in enumerate(pairs) if n < 1 or r > n]
+    def beyond(self) -> list[tuple[int, NodeLoss]]:
+        """The trials whose loss redid more than one memory snapshot interval (the issue's
+        budget), or ran with the tier off."""
+        return [(i, loss) for i, loss in self.losses if not loss.within_interval]
 
     def failures(self) -> list[str]:
         over = (
-            [] if not self.took or self.p95() <= BUDGET_S else [f"p95 {self.p95():.1f} s over {BUDGET_S} s"]
+            [] if not self.losses or self.p95() <= BUDGET_S else [f"p95 {self.p95():.1f} s over {BUDGET_S} s"]
         )
         beyond = [
-            f"trial {i + 1}: {self.redone[i]} steps redone, over one snapshot interval ({self.every[i]})"
-            for i in self.beyond()
+            f"trial {i}: {loss.redone} steps redone, over one snapshot interval ({loss.memory_every})"
+            for i, loss in self.beyond()
         ]
         return self.failed + over + beyond
 
@@ -81,18 +87,15 @@ def run(workdir: Path, trials: int) -> Bench:
     bench = Bench()
     with cluster(NODES, SLURM_CI_SLURMD_TIMEOUT_S=SLURMD_TIMEOUT_S) as c:
         golden = golden_digest(workdir / "golden", 2, DDP)
-        for i in range(trials):
-            tmp = workdir / f"trial{i + 1}"
+        for i in range(1, trials + 1):
+            tmp = workdir / f"trial{i}"
             tmp.mkdir()
             t0 = time.monotonic()
             try:
-                loss = lose_a_node_to_the_spare(c, tmp, golden)
-                bench.took.append(loss.recovery_s)
-                bench.redone.append(loss.redone)
-                bench.every.append(loss.memory_every)
+                bench.losses.append((i, lose_a_node_to_the_spare(c, tmp, golden)))
             except AssertionError as e:
-                bench.failed.append(f"trial {i + 1}: {str(e).splitlines()[0] if str(e) else 'assertion'}")
-            print(f"trial {i + 1} done in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+                bench.failed.append(f"trial {i}: {str(e).splitlines()[0] if str(e) else 'assertion'}")
+            print(f"trial {i} done in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
     return bench
 
 

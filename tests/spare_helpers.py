@@ -65,6 +65,11 @@ class NodeLoss:
     def resumed_from(self) -> int:
         return HOLD_AT - self.redone
 
+    @property
+    def within_interval(self) -> bool:
+        """The issue's budget: at most one snapshot interval redone (the tier on)."""
+        return self.memory_every > 0 and self.redone <= self.memory_every
+
 
 def lose_a_node_to_the_spare(cluster: Cluster, tmp: Path, golden: str) -> NodeLoss:
     """n2 of a job on n1, n2 (n3 its spare) is lost while the ranks hold after step 12: every

@@ -379,8 +379,9 @@ class Trainer:
             step_s = round(time.perf_counter() - t0, 6)
             self.r.step_end(step, {"loss": loss, "lr": lr, "grad_norm": norm, "step_time": step_s})
             if self.hold is not None:
-                noticed = lambda: self.r.preemption_noticed  # noqa: E731
-                hold_if_asked(self.hold, st.step, self.r.beat, noticed, self.r.memory_every)
+                hold_if_asked(
+                    self.hold, st.step, self.r.beat, lambda: self.r.preemption_noticed, self.r.memory_every
+                )
 
 
 def hold_if_asked(
