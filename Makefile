@@ -74,7 +74,7 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 # Every benchmark prints ratios measured side by side in one run; results are recorded in README.md.
-BENCHES ?= verify status mttr checkpoint cold_load first_load gc_pause verify_split commit_scale load_plan_scale index_scale heartbeat_load step_control tiers signing memory_tier goodput
+BENCHES ?= verify status mttr checkpoint cold_load first_load gc_pause verify_split commit_scale load_plan_scale index_scale heartbeat_load step_control tiers signing memory_tier relaunch_cpu goodput
 bench: $(STAMP)
 	for b in $(BENCHES); do echo "== bench/$$b.py"; $(PY) bench/$$b.py || exit 1; done
 
