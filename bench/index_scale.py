@@ -59,8 +59,8 @@ def local_plan() -> Any:
     import torch
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+    from supervisor.resumable._objects import Objects
     from supervisor.resumable._optim_state import prime_for_load
-    from supervisor.resumable._resumable import Objects
     from train_ref.config import get_config
     from train_ref.data import Corpus
     from train_ref.model import GPT

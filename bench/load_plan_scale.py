@@ -42,8 +42,8 @@ def local_plan(work: Path) -> tuple[object, float]:
     import torch
     import torch.distributed.checkpoint as dcp
 
+    from supervisor.resumable._objects import Objects
     from supervisor.resumable._optim_state import prime_for_load
-    from supervisor.resumable._resumable import Objects
     from supervisor.resumable._safe_load import SafeFileSystemReader, SafeLoadPlanner
     from train_ref.config import get_config
     from train_ref.data import Corpus

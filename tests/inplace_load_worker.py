@@ -22,8 +22,8 @@ import torch.distributed.checkpoint as dcp
 
 from supervisor.resumable import _safe_load
 from supervisor.resumable._checkpointer import _writer
+from supervisor.resumable._objects import Objects
 from supervisor.resumable._optim_state import prime_for_load
-from supervisor.resumable._resumable import Objects
 from train_ref.config import get_config
 from train_ref.model import GPT
 from train_ref.parallel import build

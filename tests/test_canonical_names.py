@@ -8,7 +8,7 @@ import torch.distributed.checkpoint.state_dict as torch_state_dict
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from supervisor.resumable._canonical_names import CanonicalNames
-from supervisor.resumable._resumable import Objects
+from supervisor.resumable._objects import Objects
 
 
 def _model_and_optimizer(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

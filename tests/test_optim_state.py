@@ -13,8 +13,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import _init_optim_state
 
 from supervisor.resumable._checkpointer import _writer
+from supervisor.resumable._objects import Objects
 from supervisor.resumable._optim_state import prime_for_load
-from supervisor.resumable._resumable import Objects
 from supervisor.resumable._safe_load import load_dcp
 
 Make = Callable[[list[dict[str, object]]], torch.optim.Optimizer]

@@ -94,7 +94,7 @@ def test_manifest_metrics_are_optional_numbers() -> None:
 
 
 def test_identity_hash_covers_the_seed_and_a_diff_names_the_fields() -> None:
-    from supervisor.resumable._resumable import Identity
+    from supervisor.resumable import Identity
     from supervisor.resumable._resume import describe_diff, identity_diff
 
     a = Identity({"lr": 0.1, "amp": "off"}, seed=1)
@@ -106,7 +106,7 @@ def test_identity_hash_covers_the_seed_and_a_diff_names_the_fields() -> None:
 
 
 def test_save_schedule_problems_name_the_flag() -> None:
-    from supervisor.resumable._resumable import Saves
+    from supervisor.resumable import Saves
 
     assert Saves().problem() == ""
     assert Saves(every_steps=0, every_s=60).problem() == ""

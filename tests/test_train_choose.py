@@ -14,7 +14,7 @@ from supervisor import store
 from supervisor.drill.corruption import Corruption, corrupt
 from supervisor.format.exitcodes import NON_RETRYABLE, Exit
 from supervisor.format.heartbeat import HeartbeatWriter, Phase, read_heartbeats
-from supervisor.resumable._resumable import resume_args
+from supervisor.resumable._options import resume_args
 from supervisor.resumable._resume import _choose, choose_checkpoint
 from train_ref.config import get_config
 from train_ref.data import Corpus

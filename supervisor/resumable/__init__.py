@@ -36,14 +36,9 @@ except ModuleNotFoundError as e:  # one line naming the extra, not a bare "No mo
 
 from supervisor.resumable._devices import DeviceError, device_index
 from supervisor.resumable._digest import full_tensor, params_digest, tensors_digest
-from supervisor.resumable._resumable import (
-    Identity,
-    Resumable,
-    ResumeOptions,
-    Saves,
-    install_signals,
-    refuse_start,
-)
+from supervisor.resumable._exits import refuse_start
+from supervisor.resumable._options import Identity, ResumeOptions, Saves
+from supervisor.resumable._resumable import Resumable, install_signals
 from supervisor.resumable._safe_load import load_dcp
 from supervisor.resumable._sampler import ByIndex, ResumableBatchSampler, SampleKey, mix_seed
 from supervisor.resumable._standby import wait_if_standby

@@ -50,7 +50,8 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from supervisor.resumable._accelerate import inside
 from supervisor.resumable._loader import ResumableLoader, settings, shuffles
-from supervisor.resumable._resumable import Identity, Resumable, ResumeOptions, Saves
+from supervisor.resumable._options import Identity, ResumeOptions, Saves
+from supervisor.resumable._resumable import Resumable
 
 __all__ = ["ResumableTrainerCallback"]
 

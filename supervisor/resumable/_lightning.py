@@ -39,7 +39,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from supervisor.resumable._resumable import PREEMPTION, Identity, Resumable, ResumeOptions, Saves
+from supervisor.resumable._options import Identity, ResumeOptions, Saves
+from supervisor.resumable._resumable import PREEMPTION, Resumable
 
 __all__ = ["ResumableCallback"]
 

@@ -25,10 +25,7 @@ heartbeat, says one line on rank 0 and raises ``SystemExit`` with the code of
 
 from __future__ import annotations
 
-import errno
-import hashlib
 import itertools
-import json
 import logging
 import math
 import os
@@ -38,25 +35,16 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import DataLoader, Dataset
 
-from supervisor import shared_options as shared
 from supervisor import store
 from supervisor.display import human_bytes
-from supervisor.errors import Program, ToolkitError, exit_code
 from supervisor.format import memsnap
 from supervisor.format.appender import LineAppender
 from supervisor.format.atomic import atomic_write_json
@@ -66,10 +54,8 @@ from supervisor.format.hooks import When
 from supervisor.format.layout import FINAL, RunDir, parse_committed
 from supervisor.format.manifest import META_RECENT_LOSSES, CheckpointInfo
 from supervisor.format.metrics import MetricsRecord, logged_since
-from supervisor.format.statediff import RANK_LOADERS, RANK_OWN, SHARED
-from supervisor.options import NOT_NEGATIVE, nested, option
+from supervisor.format.statediff import SHARED
 from supervisor.resumable import _agree, _launch_marks, _tiering
-from supervisor.resumable._canonical_names import CanonicalNames
 from supervisor.resumable._checkpointer import (
     Checkpointer,
     CommitInfo,
@@ -81,11 +67,14 @@ from supervisor.resumable._checkpointer import (
 from supervisor.resumable._collectives import CollectiveReporter
 from supervisor.resumable._devices import DeviceError
 from supervisor.resumable._digest import params_digest, tensors_digest
+from supervisor.resumable._exits import deliberate_exit, run_dir, tell, trainer_code
 from supervisor.resumable._hooks import BoundaryHook, boundary_hook, no_hook
 from supervisor.resumable._loader import Rank, ResumableLoader, SamplerPosition, build, prepare, saved_as
 from supervisor.resumable._loader_check import LoaderCheck
 from supervisor.resumable._memory import NO_PICK, MemoryTier, Planned, combined, common_step, loaded_line
+from supervisor.resumable._objects import Objects, RankItems, Weights
 from supervisor.resumable._optim_state import prime_for_load
+from supervisor.resumable._options import Identity, ResumeOptions, Saves, remote_problem, resume_args
 from supervisor.resumable._progress_io import ProgressFileSystem, kept_alive
 from supervisor.resumable._resume import (
     RETRY_LATER,
@@ -98,14 +87,12 @@ from supervisor.resumable._resume import (
 )
 from supervisor.resumable._safe_load import CorruptRecord, PeerLoadFailed, load_dcp, one_line, refusal_line
 from supervisor.resumable._sanity import LOSS_WINDOW, ResumeSanity
-from supervisor.resumable._save_policy import DEFAULT_MAX_FAILED_SAVES, SavePolicy
 from supervisor.resumable._signals import PreemptionFlag, on_uncaught, record_uncaught, register_stack_dump
 from supervisor.resumable._step_clock import StepClock
 from supervisor.resumable._steplog import StepLog
-from supervisor.resumable._tiering import RemoteOptions
 from supervisor.resumable._train_state import RANK_ITEMS, seed_rank_rng
 from supervisor.safepickle import UnsafePickle
-from supervisor.store.ioerrors import STORAGE_BACKOFF, describe, retry_transient
+from supervisor.store.ioerrors import STORAGE_BACKOFF, retry_transient
 from supervisor.tiers.uploader import Uploader
 
 log = logging.getLogger("resumable")
@@ -114,7 +101,6 @@ log = logging.getLogger("resumable")
 # notice during startup is not lost.
 PREEMPTION = PreemptionFlag()
 _installed: list[str] = []  # install()'s problem, once installed
-VERIFY = ("quick", "deep")
 UPLOADS = "the remote tier's uploads"  # what rank 0 waits for at the end (its heartbeat's ``waiting``)
 
 
@@ -126,217 +112,6 @@ def install_signals() -> str:
         _installed.append(PREEMPTION.install())
         record_uncaught()
     return _installed[0]
-
-
-@dataclass(frozen=True)
-class Saves:
-    """When and how to checkpoint. Each option field is also the trainer's flag (``supervisor.options``)."""
-
-    every_steps: int = option("save every N steps (0: only by --save-every-s)", 50, flag="--save-every")
-    every_s: float = option(
-        "also save when this long has passed since the last save (rank 0's clock decides for all)",
-        0.0,
-        flag="--save-every-s",
-        metavar="SECONDS",
-    )
-    async_save: bool = option(
-        "save in the background while training goes on (default)", True, off="--sync-save"
-    )
-    # The newest ``keep`` and the retention beyond it: the retention flags (--keep, --keep-every-s,
-    # --keep-best, --keep-all) of supervisor.store.retention_policy, shared with `ckpt prune`.
-    keep: int = store.DEFAULT_KEEP
-    max_failed_saves: int = option(
-        "exit 74 after N failed saves in a row (a full disk, EIO...); until then training goes on",
-        DEFAULT_MAX_FAILED_SAVES,
-        metavar="N",
-    )
-    max_unsaved_s: float = option(
-        "also exit 74 when a save fails and nothing was committed for this long (0: no limit)",
-        0.0,
-        metavar="SECONDS",
-    )
-    memory_every: int = option(
-        "under the watchdog, snapshot the whole state into node-local memory every N steps (0: the "
-        "interval that keeps the copy within 3 percent of the step time; none without the watchdog, or under its --no-memory-tier)",
-        0,
-        metavar="N",
-        check=NOT_NEGATIVE,
-    )
-    # What prune keeps locally beyond the newest ``keep`` (one per period, best by a metric of
-    # ``step_end``, all); None: the newest ``keep``. Recorded for `status` and `ckpt list`.
-    retention: store.RetentionPolicy | None = None
-
-    def retention_policy(self) -> store.RetentionPolicy:
-        return self.retention if self.retention is not None else store.RetentionPolicy(keep=self.keep)
-
-    def policy(self) -> SavePolicy:
-        return SavePolicy(max_failed_saves=self.max_failed_saves, max_unsaved_s=self.max_unsaved_s)
-
-    def problem(self) -> str:
-        """What is wrong with these values (one line naming the flag), or ''."""
-        if self.every_steps < 0 or self.every_s < 0 or not (self.every_steps or self.every_s):
-            return "--save-every must be >= 1 (or 0 with --save-every-s > 0)"
-        if self.keep < store.MIN_KEEP:
-            return f"--keep {self.keep}: keep at least {store.MIN_KEEP} so a corrupt newest has a fallback"
-        return self.policy().problem()
-
-
-@dataclass(frozen=True)
-class Identity:
-    """What makes two launches the same run: every field that changes the trajectory (model shape,
-    optimizer, schedule length, precision, seed...), the data, and the global batch the data
-    position counts. ``fields`` are hashed into the manifest's ``model_config_hash`` and recorded
-    in its ``meta.identity``, so a refusal names the fields that differ. ``changeable``: fields
-    ``allow_config_change`` may change, applied by ``Resumable.apply_config_change``; any other
-    field that differs is refused even then."""
-
-    fields: Mapping[str, Any] = field(default_factory=dict)
-    data: str = ""  # the data fingerprint
-    seed: int | None = None  # per-rank RNGs are seeded from (seed, rank, step) when not restored
-    name: str = ""
-    global_batch: int = 0
-    mode: str = ""  # the parallel mode, recorded (a resume may change it: DCP reshards)
-    changeable: frozenset[str] = frozenset()
-
-    @property
-    def all_fields(self) -> dict[str, Any]:
-        return {**self.fields, **({} if self.seed is None else {"seed": self.seed})}
-
-    @property
-    def config_hash(self) -> str:
-        blob = json.dumps(self.all_fields, sort_keys=True, separators=(",", ":")).encode()
-        return "sha256:" + hashlib.sha256(blob).hexdigest()[:32]
-
-
-@dataclass(frozen=True)
-class ResumeOptions:
-    """How to choose the checkpoint to resume from. Each option field is also the trainer's flag."""
-
-    verify: str = option(
-        "checkpoint check before loading: deep = every file's checksum (DCP has none), quick = sizes",
-        "deep",  # deep: spread over the ranks
-        choices=VERIFY,
-    )
-    io_retry_s: float = shared.io_retry("exit 74 (at resume)")
-    allow_fresh_start: bool = shared.allow_fresh_start("start from step 0")
-    allow_config_change: bool = option(
-        "resume with a changed LR, weight decay, schedule or augmentation (applied); "
-        "other changes are still refused",
-        False,
-    )
-    allow_data_change: bool = option("resume on data with another fingerprint", False)
-    load_step: int | None = option(
-        "resume from committed step N instead of the newest (newer ones are moved to quarantine/)",
-        None,
-        metavar="N",
-    )
-    # A new run's starting point: another run's weights, DIR or DIR:STEP (default its newest valid
-    # checkpoint), and with init_optimizer its optimizer state too; recorded in every manifest.
-    init_from: str | None = option(
-        "a NEW run starts from another run's weights (its newest valid checkpoint, or STEP); "
-        "recorded in every manifest; ignored once this run has checkpoints of its own",
-        None,
-        metavar="DIR[:STEP]",
-    )
-    init_optimizer: bool = option("with --init-from: its optimizer state too", False)
-    sign_key: bytes | None = field(default=None, repr=False)  # --signing-key's key (supervisor.signing)
-    remote: RemoteOptions = nested(RemoteOptions, "remote tier (docs/tiers.md)")
-
-
-def resume_args(root: Path, options: ResumeOptions, identity: Identity | None = None) -> Request:
-    """The options as resume.py reads them."""
-    return Request(
-        ckpt_root=root,
-        verify=options.verify,
-        io_retry=options.io_retry_s,
-        allow_fresh_start=options.allow_fresh_start,
-        sign_key=options.sign_key,
-        load_step=options.load_step,
-        identity=(identity or Identity()).all_fields,
-        remote=options.remote if options.remote.url else None,
-    )
-
-
-def remote_problem(remote: RemoteOptions, local_keep: int) -> str:
-    """What is wrong with the remote tier's options (one line naming the flag), or ''."""
-    if not remote.url:
-        return ""
-    try:
-        remote.policy(local_keep)
-    except store.StoreError as e:
-        return str(e)
-    return ""
-
-
-class Objects(Stateful):
-    """A plain loop's state as DCP saves it: ``model`` and ``optimizer`` through
-    ``get_state_dict``/``set_state_dict`` (keyed by parameter names, so DCP reshards them), every
-    other entry by its own ``state_dict``/``load_state_dict`` (scheduler, scaler, sampler), and the
-    step. The model's canonical names are worked out once (``CanonicalNames``: the model is wrapped
-    before ``Resumable`` gets it): the memory tier takes this state dict every step."""
-
-    def __init__(self, objects: Mapping[str, Any]):
-        if "model" not in objects or "optimizer" not in objects:
-            raise ValueError("Resumable: the objects to save need a 'model' and an 'optimizer'")
-        self.model: torch.nn.Module = objects["model"]
-        self.optimizer: torch.optim.Optimizer = objects["optimizer"]
-        self.others = {k: v for k, v in objects.items() if k not in ("model", "optimizer")}
-        self.step = 0
-        self.names = CanonicalNames(self.model)
-
-    def saving(self, rank: int, world_size: int) -> Stateful:
-        return self
-
-    def keep(self, name: str, obj: Stateful) -> None:
-        """Save ``obj`` as ``name`` too (a loader's position)."""
-        if name in self.others or name in ("model", "optimizer", "step"):
-            raise ValueError(f"Resumable: '{name}' is saved already; give the loader another name=")
-        self.others[name] = obj
-
-    def saves(self, obj: object) -> bool:
-        return any(v is obj for v in self.others.values())
-
-    def state_dict(self) -> dict[str, Any]:
-        with self.names.kept():
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {
-            "model": model_sd,
-            "optim": optim_sd,
-            **{k: v.state_dict() for k, v in self.others.items()},
-            "step": self.step,
-        }
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        with self.names.kept():
-            set_state_dict(
-                self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
-            )
-        for k, v in self.others.items():
-            v.load_state_dict(sd[k])
-        self.step = int(sd["step"])
-
-
-class _Weights(Stateful):
-    """The model (and with ``optimizer`` its optimizer) of a Saveable, as a DCP load of another
-    run's checkpoint reads them: everything else of that run stays behind."""
-
-    def __init__(self, state: Saveable, optimizer: bool):
-        self.model: torch.nn.Module = getattr(state, "model")  # noqa: B009 - both Saveables have one
-        self.optimizer: torch.optim.Optimizer | None = getattr(state, "optimizer") if optimizer else None  # noqa: B009
-
-    def state_dict(self) -> dict[str, Any]:
-        if self.optimizer is None:
-            return {"model": get_model_state_dict(self.model)}
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        if self.optimizer is None:
-            set_model_state_dict(self.model, sd["model"])
-        else:
-            set_state_dict(
-                self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
-            )
 
 
 def init_source(spec: str) -> Path | str:
@@ -358,16 +133,6 @@ def init_source(spec: str) -> Path | str:
             return f"{v.reason}"
     have = "no committed checkpoint" if not step else f"no committed step {step}"
     return f"{root}: {have} that passes its checks (ckpt list --ckpt-root {root})"
-
-
-def tell(line: str) -> None:
-    """A line every operator needs (where the run resumed from, and what was checked), on rank 0:
-    through the ``resumable`` logger when the trainer's logging shows it, else on stderr; once
-    either way, whatever the trainer did or did not configure."""
-    if log.isEnabledFor(logging.INFO) and log.hasHandlers():
-        log.info("%s", line)
-    else:
-        print(f"resumable: {line}", file=sys.stderr, flush=True)
 
 
 def resume_line(
@@ -395,86 +160,9 @@ def resume_line(
     )
 
 
-def deliberate_exit(
-    hb: HeartbeatWriter, rank: int, step: int, phase: Phase, code: Exit, msg: str = ""
-) -> int:
-    """Record a deliberate exit code in the heartbeat (torchrun itself reports only 1); rank 0
-    says ``msg`` on stderr."""
-    if msg and rank == 0:
-        print(f"resumable: {msg}", file=sys.stderr, flush=True)
-    hb.beat(step, phase, exit_code=int(code))
-    return int(code)
-
-
-def _code(e: ToolkitError) -> Exit:
-    """The trainer's exit code for one of the toolkit's errors (supervisor/errors.py's table)."""
-    return exit_code(e, Program.TRAINER)
-
-
-# A run directory that cannot be made for these is the storage's trouble (74: retried); for any
-# other reason (a file in the way, no permission, read-only) the command line's (78).
-_STORAGE_DID_NOT_ANSWER = frozenset(
-    {errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.EAGAIN, errno.ENOSPC, errno.EDQUOT, errno.EINTR}
-)
-
-
-def run_dir(root: str | Path) -> Path:
-    """The run directory, made if missing; one that cannot be used stops the rank with one line
-    naming it and the fix (exit 78, or 74 when the storage did not answer: retried), never a
-    traceback. Nothing can be recorded in it, so the line is all there is."""
-    path = Path(root)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        code = Exit.STORAGE if e.errno in _STORAGE_DID_NOT_ANSWER else Exit.BAD_CONFIG
-        print(
-            f"resumable: {path}: cannot use it as the run directory ({describe(e)}); "
-            "give --ckpt-root a directory this rank can create and write",
-            file=sys.stderr,
-            flush=True,
-        )
-        raise SystemExit(int(code)) from None
-    return path
-
-
-def refuse_start(root: str | Path, message: str, code: Exit = Exit.BAD_CONFIG) -> int:
-    """A refusal before a ``Resumable`` exists (a config this rank cannot train with), on every
-    rank after ``init_process_group``: the exit code into this rank's heartbeat (the watchdog
-    classifies it: 78 is not retried), ``message`` on rank 0's stderr. Returns the code to exit with."""
-    rank = dist.get_rank()
-    hb = HeartbeatWriter(
-        run_dir(root),
-        rank=rank,
-        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-        world_size=dist.get_world_size(),
-    )
-    return deliberate_exit(hb, rank, 0, Phase.STARTUP, code, message)
-
-
 class LoadFailed(RuntimeError):
     """A resume's load failed and the process went on: its state is part of a checkpoint and part
     of what was there before, and it may not be trained on or saved (``Resumable._load_failed``)."""
-
-
-class RankItems(Stateful):
-    """The trainer's items in the per-rank file once a loader keeps its position per rank (a
-    stream's, a ``StatefulDataLoader``'s): the user's ``rank_items`` and those positions."""
-
-    def __init__(self, own: Stateful | None):
-        self.own = own
-        self.loaders: dict[str, Stateful] = {}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            RANK_OWN: self.own.state_dict() if self.own is not None else {},
-            RANK_LOADERS: {k: v.state_dict() for k, v in self.loaders.items()},
-        }
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        if self.own is not None:
-            self.own.load_state_dict(sd[RANK_OWN])
-        for k, v in self.loaders.items():
-            v.load_state_dict(sd[RANK_LOADERS][k])
 
 
 class Resumable:
@@ -925,9 +613,9 @@ class Resumable:
         line = one_line(e)
         self._load_failure = line
         if isinstance(e, UnsafePickle):  # nothing of it ran; every rank read the same file and refused it
-            self._stop(_code(e), Phase.LOAD, refusal_line(e, self._root, choice.ckpt))
+            self._stop(trainer_code(e), Phase.LOAD, refusal_line(e, self._root, choice.ckpt))
         if isinstance(e, DeviceError):  # every rank's file has the same format: all refuse alike
-            self._stop(_code(e), Phase.LOAD, f"cannot resume: {e}")
+            self._stop(trainer_code(e), Phase.LOAD, f"cannot resume: {e}")
         if isinstance(e, CorruptRecord) and choice.ckpt is not None:
             self._stop(
                 RETRY_LATER, Phase.LOAD, f"cannot resume: {self._quarantine_failed(choice.ckpt, line)}"
@@ -979,13 +667,13 @@ class Resumable:
             with kept_alive(self._hb.tracker(Phase.LOAD, 0), self._ckpt.wait_s) as loading:
                 load_dcp(
                     src,
-                    {SHARED: _Weights(self.state, self._options.init_optimizer)},
+                    {SHARED: Weights(self.state, self._options.init_optimizer)},
                     self._ckpt.dcp_group,
                     fs=ProgressFileSystem(src.parent, loading),
                 )
         except UnsafePickle as e:
             self._load_failure = one_line(e)
-            self._stop(_code(e), Phase.LOAD, refusal_line(e, src.parent, src))
+            self._stop(trainer_code(e), Phase.LOAD, refusal_line(e, src.parent, src))
         except Exception as e:  # another model's: one line, not a traceback
             first = self._load_failure = one_line(e)
             self._stop(
@@ -1106,7 +794,7 @@ class Resumable:
                 self._at_boundary(step, When.SAVE)
         except StorageGaveUp as e:  # raised on every rank at the same save
             self._close_uploader(0.0)
-            self._stop(_code(e), Phase.SAVE, str(e))
+            self._stop(trainer_code(e), Phase.SAVE, str(e))
         except PeersTimedOut as e:
             self._gave_up(e)
         if self._metrics_file is not None:
@@ -1244,7 +932,7 @@ class Resumable:
             self._ckpt.close()
         except StorageGaveUp as e:
             self._close_uploader(0.0)
-            self._stop(_code(e), Phase.SAVE, str(e))
+            self._stop(trainer_code(e), Phase.SAVE, str(e))
         except PeersTimedOut as e:
             self._gave_up(e)
         self._close_metrics(finished=True)
