@@ -36,7 +36,8 @@ from supervisor.format.layout import (
 from supervisor.format.manifest import CheckpointInfo
 from supervisor.resumable import _agree, _safe_load
 from supervisor.resumable import _checkpointer as checkpointer
-from supervisor.resumable._checkpointer import Checkpointer, CommitInfo, _writer
+from supervisor.resumable._checkpointer import Checkpointer, CommitInfo
+from supervisor.resumable._shard_writer import shard_writer
 
 SIGNING_KEY = bytes(range(32))  # the commit's key in the signed save
 
@@ -125,7 +126,9 @@ def _per_rank_loads(root: Path, rank: int, group: dist.ProcessGroup) -> list[lis
     ckpt = root / "per_rank"
     world = dist.get_world_size(group)
     state = {f"r{rank}": torch.full((4,), float(rank)), "step": 7}
-    dcp.save({"app": state}, storage_writer=_writer(ckpt, root), process_group=group, use_collectives=False)
+    dcp.save(
+        {"app": state}, storage_writer=shard_writer(ckpt, root), process_group=group, use_collectives=False
+    )
     dist.barrier(group)
     gone, last = ckpt / dcp_index_filename(1), ckpt / dcp_index_filename(world - 1)
     out = []

@@ -21,9 +21,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from supervisor.resumable import _safe_load
-from supervisor.resumable._checkpointer import _writer
 from supervisor.resumable._objects import Objects
 from supervisor.resumable._optim_state import prime_for_load
+from supervisor.resumable._shard_writer import shard_writer
 from train_ref.config import get_config
 from train_ref.model import GPT
 from train_ref.parallel import build
@@ -71,12 +71,14 @@ def main() -> int:
     got_root: list[Path | None] = [root]
     dist.broadcast_object_list(got_root, src=0)
     ckpt = Path(str(got_root[0])) / "step_00000002"
-    dcp.save({"app": Objects({"model": model, "optimizer": opt})}, storage_writer=_writer(ckpt, ckpt.parent))
+    dcp.save(
+        {"app": Objects({"model": model, "optimizer": opt})}, storage_writer=shard_writer(ckpt, ckpt.parent)
+    )
 
     alone = ckpt.parent / "step_00000003"  # each rank's own index: no plan exchange
     dcp.save(
         {"app": Objects({"model": model, "optimizer": opt})},
-        storage_writer=_writer(alone, ckpt.parent),
+        storage_writer=shard_writer(alone, ckpt.parent),
         use_collectives=False,
     )
 

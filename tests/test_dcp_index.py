@@ -27,9 +27,9 @@ from torch.distributed.checkpoint.metadata import (
 
 from supervisor import safepickle
 from supervisor.format.layout import dcp_index_filename, is_dcp_index
-from supervisor.resumable._checkpointer import _writer
 from supervisor.resumable._dcp_index import merged, per_rank_index, tensor_bytes, uncovered
 from supervisor.resumable._safe_load import CorruptRecord, load_dcp
+from supervisor.resumable._shard_writer import shard_writer
 
 
 def test_names_of_the_indexes() -> None:
@@ -105,7 +105,9 @@ def _save(path: Path, state: dict[str, object], per_rank: bool) -> None:
     """Saved by the trainer's writer (an index per rank under this toolkit's name for it)."""
     with warnings.catch_warnings():  # no_dist's "assuming the intent is to save in a single process"
         warnings.simplefilter("ignore")
-        dcp.save(state, storage_writer=_writer(path, path.parent), no_dist=True, use_collectives=not per_rank)
+        dcp.save(
+            state, storage_writer=shard_writer(path, path.parent), no_dist=True, use_collectives=not per_rank
+        )
 
 
 def test_a_checkpoint_with_an_index_per_rank_loads_without_a_process_group(tmp_path: Path) -> None:

@@ -15,9 +15,9 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from supervisor.format.layout import dcp_index_filename, dcp_shard_filename
 from supervisor.resumable import _direct_read, _safe_load
-from supervisor.resumable._checkpointer import _writer
 from supervisor.resumable._progress_io import PROGRESS_CHUNK, ProgressFileSystem
 from supervisor.resumable._safe_load import CorruptRecord, load_dcp, read_index
+from supervisor.resumable._shard_writer import shard_writer
 from supervisor.safepickle import UnsafePickle
 
 
@@ -50,7 +50,7 @@ def _equal(got: dict[str, object], want: dict[str, object]) -> bool:
 @pytest.fixture
 def ckpt(tmp_path: Path) -> Path:
     path = tmp_path / "step_00000001"
-    dcp.save(_saved(), storage_writer=_writer(path, tmp_path))
+    dcp.save(_saved(), storage_writer=shard_writer(path, tmp_path))
     return path
 
 

@@ -12,10 +12,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import _init_optim_state
 
-from supervisor.resumable._checkpointer import _writer
 from supervisor.resumable._objects import Objects
 from supervisor.resumable._optim_state import prime_for_load
 from supervisor.resumable._safe_load import load_dcp
+from supervisor.resumable._shard_writer import shard_writer
 
 Make = Callable[[list[dict[str, object]]], torch.optim.Optimizer]
 ADAMS: dict[str, Make] = {
@@ -87,7 +87,7 @@ def test_a_load_into_primed_state_is_bit_identical(tmp_path: Path, name: str) ->
         opt.step()
         opt.zero_grad(set_to_none=True)
     ckpt = tmp_path / "step_00000003"
-    dcp.save({"app": Objects({"model": m, "optimizer": opt})}, storage_writer=_writer(ckpt, tmp_path))
+    dcp.save({"app": Objects({"model": m, "optimizer": opt})}, storage_writer=shard_writer(ckpt, tmp_path))
 
     def resumed(prime: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         fresh = model()

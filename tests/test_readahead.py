@@ -20,8 +20,8 @@ from waiting import EVENT_TIMEOUT_S, wait_for
 from supervisor.drill.faultctl import FaultFS
 from supervisor.format.layout import dcp_shard_filename
 from supervisor.libc import libc_function
-from supervisor.resumable._checkpointer import _writer
 from supervisor.resumable._readahead import LIMIT, PROBE, _into_cache, _read_ahead, readahead
+from supervisor.resumable._shard_writer import shard_writer
 
 MIB = 1 << 20
 
@@ -189,5 +189,5 @@ def test_a_stalled_read_ahead_does_not_hold_up_the_load(faultfs: FaultFS) -> Non
 def test_the_shard_it_reads_ahead_is_the_one_dcp_writes(tmp_path: Path) -> None:
     """Checkpointer.load reads ahead ``dcp_shard_filename(rank)``: DCP must name this rank's shard so."""
     ckpt = tmp_path / "step"
-    dcp.save({"w": torch.arange(6.0)}, storage_writer=_writer(ckpt, tmp_path))
+    dcp.save({"w": torch.arange(6.0)}, storage_writer=shard_writer(ckpt, tmp_path))
     assert sorted(p.name for p in ckpt.glob("*.distcp")) == [dcp_shard_filename(0)]

@@ -1,6 +1,6 @@
 """DCP tensor records read off their bytes and written without ``torch.save``
 (supervisor/resumable/_tensor_record.py), and the reader and writer around them (supervisor/resumable/_safe_load.py,
-checkpointer._ShardWriter): the plain layout decodes bit-exact to what ``torch.load`` gives and is
+_shard_writer.ShardWriter): the plain layout decodes bit-exact to what ``torch.load`` gives and is
 written byte for byte as ``torch.save`` writes it, any other layout goes through
 ``torch.load(weights_only=True)`` or ``torch.save``, and a truncated, broken or tampered record is
 one line naming the file and the item."""
@@ -24,8 +24,8 @@ from security_helpers import RunsCommand, evil_pickle
 from torch.distributed.checkpoint import FileSystemWriter
 
 from supervisor.resumable import _safe_load
-from supervisor.resumable._checkpointer import _writer
 from supervisor.resumable._safe_load import CorruptRecord, load_dcp
+from supervisor.resumable._shard_writer import shard_writer
 from supervisor.resumable._tensor_record import plain_tensor, read_in_place, write_plain
 from supervisor.safepickle import UnsafePickle
 
@@ -156,7 +156,7 @@ def saved(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
         "step": 7,
     }
     ckpt = tmp_path / "step_00000001"
-    dcp.save(state, storage_writer=_writer(ckpt, tmp_path))
+    dcp.save(state, storage_writer=shard_writer(ckpt, tmp_path))
     return ckpt, state
 
 

@@ -35,7 +35,6 @@ from supervisor.format.layout import dcp_shard_filename, rank_state_filename
 from supervisor.format.manifest import FileEntry, Manifest, checksum_file
 from supervisor.resumable import _progress_io
 from supervisor.resumable._bounds import phase_timeouts, wait_bound_s
-from supervisor.resumable._checkpointer import CPU_STAGING, OrderedStager, _writer
 from supervisor.resumable._progress_io import (
     MAX_WRITE_CHUNK,
     MIN_WRITE_CHUNK,
@@ -62,6 +61,8 @@ from supervisor.resumable._save_policy import (
     save_error,
     storage_cause,
 )
+from supervisor.resumable._shard_writer import shard_writer
+from supervisor.resumable._staging import CPU_STAGING, OrderedStager
 from supervisor.store.ioerrors import Evidence
 
 # ---------------------------------------------------------------- give-up policy
@@ -178,7 +179,7 @@ def test_the_failure_warning_is_one_line_with_step_rank_file_errno_and_what_happ
 
 def _held_by_the_writer(tmp: Path, root: Path) -> OSError:
     """What the writer held back from a save on a full disk: DCP itself ran to its end."""
-    writer = _writer(tmp, root)
+    writer = shard_writer(tmp, root)
     dcp.save({"w": torch.randn(100_000)}, storage_writer=writer)  # raises nothing: held back
     with pytest.raises(OSError) as e:
         writer.raise_held()
@@ -348,7 +349,7 @@ def test_corrupt_outranks_unknown_outranks_ok():
 def test_the_progress_reader_counts_what_dcp_reads_a_chunk_at_a_time(tmp_path, tracker):
     ckpt = tmp_path / "step_00000001"
     saved = {"w": torch.randn(300_000), "b": torch.arange(10)}
-    dcp.save(saved, storage_writer=_writer(ckpt, tmp_path))
+    dcp.save(saved, storage_writer=shard_writer(ckpt, tmp_path))
     loaded = {"w": torch.zeros(300_000), "b": torch.zeros(10, dtype=torch.int64)}
     load_dcp(ckpt, loaded, None, fs=ProgressFileSystem(tmp_path, tracker))
     assert torch.equal(loaded["w"], saved["w"]) and torch.equal(loaded["b"], saved["b"])
@@ -369,7 +370,7 @@ def test_the_progress_writer_counts_what_dcp_writes_a_chunk_at_a_time(tmp_path, 
     into its relay), naming the file it writes: a slow write is no hang, a stuck one is named."""
     ckpt = tmp_path / "step_00000001"
     saved = {"w": torch.randn(1_000_000), "b": torch.arange(10)}  # 4 MB: several chunks
-    dcp.save(saved, storage_writer=_writer(ckpt, tmp_path, tracker))
+    dcp.save(saved, storage_writer=shard_writer(ckpt, tmp_path, tracker))
     written = sum(os.path.getsize(ckpt / n) for n in ("__0_0.distcp", ".metadata"))
     assert sum(tracker.units) == written  # every byte DCP wrote went through the counter
     assert max(tracker.units) <= MAX_WRITE_CHUNK and len(tracker.units) >= written // MAX_WRITE_CHUNK
@@ -386,7 +387,7 @@ def test_what_dcp_writes_is_hashed_as_it_is_written_under_the_name_it_ends_with(
     """A commit takes DCP's files' checksums from the writes (no read back): each is the file's,
     the index under the name it was renamed to; with a signing key (``digest``) their SHA-256 too."""
     ckpt = tmp_path / "step_00000001"
-    writer = _writer(ckpt, tmp_path, tracker, digest)
+    writer = shard_writer(ckpt, tmp_path, tracker, digest)
     dcp.save({"w": torch.randn(1_000_000), "b": torch.arange(10)}, storage_writer=writer)
     on_disk = {
         written_key(ckpt / n): Hashed(

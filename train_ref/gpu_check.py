@@ -294,7 +294,7 @@ def check_staging() -> str:
     import torch
     from torch.distributed.checkpoint.staging import DefaultStager
 
-    from supervisor.resumable._checkpointer import GPU_STAGING, OrderedStager
+    from supervisor.resumable._staging import GPU_STAGING, OrderedStager
 
     def torn(stager_cls: type[DefaultStager]) -> int:
         x = torch.zeros(16 * 2**20, device="cuda")  # 64 MiB: the "parameters"

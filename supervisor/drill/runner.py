@@ -22,7 +22,7 @@ from supervisor.drill.judge import StepRecord, StorageFacts
 from supervisor.drill.plan import PREEMPT_AS, PREEMPT_SLURM, SELF_INFLICTED, Fault, Kind
 from supervisor.format.events import events_path, read_logged
 from supervisor.format.eventtypes import Event, Logged
-from supervisor.format.hooks import ENV_BOUNDARY_HOOK, ENV_WORKER_HOOK
+from supervisor.format.hooks import ENV_BOUNDARY_HOOK, ENV_SAVE_DELAY, ENV_WORKER_HOOK
 from supervisor.format.layout import MANIFEST, RunDir, parse_committed
 from supervisor.format.metrics import parse_line
 from supervisor.format.statediff import Comparison
@@ -34,8 +34,6 @@ POLL_S = 0.02
 GOLDEN = "golden"  # workdir/golden: the uninterrupted run
 GOLDEN_KEPT = "golden-kept"  # workdir/golden-kept: every checkpoint it committed (switch.Keep)
 MOUNTS = "mnt"  # workdir/mnt/<scenario>: where a storage scenario's fault filesystem is mounted
-# Test-only knob of the reference trainer: widens the async write so a kill lands inside it.
-ENV_SAVE_DELAY = "TRAIN_REF_SAVE_DELAY_S"
 
 
 def new_workdir() -> Path:

@@ -20,6 +20,9 @@ ENV_BOUNDARY_HOOK = "SUPERVISOR_BOUNDARY_HOOK"
 # up (its worker_init_fn, supervisor/resumable/_workers.py), after its signals are calmed and before
 # the loader's and the user's own init: the drill's deadlocking worker. Unset, nothing is imported.
 ENV_WORKER_HOOK = "SUPERVISOR_WORKER_HOOK"
+# Seconds every checkpoint write sleeps before writing its shards (the drill's and the tests' knob):
+# it widens the window between "save started" and "commit" so a kill lands inside it.
+ENV_SAVE_DELAY = "TRAIN_REF_SAVE_DELAY_S"
 
 
 class When(str, Enum):

@@ -54,7 +54,6 @@ import io
 import logging
 import os
 import pickle
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -65,21 +64,9 @@ from typing import IO, Any, Protocol, cast
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import (
-    DEFAULT_SUFFIX,
-    SerializationFormat,
-    _StorageInfo,
-    _StoragePrefix,
-)
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.checkpoint.storage import WriteResult
-from torch.futures import Future as TorchFuture
 
 from supervisor import store
 from supervisor.errors import StorageError
@@ -120,7 +107,8 @@ from supervisor.resumable._save_policy import (
     give_up,
     save_error,
 )
-from supervisor.resumable._tensor_record import write_plain
+from supervisor.resumable._shard_writer import ShardWriter, shard_writer
+from supervisor.resumable._staging import CPU_STAGING, GPU_STAGING, OrderedStager
 from supervisor.resumable._train_state import RankState
 from supervisor.signing import DIGEST_ALGO
 from supervisor.store.ioerrors import describe
@@ -131,60 +119,6 @@ log = logging.getLogger(__name__)
 OPENING = "rank 0 to open the save"
 REPORTS = "every rank's report of the save"
 OUTCOME = "rank 0's outcome of the save"
-
-# Test-only fault injection: seconds every checkpoint write sleeps before writing its shards, to
-# widen the window between "save started" and "commit" so a test can kill a rank inside it.
-ENV_SAVE_DELAY = "TRAIN_REF_SAVE_DELAY_S"
-# CPU-safe async staging (the default stager's pinned memory / non-blocking copy need a GPU).
-CPU_STAGING = StagingOptions(
-    use_pinned_memory=False, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=False
-)
-GPU_STAGING = StagingOptions(
-    use_pinned_memory=True, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=True
-)
-
-
-class OrderedStager(DefaultStager):
-    """DCP's DefaultStager whose copies wait for the work already queued on the caller's stream.
-
-    DefaultStager copies on its own stream from a background thread without waiting for the compute
-    stream: a save called right after an optimizer step that is still running on the GPU copies
-    half-updated parameters (a torn checkpoint). The reference loop happened to be safe only
-    because it reads the loss (a host sync) before saving. Here ``stage``, on the caller's thread,
-    records an event on the current stream, and the staging stream waits for it before the first
-    copy, so any adopter gets the state as of the save call. Without an accelerator there is no
-    stream and nothing to wait for: the copies run after the caller's work by program order.
-    Overrides DefaultStager's private ``_stage`` (torch is pinned by the Makefile).
-
-    The copies also wait for ``release``, which the save call makes as it returns: they are
-    Python on another thread, and started at once they took the GIL from the rest of the call
-    (the bench config's async save call: 23 -> 18 ms median, 8 saves, alternated). They still
-    end before the next optimizer step (``Checkpointer.before_optimizer_step``)."""
-
-    def __init__(self, config: StagingOptions):
-        super().__init__(config)
-        self._released = threading.Event()
-
-    def stage(self, state_dict: Any, **kwargs: Any) -> Any:
-        ready = (
-            torch.accelerator.current_stream().record_event() if self._staging_stream is not None else None
-        )
-        self._released.clear()
-        return super().stage(state_dict, ready=ready, **kwargs)
-
-    def release(self) -> None:
-        """Let the copies of the last ``stage`` start."""
-        self._released.set()
-
-    def _stage(self, state_dict: Any, ready: torch.Event | None = None, **kwargs: Any) -> Any:
-        self._released.wait()
-        if ready is not None and self._staging_stream is not None:
-            self._staging_stream.wait_event(ready)
-        return super()._stage(state_dict, **kwargs)
-
-    def close(self) -> None:
-        self.release()
-        super().close()
 
 
 class Saveable(Protocol):
@@ -339,143 +273,6 @@ class _Pruning:
     work: Relay
 
 
-class _ShardWriter(FileSystemWriter):
-    """DCP's file system writer, minus the zip CRC32 of every tensor record, and each tensor record
-    written by ``tensor_record.write_plain`` (the bytes ``torch.save`` writes, at a fifth of its
-    CPU) where DCP writes it with ``torch.save``.
-
-    DCP writes each tensor with ``torch.save``, whose zip writer computes a CRC32 of every byte:
-    a third of a sync save's CPU time here (bench/checkpoint.py), for a check nothing reads
-    (``torch.load`` skips it; unzip would warn) and that the manifest's xxh3-128 of every file
-    already makes. ``torch.serialization.set_crc32_options`` is process-wide: it is off only
-    while this writer writes (at most one save writes at a time), so a ``torch.save`` elsewhere in
-    the process during an async save's write also goes without it, and loads all the same."""
-
-    def __init__(self, path: Path, fs: ProgressFileSystem, delay_s: float = 0.0):
-        super().__init__(path)
-        self.fs, self.delay_s = fs, delay_s
-        self.written = fs.written  # each file's size and hashes, as written (no read back)
-        self.error: Exception | None = None  # the first failure of this rank's part, held back
-
-    def _get_metadata_path(self, rank: int | None = None) -> os.PathLike[str]:
-        """Where DCP's ``finish`` puts the index: a rank's own under this toolkit's name for it
-        (``dcp_index_filename``: not DCP's, which torch's own load reads unchecked)."""
-        return cast(Path, self.fs.concat_path(self.path, dcp_index_filename(rank)))
-
-    # A failure of this rank's part (ENOSPC on any file, a bug) is held back (``error``) until
-    # DCP returns, and what follows it is skipped: DCP must run to its end on every rank alike.
-    # Raised inside DCP, it left a rank that saves alone (an index per rank) out of DCP's final
-    # barrier, into the commit's agreement, while its peers waited in that barrier: two ranks in
-    # different collectives for good (issue 44). ``raise_held`` raises it once DCP is done.
-
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        try:
-            return super().prepare_local_plan(plan)
-        except Exception as e:
-            self.error = self.error or e
-            return plan
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
-        results: list[WriteResult] = []
-        if self.error is None:
-            try:
-                future = self._write_now(plan, planner)
-                future.wait()
-                results = future.value()
-            except Exception as e:
-                self.error = e
-        done: TorchFuture[list[WriteResult]] = TorchFuture()
-        done.set_result(results)
-        return done
-
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        if self.error is not None:
-            return
-        try:
-            super().finish(metadata, results)
-        except Exception as e:
-            self.error = e
-
-    def raise_held(self) -> None:
-        """The failure held back while DCP ran, if there was one."""
-        if self.error is not None:
-            raise self.error
-
-    def _write_now(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
-        if self.delay_s > 0:
-            time.sleep(self.delay_s)
-        crc = torch.serialization.get_crc32_options()
-        torch.serialization.set_crc32_options(False)
-        try:
-            tensors = [
-                (item, cast(torch.Tensor, planner.resolve_data(item)))
-                for item in plan.items
-                if item.type != WriteItemType.BYTE_IO
-            ]
-            if not self._one_plain_file() or any(t.device.type != "cpu" for _, t in tensors):
-                return super().write_data(plan, planner)
-            return self._write_shard(plan, planner, tensors)
-        finally:
-            torch.serialization.set_crc32_options(crc)
-
-    def _one_plain_file(self) -> bool:
-        """DCP writes this rank's items into one file, on one thread, each as ``torch.save`` does
-        with no extension: the layout ``_write_shard`` writes. (A GPU's tensors, not staged to
-        the CPU, go to DCP, which copies them ahead on a stream.)"""
-        return (
-            self.single_file_per_rank
-            and self.thread_count == 1
-            and not self.transforms.extensions
-            and self.serialization_format == SerializationFormat.TORCH_SAVE
-        )
-
-    def _write_shard(
-        self, plan: SavePlan, planner: SavePlanner, tensors: list[tuple[WriteItem, torch.Tensor]]
-    ) -> TorchFuture[list[WriteResult]]:
-        """torch 2.13's ``_write_files_from_queue`` for ``_one_plain_file``: the same file, items
-        in the same order (the non-tensor ones first) and results, each tensor record written by
-        ``write_plain`` (``torch.save`` for one it declines)."""
-        name = f"{cast(_StoragePrefix, plan.storage_data).prefix}0{DEFAULT_SUFFIX}"
-        results = []
-        with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
-            for item in plan.items:
-                if item.type != WriteItemType.BYTE_IO:
-                    continue
-                offset = stream.tell()
-                stream.write(cast(io.BytesIO, planner.resolve_data(item)).getbuffer())
-                results.append(_result(item, name, offset, stream.tell() - offset))
-            for item, tensor in tensors:
-                tensor = tensor.detach()
-                if tensor.untyped_storage().size() != tensor.nbytes:
-                    tensor = tensor.clone()  # as DCP: a record of the tensor's elements, not its base's
-                offset = stream.tell()
-                if write_plain(stream.write, tensor) is None:
-                    torch.save(tensor, cast(IO[bytes], stream))
-                results.append(_result(item, name, offset, stream.tell() - offset))
-            if self.sync_files:
-                stream.flush()
-                os.fsync(stream.fileno())
-        done: TorchFuture[list[WriteResult]] = TorchFuture()
-        done.set_result(results)
-        return done
-
-
-def _result(item: WriteItem, name: str, offset: int, length: int) -> WriteResult:
-    """DCP's record of where ``item`` went: ``length`` bytes at ``offset`` of the file ``name``."""
-    return WriteResult(
-        index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length)
-    )
-
-
-def _writer(path: Path, root: Path, progress: Tracker | None = None, digest: bool = False) -> _ShardWriter:
-    """DCP's writer into ``path``: a failed write names its file; with ``progress``, bytes written
-    are counted into it, a chunk at a time, naming the file, and hashed (``written``; ``digest``:
-    SHA-256 too)."""
-    return _ShardWriter(
-        path, ProgressFileSystem(root, progress, digest), float(os.environ.get(ENV_SAVE_DELAY, "0") or 0)
-    )
-
-
 class Checkpointer:
     def __init__(
         self,
@@ -553,7 +350,7 @@ class Checkpointer:
             )  # the streams as of this step; written off the loop
             # counts the upload's writes (beating between files), then the checksums and the commit
             uploading = Keepalive(Relay(), self.wait_s)
-            writer = _writer(tmp, self.root, uploading, self._signing)
+            writer = shard_writer(tmp, self.root, uploading, self._signing)
             try:
                 resp = dcp.async_save(
                     app,
@@ -588,7 +385,7 @@ class Checkpointer:
         hashed: dict[str, Hashed] = {}  # DCP's files, hashed as they were written
         try:
             with kept_alive(self.hb.tracker(Phase.SAVE, state.step), self.wait_s) as saving:
-                writer = _writer(tmp, self.root, saving, self._signing)
+                writer = shard_writer(tmp, self.root, saving, self._signing)
                 hashed = writer.written
                 dcp.save(app, storage_writer=writer, process_group=self.dcp_group, use_collectives=not alone)
                 writer.raise_held()
@@ -730,7 +527,7 @@ class Checkpointer:
         rank_file: Path,
         rank_state: bytes,
         uploading: Keepalive[Relay],
-        writer: _ShardWriter,
+        writer: ShardWriter,
     ) -> RankFiles:
         """Background, while training goes on: write (and fsync) this rank's state file, wait for
         DCP's upload (beating for it between its files), then this rank's files' checksums (those

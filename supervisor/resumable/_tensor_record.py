@@ -85,7 +85,7 @@ _LOCAL = struct.Struct("<IHHHHHIIIHH")  # local file header
 _EOCD_SIG, _CENTRAL_SIG, _LOCAL_SIG = 0x06054B50, 0x02014B50, 0x04034B50
 # What torch.save writes besides (caffe2's PyTorchStreamWriter, torch 2.13): each entry stored,
 # its bytes aligned to 64 by an "FB" extra field of "Z"s, its sizes in a data descriptor after it
-# (CRC32 0: the shard writer turns it off, checkpointer._ShardWriter); then the central directory,
+# (CRC32 0: the shard writer turns it off, _shard_writer.ShardWriter); then the central directory,
 # zip64's end record and locator, and the end record.
 _ALIGN = 64
 _FLAGS = 0x0808  # sizes in a data descriptor; UTF-8 names
