@@ -1,28 +1,30 @@
-"""The CPU a relaunch costs, and the goodput it leaves where the training ranks use every core.
+"""The CPU a relaunch costs, and the goodput it leaves on cores the training ranks keep busy.
 
-    .venv/bin/python bench/relaunch_cpu.py [--nproc 2] [--cores 2] [--every 10,30] [--repeats 3]
+    .venv/bin/python bench/relaunch_cpu.py [--nproc 2] [--every 10,30] [--repeats 3] [--steps 2000]
 
-Every relaunch that starts its ranks as fresh interpreters (torchrun's own restarts, the
-watchdog's, a ``--standby`` started ahead of the failure) pays each rank's imports once more
-(torch, torch.distributed, DCP with DTensor, the reference trainer), and a new torchrun agent
-pays its own. Started ahead (``--standby``), that CPU leaves the recovery's critical path, but
-where the training ranks keep every core busy (2 ranks on this 2-core VM) it is taken from the
-steps all the same. So, whatever the recovery does, a kill every F seconds leaves at most
+Every relaunch that starts its ranks as fresh interpreters pays each rank's imports once more
+(torch, torch.distributed, DCP with DTensor, the reference trainer); a relaunch by the watchdog
+(``--standby`` too) also starts a new torchrun agent, torchrun's own restarts keep theirs. Started
+ahead (``--standby``), that CPU leaves the recovery's critical path, but not the cores: where the
+ranks keep them busy it is taken from the steps all the same. With C CPU-seconds per relaunch, a
+kill every F seconds, ``cores`` cores of which the uninterrupted training keeps ``u`` busy, the CPU
+a faulted run has (cores x its wall) must hold the training's (u x the uninterrupted wall) and
+C per kill, so, whatever the recovery does,
 
-    goodput <= 1 - CPU per relaunch / (F * cores)
+    goodput <= (cores - C / F) / u        (at most 1)
 
-Measured here, each the median of ``--repeats`` (user + system seconds of the child, from
-``wait4``):
+Measured here, each the median of ``--repeats`` (user + system seconds, from ``wait4``):
 
 - ``rank``: ``python -c 'import train_ref.train'`` (what a reference trainer's rank imports
   before its first step; DCP and DTensor come with it);
 - ``agent``: ``torchrun --nproc-per-node 1 --no-python true`` less one ``true``: the agent's
   imports and its rendezvous store, the launch of one worker;
 - ``fork``: a child forked by a process that has imported the same, which imports it again
-  (all cached) and exits: what a rank would cost started by a fork server instead of an exec.
+  (all cached) and exits: what a rank would cost started by a fork server instead of an exec;
+- ``u``: bench/goodput.py's uninterrupted run (``--steps``, ``--nproc`` ranks): the CPU of
+  torchrun's process tree from a quarter to three quarters of its steps, per second.
 
-The bound is printed for the exec path (``nproc`` ranks and an agent) and for a fork server
-beside a kept agent. A bound, not a measurement of goodput: bench/goodput.py measures that.
+A bound, not a measurement of goodput: bench/goodput.py measures that (and must stay below it).
 """
 
 from __future__ import annotations
@@ -34,9 +36,17 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.goodput import Setup, Tail  # noqa: E402 - after the path is set
+from supervisor.format.layout import RunDir  # noqa: E402
+from supervisor.watch.process import descendants, process_table  # noqa: E402
+
+POLL_S = 0.05
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 RANK_IMPORTS = "import train_ref.train"
 
@@ -72,10 +82,49 @@ def forked_cpu(repeats: int) -> list[float]:
     return [float(line) for line in out.stdout.split()]
 
 
+def tree_cpu(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and its descendants alive now."""
+    ticks = 0
+    for p in [pid, *descendants(pid, process_table())]:
+        try:
+            stat = Path(f"/proc/{p}/stat").read_text()
+        except OSError:  # ended since the table was read
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # from field 3 (state): utime is 14, stime 15
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def training_cores(steps: int, nproc: int) -> float:
+    """The cores the uninterrupted goodput run keeps busy (``u`` above)."""
+    with tempfile.TemporaryDirectory(prefix="bench-relaunch-") as tmp:
+        root = Path(tmp) / "r"
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        cmd = Setup(steps=steps, save_every=10, nproc=nproc).torchrun(root)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        tail, marks = Tail(RunDir.of(root).metrics), []
+        for at in (steps // 4, 3 * steps // 4):
+            while not tail.seen or tail.seen[-1][1] < at:
+                if proc.poll() is not None:
+                    raise SystemExit(f"{' '.join(cmd)} ended ({proc.returncode}) before step {at}")
+                time.sleep(POLL_S)
+                tail.poll()
+            marks.append((time.monotonic(), tree_cpu(proc.pid)))
+        if proc.wait() != 0:
+            raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode})")
+    (t0, c0), (t1, c1) = marks
+    return (c1 - c0) / (t1 - t0)
+
+
+def bound(cores: int, cpu: float, every: float, busy: float) -> float:
+    """The module docstring's bound on goodput: ``cpu`` CPU-s per kill, a kill every ``every`` s."""
+    return min(1.0, (cores - cpu / every) / busy)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=2, help="ranks per relaunch")
-    p.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="cores the ranks keep busy")
+    p.add_argument("--steps", type=int, default=2000, help="steps of the run that measures u")
     p.add_argument("--every", default="10,30", help="fault periods F in seconds")
     p.add_argument("--repeats", type=int, default=3)
     opts = p.parse_args()
@@ -95,15 +144,19 @@ def main() -> int:
     print(f"a rank's imports:  {r:.2f} CPU-s (runs: {' '.join(f'{x:.2f}' for x in rank)})")
     print(f"torchrun's agent:  {a:.2f} CPU-s (runs: {' '.join(f'{x:.2f}' for x in agent)}, less `true`)")
     print(f"a forked rank:     {f:.3f} CPU-s (runs: {' '.join(f'{x:.3f}' for x in fork)})")
-    exec_cpu, fork_cpu = opts.nproc * r + a, opts.nproc * f + a
+    cores = os.cpu_count() or 1
+    u = training_cores(opts.steps, opts.nproc)
+    print(f"the training keeps {u:.2f} of {cores} cores busy ({opts.nproc} ranks, tiny, ddp)")
+    watch_cpu, restart_cpu, fork_cpu = opts.nproc * r + a, opts.nproc * r, opts.nproc * f + a
     print(
-        f"per relaunch of {opts.nproc} ranks: exec {exec_cpu:.2f} CPU-s, a fork server beside the agent {fork_cpu:.2f}"
+        f"per relaunch of {opts.nproc} ranks: {watch_cpu:.2f} CPU-s by the watchdog (a new agent), "
+        f"{restart_cpu:.2f} by torchrun's own restarts, {fork_cpu:.2f} by a fork server beside a new agent"
     )
     for every in (float(x) for x in opts.every.split(",")):
-        budget = every * opts.cores
         print(
-            f"kill every {every:g} s on {opts.cores} busy cores: goodput <= {1 - exec_cpu / budget:.2f} (exec), "
-            f"<= {1 - fork_cpu / budget:.2f} (fork server; <= {1 - opts.nproc * f / budget:.2f} without an agent)"
+            f"kill every {every:g} s: goodput <= {bound(cores, watch_cpu, every, u):.2f} (watchdog), "
+            f"<= {bound(cores, restart_cpu, every, u):.2f} (torchrun's restarts), "
+            f"<= {bound(cores, fork_cpu, every, u):.2f} (fork server)"
         )
     return 0
 
