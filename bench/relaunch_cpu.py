@@ -22,9 +22,14 @@ Measured here, each the median of ``--repeats`` (user + system seconds, from ``w
 - ``fork``: a child forked by a process that has imported the same, which imports it again
   (all cached) and exits: what a rank would cost started by a fork server instead of an exec;
 - ``u``: bench/goodput.py's uninterrupted run (``--steps``, ``--nproc`` ranks): the CPU of
-  torchrun's process tree from a quarter to three quarters of its steps, per second.
+  torchrun's process tree from a quarter to three quarters of its steps, per second;
+- the slowdown: the same run's wall over that window with a standby's imports (``nproc`` ranks'
+  and an agent's, as above) started at its start, less the wall without them, the runs
+  alternated. Where it is more than C / cores, the idle share of the cores did not absorb the
+  imports: each kill under ``watch --standby`` then costs at least that much, and a kill every
+  F seconds leaves at most 1 - slowdown / F.
 
-A bound, not a measurement of goodput: bench/goodput.py measures that (and must stay below it).
+Bounds, not a measurement of goodput: bench/goodput.py measures that (and must stay below them).
 """
 
 from __future__ import annotations
@@ -95,14 +100,16 @@ def tree_cpu(pid: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def training_cores(steps: int, nproc: int) -> float:
-    """The cores the uninterrupted goodput run keeps busy (``u`` above)."""
+def window(steps: int, nproc: int, inject: list[list[str]]) -> tuple[float, float]:
+    """The uninterrupted goodput run's wall and its process tree's CPU from a quarter to three
+    quarters of its steps; ``inject``: commands started at the window's start (a standby's
+    imports), which it does not count."""
     with tempfile.TemporaryDirectory(prefix="bench-relaunch-") as tmp:
         root = Path(tmp) / "r"
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
         cmd = Setup(steps=steps, save_every=10, nproc=nproc).torchrun(root)
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        tail, marks = Tail(RunDir.of(root).metrics), []
+        tail, marks, extra = Tail(RunDir.of(root).metrics), [], []
         for at in (steps // 4, 3 * steps // 4):
             while not tail.seen or tail.seen[-1][1] < at:
                 if proc.poll() is not None:
@@ -110,10 +117,17 @@ def training_cores(steps: int, nproc: int) -> float:
                 time.sleep(POLL_S)
                 tail.poll()
             marks.append((time.monotonic(), tree_cpu(proc.pid)))
-        if proc.wait() != 0:
-            raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode})")
+            if not extra:
+                extra = [
+                    subprocess.Popen(
+                        c, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                    )
+                    for c in inject
+                ]
+        if proc.wait() != 0 or any(e.wait() != 0 for e in extra):
+            raise SystemExit(f"{' '.join(cmd)} or what it was given to import beside it failed")
     (t0, c0), (t1, c1) = marks
-    return (c1 - c0) / (t1 - t0)
+    return t1 - t0, c1 - c0
 
 
 def bound(cores: int, cpu: float, every: float, busy: float) -> float:
@@ -131,10 +145,8 @@ def main() -> int:
     true = shutil.which("true") or "/bin/true"
     rank = [child_cpu([sys.executable, "-c", RANK_IMPORTS]) for _ in range(opts.repeats)]
     bare = [child_cpu([true]) for _ in range(opts.repeats)]
-    agent = [
-        child_cpu([TORCHRUN, "--nproc-per-node", "1", "--standalone", "--no-python", true])
-        for _ in range(opts.repeats)
-    ]
+    agent_cmd = [TORCHRUN, "--nproc-per-node", "1", "--standalone", "--no-python", true]
+    agent = [child_cpu(agent_cmd) for _ in range(opts.repeats)]
     fork = forked_cpu(opts.repeats)
     r, a, f = (
         statistics.median(rank),
@@ -145,8 +157,23 @@ def main() -> int:
     print(f"torchrun's agent:  {a:.2f} CPU-s (runs: {' '.join(f'{x:.2f}' for x in agent)}, less `true`)")
     print(f"a forked rank:     {f:.3f} CPU-s (runs: {' '.join(f'{x:.3f}' for x in fork)})")
     cores = os.cpu_count() or 1
-    u = training_cores(opts.steps, opts.nproc)
-    print(f"the training keeps {u:.2f} of {cores} cores busy ({opts.nproc} ranks, tiny, ddp)")
+    standby = [[sys.executable, "-c", RANK_IMPORTS]] * opts.nproc + [agent_cmd]
+    plain, imports = [], []
+    for i in range(opts.repeats):  # side by side, alternated
+        for runs, inject in (
+            ((plain, []), (imports, standby)) if i % 2 == 0 else ((imports, standby), (plain, []))
+        ):
+            runs.append(window(opts.steps, opts.nproc, inject))
+    wall = statistics.median(w for w, _ in plain)
+    u = statistics.median(c / w for w, c in plain)
+    slowed = statistics.median(w for w, _ in imports) - wall
+    print(
+        f"the training keeps {u:.2f} of {cores} cores busy ({opts.nproc} ranks, tiny, ddp; {wall:.1f} s window)"
+    )
+    print(
+        f"a standby's imports started beside it ({opts.nproc} ranks' and an agent's) slow it by {slowed:.2f} s "
+        f"(runs: {' '.join(f'{w:.1f}' for w, _ in imports)} s against {' '.join(f'{w:.1f}' for w, _ in plain)} s)"
+    )
     watch_cpu, restart_cpu, fork_cpu = opts.nproc * r + a, opts.nproc * r, opts.nproc * f + a
     print(
         f"per relaunch of {opts.nproc} ranks: {watch_cpu:.2f} CPU-s by the watchdog (a new agent), "
@@ -154,9 +181,10 @@ def main() -> int:
     )
     for every in (float(x) for x in opts.every.split(",")):
         print(
-            f"kill every {every:g} s: goodput <= {bound(cores, watch_cpu, every, u):.2f} (watchdog), "
+            f"kill every {every:g} s: by CPU alone goodput <= {bound(cores, watch_cpu, every, u):.2f} (watchdog), "
             f"<= {bound(cores, restart_cpu, every, u):.2f} (torchrun's restarts), "
-            f"<= {bound(cores, fork_cpu, every, u):.2f} (fork server)"
+            f"<= {bound(cores, fork_cpu, every, u):.2f} (fork server); "
+            f"by the slowdown a standby's imports cause, <= {1 - slowed / every:.2f} (watch --standby)"
         )
     return 0
 
