@@ -117,6 +117,12 @@ def window(steps: int, nproc: int, inject: list[list[str]]) -> tuple[float, floa
                 time.sleep(POLL_S)
                 tail.poll()
             marks.append((time.monotonic(), tree_cpu(proc.pid)))
+            if len(marks) == 2 and any(e.poll() is None for e in extra):
+                proc.terminate()  # torchrun passes it to its ranks
+                proc.wait()
+                raise SystemExit(
+                    f"the window ended before the imports beside it did: more --steps than {steps}"
+                )
             if not extra:
                 extra = [
                     subprocess.Popen(
