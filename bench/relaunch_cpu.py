@@ -47,20 +47,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.goodput import Setup, Tail  # noqa: E402 - after the path is set
+from bench.goodput import TORCHRUN, Setup, Tail  # noqa: E402 - after the path is set
 from supervisor.format.layout import RunDir  # noqa: E402
 from supervisor.watch.process import descendants, process_table  # noqa: E402
 
 POLL_S = 0.05
-TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 RANK_IMPORTS = "import train_ref.train"
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
 
 def child_cpu(cmd: list[str]) -> float:
     """User + system CPU seconds of ``cmd`` and what it waited for."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
+        proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=err)
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
         if proc.returncode != 0:
@@ -80,59 +79,50 @@ def forked_cpu(repeats: int) -> list[float]:
         "    assert status == 0, status\n"
         "    print(ru.ru_utime + ru.ru_stime)\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True, timeout=600
+        [sys.executable, "-c", script], env=ENV, capture_output=True, text=True, check=True, timeout=600
     )
     return [float(line) for line in out.stdout.split()]
 
 
 def tree_cpu(pid: int) -> float:
     """User + system CPU seconds of ``pid`` and its descendants alive now."""
-    ticks = 0
-    for p in [pid, *descendants(pid, process_table())]:
-        try:
-            stat = Path(f"/proc/{p}/stat").read_text()
-        except OSError:  # ended since the table was read
-            continue
-        fields = stat.rsplit(")", 1)[1].split()  # from field 3 (state): utime is 14, stime 15
-        ticks += int(fields[11]) + int(fields[12])
+    table = process_table()
+    ticks = sum(table[p].cpu_ticks for p in [pid, *descendants(pid, table)] if p in table)
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def window(steps: int, nproc: int, inject: list[list[str]]) -> tuple[float, float]:
     """The uninterrupted goodput run's wall and its process tree's CPU from a quarter to three
     quarters of its steps; ``inject``: commands started at the window's start (a standby's
-    imports), which it does not count."""
+    imports), which it does not count. A window that ends before they do is refused: their
+    slowdown would be understated."""
     with tempfile.TemporaryDirectory(prefix="bench-relaunch-") as tmp:
         root = Path(tmp) / "r"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
         cmd = Setup(steps=steps, save_every=10, nproc=nproc).torchrun(root)
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        tail, marks, extra = Tail(RunDir.of(root).metrics), [], []
-        for at in (steps // 4, 3 * steps // 4):
-            while not tail.seen or tail.seen[-1][1] < at:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        tail = Tail(RunDir.of(root).metrics)
+
+        def reach(step: int) -> tuple[float, float]:
+            while not tail.seen or tail.seen[-1][1] < step:
                 if proc.poll() is not None:
-                    raise SystemExit(f"{' '.join(cmd)} ended ({proc.returncode}) before step {at}")
+                    raise SystemExit(f"{' '.join(cmd)} ended ({proc.returncode}) before step {step}")
                 time.sleep(POLL_S)
                 tail.poll()
-            marks.append((time.monotonic(), tree_cpu(proc.pid)))
-            if len(marks) == 2 and any(e.poll() is None for e in extra):
-                proc.terminate()  # torchrun passes it to its ranks
-                proc.wait()
-                raise SystemExit(
-                    f"the window ended before the imports beside it did: more --steps than {steps}"
-                )
-            if not extra:
-                extra = [
-                    subprocess.Popen(
-                        c, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-                    )
-                    for c in inject
-                ]
-        if proc.wait() != 0 or any(e.wait() != 0 for e in extra):
+            return time.monotonic(), tree_cpu(proc.pid)
+
+        t0, c0 = reach(steps // 4)
+        extra = [
+            subprocess.Popen(c, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for c in inject
+        ]
+        t1, c1 = reach(3 * steps // 4)
+        if any(e.poll() is None for e in extra):
+            proc.terminate()  # torchrun passes it to its ranks
+            proc.wait()
+            raise SystemExit(f"the window ended before the imports beside it did: more --steps than {steps}")
+        if proc.wait() != 0 or any(e.returncode != 0 for e in extra):
             raise SystemExit(f"{' '.join(cmd)} or what it was given to import beside it failed")
-    (t0, c0), (t1, c1) = marks
     return t1 - t0, c1 - c0
 
 

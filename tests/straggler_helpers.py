@@ -16,6 +16,8 @@ from pathlib import Path
 from commands import REPO, supervisor_cmd
 from trainer_helpers import trainer_env
 
+from supervisor.watch.process import read_proc
+
 V2 = Path("/sys/fs/cgroup")
 V1 = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 10_000
@@ -33,8 +35,10 @@ def cpu_cgroup_root() -> tuple[Path, str] | None:
 
 def cpu_seconds(pid: int) -> float:
     """CPU time (user + system) of one process, all its threads."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    info = read_proc(pid)
+    if info is None:
+        raise ProcessLookupError(pid)
+    return info.cpu_ticks / os.sysconf("SC_CLK_TCK")
 
 
 @contextlib.contextmanager

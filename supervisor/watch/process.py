@@ -35,6 +35,7 @@ class ProcInfo:
     state: str  # R, S, D, T (stopped), t, Z (zombie)...
     sid: int = 0  # session: torchrun starts each worker as a session leader (sid == pid)
     start: int = 0  # start time in clock ticks since boot: with the pid, names one process
+    cpu_ticks: int = 0  # user + system time of all its threads, in clock ticks
 
 
 def become_subreaper() -> bool:
@@ -64,7 +65,9 @@ def read_proc(pid: int) -> ProcInfo | None:
             rest = f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    return ProcInfo(pid, int(rest[1]), int(rest[2]), rest[0], int(rest[3]), int(rest[19]))
+    return ProcInfo(
+        pid, int(rest[1]), int(rest[2]), rest[0], int(rest[3]), int(rest[19]), int(rest[11]) + int(rest[12])
+    )
 
 
 def process_table() -> dict[int, ProcInfo]:
