@@ -84,7 +84,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="hold inside the save, beating as a rank waiting for its peers does (no progress)",
     )
     p.add_argument(
-        "--fault", choices=("crash", "stop", "exit", "startup-hang", "read", "quarantine"), default=None
+        "--fault",
+        choices=("crash", "kill", "stop", "exit", "startup-hang", "read", "quarantine"),
+        default=None,
     )
     p.add_argument("--fault-step", type=int, default=0)
     p.add_argument("--fault-rank", type=int, default=0, help="rank 0 saves: its faults follow its commits")
@@ -229,6 +231,8 @@ def worker(a: argparse.Namespace, rank: int) -> int:
                 read_file(a.root, a.read_file, step, hb)
             if a.fault == "crash":
                 os._exit(1)
+            if a.fault == "kill":  # as kill -9 from outside: no exit code, no exception
+                os.kill(os.getpid(), signal.SIGKILL)
             if a.fault == "quarantine":  # as a rank whose load found its checkpoint corrupt
                 newest = store.list_checkpoints(a.root)[0]
                 store.quarantine(a.root, newest, f"{newest.name}: a record failed at load (fake trainer)")

@@ -78,6 +78,27 @@ def test_crash_relaunches_from_checkpoint(tmp_path):
     assert st.status == "done" and st.exit_code == 0 and len(st.restart_times) == 1
 
 
+def test_a_rank_killed_just_before_its_launcher_exits_is_the_dead_rank_with_its_root_cause(tmp_path):
+    """One rank per node (as the two-node tests run): its launcher exits 1 the moment the rank is
+    SIGKILLed, between two of the watchdog's looks at the heartbeats (30 s apart here, so always).
+    The rank is still named dead with a dated root cause, a kill at its last beat: without it a
+    multi-node launch's first failure is pinned on the peer whose rank died of this one after."""
+    root = tmp_path / "run"
+    rc, evs = run(
+        root,
+        ["--poll-interval", "30"],
+        ["--ranks", "1", "--steps", "12", "--fault", "kill", "--fault-step", "7"],
+    )
+    assert rc == Exit.OK
+    first = of(evs, "launch_end")[0]
+    assert (
+        first["outcome"] == "crash" and "rank 0" in first["msg"] and "without an exit code" in first["msg"]
+    ), first
+    (cause,) = of(evs, "root_cause")
+    assert (cause["rank"], cause["step"], cause["signal"]) == (0, 7, True), cause
+    assert 0 < cause["failed_at"] <= first["t"], cause
+
+
 @pytest.mark.parametrize(("flags", "on"), [([], True), (["--no-memory-tier"], False)])
 def test_the_memory_tier_is_on_by_default_and_one_flag_turns_it_off(tmp_path, flags, on):
     """On by default: the watchdog makes its node's memory folder at start, hands it to every

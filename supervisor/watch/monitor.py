@@ -74,10 +74,8 @@ class Monitor:
                 last = detectors.launch_heartbeats(reader.read(), launch_id)
                 self._report_saves(last, save_seen)
                 ended.returncode = rc
-                if rc != 0:  # they did not exit cleanly after all; the first to vanish first
-                    ended.dead = sorted(gone, key=lambda d: (gone_since.get(d.rank, 0.0), d.rank))
-                    # a rank that gave up on a dead one: its death is the news, else a hang
-                    ended.hangs = [] if ended.dead else self.hangs.after_the_end(last, ended.detected)
+                if rc != 0:
+                    ended.dead, ended.hangs = self._failed_end(child, last, gone, gone_since, ended.detected)
                 return ended
             if self.signals.stop is not None:
                 return self._stopped(child, ended, self.signals.stop)
@@ -134,6 +132,27 @@ class Monitor:
             return hangs, note, SIGNAL_POLL_S
         hangs, due = self.hangs.check(child, launch_id, snaps, beats)
         return hangs, "", due
+
+    def _failed_end(
+        self,
+        child: process.Child,
+        last: list[Heartbeat],
+        gone: list[detectors.DeadRank],
+        gone_since: dict[int, float],
+        detected: float,
+    ) -> tuple[list[detectors.DeadRank], list[Hang]]:
+        """The dead and the hung of a launch whose command exited non-zero: the ranks seen vanished
+        did not exit cleanly after all (the first to vanish first); a rank that gave up on a dead
+        one: its death is the news, else a hang. A launcher that exits as soon as a rank is killed
+        (torchrun, one rank on the node) may do so between two looks: its ranks gone without an
+        exit code are the dead then, or the first failure of a multi-node launch would be pinned
+        on a peer whose rank died of this one a moment later (its root cause dated, this one not)."""
+        if gone:
+            return sorted(gone, key=lambda d: (gone_since.get(d.rank, 0.0), d.rank)), []
+        hangs = self.hangs.after_the_end(last, detected)
+        if hangs:
+            return [], hangs
+        return detectors.dead_ranks(last, self.host, set(child.tree())), []
 
     def _stopped(self, child: process.Child, ended: Ended, signum: int) -> Ended:
         ended.stop_signal = signum
