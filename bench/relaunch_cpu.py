@@ -27,7 +27,10 @@ Measured here, each the median of ``--repeats`` (user + system seconds, from ``w
   and an agent's, as above) started at its start, less the wall without them, the runs
   alternated. Where it is more than C / cores, the idle share of the cores did not absorb the
   imports: each kill under ``watch --standby`` then costs at least that much, and a kill every
-  F seconds leaves at most 1 - slowdown / F.
+  F seconds leaves at most 1 - slowdown / F;
+- the same with one interpreter's imports beside it (``rank``'s, no agent): what a fork server
+  started ahead would cost once per relaunch, had it forked the ranks itself (and done their
+  rendezvous without torchrun's agent): the bound such a design would have.
 
 Bounds, not a measurement of goodput: bench/goodput.py measures that (and must stay below them).
 """
@@ -153,22 +156,29 @@ def main() -> int:
     print(f"torchrun's agent:  {a:.2f} CPU-s (runs: {' '.join(f'{x:.2f}' for x in agent)}, less `true`)")
     print(f"a forked rank:     {f:.3f} CPU-s (runs: {' '.join(f'{x:.3f}' for x in fork)})")
     cores = os.cpu_count() or 1
-    standby = [[sys.executable, "-c", RANK_IMPORTS]] * opts.nproc + [agent_cmd]
-    plain, imports = [], []
-    for i in range(opts.repeats):  # side by side, alternated
-        for runs, inject in (
-            ((plain, []), (imports, standby)) if i % 2 == 0 else ((imports, standby), (plain, []))
-        ):
-            runs.append(window(opts.steps, opts.nproc, inject))
-    wall = statistics.median(w for w, _ in plain)
-    u = statistics.median(c / w for w, c in plain)
-    slowed = statistics.median(w for w, _ in imports) - wall
+    one = [sys.executable, "-c", RANK_IMPORTS]
+    beside = {"none": [], "standby": [one] * opts.nproc + [agent_cmd], "one": [one]}
+    runs: dict[str, list[tuple[float, float]]] = {k: [] for k in beside}
+    for i in range(opts.repeats):  # side by side, the order rotated
+        for k in [*beside][i % 3 :] + [*beside][: i % 3]:
+            runs[k].append(window(opts.steps, opts.nproc, beside[k]))
+    wall = statistics.median(w for w, _ in runs["none"])
+    u = statistics.median(c / w for w, c in runs["none"])
+    slowed = {k: statistics.median(w for w, _ in runs[k]) - wall for k in ("standby", "one")}
+
+    def walls(k: str) -> str:
+        return " ".join(f"{w:.1f}" for w, _ in runs[k])
+
     print(
         f"the training keeps {u:.2f} of {cores} cores busy ({opts.nproc} ranks, tiny, ddp; {wall:.1f} s window)"
     )
     print(
-        f"a standby's imports started beside it ({opts.nproc} ranks' and an agent's) slow it by {slowed:.2f} s "
-        f"(runs: {' '.join(f'{w:.1f}' for w, _ in imports)} s against {' '.join(f'{w:.1f}' for w, _ in plain)} s)"
+        f"a standby's imports started beside it ({opts.nproc} ranks' and an agent's) slow it by "
+        f"{slowed['standby']:.2f} s (runs: {walls('standby')} s against {walls('none')} s)"
+    )
+    print(
+        f"one interpreter's imports beside it (a fork server's, which then forks every rank) slow it by "
+        f"{slowed['one']:.2f} s (runs: {walls('one')} s)"
     )
     watch_cpu, restart_cpu, fork_cpu = opts.nproc * r + a, opts.nproc * r, opts.nproc * f + a
     print(
@@ -180,7 +190,8 @@ def main() -> int:
             f"kill every {every:g} s: by CPU alone goodput <= {bound(cores, watch_cpu, every, u):.2f} (watchdog), "
             f"<= {bound(cores, restart_cpu, every, u):.2f} (torchrun's restarts), "
             f"<= {bound(cores, fork_cpu, every, u):.2f} (fork server); "
-            f"by the slowdown a standby's imports cause, <= {1 - slowed / every:.2f} (watch --standby)"
+            f"by the slowdown a standby's imports cause, <= {1 - slowed['standby'] / every:.2f} (watch --standby), "
+            f"<= {1 - slowed['one'] / every:.2f} (a fork server's, started ahead)"
         )
     return 0
 
