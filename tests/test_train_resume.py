@@ -40,6 +40,7 @@ from supervisor.format.exitcodes import Exit
 from supervisor.format.layout import MANIFEST, RunDir
 from supervisor.format.manifest import META_SAVE_S, read_manifest
 from supervisor.store import read_latest
+from supervisor.watch.process import process_table
 from train_ref import hold
 from train_ref.data import build_corpus
 
@@ -100,6 +101,28 @@ def test_kill9_one_worker_then_relaunch_is_bit_exact(goldens, tmp_path, parallel
     resumed = int(r2.output.split("resumed from step_")[1].split(",")[0])
     assert resumed <= killed_at and resumed % SAVE_EVERY == 0
     assert digest(root) == digest(golden), f"killed rank {victim} at step {killed_at}, resumed from {resumed}"
+
+
+def test_a_launch_past_its_patience_is_killed_whole_and_the_test_fails_instead_of_hanging(tmp_path):
+    """torchrun starts each rank in a session of its own: a launch that never ends (two ranks held
+    here, as two ranks hung in a collective once were) is killed with every rank, and ``finish``
+    fails the test at once instead of waiting for ever on the pipe they hold."""
+    gate = tmp_path / "hold"
+    hold.hold_at(gate, 2)
+    proc = launch(tmp_path / "run", 2, *train_args("ddp"), env=trainer_env(gate))
+    try:
+        acks = wait_held(gate, 2, 2, proc=proc)
+        with pytest.raises(AssertionError, match=r"torchrun did not finish in 0\.1s"):
+            finish(proc, timeout=0.1)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == -signal.SIGKILL
+    ranks = {a["pid"] for a in acks.values()}
+
+    def alive() -> set[int]:
+        return {p for p, info in process_table().items() if p in ranks and info.state != "Z"}
+
+    wait_for(lambda: not alive(), f"ranks {sorted(ranks)} to be gone")
 
 
 def test_kill_during_async_save_never_uses_that_checkpoint(goldens, tmp_path):

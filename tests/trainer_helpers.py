@@ -24,6 +24,7 @@ from supervisor.format.manifest import read_manifest
 from supervisor.format.metrics import MetricsRecord, read_metrics
 from supervisor.format.nodesummary import read_run_heartbeats
 from supervisor.resumable._resume import verify_shares
+from supervisor.watch.process import descendants, process_table, send
 from train_ref import hold
 
 # Small enough for CI (2 cores): ~0.05-0.2 s per step, 30 steps cross three saves.
@@ -98,10 +99,16 @@ def run_ok(root: Path, nproc: int, *args: str, env: dict[str, str] | None = None
 
 
 def kill_group(proc: subprocess.Popen[str]) -> None:
-    """Kill a launch we started (its own session) and everything under it."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+    """Kill a launch we started and everything under it. torchrun starts each worker in a session
+    of its own: killing torchrun's group alone left two ranks hung in a collective running, holding
+    our pipe, and ``communicate`` waited for them for ever (the whole suite with it). The tree is
+    stopped until no process joins it, then killed: none is started between the look and the kill."""
+    if proc.poll() is not None:
+        return
+    tree: set[int] = set()
+    while not (now := {proc.pid, *descendants(proc.pid, process_table())}) <= tree:
+        tree |= set(send(now - tree, signal.SIGSTOP))
+    send(tree, signal.SIGKILL)
 
 
 def read_jsonl(path: Path) -> list[dict]:
