@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -24,7 +23,7 @@ from supervisor.format.manifest import read_manifest
 from supervisor.format.metrics import MetricsRecord, read_metrics
 from supervisor.format.nodesummary import read_run_heartbeats
 from supervisor.resumable._resume import verify_shares
-from supervisor.watch.process import descendants, process_table, send
+from supervisor.watch.process import kill_tree
 from train_ref import hold
 
 # Small enough for CI (2 cores): ~0.05-0.2 s per step, 30 steps cross three saves.
@@ -99,16 +98,9 @@ def run_ok(root: Path, nproc: int, *args: str, env: dict[str, str] | None = None
 
 
 def kill_group(proc: subprocess.Popen[str]) -> None:
-    """Kill a launch we started and everything under it. torchrun starts each worker in a session
-    of its own: killing torchrun's group alone left two ranks hung in a collective running, holding
-    our pipe, and ``communicate`` waited for them for ever (the whole suite with it). The tree is
-    stopped until no process joins it, then killed: none is started between the look and the kill."""
-    if proc.poll() is not None:
-        return
-    tree: set[int] = set()
-    while not (now := {proc.pid, *descendants(proc.pid, process_table())}) <= tree:
-        tree |= set(send(now - tree, signal.SIGSTOP))
-    send(tree, signal.SIGKILL)
+    """Kill a launch we started and everything under it (its ranks too: ``kill_tree``)."""
+    if proc.poll() is None:
+        kill_tree(proc.pid)
 
 
 def read_jsonl(path: Path) -> list[dict]:

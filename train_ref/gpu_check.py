@@ -46,6 +46,7 @@ from supervisor.drill.runner import read_digest
 from supervisor.format.exitcodes import Exit
 from supervisor.format.layout import FINAL
 from supervisor.format.nodesummary import read_run_heartbeats
+from supervisor.watch.process import kill_tree
 from train_ref import hold
 
 SKIP_LINE = "gpu-check: skipped: no CUDA device (torch.cuda.is_available() is False)"
@@ -250,8 +251,9 @@ def finish(proc: subprocess.Popen[str], ok: bool = True) -> str:
 
 
 def kill_group(proc: subprocess.Popen[str]) -> None:
+    """torchrun and every rank (``kill_tree``: its group alone would leave them on the GPU)."""
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         proc.wait()
 
 

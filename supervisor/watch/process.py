@@ -119,6 +119,17 @@ def send(pids: Iterable[int], sig: int) -> list[int]:
     return hit
 
 
+def kill_tree(root: int) -> list[int]:
+    """SIGKILL ``root`` and every process below it; the pids signalled. torchrun starts each rank
+    in a session of its own, so killing its process group leaves the ranks running (holding its
+    output pipe, a GPU). The tree is stopped until no process joins it, then killed: none started
+    between the look and the kill escapes."""
+    tree: set[int] = set()
+    while not (now := {root, *descendants(root, process_table())}) <= tree:
+        tree |= set(send(now - tree, signal.SIGSTOP))
+    return send(tree, signal.SIGKILL)
+
+
 def reap_adopted(keep: int | None = None) -> None:
     """Collect exit statuses of adopted orphans (never of ``keep``, which Popen waits for)."""
     for info in process_table().values():
