@@ -160,7 +160,8 @@ def main() -> int:
     beside = {"none": [], "standby": [one] * opts.nproc + [agent_cmd], "one": [one]}
     runs: dict[str, list[tuple[float, float]]] = {k: [] for k in beside}
     for i in range(opts.repeats):  # side by side, the order rotated
-        for k in [*beside][i % 3 :] + [*beside][: i % 3]:
+        order = [*beside]
+        for k in order[i % len(order) :] + order[: i % len(order)]:
             runs[k].append(window(opts.steps, opts.nproc, beside[k]))
     wall = statistics.median(w for w, _ in runs["none"])
     u = statistics.median(c / w for w, c in runs["none"])

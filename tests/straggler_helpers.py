@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import uuid
@@ -16,7 +15,7 @@ from pathlib import Path
 from commands import REPO, supervisor_cmd
 from trainer_helpers import trainer_env
 
-from supervisor.watch.process import read_proc
+from supervisor.watch.process import kill_tree, read_proc
 
 V2 = Path("/sys/fs/cgroup")
 V1 = Path("/sys/fs/cgroup/cpu")
@@ -98,5 +97,5 @@ def watched_ddp(
                 try:
                     proc.wait(timeout=stop_wait_s)
                 except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
+                    kill_tree(proc.pid)
                     proc.wait()

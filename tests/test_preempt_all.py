@@ -25,7 +25,7 @@ from supervisor.format.exitcodes import Exit
 from supervisor.format.layout import RunDir
 from supervisor.format.metrics import parse_line
 from supervisor.store import list_checkpoints
-from supervisor.watch.process import descendants, process_table, send
+from supervisor.watch.process import descendants, kill_tree, process_table, send
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +75,7 @@ def _preempt_all(trainer: str, workers: int, sig: signal.Signals, tmp_path: Path
         rc = job.wait(timeout=300)
     finally:
         if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
+            kill_tree(job.pid)
             job.wait()
     # the agent (the watchdog's child), the ranks (torchrun's, each a session of its own) and their
     # DataLoader workers were all signalled

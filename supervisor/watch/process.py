@@ -123,10 +123,12 @@ def kill_tree(root: int) -> list[int]:
     """SIGKILL ``root`` and every process below it; the pids signalled. torchrun starts each rank
     in a session of its own, so killing its process group leaves the ranks running (holding its
     output pipe, a GPU). The tree is stopped until no process joins it, then killed: none started
-    between the look and the kill escapes."""
+    between the look and the kill escapes. Each process is tried once: one that cannot be signalled
+    (gone, another user's) does not keep the loop going."""
     tree: set[int] = set()
     while not (now := {root, *descendants(root, process_table())}) <= tree:
-        tree |= set(send(now - tree, signal.SIGSTOP))
+        send(now - tree, signal.SIGSTOP)
+        tree |= now
     return send(tree, signal.SIGKILL)
 
 
