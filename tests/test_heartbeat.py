@@ -24,6 +24,7 @@ from supervisor.format.heartbeat import (
     write_heartbeat,
 )
 from supervisor.format.layout import RunDir
+from supervisor.watch.liveness import Clock
 
 
 def _hb(rank: int = 3, **kw) -> Heartbeat:
@@ -233,6 +234,39 @@ def test_progress_is_stamped_when_it_changes_not_when_a_beat_is_written(tmp_path
     w.beat(21, Phase.COMMIT)  # another step: progress
     assert now().progress_mono == 1013.0
     assert parse_heartbeat(json.dumps(now().to_dict())) == now()
+
+
+def test_a_rank_that_waited_between_files_is_silent_from_its_next_file_not_from_before_its_wait(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A CI run's false hang: rank 0 read its shard, waited 13 s in DCP's load for rank 1 (beats
+    as a wait: held to its launch's progress), then opened its per-rank file. That beat, a wait
+    no more, carried the stamp of the shard's last byte, and a look before the next write found
+    rank 0 silent 13 s (load timeout 5 s). A file opened is progress; one that never returns
+    still goes silent from its opening, and the same file named again is none."""
+    clock = _FakeTime()
+    monkeypatch.setattr("supervisor.format.heartbeat.time", clock)
+    w = HeartbeatWriter(tmp_path, rank=0, local_rank=0, world_size=2, interval_s=1.0)
+
+    def silence() -> float:
+        hb = read_heartbeat(RunDir.of(tmp_path).heartbeat(0), 0).heartbeat
+        assert hb is not None
+        return Clock(wall=clock.time(), mono=clock.now, boot_id=hb.boot_id).silence(hb)
+
+    track = w.tracker(Phase.LOAD, step=20)
+    track.set_path("step_00000020/__0_0.distcp")
+    track(390208)
+    track.set_path("")
+    for _ in range(26):
+        clock.now += 0.5
+        track.wait("peers in DCP's exchanges")
+    assert silence() == 13.0  # a wait: the watchdog holds it to its peers' progress instead
+    track.set_path("step_00000020/rank_00000.state.pt")  # written at once: a new file
+    assert silence() == 0.0
+    clock.now += 6.0
+    track.set_path("step_00000020/rank_00000.state.pt")  # the same file: no progress
+    track(0)
+    assert silence() == 6.0, "stuck in the open: silent from it"
 
 
 def test_a_new_io_path_is_written_at_once_whatever_the_throttle(tmp_path: Path) -> None:

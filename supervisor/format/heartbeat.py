@@ -170,8 +170,8 @@ class Heartbeat:
     phase_timeout_s: float = 0.0
     # Mark value -> wall time, for the watchdog's recovery breakdown.
     marks: dict[str, float] = field(default_factory=dict)
-    # When the progress (phase, step, ``progress``) last changed, on the writer's clocks (0: a
-    # writer that predates them; its beats are aged by ``mono_time``/``wall_time``).
+    # When the progress (phase, step, ``progress``, ``io_path``) last changed, on the writer's clocks
+    # (0: a writer that predates them; its beats are aged by ``mono_time``/``wall_time``).
     progress_mono: float = 0.0
     progress_wall: float = 0.0
     # What the rank waits for while it beats without progress ('' : not waiting), and the wall
@@ -360,8 +360,10 @@ class HeartbeatWriter:
     """Throttled writer for one rank: at most one write per ``interval_s`` within a phase, and
     always on a phase change, so thousands of ranks do not flood a shared filesystem. Never raises
     for a failed write: the rank keeps training and the next beat tries again. It stamps when the
-    progress (phase, step, ``progress``) last changed, at the call that changed it, written or
-    not: a beat that changes nothing is no progress."""
+    progress (phase, step, ``progress``, the file it is in) last changed, at the call that changed
+    it, written or not: a beat that changes nothing is no progress. A file opened or closed is
+    progress: a rank that waited on its peers between files (held to its launch's progress, its
+    own standing still) and goes on to its next file is not silent since before its wait."""
 
     def __init__(
         self,
@@ -397,7 +399,7 @@ class HeartbeatWriter:
         self._pid = os.getpid()
         self._last_write = float("-inf")
         self._last_phase: tuple[Phase, tuple[str, float]] | None = None
-        self._progress: tuple[object, ...] | None = None  # (phase, custom, step, progress) last beaten
+        self._progress: tuple[object, ...] | None = None  # (phase, custom, step, progress, file) last beaten
         self._progress_at = (0.0, 0.0)  # (monotonic, wall) of its last change
         self._last_step = 0
         self._died_of = ""
@@ -424,7 +426,7 @@ class HeartbeatWriter:
         ``waiting`` and when the wait gives up in ``wait_until`` (wall time; 0: unknown)."""
         now, mono = time.time(), time.monotonic()
         custom = self.custom if phase is Phase.CUSTOM else ("", 0.0)
-        key = (phase, custom, step, progress)
+        key = (phase, custom, step, progress, io_path)
         if key != self._progress:
             self._progress, self._progress_at = key, (mono, now)
         first_step = phase == Phase.TRAIN and last_step_s > 0 and Mark.FIRST_STEP.value not in self.marks
