@@ -183,10 +183,12 @@ def test_progress_tracker_beats_with_progress_path_and_save_failures(tmp_path: P
     assert hb.boot_id and hb.mono_time > 0
 
 
-class _FakeTime:
-    """heartbeat.time for a test: time.time() and time.monotonic() as the test sets them."""
+class _Clocked:
+    """heartbeat.time for a test, moved by the test (``now``), and rank 0's heartbeat as last
+    written under ``root``."""
 
-    def __init__(self) -> None:
+    def __init__(self, root: Path) -> None:
+        self.root = root
         self.now = 1000.0
 
     def time(self) -> float:
@@ -195,25 +197,35 @@ class _FakeTime:
     def monotonic(self) -> float:
         return self.now
 
-
-def test_progress_is_stamped_when_it_changes_not_when_a_beat_is_written(tmp_path: Path, monkeypatch) -> None:
-    """Issue 44: a wait that rewrote the heartbeat every second hid a hang for ten minutes. The
-    writer stamps the last change of (phase, step, progress); a beat that changes none of them,
-    a wait's, moves the write time only, and says what it waits for."""
-    clock = _FakeTime()
-    monkeypatch.setattr("supervisor.format.heartbeat.time", clock)
-    w = HeartbeatWriter(tmp_path, rank=0, local_rank=0, world_size=2, interval_s=0.0)
-
-    def now() -> Heartbeat:
-        hb = read_heartbeat(RunDir.of(tmp_path).heartbeat(0), 0).heartbeat
+    def written(self) -> Heartbeat:
+        hb = read_heartbeat(RunDir.of(self.root).heartbeat(0), 0).heartbeat
         assert hb is not None
         return hb
 
+    def silence(self) -> float:
+        """The written heartbeat's silence now, as the watchdog measures it."""
+        hb = self.written()
+        return Clock(wall=self.time(), mono=self.now, boot_id=hb.boot_id).silence(hb)
+
+
+@pytest.fixture
+def clocked(tmp_path: Path, monkeypatch) -> _Clocked:
+    clock = _Clocked(tmp_path)
+    monkeypatch.setattr("supervisor.format.heartbeat.time", clock)
+    return clock
+
+
+def test_progress_is_stamped_when_it_changes_not_when_a_beat_is_written(clocked: _Clocked) -> None:
+    """Issue 44: a wait that rewrote the heartbeat every second hid a hang for ten minutes. The
+    writer stamps the last change of (phase, step, progress); a beat that changes none of them,
+    a wait's, moves the write time only, and says what it waits for."""
+    w = HeartbeatWriter(clocked.root, rank=0, local_rank=0, world_size=2, interval_s=0.0)
+    now = clocked.written
     track = w.tracker(Phase.SAVE, step=20)
     track(4096)
-    clock.now += 5
+    clocked.now += 5
     track.wait("every rank's report of the save", until=1e9 + 1100)
-    clock.now += 5
+    clocked.now += 5
     track(0)  # a beat of nothing
     hb = now()
     assert (hb.mono_time, hb.progress_mono, hb.progress_wall) == (1010.0, 1000.0, 1e9 + 1000)
@@ -224,49 +236,41 @@ def test_progress_is_stamped_when_it_changes_not_when_a_beat_is_written(tmp_path
         1e9 + 1100,
         1000.0,
     )
-    clock.now += 1
+    clocked.now += 1
     track(1)  # a byte: progress
     assert (now().progress_mono, now().waiting) == (1011.0, "")
-    clock.now += 1
+    clocked.now += 1
     w.beat(20, Phase.COMMIT)  # another phase: progress
     assert now().progress_mono == 1012.0
-    clock.now += 1
+    clocked.now += 1
     w.beat(21, Phase.COMMIT)  # another step: progress
     assert now().progress_mono == 1013.0
     assert parse_heartbeat(json.dumps(now().to_dict())) == now()
 
 
 def test_a_rank_that_waited_between_files_is_silent_from_its_next_file_not_from_before_its_wait(
-    tmp_path: Path, monkeypatch
+    clocked: _Clocked,
 ) -> None:
     """A CI run's false hang: rank 0 read its shard, waited 13 s in DCP's load for rank 1 (beats
     as a wait: held to its launch's progress), then opened its per-rank file. That beat, a wait
     no more, carried the stamp of the shard's last byte, and a look before the next write found
     rank 0 silent 13 s (load timeout 5 s). A file opened is progress; one that never returns
     still goes silent from its opening, and the same file named again is none."""
-    clock = _FakeTime()
-    monkeypatch.setattr("supervisor.format.heartbeat.time", clock)
-    w = HeartbeatWriter(tmp_path, rank=0, local_rank=0, world_size=2, interval_s=1.0)
-
-    def silence() -> float:
-        hb = read_heartbeat(RunDir.of(tmp_path).heartbeat(0), 0).heartbeat
-        assert hb is not None
-        return Clock(wall=clock.time(), mono=clock.now, boot_id=hb.boot_id).silence(hb)
-
+    w = HeartbeatWriter(clocked.root, rank=0, local_rank=0, world_size=2, interval_s=1.0)
     track = w.tracker(Phase.LOAD, step=20)
     track.set_path("step_00000020/__0_0.distcp")
     track(390208)
     track.set_path("")
     for _ in range(26):
-        clock.now += 0.5
+        clocked.now += 0.5
         track.wait("peers in DCP's exchanges")
-    assert silence() == 13.0  # a wait: the watchdog holds it to its peers' progress instead
+    assert clocked.silence() == 13.0  # a wait: the watchdog holds it to its peers' progress instead
     track.set_path("step_00000020/rank_00000.state.pt")  # written at once: a new file
-    assert silence() == 0.0
-    clock.now += 6.0
+    assert clocked.silence() == 0.0
+    clocked.now += 6.0
     track.set_path("step_00000020/rank_00000.state.pt")  # the same file: no progress
     track(0)
-    assert silence() == 6.0, "stuck in the open: silent from it"
+    assert clocked.silence() == 6.0, "stuck in the open: silent from it"
 
 
 def test_a_new_io_path_is_written_at_once_whatever_the_throttle(tmp_path: Path) -> None:
