@@ -159,8 +159,8 @@ def main() -> int:
     one = [sys.executable, "-c", RANK_IMPORTS]
     beside = {"none": [], "standby": [one] * opts.nproc + [agent_cmd], "one": [one]}
     runs: dict[str, list[tuple[float, float]]] = {k: [] for k in beside}
+    order = [*beside]
     for i in range(opts.repeats):  # side by side, the order rotated
-        order = [*beside]
         for k in order[i % len(order) :] + order[: i % len(order)]:
             runs[k].append(window(opts.steps, opts.nproc, beside[k]))
     wall = statistics.median(w for w, _ in runs["none"])
